@@ -1,0 +1,46 @@
+# distributed-llm-lab: `make help` lists every target.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help venv run test test-slow lint format bench clean
+
+help: ## List every target with its one-line description
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned, so no dependency can pull a multi-GB CUDA build instead.
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP) ## Create .venv and install the project (editable) with its dev tools
+
+run: $(STAMP) ## Run the lab's main job on the offline defaults (builds the tiny models if missing)
+	$(PY) -m lab.pretrain
+
+test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded)
+	$(PY) -m pytest -m "not slow and not multihost" -q
+
+test-slow: $(STAMP) ## Run only the slow tests (minutes)
+	$(PY) -m pytest -m "slow" -q
+
+lint: $(STAMP) ## ruff (style, imports) and mypy (types)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy .
+
+format: $(STAMP) ## Rewrite code in the project's style (ruff format + autofixes)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP) ## Run every benchmark in bench/ (tables to stdout, JSON to bench/results/)
+	@set -e; for script in bench/*_bench.py; do echo "== $$script"; $(PY) $$script; done
+
+clean: ## Remove caches, run outputs and the virtualenv (not the tiny-model cache)
+	rm -rf $(VENV) outputs multirun wandb .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""fed_learn: federated LoRA fine-tuning (coordinator + clients over netproto)."""

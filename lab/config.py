@@ -1,0 +1,225 @@
+"""Config schemas shared by every module, registered in Hydra's ConfigStore.
+
+Each YAML file under ``conf/`` is merged into one of these dataclasses, so a wrong type or an
+unknown key fails while Hydra composes the config (naming the key), and a value outside its
+allowed set fails in ``__post_init__`` when ``run()`` turns the config into objects
+(:func:`to_settings`), before any work starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+"""The repository's config tree (the package is installed editable)."""
+
+SECRET_ENV = "LAB_SECRET"
+"""Environment variable read for the shared secret when `cluster.secret` is not set."""
+
+
+def check_choice(field_name: str, value: str, allowed: Iterable[str]) -> None:
+    """Raise ValueError naming the field and its allowed values when `value` is not one."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{field_name}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def check_positive(field_name: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{field_name}={value!r} must be {bound}")
+
+
+@dataclass
+class Endpoint:
+    """A host and TCP port one role listens on (port 0: the local launcher picks a free one)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    def check(self, key: str) -> None:
+        """Validate as config key `key` (e.g. `cluster.verifier`), naming it in the error."""
+        if not self.host:
+            raise ValueError(f"{key}.host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"{key}.port={self.port} must be in 0..65535")
+
+
+@dataclass
+class LinkConfig:
+    """Emulated network link between roles (netproto's link emulator); 0 means 'as is'."""
+
+    delay_ms: float = 0.0
+    """One-way delay added to every byte, in milliseconds."""
+    bandwidth_mbps: float = 0.0
+    """Bandwidth cap in megabits per second; 0 = unlimited."""
+
+    def __post_init__(self) -> None:
+        check_positive("cluster.link.delay_ms", self.delay_ms, allow_zero=True)
+        check_positive("cluster.link.bandwidth_mbps", self.bandwidth_mbps, allow_zero=True)
+
+
+@dataclass
+class TLSConfig:
+    """Optional TLS for netproto connections (standard `ssl` module)."""
+
+    enabled: bool = False
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+    """CA bundle that signed the peer's certificate; clients verify the server against it."""
+
+    def __post_init__(self) -> None:
+        if self.enabled and not (self.cert and self.key) and not self.ca:
+            raise ValueError(
+                "cluster.tls.enabled=true needs cluster.tls.cert and .key (server) "
+                "or cluster.tls.ca (client)"
+            )
+
+
+@dataclass
+class ClusterConfig:
+    """Where each role of an experiment runs and how they reach each other."""
+
+    name: str = "local"
+    coordinator: Endpoint = field(default_factory=Endpoint)
+    """fed_learn coordinator."""
+    verifier: Endpoint = field(default_factory=Endpoint)
+    """spec_decoding verifier (target model)."""
+    master: Endpoint = field(default_factory=Endpoint)
+    """torch.distributed.rpc rendezvous for split_inference / split_training (rank 0)."""
+    secret: str | None = None
+    """Shared secret for HMAC authentication; falls back to the LAB_SECRET environment variable."""
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    link: LinkConfig = field(default_factory=LinkConfig)
+    tls: TLSConfig = field(default_factory=TLSConfig)
+
+    def __post_init__(self) -> None:
+        for role in ("coordinator", "verifier", "master"):
+            getattr(self, role).check(f"cluster.{role}")
+        check_positive("cluster.connect_timeout_s", self.connect_timeout_s)
+        check_positive("cluster.read_timeout_s", self.read_timeout_s)
+
+    def resolved_secret(self) -> bytes | None:
+        """The shared secret from config, else from $LAB_SECRET, else None (no auth)."""
+        secret = self.secret or os.environ.get(SECRET_ENV)
+        return secret.encode() if secret else None
+
+
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "4bit")
+
+
+@dataclass
+class ModelConfig:
+    """A Hugging Face causal LM: by hub id, by local folder, or one of the lab's tiny models."""
+
+    name: str = "tiny_target"
+    pretrained: str = "lab:tiny_target"
+    """Hub id (`TinyLlama/TinyLlama-1.1B-Chat-v1.0`), a local folder, or `lab:tiny_target` /
+    `lab:tiny_draft` (trained offline by `python -m lab.pretrain`, on first use if missing)."""
+    revision: str | None = None
+    dtype: str = "auto"
+    """auto picks per device: bfloat16 on CUDA that has it, float16 on other CUDA and MPS,
+    float32 on CPU."""
+    quantization: str = "none"
+    """4bit loads the weights with bitsandbytes NF4 where this machine supports it."""
+    trust_remote_code: bool = False
+    lab_preset: str = "default"
+    """Pretraining preset (`conf/pretrain/<preset>.yaml`) used for `lab:` models."""
+
+    def __post_init__(self) -> None:
+        if not self.pretrained:
+            raise ValueError("model.pretrained must name a hub id, a folder or lab:<name>")
+        check_choice("model.dtype", self.dtype, MODEL_DTYPES)
+        check_choice("model.quantization", self.quantization, QUANTIZATIONS)
+
+
+WANDB_MODES = ("auto", "offline", "online")
+
+
+@dataclass
+class TrackingConfig:
+    """Where metrics go: always `metrics.jsonl` in the run directory, plus W&B and the console."""
+
+    wandb: bool = True
+    wandb_mode: str = "auto"
+    """auto: online when W&B is configured on this machine (API key or WANDB_MODE=online),
+    offline otherwise."""
+    project: str = "distributed-llm-lab"
+    entity: str | None = None
+    console: bool = True
+    """Print a table of the final metrics."""
+
+    def __post_init__(self) -> None:
+        check_choice("tracking.wandb_mode", self.wandb_mode, WANDB_MODES)
+
+
+@dataclass
+class PathsConfig:
+    run_dir: str = "outputs/run"
+    """This run's directory (Hydra's output dir): metrics, plots, checkpoints."""
+    cache_dir: str = "~/.cache/distributed-llm-lab"
+    """Built artifacts shared between runs: the tiny models (set $LAB_CACHE to move it)."""
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(os.path.expanduser(self.cache_dir))
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+
+ROLES = ("local", "coordinator", "client", "verifier", "drafter", "stage")
+
+
+@dataclass
+class LabConfig:
+    """The base of every run's config (`conf/config.yaml`)."""
+
+    seed: int = 0
+    role: str = "local"
+    """local starts every role on loopback; the others name one part of a multi-host run."""
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("role", self.role, ROLES)
+
+
+SettingsT = TypeVar("SettingsT")
+
+
+def to_settings(cfg: DictConfig | Any, schema: type[SettingsT]) -> SettingsT:
+    """Resolve a composed config into its schema's dataclasses, running every validation.
+
+    Raises ValueError naming the offending key (OmegaConf's own errors already name it).
+    """
+    if isinstance(cfg, schema):
+        return cfg
+    settings = OmegaConf.to_object(cfg)
+    if not isinstance(settings, schema):
+        raise TypeError(
+            f"config is a {type(settings).__name__}, expected {schema.__name__}; "
+            f"its YAML must list `{schema.__name__}`'s schema first in `defaults`"
+        )
+    return settings
+
+
+def register_schema(name: str, node: type, *, group: str | None = None) -> None:
+    """Register a dataclass as the schema a YAML file lists in its `defaults`."""
+    ConfigStore.instance().store(name=name, node=node, group=group)
+
+
+register_schema("lab_schema", LabConfig)

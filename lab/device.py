@@ -1,0 +1,145 @@
+"""Which device this process computes on, in which dtype, and whether 4-bit bitsandbytes works.
+
+Order of preference: CUDA, then Apple MPS, then CPU. Each module calls `detect_device()` itself,
+so one config runs unchanged on a laptop, a gaming PC and a cloud GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def detect_device(prefer: str = "auto") -> torch.device:
+    """The best available device: CUDA, then MPS, then CPU (`prefer` forces one, e.g. "cpu")."""
+    if prefer != "auto":
+        device = torch.device(prefer)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {prefer!r} was asked for but CUDA is not available here")
+        if device.type == "mps" and not _mps_available():
+            raise ValueError(f"device {prefer!r} was asked for but Apple MPS is not available here")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if _mps_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def supports_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    return device.type == "cpu"  # CPU computes bf16 (slowly on old CPUs); MPS support varies
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a model runs in on `device` when the config says `auto`.
+
+    bfloat16 on CUDA that has it (fp16 otherwise), float16 on MPS, float32 on CPU, where
+    half precision is slower than float32 on most cores.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16 if supports_bf16(device) else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` -> default_dtype(device); otherwise the named dtype."""
+    if name == "auto":
+        return default_dtype(device)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {['auto', *_DTYPES]}")
+    return _DTYPES[name]
+
+
+@functools.cache
+def bnb_4bit_support(device_type: str) -> tuple[bool, str]:
+    """Whether bitsandbytes 4-bit (NF4) layers run on this device type, and why not if not.
+
+    Probed for real: a small Linear4bit is quantized and run once on the device, because
+    bitsandbytes' backend coverage (CUDA, CPU, MPS, ...) changes from release to release.
+    """
+    try:
+        import bitsandbytes as bnb
+    except Exception as exc:  # ImportError, or a broken native library
+        return False, f"bitsandbytes cannot be imported ({type(exc).__name__}: {exc})"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference = torch.nn.Linear(64, 64, bias=False)
+            layer = bnb.nn.Linear4bit(
+                64, 64, bias=False, quant_type="nf4", compute_dtype=torch.float32
+            )
+            layer.load_state_dict(reference.state_dict())
+            layer = layer.to(device_type)
+            x = torch.randn(2, 64, device=device_type)
+            error = (layer(x).float().cpu() - reference(x.cpu())).abs().max().item()
+    except Exception as exc:
+        return (
+            False,
+            f"bitsandbytes {bnb.__version__} has no working 4-bit kernels for "
+            f"{device_type} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
+        )
+    if not error < 1.0:  # NF4 on N(0, 1/64)-scale weights errs by ~0.1; NaN or garbage fails here
+        return False, f"bitsandbytes 4-bit gives wrong results on {device_type} (error {error})"
+    return True, f"bitsandbytes {bnb.__version__} 4-bit works on {device_type}"
+
+
+def quantization_usable(quantization: str, device: torch.device) -> bool:
+    """Whether `quantization` can be honoured on `device`; warns clearly when it cannot."""
+    if quantization == "none":
+        return False
+    ok, reason = bnb_4bit_support(device.type)
+    if not ok:
+        warnings.warn(
+            f"model.quantization={quantization} was asked for but {reason}; loading "
+            f"the model in full precision instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return ok
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    """What a process found about its hardware: printed at start-up and logged with metrics."""
+
+    device: str
+    dtype: str
+    bf16: bool
+    bnb_4bit: bool
+    name: str
+    total_memory_bytes: int | None
+
+    @classmethod
+    def probe(cls, device: torch.device | None = None) -> DeviceReport:
+        device = device or detect_device()
+        name, total = "cpu", None
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            name, total = props.name, int(props.total_memory)
+        elif device.type == "mps":
+            name = "Apple MPS"
+        return cls(
+            device=str(device),
+            dtype=str(default_dtype(device)).removeprefix("torch."),
+            bf16=supports_bf16(device),
+            bnb_4bit=bnb_4bit_support(device.type)[0],
+            name=name,
+            total_memory_bytes=total,
+        )

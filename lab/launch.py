@@ -1,0 +1,196 @@
+"""Start an experiment's roles as separate processes on this machine and watch them.
+
+`role=local` runs use this: each role (coordinator, client, verifier, stage, ...) is its own
+OS process, exactly as on separate hosts, talking over loopback on ports chosen here. Logs are
+streamed with a `[role]` prefix; the first role to fail stops the others and raises
+`RoleFailedError` with the tail of its log. Nothing is left running afterwards: each role is
+the leader of its own process group, which is killed on the way out (also on Ctrl-C or
+SIGTERM), and on Linux a role dies with the launcher even when the launcher is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO, TextIO
+
+log = logging.getLogger(__name__)
+
+TAIL_LINES = 40
+"""Lines of a failed role's output quoted in the error."""
+
+
+@dataclass
+class Role:
+    """One process of an experiment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables (merged over the launcher's own)."""
+    service: bool = False
+    """A server: stopped (SIGTERM) once every non-service role has finished successfully."""
+
+
+class RoleFailedError(RuntimeError):
+    def __init__(self, role: str, returncode: int, tail: Sequence[str]) -> None:
+        self.role = role
+        self.returncode = returncode
+        self.tail = list(tail)
+        how = (
+            f"was killed by signal {-returncode}"
+            if returncode < 0
+            else f"exited with code {returncode}"
+        )
+        quoted = "".join(f"\n  [{role}] {line}" for line in self.tail[-15:])
+        super().__init__(f"role {role!r} {how}; its last output:{quoted}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks it; tiny race window before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: ask the kernel to SIGTERM this child when the launcher dies, even by SIGKILL."""
+    PR_SET_PDEATHSIG = 1
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class _Running:
+    """A started role: its process, and a thread copying its output with a prefix."""
+
+    def __init__(self, role: Role, *, out: TextIO, out_lock: threading.Lock) -> None:
+        self.role = role
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.stopped_by_us = False
+        self.process = subprocess.Popen(
+            role.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **role.env},
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        self._reader = threading.Thread(
+            target=self._copy_output, args=(out, out_lock), name=f"launch-{role.name}", daemon=True
+        )
+        self._reader.start()
+
+    def _copy_output(self, out: TextIO, lock: threading.Lock) -> None:
+        stream: IO[bytes] | None = self.process.stdout
+        assert stream is not None
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            with lock:
+                out.write(f"[{self.role.name}] {line}\n")
+                out.flush()
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
+    def finish_output(self) -> None:
+        self._reader.join(timeout=2.0)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while launching, so cleanup runs on `kill`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def launch(
+    roles: Sequence[Role],
+    *,
+    timeout_s: float | None = None,
+    grace_s: float = 5.0,
+    poll_s: float = 0.05,
+    out: TextIO | None = None,
+) -> dict[str, int]:
+    """Run `roles` to completion; returns each role's exit code.
+
+    Raises RoleFailedError for the first role that exits non-zero (the others are stopped),
+    TimeoutError when `timeout_s` passes first. Every process group is reaped before returning.
+    """
+    names = [role.name for role in roles]
+    if len(set(names)) != len(names):
+        raise ValueError(f"role names must be unique: {names}")
+    if not any(not role.service for role in roles):
+        raise ValueError("at least one role must not be a service, or nothing would end the run")
+    out = out or sys.stdout
+    lock = threading.Lock()
+    running: list[_Running] = []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        with _sigterm_as_interrupt():
+            for role in roles:
+                running.append(_Running(role, out=out, out_lock=lock))
+                log.debug(
+                    "started %s (pid %d): %s",
+                    role.name,
+                    running[-1].process.pid,
+                    " ".join(role.argv),
+                )
+            while True:
+                for proc in running:
+                    code = proc.process.poll()
+                    if code not in (None, 0) and not proc.stopped_by_us:
+                        proc.finish_output()
+                        raise RoleFailedError(proc.role.name, code, proc.tail)
+                workers = [p for p in running if not p.role.service]
+                if all(p.process.poll() == 0 for p in workers):
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    pending = [p.role.name for p in workers if p.process.poll() is None]
+                    raise TimeoutError(f"roles {pending} still running after {timeout_s:.0f}s")
+                time.sleep(poll_s)
+            _stop(running, grace_s=grace_s)
+            return {p.role.name: int(p.process.returncode) for p in running}
+    finally:
+        _stop(running, grace_s=grace_s)
+
+
+def _stop(running: Sequence[_Running], *, grace_s: float) -> None:
+    """SIGTERM every live process group, SIGKILL what is left after `grace_s`, reap all."""
+    alive = [p for p in running if p.process.poll() is None]
+    for proc in alive:
+        proc.stopped_by_us = True
+        proc.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in alive:
+        try:
+            proc.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.signal_group(signal.SIGKILL)
+            proc.process.wait()
+    for proc in running:
+        proc.signal_group(signal.SIGKILL)  # grandchildren left in the group, if any
+        proc.finish_output()

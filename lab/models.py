@@ -1,0 +1,133 @@
+"""Load any Hugging Face causal LM and its tokenizer: by hub id, local folder or `lab:` name.
+
+The lab's tiny models go through the very same `from_pretrained` path as Llama-3 does; the
+only difference is where the folder comes from (`lab:tiny_target` is built on first use).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from lab.config import ModelConfig
+from lab.device import detect_device, quantization_usable, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+LAB_PREFIX = "lab:"
+
+
+class ModelUnavailableError(ValueError):
+    """The configured model cannot be found (not cached offline, missing folder, bad name)."""
+
+
+def hub_offline() -> bool:
+    """Whether Hugging Face hub access is switched off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
+    return any(
+        os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+"""`name` or `org/name`: anything else is meant as a filesystem path."""
+
+
+def resolve_source(cfg: ModelConfig, *, cache_dir: Path) -> str:
+    """A local folder or hub id `from_pretrained` can take; builds `lab:` models if missing."""
+    source = cfg.pretrained
+    if source.startswith(LAB_PREFIX):
+        from lab.pretrain import TINY_MODELS, ensure_tiny_models, load_preset
+
+        name = source.removeprefix(LAB_PREFIX)
+        if name not in TINY_MODELS:
+            known = [LAB_PREFIX + n for n in TINY_MODELS]
+            raise ModelUnavailableError(f"model.pretrained={source!r}: the lab builds {known}")
+        folder = ensure_tiny_models(load_preset(cfg.lab_preset), cache_dir)
+        return str(folder / name)
+    local = Path(source).expanduser()
+    if local.is_dir():
+        return str(local)
+    if not _HUB_ID.match(source):
+        raise ModelUnavailableError(f"model.pretrained={source!r} is not an existing folder")
+    return source
+
+
+def _from_pretrained(loader, source: str, cfg: ModelConfig, **kwargs):
+    """Call `loader.from_pretrained`, turning 'not here, and no way to get it' into one sentence."""
+    common = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, **kwargs}
+    if Path(source).is_dir():
+        return loader.from_pretrained(source, **common)
+    try:
+        return loader.from_pretrained(source, local_files_only=True, **common)
+    except OSError:
+        if hub_offline():
+            raise ModelUnavailableError(
+                f"Model {source!r} is not in the local Hugging Face cache and hub access is off "
+                f"(HF_HUB_OFFLINE); download it on a connected machine (`hf download {source}`) "
+                f"or set model.pretrained=/path/to/a/local/copy."
+            ) from None
+    try:
+        return loader.from_pretrained(source, **common)
+    except OSError as exc:
+        raise ModelUnavailableError(
+            f"Model {source!r} is not in the local Hugging Face cache and could not be "
+            f"downloaded ({str(exc).splitlines()[0][:160]}); check the name and your network, or "
+            f"set model.pretrained=/path/to/a/local/copy."
+        ) from exc
+
+
+def load_tokenizer(cfg: ModelConfig, *, cache_dir: Path):
+    from transformers import AutoTokenizer
+
+    source = resolve_source(cfg, cache_dir=cache_dir)
+    tokenizer = _from_pretrained(AutoTokenizer, source, cfg)
+    if tokenizer.pad_token is None:  # Llama ships none; batching with padding needs one
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    cfg: ModelConfig,
+    *,
+    cache_dir: Path,
+    device: torch.device | None = None,
+    for_training: bool = False,
+):
+    """The model of `cfg` on `device` (detected when None), in its configured dtype.
+
+    `model.quantization=4bit` loads NF4 weights through bitsandbytes where this machine runs
+    them (see `lab.device.bnb_4bit_support`); elsewhere it warns and loads full precision.
+    `for_training=True` leaves the model in train mode; inference models come back in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    device = device or detect_device()
+    dtype = resolve_dtype(cfg.dtype, device)
+    source = resolve_source(cfg, cache_dir=cache_dir)
+    kwargs: dict = {"dtype": dtype}
+    if quantization_usable(cfg.quantization, device):
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+        kwargs["device_map"] = {"": device}
+    model = _from_pretrained(AutoModelForCausalLM, source, cfg, **kwargs)
+    if "quantization_config" not in kwargs:
+        model.to(device)
+    model.train(for_training)
+    log.info(
+        "loaded %s (%s) on %s as %s%s",
+        cfg.name,
+        source,
+        device,
+        dtype,
+        " with 4-bit weights" if "quantization_config" in kwargs else "",
+    )
+    return model

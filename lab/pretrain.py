@@ -1,0 +1,411 @@
+"""Build the lab's offline models: `python -m lab.pretrain [pretrain=debug] [pretrain.*=...]`.
+
+Trains, on the stdlib corpus, a byte-level BPE tokenizer and two Llama-architecture models that
+share it: `tiny_target` (several layers) and `tiny_draft` (one or two layers, distilled from the
+target so that their greedy choices agree often, which speculative decoding needs). Both are
+saved as ordinary Hugging Face model folders, so every module loads them exactly as it would
+load Llama-3 from the hub.
+
+Layout: `$LAB_CACHE/tiny_models/<preset>-<hash of the preset's settings>/{tiny_target,tiny_draft}`,
+each folder with config.json, model.safetensors, tokenizer files and `lab_pretrain.json` (the
+settings, step count and validation loss that produced it). A changed setting gets a new folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from lab.config import CONF_DIR, LabConfig, check_positive, register_schema, to_settings
+from lab.corpus import load_corpus, token_blocks
+
+log = logging.getLogger(__name__)
+
+TINY_MODELS = ("tiny_target", "tiny_draft")
+META_FILE = "lab_pretrain.json"
+
+
+@dataclass
+class TinyModelSpec:
+    """Shape of one tiny Llama model."""
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    intermediate_size: int = 688
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "intermediate_size"):
+            check_positive(f"pretrain.*.{name}", getattr(self, name))
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
+            )
+
+
+@dataclass
+class PretrainConfig:
+    """How the tiny models are built (`conf/pretrain/<preset>.yaml`)."""
+
+    preset: str = "default"
+    seed: int = 0
+    vocab_size: int = 1024
+    context_length: int = 256
+    """Training block length and the models' max_position_embeddings."""
+    train_chars: int = 3_000_000
+    """Corpus budget (characters of stdlib source) for tokenizer and model training."""
+    val_fraction: float = 0.05
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    target_steps: int = 600
+    draft_steps: int = 400
+    distill_alpha: float = 0.5
+    """Draft loss = alpha * cross-entropy on the text + (1 - alpha) * KL to the target."""
+    distill_temperature: float = 1.0
+    eval_blocks: int = 64
+    num_threads: int = 0
+    """torch intra-op threads while training; 0 keeps torch's default (all cores)."""
+    target: TinyModelSpec = field(default_factory=TinyModelSpec)
+    draft: TinyModelSpec = field(
+        default_factory=lambda: TinyModelSpec(
+            num_layers=1, hidden_size=128, num_heads=2, intermediate_size=344
+        )
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "context_length",
+            "train_chars",
+            "batch_size",
+            "lr",
+            "target_steps",
+            "draft_steps",
+            "eval_blocks",
+        ):
+            check_positive(f"pretrain.{name}", getattr(self, name))
+        if not 0.0 <= self.distill_alpha <= 1.0:
+            raise ValueError(f"pretrain.distill_alpha={self.distill_alpha} must be in [0, 1]")
+        if self.vocab_size < 300:
+            raise ValueError(
+                f"pretrain.vocab_size={self.vocab_size} must be >= 300 "
+                "(256 byte symbols + special tokens + merges)"
+            )
+
+    def fingerprint(self) -> str:
+        """Short hash of every setting that changes the result (not the thread count)."""
+        settings = asdict(self)
+        settings.pop("num_threads")
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass
+class PretrainRunConfig(LabConfig):
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+
+
+register_schema("pretrain_schema", PretrainRunConfig)
+
+
+def load_preset(name: str) -> PretrainConfig:
+    """The pretraining settings of `conf/pretrain/<name>.yaml`, validated."""
+    path = CONF_DIR / "pretrain" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ValueError(
+            f"model.lab_preset={name!r} is not a pretrain preset; choose one of {known}"
+        )
+    merged = OmegaConf.merge(OmegaConf.structured(PretrainConfig), OmegaConf.load(path))
+    return to_settings(merged, PretrainConfig)
+
+
+def models_dir(cfg: PretrainConfig, cache_dir: Path) -> Path:
+    return Path(cache_dir) / "tiny_models" / f"{cfg.preset}-{cfg.fingerprint()}"
+
+
+def is_built(folder: Path) -> bool:
+    return all((folder / name / META_FILE).is_file() for name in TINY_MODELS)
+
+
+def ensure_tiny_models(cfg: PretrainConfig, cache_dir: Path) -> Path:
+    """The folder holding tiny_target and tiny_draft for `cfg`, training them if missing.
+
+    Safe when several processes ask at once (the local launcher starts roles together): one
+    trains under a file lock, the others wait and then load. Written to a temporary folder and
+    renamed into place, so a crash never leaves a half-written model behind.
+    """
+    folder = models_dir(cfg, cache_dir)
+    if is_built(folder):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(folder.parent / f".{folder.name}.lock"):
+        if is_built(folder):  # built by another process while we waited
+            return folder
+        log.info("training the lab's tiny models into %s", folder)
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            _build(cfg, staging)
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(staging, folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def train_tokenizer(texts: list[str], *, vocab_size: int):
+    """A byte-level BPE tokenizer (any text encodes; no unknown tokens) as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=1_000_000,
+    )
+
+
+def build_llama(spec: TinyModelSpec, *, vocab_size: int, context_length: int, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=context_length,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _lr_at(step: int, *, total: int, warmup: int, peak: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+
+
+def train_lm(
+    model, blocks: torch.Tensor, *, cfg: PretrainConfig, steps: int, description: str, teacher=None
+) -> float:
+    """Train `model` on random blocks; distil from `teacher` when given. Returns the last loss."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1
+    )
+    model.train()
+    loss_value = float("nan")
+    with _progress() as progress:
+        task = progress.add_task(description, total=steps, loss=float("nan"))
+        for step in range(steps):
+            for group in optimizer.param_groups:
+                group["lr"] = _lr_at(step, total=steps, warmup=cfg.warmup_steps, peak=cfg.lr)
+            batch = blocks[torch.randint(len(blocks), (cfg.batch_size,), generator=generator)]
+            logits = model(input_ids=batch).logits[:, :-1]  # (B, T-1, V)
+            targets = batch[:, 1:]  # (B, T-1)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            if teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=batch).logits[:, :-1]  # (B, T-1, V)
+                temp = cfg.distill_temperature
+                kl = F.kl_div(
+                    F.log_softmax(logits / temp, dim=-1),
+                    F.log_softmax(teacher_logits / temp, dim=-1),
+                    log_target=True,
+                    reduction="batchmean",
+                ) / targets.size(1)
+                loss = cfg.distill_alpha * loss + (1 - cfg.distill_alpha) * kl * temp**2
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            loss_value = loss.item()
+            progress.update(task, advance=1, loss=loss_value)
+            if (step + 1) % max(1, steps // 10) == 0:
+                log.info("%s step %d/%d loss %.4f", description, step + 1, steps, loss_value)
+    model.eval()
+    return loss_value
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
+    """Mean next-token cross-entropy (nats) over `blocks`."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start : start + batch_size]
+        logits = model(input_ids=batch).logits[:, :-1]  # (B, T-1, V)
+        targets = batch[:, 1:]
+        total += F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"
+        ).item()
+        count += targets.numel()
+    return total / count
+
+
+@torch.no_grad()
+def greedy_agreement(draft, target, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
+    """Share of positions where draft and target pick the same next token (greedy)."""
+    same, count = 0, 0
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start : start + batch_size]
+        same += (
+            (draft(input_ids=batch).logits.argmax(-1) == target(input_ids=batch).logits.argmax(-1))
+            .sum()
+            .item()
+        )
+        count += batch.numel()
+    return same / count
+
+
+def _build(cfg: PretrainConfig, out_dir: Path) -> dict[str, Any]:
+    threads_before = torch.get_num_threads()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    try:
+        torch.manual_seed(cfg.seed)
+        started = time.perf_counter()
+        corpus = load_corpus(val_fraction=cfg.val_fraction, max_train_chars=cfg.train_chars)
+        train_texts = [doc.text for doc in corpus.train]
+        tokenizer = train_tokenizer(train_texts, vocab_size=cfg.vocab_size)
+        train_blocks = token_blocks(train_texts, tokenizer, block_size=cfg.context_length)
+        val_blocks = token_blocks(
+            [doc.text for doc in corpus.validation],
+            tokenizer,
+            block_size=cfg.context_length,
+            max_blocks=cfg.eval_blocks,
+        )
+        log.info(
+            "corpus: %s; %d train blocks, %d validation blocks of %d tokens",
+            corpus.source,
+            len(train_blocks),
+            len(val_blocks),
+            cfg.context_length,
+        )
+        common = {
+            "vocab_size": len(tokenizer),
+            "context_length": cfg.context_length,
+            "tokenizer": tokenizer,
+        }
+        target = build_llama(cfg.target, **common)
+        train_lm(target, train_blocks, cfg=cfg, steps=cfg.target_steps, description="tiny_target")
+        draft = build_llama(cfg.draft, **common)
+        train_lm(
+            draft,
+            train_blocks,
+            cfg=cfg,
+            steps=cfg.draft_steps,
+            description="tiny_draft",
+            teacher=target,
+        )
+        metrics = {
+            "target_val_loss": evaluate(target, val_blocks),
+            "draft_val_loss": evaluate(draft, val_blocks),
+            "draft_target_agreement": greedy_agreement(draft, target, val_blocks),
+            "target_params": sum(p.numel() for p in target.parameters()),
+            "draft_params": sum(p.numel() for p in draft.parameters()),
+            "train_tokens": train_blocks.numel(),
+            "build_seconds": time.perf_counter() - started,
+        }
+        for name, model in (("tiny_target", target), ("tiny_draft", draft)):
+            folder = out_dir / name
+            model.save_pretrained(folder)  # config.json + model.safetensors
+            tokenizer.save_pretrained(folder)
+            meta = {
+                "name": name,
+                "pretrain": asdict(cfg),
+                "metrics": metrics,
+                "val_loss": metrics[f"{name.removeprefix('tiny_')}_val_loss"],
+                "corpus": corpus.source,
+                "torch": torch.__version__,
+            }
+            (folder / META_FILE).write_text(json.dumps(meta, indent=2))
+        return metrics
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def read_build_metrics(folder: Path) -> dict[str, float]:
+    meta = json.loads((folder / "tiny_target" / META_FILE).read_text())
+    return {k: float(v) for k, v in meta["metrics"].items()}
+
+
+def run(cfg: DictConfig | PretrainRunConfig) -> dict[str, float]:
+    """Build (or find) the tiny models for `cfg.pretrain`; returns their headline metrics."""
+    from lab.tracking import Tracker
+
+    settings = to_settings(cfg, PretrainRunConfig)
+    with Tracker.from_settings(settings, job="pretrain") as tracker:
+        folder = ensure_tiny_models(settings.pretrain, settings.paths.cache_path)
+        metrics = read_build_metrics(folder)
+        tracker.summary(metrics)
+        log.info("tiny models ready in %s", folder)
+        print(f"tiny_target: {folder / 'tiny_target'}\ntiny_draft:  {folder / 'tiny_draft'}")
+        return metrics
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""One metrics tracker for every module: JSONL always, W&B when enabled, a table on the console.
+
+`metrics.jsonl` in the run directory gets one JSON object per `log()` call and one per
+`summary()`; it is flushed on every write, so a crash loses nothing already logged. W&B runs
+offline (a directory under `<run_dir>/wandb`, to `wandb sync` later) unless this machine has
+W&B configured, and can be turned off with `tracking.wandb=false`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import netrc
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from lab.config import LabConfig, TrackingConfig
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "resolved_config.yaml"
+
+
+def wandb_configured() -> bool:
+    """Whether this machine can log to W&B online (API key in the env or in ~/.netrc)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        auth = netrc.netrc().authenticators("api.wandb.ai")
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+    return bool(auth and auth[2])
+
+
+def resolve_wandb_mode(mode: str) -> Literal["online", "offline", "disabled"]:
+    """`auto` -> the user's WANDB_MODE if set, else online when configured, else offline."""
+    if mode in ("online", "offline"):
+        return mode  # type: ignore[return-value]
+    env_mode = os.environ.get("WANDB_MODE")
+    if env_mode in ("online", "offline", "disabled"):
+        return env_mode  # type: ignore[return-value]
+    return "online" if wandb_configured() else "offline"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them readable
+    if hasattr(value, "item") and callable(value.item):  # torch / numpy scalars
+        return _jsonable(value.item())
+    return value
+
+
+class Tracker:
+    """Logs a run's metrics to `<run_dir>/metrics.jsonl`, W&B and the console."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        config: Mapping[str, Any],
+        tracking: TrackingConfig,
+        job: str,
+        name: str | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tracking = tracking
+        self.job = job
+        self._started = time.time()
+        self._final: dict[str, Any] = {}
+        (self.run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(dict(config)))
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        self._wandb_run = None
+        if tracking.wandb:
+            self._wandb_run = self._start_wandb(config, name=name)
+
+    @classmethod
+    def from_settings(cls, settings: LabConfig, *, job: str, name: str | None = None) -> Tracker:
+        config = asdict(settings) if is_dataclass(settings) else dict(settings)
+        return cls(
+            settings.paths.run_dir, config=config, tracking=settings.tracking, job=job, name=name
+        )
+
+    def _start_wandb(self, config: Mapping[str, Any], *, name: str | None):
+        import wandb
+
+        mode = resolve_wandb_mode(self.tracking.wandb_mode)
+        if mode == "disabled":
+            return None
+        run = wandb.init(
+            project=self.tracking.project,
+            entity=self.tracking.entity,
+            dir=str(self.run_dir),
+            config=dict(config),
+            mode=mode,
+            job_type=self.job,
+            name=name,
+            reinit="create_new",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        log.info("W&B %s run in %s", mode, run.dir)
+        return run
+
+    @property
+    def wandb_dir(self) -> Path | None:
+        """The W&B run's own directory (offline runs: `<run_dir>/wandb/offline-run-*`)."""
+        return None if self._wandb_run is None else Path(self._wandb_run.dir).parent
+
+    def _write(self, record: dict[str, Any]) -> None:
+        line = json.dumps({k: _jsonable(v) for k, v in record.items()}, allow_nan=False)
+        self._jsonl.write(line + "\n")
+        self._jsonl.flush()
+
+    def log(self, metrics: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Record metrics at `step` (a round, a decoding step, a training step)."""
+        record = {"kind": "metrics", "time_s": round(time.time() - self._started, 6)}
+        if step is not None:
+            record["step"] = step
+        record.update(metrics)
+        self._write(record)
+        if self._wandb_run is not None:
+            self._wandb_run.log(dict(metrics), step=step)
+
+    def summary(self, metrics: Mapping[str, Any]) -> None:
+        """Record a run's final metrics (also printed as a table when the run closes)."""
+        self._final.update(metrics)
+        self._write({"kind": "summary", "time_s": round(time.time() - self._started, 6), **metrics})
+        if self._wandb_run is not None:
+            self._wandb_run.summary.update(dict(metrics))
+
+    def print_table(self, console: Console | None = None) -> None:
+        table = Table(title=f"{self.job}: final metrics", title_justify="left")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, value in self._final.items():
+            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+        (console or Console()).print(table)
+
+    def close(self, *, failed: bool = False) -> None:
+        if not self._jsonl.closed:
+            self._jsonl.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish(exit_code=1 if failed else 0)
+            self._wandb_run = None
+        if self.tracking.console and self._final and not failed:
+            self.print_table()
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(failed=exc_type is not None)

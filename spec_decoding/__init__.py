@@ -1,0 +1,1 @@
+"""spec_decoding: speculative decoding (drafter and verifier over netproto)."""

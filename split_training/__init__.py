@@ -1,0 +1,1 @@
+"""split_training: backprop across the split (distributed autograd)."""

@@ -1,0 +1,67 @@
+"""Shared fixtures: real Hydra configs with tiny limits, a private model cache, offline W&B."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from lab.config import CONF_DIR
+
+# Never touch the user's model cache, W&B account or the hub from a test.
+os.environ["WANDB_MODE"] = "offline"
+os.environ["WANDB_SILENT"] = "true"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PRIMARY_CONFIGS = sorted(p.stem for p in CONF_DIR.glob("*.yaml") if p.stem != "config")
+"""Entry-point configs (`conf/<name>.yaml`); `config.yaml` is the base they all include."""
+
+
+def import_schemas() -> None:
+    """Register every entry point's schema (each lives beside its module)."""
+    for name in PRIMARY_CONFIGS:
+        importlib.import_module("lab.pretrain" if name == "pretrain" else f"{name}.config")
+
+
+@pytest.fixture(scope="session")
+def lab_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    cache = tmp_path_factory.mktemp("lab_cache")
+    previous = os.environ.get("LAB_CACHE")
+    os.environ["LAB_CACHE"] = str(cache)
+    yield cache
+    if previous is None:
+        os.environ.pop("LAB_CACHE", None)
+    else:
+        os.environ["LAB_CACHE"] = previous
+
+
+@pytest.fixture
+def compose_config(tmp_path: Path, lab_cache: Path) -> Callable[..., DictConfig]:
+    """Compose `conf/<name>.yaml` as Hydra would, writing into tmp_path, tiny models on debug."""
+    import_schemas()
+
+    def _compose(name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+        base = [
+            f"paths.run_dir={tmp_path}",
+            f"paths.cache_dir={lab_cache}",
+            "model.lab_preset=debug",
+            "tracking.console=false",
+        ]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name=name, overrides=[*base, *overrides])
+
+    return _compose
+
+
+@pytest.fixture(scope="session")
+def tiny_models(lab_cache: Path) -> Path:
+    """The debug preset's tiny_target / tiny_draft, built once per session (seconds)."""
+    from lab.pretrain import ensure_tiny_models, load_preset
+
+    return ensure_tiny_models(load_preset("debug"), lab_cache)

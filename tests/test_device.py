@@ -1,0 +1,75 @@
+"""Device detection: CUDA, then MPS, then CPU; dtype per device; 4-bit warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lab.device as device_mod
+from lab.device import (
+    DeviceReport,
+    default_dtype,
+    detect_device,
+    quantization_usable,
+    resolve_dtype,
+)
+
+NO_ACCELERATOR = not torch.cuda.is_available() and not device_mod._mps_available()
+
+
+@pytest.mark.skipif(not NO_ACCELERATOR, reason="this machine has an accelerator")
+def test_cpu_only_machine_detects_cpu_and_float32() -> None:
+    device = detect_device()
+    assert device.type == "cpu"
+    assert default_dtype(device) == torch.float32
+    assert DeviceReport.probe(device).device == "cpu"
+
+
+def test_cuda_is_preferred_when_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(device_mod, "_mps_available", lambda: True)
+    assert detect_device() == torch.device("cuda", 0)
+
+
+def test_mps_is_preferred_over_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device_mod, "_mps_available", lambda: True)
+    assert detect_device() == torch.device("mps")
+    assert default_dtype(torch.device("mps")) == torch.float16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+def test_asking_for_missing_cuda_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        detect_device("cuda")
+
+
+def test_named_dtypes_resolve_and_unknown_ones_fail() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="float64"):
+        resolve_dtype("float64", cpu)
+
+
+def test_4bit_asked_for_where_unsupported_warns_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        device_mod,
+        "bnb_4bit_support",
+        lambda device_type: (False, "bitsandbytes has no kernels for cpu"),
+    )
+    with pytest.warns(
+        RuntimeWarning,
+        match="model.quantization=4bit was asked for but bitsandbytes has no kernels for cpu",
+    ):
+        assert quantization_usable("4bit", torch.device("cpu")) is False
+    assert quantization_usable("none", torch.device("cpu")) is False
+
+
+def test_bnb_probe_answers_with_a_reason() -> None:
+    ok, reason = device_mod.bnb_4bit_support("cpu")
+    assert isinstance(ok, bool)
+    assert ("works on cpu" in reason) == ok

@@ -1,0 +1,152 @@
+"""The local launcher: prefixed logs, first failure propagated, never an orphan process."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from lab.launch import Role, RoleFailedError, free_port, launch
+
+PY = sys.executable
+
+
+def py_role(name: str, code: str, *, service: bool = False) -> Role:
+    return Role(name=name, argv=[PY, "-c", textwrap.dedent(code)], service=service)
+
+
+SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(120)"
+
+
+def pids_in(text: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"pid (\d+)", text)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, just not yet reaped
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def wait_dead(pids: list[int], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(alive(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_roles_run_with_prefixed_output_and_report_exit_codes() -> None:
+    out = io.StringIO()
+    codes = launch(
+        [py_role("alpha", "print('hello from a')"), py_role("beta", "print('hello from b')")],
+        out=out,
+        timeout_s=60,
+    )
+    assert codes == {"alpha": 0, "beta": 0}
+    assert "[alpha] hello from a" in out.getvalue()
+    assert "[beta] hello from b" in out.getvalue()
+
+
+def test_first_failure_stops_the_others_and_names_the_role() -> None:
+    out = io.StringIO()
+    with pytest.raises(RoleFailedError) as info:
+        launch(
+            [
+                py_role("server", SLEEPER),
+                py_role(
+                    "client",
+                    "import time; time.sleep(0.5); print('bad input'); raise SystemExit(3)",
+                ),
+            ],
+            out=out,
+            timeout_s=60,
+        )
+    assert info.value.role == "client" and info.value.returncode == 3
+    assert "bad input" in str(info.value)
+    [server_pid] = pids_in(out.getvalue())
+    assert not alive(server_pid)
+
+
+def test_services_are_stopped_when_the_workers_finish() -> None:
+    out = io.StringIO()
+    codes = launch(
+        [
+            py_role("verifier", SLEEPER, service=True),
+            py_role("drafter", "import time; time.sleep(0.3)"),
+        ],
+        out=out,
+        timeout_s=60,
+    )
+    assert codes["drafter"] == 0 and codes["verifier"] == -signal.SIGTERM
+    assert not alive(pids_in(out.getvalue())[0])
+
+
+def test_timeout_reaps_everything() -> None:
+    out = io.StringIO()
+    with pytest.raises(TimeoutError, match=r"\['slow'\] still running"):
+        launch([py_role("slow", SLEEPER)], out=out, timeout_s=1.0)
+    assert not alive(pids_in(out.getvalue())[0])
+
+
+def test_grandchildren_are_reaped_with_their_role() -> None:
+    spawner = f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}])
+        time.sleep(0.5)
+        raise SystemExit(1)
+    """
+    out = io.StringIO()
+    with pytest.raises(RoleFailedError):
+        launch([py_role("spawner", spawner)], out=out, timeout_s=60)
+    assert wait_dead(pids_in(out.getvalue()))
+
+
+LAUNCHER = f"""
+import sys, textwrap
+from lab.launch import Role, launch
+launch([Role("a", [sys.executable, "-c", {SLEEPER!r}]),
+        Role("b", [sys.executable, "-c", {SLEEPER!r}])], timeout_s=120)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_killing_the_launcher_leaves_no_orphans(sig: signal.Signals) -> None:
+    if sig == signal.SIGKILL and not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux-only")
+    parent = subprocess.Popen([PY, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pids: list[int] = []
+    while len(pids) < 2:
+        line = parent.stdout.readline()
+        assert line, "launcher exited early"
+        pids += pids_in(line)
+    parent.send_signal(sig)
+    parent.wait(timeout=30)
+    assert wait_dead(pids), f"orphans left after {sig.name}"
+
+
+def test_free_ports_are_bindable() -> None:
+    import socket
+
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_role_names_must_be_unique_and_someone_must_finish() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        launch([py_role("a", "pass"), py_role("a", "pass")])
+    with pytest.raises(ValueError, match="not be a service"):
+        launch([py_role("a", "pass", service=True)])
