@@ -1,0 +1,82 @@
+"""Shared-secret authentication: HMAC-SHA256 challenge-response, both ways.
+
+    client -> server  AUTH_CHALLENGE  nonce_c (32 random bytes)
+    server -> client  AUTH_RESPONSE   nonce_s || HMAC(secret, "srv" || nonce_c || nonce_s)
+    client -> server  AUTH_PROOF      HMAC(secret, "cli" || nonce_s || nonce_c)
+    server -> client  AUTH_OK
+
+The client checks the server's MAC before proving itself (no impostor server learns a proof),
+the server checks the client's MAC before reading any other message, both compare in constant
+time, and the fresh server nonce makes a recorded proof useless on a new connection (replay).
+Unauthenticated frames are capped at AUTH_LIMITS (4 KiB), so a stranger cannot make the server
+allocate anything big. This authenticates the peers; for confidentiality add TLS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import TYPE_CHECKING
+
+from netproto.errors import AuthenticationError, PeerProtocolError, RemoteError
+from netproto.wire import MsgType
+
+if TYPE_CHECKING:
+    from netproto.connection import Connection
+
+NONCE_BYTES = 32
+MAC_BYTES = hashlib.sha256().digest_size
+
+
+def _mac(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, label + first + second, hashlib.sha256).digest()
+
+
+def client_handshake(conn: Connection, secret: bytes) -> None:
+    """Prove we know `secret` and check that the server does too."""
+    nonce_c = secrets.token_bytes(NONCE_BYTES)
+    conn.send_raw(MsgType.AUTH_CHALLENGE, nonce_c)
+    try:
+        reply = conn.recv(expect=MsgType.AUTH_RESPONSE).payload
+    except RemoteError as exc:
+        raise AuthenticationError(f"server refused the handshake: {exc.message}") from None
+    except PeerProtocolError as exc:
+        raise AuthenticationError(f"bad handshake reply from server: {exc}") from None
+    if len(reply) != NONCE_BYTES + MAC_BYTES:
+        raise AuthenticationError("server's handshake reply has the wrong length")
+    nonce_s, server_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+    if not hmac.compare_digest(server_mac, _mac(secret, b"srv", nonce_c, nonce_s)):
+        raise AuthenticationError("server does not know the shared secret")
+    conn.send_raw(MsgType.AUTH_PROOF, _mac(secret, b"cli", nonce_s, nonce_c))
+    try:
+        conn.recv(expect=MsgType.AUTH_OK)
+    except RemoteError as exc:
+        raise AuthenticationError(f"server refused our proof: {exc.message}") from None
+
+
+def server_handshake(conn: Connection, secret: bytes) -> None:
+    """Refuse the peer unless it proves it knows `secret`; the first frame must be the challenge."""
+    try:
+        first = conn.recv()
+    except PeerProtocolError as exc:
+        raise AuthenticationError(f"unauthenticated peer sent a bad frame: {exc}") from None
+    if first.type != MsgType.AUTH_CHALLENGE:
+        conn.send_error(
+            "auth_required",
+            "this server requires the shared secret (set cluster.secret or LAB_SECRET)",
+        )
+        raise AuthenticationError(f"peer sent {first.type:#06x} before authenticating")
+    nonce_c = first.payload
+    if len(nonce_c) != NONCE_BYTES:
+        raise AuthenticationError("peer's challenge has the wrong length")
+    nonce_s = secrets.token_bytes(NONCE_BYTES)
+    conn.send_raw(MsgType.AUTH_RESPONSE, nonce_s + _mac(secret, b"srv", nonce_c, nonce_s))
+    try:
+        proof = conn.recv(expect=MsgType.AUTH_PROOF).payload
+    except PeerProtocolError as exc:
+        raise AuthenticationError(f"peer broke the handshake: {exc}") from None
+    if not hmac.compare_digest(proof, _mac(secret, b"cli", nonce_s, nonce_c)):
+        conn.send_error("auth_failed", "wrong shared secret")
+        raise AuthenticationError("peer does not know the shared secret")
+    conn.send_raw(MsgType.AUTH_OK, None)

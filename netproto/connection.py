@@ -1,0 +1,453 @@
+"""A blocking netproto connection: typed send/recv over one TCP (optionally TLS) socket.
+
+Large payloads go out with one scatter-gather `sendmsg` of header + memoryviews of the tensor
+storage (no join, no copy) and come in with `recv_into` a buffer allocated only after the
+header's length has passed the frame cap. Tensors received are views into that buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from netproto import auth
+from netproto.errors import (
+    ConnectionClosed,
+    LocalProtocolError,
+    NetTimeout,
+    PeerProtocolError,
+    RemoteError,
+)
+from netproto.wire import (
+    AUTH_LIMITS,
+    HEADER_BYTES,
+    REGISTRY,
+    Buffer,
+    Limits,
+    Message,
+    MsgType,
+    PayloadKind,
+    Registry,
+    decode_payload,
+    encode,
+    new_payload_buffer,
+    parse_header,
+)
+
+log = logging.getLogger(__name__)
+
+IOV_MAX = 1024
+_AUTH_TYPES = frozenset(
+    {MsgType.AUTH_CHALLENGE, MsgType.AUTH_RESPONSE, MsgType.AUTH_PROOF, MsgType.AUTH_OK}
+)
+_UNSET: Any = object()
+
+
+def client_ssl_context(
+    *, ca: str | None, cert: str | None = None, key: str | None = None
+) -> ssl.SSLContext:
+    """Verify the server against `ca` (system CAs when None); present cert/key if given."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    if cert and key:
+        context.load_cert_chain(cert, key)
+    return context
+
+
+def server_ssl_context(*, cert: str, key: str, ca: str | None = None) -> ssl.SSLContext:
+    """Serve with cert/key; with `ca`, also require client certificates signed by it."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+    context.load_cert_chain(cert, key)
+    if ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class Connection:
+    """One peer. Sending is thread-safe (a heartbeat thread may ping); receive from one thread."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        limits: Limits = Limits(),
+        read_timeout_s: float | None = 60.0,
+        registry: Registry = REGISTRY,
+        peer: str | None = None,
+    ) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._limits = limits
+        self._active_limits = limits
+        self._registry = registry
+        self._read_timeout_s = read_timeout_s
+        self._send_lock = threading.Lock()
+        self._request_ids = itertools.count(1)
+        self._closed = False
+        self._in_handshake = False
+        self.peer = peer or _peer_name(sock)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        sock.settimeout(read_timeout_s)
+
+    # ------------------------------------------------------------ set-up
+
+    @classmethod
+    def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        secret: bytes | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float | None = 60.0,
+        limits: Limits = Limits(),
+        registry: Registry = REGISTRY,
+    ) -> Connection:
+        """Connect (TLS when `ssl_context`), authenticate when `secret`, return the connection."""
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        except TimeoutError:
+            raise NetTimeout(
+                f"connecting to {host}:{port} timed out after {connect_timeout_s}s"
+            ) from None
+        except OSError as exc:
+            raise ConnectionClosed(
+                f"cannot connect to {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        try:
+            if ssl_context is not None:
+                sock = ssl_context.wrap_socket(sock, server_hostname=server_hostname or host)
+            conn = cls(
+                sock,
+                limits=limits,
+                read_timeout_s=connect_timeout_s,
+                registry=registry,
+                peer=f"{host}:{port}",
+            )
+            if secret:
+                conn._handshake(auth.client_handshake, secret)
+            conn._read_timeout_s = read_timeout_s
+            sock.settimeout(read_timeout_s)
+            return conn
+        except BaseException:
+            sock.close()
+            raise
+
+    @classmethod
+    def accept(
+        cls,
+        sock: socket.socket,
+        *,
+        secret: bytes | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        handshake_timeout_s: float = 10.0,
+        read_timeout_s: float | None = 60.0,
+        limits: Limits = Limits(),
+        registry: Registry = REGISTRY,
+    ) -> Connection:
+        """Server side of a freshly accepted socket: TLS, then the handshake when `secret`."""
+        sock.settimeout(handshake_timeout_s)
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(sock, server_side=True)
+        conn = cls(sock, limits=limits, read_timeout_s=handshake_timeout_s, registry=registry)
+        if secret:
+            conn._active_limits = AUTH_LIMITS  # a stranger may send a handshake, nothing bigger
+            conn._handshake(auth.server_handshake, secret)
+            conn._active_limits = limits
+        conn._read_timeout_s = read_timeout_s
+        sock.settimeout(read_timeout_s)
+        return conn
+
+    def _handshake(self, step: Any, secret: bytes) -> None:
+        self._in_handshake = True
+        try:
+            step(self, secret)
+        finally:
+            self._in_handshake = False
+
+    # ------------------------------------------------------------ sending
+
+    def send(
+        self, msg_type: int, payload: Any = None, *, request_id: int = 0, flags: int = 0
+    ) -> int:
+        """Send one message; the payload's encoding follows the type's registered kind.
+
+        Returns the frame's size in bytes. LocalProtocolError (nothing sent) when the payload
+        does not fit the type or the limits.
+        """
+        buffers = encode(
+            Message(msg_type, payload, request_id, flags),
+            limits=self._limits,
+            registry=self._registry,
+        )
+        with self._send_lock:
+            if self._closed:
+                raise ConnectionClosed(f"connection to {self.peer} is closed")
+            try:
+                sent = self._sendall(buffers)
+            except TimeoutError:
+                self._abort()
+                raise NetTimeout(f"sending to {self.peer} timed out") from None
+            except OSError as exc:
+                self._abort()
+                raise ConnectionClosed(
+                    f"connection to {self.peer} lost while sending: {exc.strerror or exc}"
+                ) from None
+        self.bytes_sent += sent
+        return sent
+
+    send_raw = send
+
+    def _sendall(self, buffers: Sequence[Buffer]) -> int:
+        views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+        total = sum(v.nbytes for v in views)
+        if isinstance(self._sock, ssl.SSLSocket):  # no sendmsg over TLS
+            for view in views:
+                self._sock.sendall(view)
+            return total
+        first = 0
+        while first < len(views):
+            sent = self._sock.sendmsg(views[first : first + IOV_MAX])
+            while sent:
+                size = views[first].nbytes
+                if sent >= size:
+                    sent -= size
+                    first += 1
+                else:
+                    views[first] = views[first][sent:]
+                    sent = 0
+        return total
+
+    def _check_kind(self, msg_type: int, kind: PayloadKind, method: str) -> None:
+        spec = self._registry.spec(msg_type)
+        if spec is not None and spec.kind != kind:
+            raise LocalProtocolError(
+                f"{method} cannot send {spec.name}, which carries {spec.kind.name}"
+            )
+
+    def send_msg(
+        self, msg_type: int, body: Mapping[str, Any] | None = None, *, request_id: int = 0
+    ) -> int:
+        """A small control message (a JSON object)."""
+        self._check_kind(msg_type, PayloadKind.JSON, "send_msg")
+        return self.send(msg_type, dict(body or {}), request_id=request_id)
+
+    def send_tokens(
+        self, msg_type: int, tokens: Sequence[int] | torch.Tensor, *, request_id: int = 0
+    ) -> int:
+        self._check_kind(msg_type, PayloadKind.TOKENS, "send_tokens")
+        return self.send(msg_type, tokens, request_id=request_id)
+
+    def send_tensor(self, msg_type: int, tensor: torch.Tensor, *, request_id: int = 0) -> int:
+        self._check_kind(msg_type, PayloadKind.TENSOR, "send_tensor")
+        return self.send(msg_type, tensor, request_id=request_id)
+
+    def send_tensors(
+        self, msg_type: int, tensors: Mapping[str, torch.Tensor], *, request_id: int = 0
+    ) -> int:
+        self._check_kind(msg_type, PayloadKind.TENSORS, "send_tensors")
+        return self.send(msg_type, tensors, request_id=request_id)
+
+    def send_error(self, code: str, message: str, *, request_id: int = 0) -> None:
+        """Tell the peer why we refuse or fail; best effort (the peer may be gone)."""
+        with contextlib.suppress(Exception):
+            self.send(
+                MsgType.ERROR, {"code": code, "message": message[:2000]}, request_id=request_id
+            )
+
+    def next_request_id(self) -> int:
+        return next(self._request_ids) % (2**32 - 1) + 1  # 0 means 'not a request'
+
+    # ------------------------------------------------------------ receiving
+
+    def recv(
+        self, *, expect: int | Collection[int] | None = None, timeout_s: float | None = _UNSET
+    ) -> Message:
+        """The next message. Answers PINGs by itself; an ERROR from the peer raises RemoteError.
+
+        `expect`: the type(s) the caller can handle; anything else is the peer breaking the
+        protocol (PeerProtocolError, connection closed). `timeout_s` overrides the read timeout
+        for this call; NetTimeout when nothing arrives in time (the connection stays usable if
+        no byte of a frame had arrived).
+        """
+        expected = (
+            None
+            if expect is None
+            else ({int(expect)} if isinstance(expect, int) else {int(t) for t in expect})
+        )
+        if timeout_s is not _UNSET:
+            self._sock.settimeout(timeout_s)
+        try:
+            while True:
+                message = self._recv_frame()
+                if expected is not None and message.type in expected:
+                    return message
+                if message.type == MsgType.PING:
+                    self.send(MsgType.PONG, request_id=message.request_id)
+                    continue
+                if message.type == MsgType.PONG:
+                    continue
+                if message.type == MsgType.ERROR:
+                    body = message.payload
+                    raise RemoteError(str(body.get("code", "error")), str(body.get("message", "")))
+                if message.type == MsgType.BYE:
+                    self._abort()
+                    raise ConnectionClosed(f"{self.peer} closed the connection")
+                if message.type in _AUTH_TYPES and not self._in_handshake:
+                    self.send_error(
+                        "auth_not_configured",
+                        "this side has no shared secret "
+                        "configured; set the same cluster.secret on both sides",
+                    )
+                    raise self._fail(
+                        PeerProtocolError(
+                            f"{self.peer} wants to authenticate but no secret is configured here"
+                        )
+                    )
+                if expected is not None:
+                    names = sorted(self._registry.name(t) for t in expected)
+                    raise self._fail(
+                        PeerProtocolError(
+                            f"{self.peer} sent {self._registry.name(message.type)} where "
+                            f"{' or '.join(names)} was expected"
+                        )
+                    )
+                return message
+        finally:
+            if timeout_s is not _UNSET and not self._closed:
+                with contextlib.suppress(OSError):
+                    self._sock.settimeout(self._read_timeout_s)
+
+    def _recv_frame(self) -> Message:
+        if self._closed:
+            raise ConnectionClosed(f"connection to {self.peer} is closed")
+        header_bytes = bytearray(HEADER_BYTES)
+        self._recv_exactly(memoryview(header_bytes), what="header")
+        try:
+            header = parse_header(header_bytes, limits=self._active_limits, registry=self._registry)
+        except PeerProtocolError as exc:
+            raise self._fail(exc) from None
+        payload = new_payload_buffer(header.length)
+        if header.length:
+            self._recv_exactly(payload.numpy().data, what="payload", started=True)
+        self.bytes_received += HEADER_BYTES + header.length
+        try:
+            value = decode_payload(header, payload, limits=self._active_limits)
+        except PeerProtocolError as exc:
+            raise self._fail(exc) from None
+        return Message(header.type, value, header.request_id, header.flags)
+
+    def _recv_exactly(self, view: memoryview, *, what: str, started: bool = False) -> None:
+        got, size = 0, view.nbytes
+        while got < size:
+            try:
+                count = self._sock.recv_into(view[got:], size - got)
+            except TimeoutError:
+                if started or got:  # mid-frame: the stream cannot be resynchronised
+                    self._abort()
+                raise NetTimeout(f"no data from {self.peer} within the read timeout") from None
+            except OSError as exc:
+                self._abort()
+                raise ConnectionClosed(
+                    f"connection to {self.peer} lost: {exc.strerror or exc}"
+                ) from None
+            if count == 0:
+                self._abort()
+                if got == 0 and not started:
+                    raise ConnectionClosed(f"{self.peer} closed the connection")
+                raise PeerProtocolError(
+                    f"{self.peer} closed the connection mid-frame "
+                    f"(truncated {what}: {got} of {size} bytes)"
+                )
+            got += count
+
+    def _fail(self, error: PeerProtocolError) -> PeerProtocolError:
+        """The peer broke the protocol: tell it why (best effort) and close this connection."""
+        log.warning("closing connection to %s: %s", self.peer, error)
+        self.send_error("protocol_error", str(error))
+        self._abort()
+        return error
+
+    def recv_msg(self, expect: int | Collection[int], **kwargs: Any) -> dict[str, Any]:
+        return self.recv(expect=expect, **kwargs).payload
+
+    def recv_tokens(self, expect: int | Collection[int], **kwargs: Any) -> torch.Tensor:
+        return self.recv(expect=expect, **kwargs).payload
+
+    def recv_tensor(self, expect: int | Collection[int], **kwargs: Any) -> torch.Tensor:
+        return self.recv(expect=expect, **kwargs).payload
+
+    def recv_tensors(self, expect: int | Collection[int], **kwargs: Any) -> dict[str, torch.Tensor]:
+        return self.recv(expect=expect, **kwargs).payload
+
+    def request(
+        self,
+        msg_type: int,
+        payload: Any = None,
+        *,
+        expect: int | Collection[int],
+        timeout_s: float | None = _UNSET,
+    ) -> Message:
+        """Send a message with a fresh request id and wait for the reply carrying the same id."""
+        request_id = self.next_request_id()
+        self.send(msg_type, payload, request_id=request_id)
+        reply = self.recv(expect=expect, timeout_s=timeout_s)
+        if reply.request_id != request_id:
+            raise self._fail(
+                PeerProtocolError(
+                    f"{self.peer} answered request {request_id} with id {reply.request_id}"
+                )
+            )
+        return reply
+
+    def ping(self, *, timeout_s: float | None = _UNSET) -> None:
+        self.request(MsgType.PING, expect=MsgType.PONG, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------ teardown
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _abort(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def close(self) -> None:
+        """Say goodbye (best effort) and close; safe to call twice."""
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):
+            self.send(MsgType.BYE)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._abort()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Connection({self.peer}{', closed' if self._closed else ''})"
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "unknown peer"

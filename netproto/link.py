@@ -1,0 +1,177 @@
+"""Emulate a LAN or WAN link on one machine: a TCP proxy adding delay and a bandwidth cap.
+
+    client --> [LinkEmulator listen port] --(delay, bandwidth)--> upstream server
+
+Each direction is shaped on its own, like a real full-duplex link: a chunk that arrives at time
+t leaves at max(t, when the link is free) + size / bandwidth (serialization), and is delivered
+one-way `delay_ms` after it left. Queues are bounded, so a fast sender is slowed down by TCP
+backpressure exactly as on a real bottleneck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import selectors
+import socket
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 * 1024
+QUEUE_CHUNKS = 1024
+"""Up to 64 MiB in flight per direction: enough for 1 Gbit/s x 500 ms of delay."""
+
+
+class LinkEmulator:
+    """A shaping proxy to `upstream`; connect to `.address` instead of the server."""
+
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        *,
+        delay_ms: float = 0.0,
+        bandwidth_mbps: float = 0.0,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+    ) -> None:
+        if delay_ms < 0 or bandwidth_mbps < 0:
+            raise ValueError("delay_ms and bandwidth_mbps must be >= 0")
+        self.upstream = upstream
+        self.delay_s = delay_ms / 1000.0
+        self.bytes_per_s = bandwidth_mbps * 1e6 / 8 if bandwidth_mbps else 0.0
+        self._listen = (listen_host, listen_port)
+        self._listener: socket.socket | None = None
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise RuntimeError("link emulator not started")
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    def start(self) -> LinkEmulator:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(self._listen)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._spawn(self._accept_loop, "link-accept")
+        log.info(
+            "link emulator %s:%d -> %s:%d (delay %.1f ms, %s)",
+            *self.address,
+            *self.upstream,
+            self.delay_s * 1000,
+            f"{self.bytes_per_s * 8 / 1e6:g} Mbit/s" if self.bytes_per_s else "no cap",
+        )
+        return self
+
+    def _spawn(self, target: Any, name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            while not self._stopping.is_set():
+                if not selector.select(timeout=0.1):
+                    continue
+                try:
+                    client, _ = self._listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    return
+                client.setblocking(True)
+                try:
+                    server = socket.create_connection(self.upstream, timeout=10.0)
+                except OSError as exc:
+                    log.warning("link emulator cannot reach %s:%d: %s", *self.upstream, exc)
+                    client.close()
+                    continue
+                server.settimeout(None)
+                for sock in (client, server):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with self._lock:
+                    self._sockets += [client, server]
+                self._start_direction(client, server, "up")
+                self._start_direction(server, client, "down")
+
+    def _start_direction(self, source: socket.socket, sink: socket.socket, name: str) -> None:
+        chunks: queue.Queue[tuple[float, bytes] | None] = queue.Queue(maxsize=QUEUE_CHUNKS)
+        self._spawn(self._read_side, f"link-{name}-read", source, sink, chunks)
+        self._spawn(self._write_side, f"link-{name}-write", sink, chunks)
+
+    def _read_side(
+        self,
+        source: socket.socket,
+        sink: socket.socket,
+        chunks: queue.Queue[tuple[float, bytes] | None],
+    ) -> None:
+        link_free_at = 0.0
+        try:
+            while True:
+                data = source.recv(CHUNK_BYTES)
+                if not data:
+                    break
+                now = time.monotonic()
+                departs = max(now, link_free_at)
+                if self.bytes_per_s:
+                    departs += len(data) / self.bytes_per_s
+                link_free_at = departs
+                chunks.put((departs + self.delay_s, data))
+        except OSError:
+            pass
+        finally:
+            chunks.put(None)  # end of stream, delivered after the data before it
+
+    def _write_side(
+        self, sink: socket.socket, chunks: queue.Queue[tuple[float, bytes] | None]
+    ) -> None:
+        broken = False
+        while (item := chunks.get()) is not None:
+            if broken:
+                continue  # keep draining so the reader never blocks on a full queue
+            deliver_at, data = item
+            wait = deliver_at - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                sink.sendall(data)
+            except OSError:
+                broken = True
+                with contextlib.suppress(OSError):
+                    sink.shutdown(socket.SHUT_RDWR)
+        if not broken:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            sockets, threads = list(self._sockets), list(self._threads)
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in threads:
+            thread.join(timeout=2.0)
+
+    def __enter__(self) -> LinkEmulator:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()

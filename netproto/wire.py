@@ -1,0 +1,614 @@
+"""The sans-IO core of netproto: frames <-> typed messages. No sockets here.
+
+A frame is a fixed 20-byte header followed by `length` payload bytes (see PROTOCOL.md):
+
+    offset size field       struct  meaning
+    0      2    magic       2s      b"DL"
+    2      1    version     B       PROTOCOL_VERSION (1)
+    3      1    flags       B       application bits, passed through untouched
+    4      2    type        H       message type (registered per module range)
+    6      1    kind        B       payload encoding (PayloadKind)
+    7      1    reserved    x       zero
+    8      4    request_id  I       echoed by replies, pairs a request with its answer
+    12     8    length      Q       payload bytes, capped by Limits.max_frame_bytes
+
+Header integers are network byte order. Bulk element data (token ids, tensor elements) is
+little-endian, as torch lays it out in memory on every platform it supports, so it goes out and
+comes in without a copy. Every length, count and shape read from the wire is checked against a
+`Limits` and against the bytes actually present before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from netproto.errors import LocalProtocolError, PeerProtocolError
+
+if sys.byteorder != "little":  # pragma: no cover - no such host is supported by torch builds
+    raise ImportError("netproto sends tensor bytes as laid out in memory: little-endian hosts only")
+
+MAGIC = b"DL"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!2sBBHBxIQ")
+HEADER_BYTES = HEADER.size
+MAX_REQUEST_ID = 2**32 - 1
+MAX_TYPE = 2**16 - 1
+TENSOR_ALIGN = 16
+"""Tensor data starts at a multiple of this offset in the payload, so it can be viewed in place."""
+
+_U8 = struct.Struct("!B")
+_U16 = struct.Struct("!H")
+_U32 = struct.Struct("!I")
+_U64 = struct.Struct("!Q")
+_TENSOR_META = struct.Struct("!BB")  # dtype code, ndim
+
+
+class PayloadKind(IntEnum):
+    """How a payload is encoded; carried in the header and fixed per message type."""
+
+    EMPTY = 0
+    JSON = 1
+    """A UTF-8 JSON object (control messages)."""
+    TOKENS = 2
+    """int32 token ids, little-endian, no other framing."""
+    TENSOR = 3
+    """One tensor: dtype code, ndim, ndim x uint64 dims, padding, raw element bytes."""
+    TENSORS = 4
+    """uint32 count, then per tensor: uint16 name length, UTF-8 name, then as TENSOR."""
+    BYTES = 5
+    """Opaque bytes (nonces, MACs)."""
+
+
+class MsgType(IntEnum):
+    """netproto's own message types (range 0x0000-0x00FF)."""
+
+    ERROR = 0x0001
+    PING = 0x0002
+    PONG = 0x0003
+    BYE = 0x0004
+    AUTH_CHALLENGE = 0x0010
+    AUTH_RESPONSE = 0x0011
+    AUTH_PROOF = 0x0012
+    AUTH_OK = 0x0013
+    DATA_JSON = 0x0020
+    DATA_TOKENS = 0x0021
+    DATA_TENSOR = 0x0022
+    DATA_TENSORS = 0x0023
+    DATA_BYTES = 0x0024
+
+
+# Stable wire codes: never renumber, only append. Dtypes this torch lacks are skipped.
+_DTYPE_NAMES = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "complex64",
+    "complex128",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "complex32",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+)
+DTYPE_CODES: dict[torch.dtype, int] = {
+    getattr(torch, name): code
+    for code, name in enumerate(_DTYPE_NAMES, start=1)
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what a peer may make us allocate or parse; checked before allocation."""
+
+    max_frame_bytes: int = 256 * 2**20
+    max_json_bytes: int = 2**20
+    max_ndim: int = 8
+    max_tensors: int = 100_000
+    max_name_bytes: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_frame_bytes",
+            "max_json_bytes",
+            "max_ndim",
+            "max_tensors",
+            "max_name_bytes",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Limits.{name} must be > 0")
+        if self.max_frame_bytes >= 2**63:
+            raise ValueError("Limits.max_frame_bytes must be < 2**63")
+
+
+AUTH_LIMITS = Limits(
+    max_frame_bytes=4096, max_json_bytes=4096, max_ndim=1, max_tensors=1, max_name_bytes=1
+)
+"""What an unauthenticated peer may send: a handshake, nothing bigger."""
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    type: int
+    name: str
+    kind: PayloadKind
+    owner: str
+
+
+class Registry:
+    """Known message types. Each module reserves a range of types and registers its own."""
+
+    def __init__(self) -> None:
+        self._specs: dict[int, MessageSpec] = {}
+        self._ranges: list[tuple[int, int, str]] = []
+
+    def register(
+        self, owner: str, first: int, last: int, kinds: Mapping[IntEnum, PayloadKind]
+    ) -> None:
+        """Reserve types `first..last` for `owner` and register `kinds` (all inside the range).
+
+        Registering the same owner and range again is a no-op (modules may be re-imported).
+        """
+        if not 0 <= first <= last <= MAX_TYPE:
+            raise ValueError(f"bad message type range {first:#x}..{last:#x}")
+        for start, stop, other in self._ranges:
+            if first <= stop and start <= last and (other, start, stop) != (owner, first, last):
+                raise ValueError(
+                    f"{owner} range {first:#x}..{last:#x} overlaps {other}'s {start:#x}..{stop:#x}"
+                )
+        if (first, last, owner) not in self._ranges:
+            self._ranges.append((first, last, owner))
+        for member, kind in kinds.items():
+            if not first <= int(member) <= last:
+                raise ValueError(f"{member!r} is outside {owner}'s range {first:#x}..{last:#x}")
+            self._specs[int(member)] = MessageSpec(
+                int(member), member.name, PayloadKind(kind), owner
+            )
+
+    def spec(self, msg_type: int) -> MessageSpec | None:
+        return self._specs.get(msg_type)
+
+    def name(self, msg_type: int) -> str:
+        spec = self._specs.get(msg_type)
+        return spec.name if spec else f"{msg_type:#06x}"
+
+
+REGISTRY = Registry()
+REGISTRY.register(
+    "netproto",
+    0x0000,
+    0x00FF,
+    {
+        MsgType.ERROR: PayloadKind.JSON,
+        MsgType.PING: PayloadKind.EMPTY,
+        MsgType.PONG: PayloadKind.EMPTY,
+        MsgType.BYE: PayloadKind.EMPTY,
+        MsgType.AUTH_CHALLENGE: PayloadKind.BYTES,
+        MsgType.AUTH_RESPONSE: PayloadKind.BYTES,
+        MsgType.AUTH_PROOF: PayloadKind.BYTES,
+        MsgType.AUTH_OK: PayloadKind.EMPTY,
+        MsgType.DATA_JSON: PayloadKind.JSON,
+        MsgType.DATA_TOKENS: PayloadKind.TOKENS,
+        MsgType.DATA_TENSOR: PayloadKind.TENSOR,
+        MsgType.DATA_TENSORS: PayloadKind.TENSORS,
+        MsgType.DATA_BYTES: PayloadKind.BYTES,
+    },
+)
+
+
+@dataclass(frozen=True)
+class Header:
+    type: int
+    kind: PayloadKind
+    flags: int
+    request_id: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """A decoded message. `payload` by kind: None, dict, int32 tensor, tensor,
+    OrderedDict[str, tensor], bytes."""
+
+    type: int
+    payload: Any = None
+    request_id: int = 0
+    flags: int = 0
+
+
+# ---------------------------------------------------------------- header
+
+
+def pack_header(header: Header) -> bytes:
+    return HEADER.pack(
+        MAGIC,
+        PROTOCOL_VERSION,
+        header.flags,
+        header.type,
+        header.kind,
+        header.request_id,
+        header.length,
+    )
+
+
+def parse_header(
+    data: bytes | bytearray | memoryview, *, limits: Limits, registry: Registry = REGISTRY
+) -> Header:
+    """Validate a 20-byte header; raises PeerProtocolError naming what is wrong."""
+    if len(data) < HEADER_BYTES:
+        raise PeerProtocolError(f"truncated header: {len(data)} of {HEADER_BYTES} bytes")
+    magic, version, flags, msg_type, kind, request_id, length = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise PeerProtocolError(
+            f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a netproto peer"
+        )
+    if version != PROTOCOL_VERSION:
+        raise PeerProtocolError(
+            f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})"
+        )
+    if kind not in PayloadKind._value2member_map_:
+        raise PeerProtocolError(f"unknown payload kind {kind}")
+    spec = registry.spec(msg_type)
+    if spec is None:
+        raise PeerProtocolError(f"unknown message type {msg_type:#06x}")
+    if spec.kind != kind:
+        raise PeerProtocolError(
+            f"{spec.name} must carry {spec.kind.name}, frame says {PayloadKind(kind).name}"
+        )
+    if length > limits.max_frame_bytes:
+        raise PeerProtocolError(
+            f"{spec.name} frame of {length} bytes exceeds the cap of {limits.max_frame_bytes}"
+        )
+    if kind == PayloadKind.EMPTY and length:
+        raise PeerProtocolError(f"{spec.name} must be empty, frame says {length} bytes")
+    if kind == PayloadKind.JSON and length > limits.max_json_bytes:
+        raise PeerProtocolError(
+            f"{spec.name} JSON of {length} bytes exceeds the cap of {limits.max_json_bytes}"
+        )
+    return Header(msg_type, PayloadKind(kind), flags, request_id, length)
+
+
+# ---------------------------------------------------------------- encoding
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _element_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's elements as bytes, without a copy when it is already contiguous on CPU."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return flat.view(torch.uint8).numpy().data
+
+
+def _padding(offset: int) -> int:
+    return -offset % TENSOR_ALIGN
+
+
+def _tensor_parts(tensor: torch.Tensor, offset: int, limits: Limits) -> list[Buffer]:
+    """Meta + padding + data of one tensor whose meta starts at payload offset `offset`."""
+    code = DTYPE_CODES.get(tensor.dtype)
+    if code is None:
+        raise LocalProtocolError(f"dtype {tensor.dtype} cannot travel over netproto")
+    if tensor.dim() > limits.max_ndim:
+        raise LocalProtocolError(
+            f"tensor of {tensor.dim()} dims exceeds max_ndim {limits.max_ndim}"
+        )
+    meta = _TENSOR_META.pack(code, tensor.dim()) + b"".join(_U64.pack(d) for d in tensor.shape)
+    pad = _padding(offset + len(meta))
+    return [meta + bytes(pad), _element_bytes(tensor)]
+
+
+def encode_payload(kind: PayloadKind, payload: Any, *, limits: Limits) -> list[Buffer]:
+    """The payload of a message as buffers ready for a scatter-gather send."""
+    if kind == PayloadKind.EMPTY:
+        if payload is not None:
+            raise LocalProtocolError("an EMPTY message carries no payload")
+        return []
+    if kind == PayloadKind.JSON:
+        if not isinstance(payload, Mapping):
+            raise LocalProtocolError(f"JSON payload must be a dict, not {type(payload).__name__}")
+        try:
+            data = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise LocalProtocolError(f"payload is not JSON-serializable: {exc}") from exc
+        if len(data) > limits.max_json_bytes:
+            raise LocalProtocolError(
+                f"JSON of {len(data)} bytes exceeds max_json_bytes {limits.max_json_bytes}"
+            )
+        return [data]
+    if kind == PayloadKind.TOKENS:
+        return [_element_bytes(_as_token_tensor(payload))]
+    if kind == PayloadKind.TENSOR:
+        if not isinstance(payload, torch.Tensor):
+            raise LocalProtocolError(f"TENSOR payload must be a tensor, not {type(payload)}")
+        return _tensor_parts(payload, 0, limits)
+    if kind == PayloadKind.TENSORS:
+        return _encode_tensor_dict(payload, limits)
+    if kind == PayloadKind.BYTES:
+        if not isinstance(payload, bytes | bytearray | memoryview):
+            raise LocalProtocolError(f"BYTES payload must be bytes, not {type(payload)}")
+        return [payload]
+    raise LocalProtocolError(f"unknown payload kind {kind}")  # pragma: no cover
+
+
+def _as_token_tensor(tokens: Any) -> torch.Tensor:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dim() > 1:
+            raise LocalProtocolError(
+                f"tokens must be a 1-D integer tensor, got {tokens.dtype} "
+                f"of shape {tuple(tokens.shape)}"
+            )
+        wide = tokens.to(torch.int64)
+    else:
+        try:
+            wide = torch.tensor(list(tokens), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise LocalProtocolError(f"tokens must be integers: {exc}") from exc
+    wide = wide.reshape(-1)
+    if wide.numel() and (wide.min() < -(2**31) or wide.max() >= 2**31):
+        raise LocalProtocolError("token ids must fit in int32")
+    return wide.to(torch.int32)
+
+
+def _encode_tensor_dict(tensors: Any, limits: Limits) -> list[Buffer]:
+    if not isinstance(tensors, Mapping):
+        raise LocalProtocolError(f"TENSORS payload must be a mapping, not {type(tensors)}")
+    if len(tensors) > limits.max_tensors:
+        raise LocalProtocolError(f"{len(tensors)} tensors exceed max_tensors {limits.max_tensors}")
+    parts: list[Buffer] = [_U32.pack(len(tensors))]
+    offset = _U32.size
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise LocalProtocolError("TENSORS payload must map str names to tensors")
+        raw_name = name.encode()
+        if len(raw_name) > limits.max_name_bytes:
+            raise LocalProtocolError(
+                f"tensor name of {len(raw_name)} bytes exceeds "
+                f"max_name_bytes {limits.max_name_bytes}"
+            )
+        head = _U16.pack(len(raw_name)) + raw_name
+        meta, data = _tensor_parts(tensor, offset + len(head), limits)
+        parts += [head + meta, data]
+        offset += len(head) + len(meta) + len(data)
+    return parts
+
+
+def encode(
+    message: Message, *, limits: Limits = Limits(), registry: Registry = REGISTRY
+) -> list[Buffer]:
+    """Header + payload buffers of `message` (send them in order, e.g. with sendmsg)."""
+    spec = registry.spec(message.type)
+    if spec is None:
+        raise LocalProtocolError(f"message type {message.type:#06x} is not registered")
+    if not 0 <= message.request_id <= MAX_REQUEST_ID or not 0 <= message.flags <= 255:
+        raise LocalProtocolError("request_id must fit in uint32 and flags in uint8")
+    parts = encode_payload(spec.kind, message.payload, limits=limits)
+    length = sum(memoryview(p).nbytes for p in parts)
+    if length > limits.max_frame_bytes:
+        raise LocalProtocolError(
+            f"{spec.name} of {length} bytes exceeds max_frame_bytes {limits.max_frame_bytes}"
+        )
+    header = Header(message.type, spec.kind, message.flags, message.request_id, length)
+    return [pack_header(header), *parts]
+
+
+def encode_bytes(message: Message, **kwargs: Any) -> bytes:
+    """The whole frame as one bytes object (tests, small messages)."""
+    return b"".join(bytes(p) for p in encode(message, **kwargs))
+
+
+# ---------------------------------------------------------------- decoding
+
+
+class _Reader:
+    """Bounds-checked cursor over a payload buffer."""
+
+    def __init__(self, buffer: torch.Tensor, what: str) -> None:
+        self.buffer = buffer  # (length,) uint8
+        self.pos = 0
+        self.what = what
+
+    @property
+    def remaining(self) -> int:
+        return self.buffer.numel() - self.pos
+
+    def take(self, count: int) -> torch.Tensor:
+        if count > self.remaining:
+            raise PeerProtocolError(
+                f"{self.what}: payload truncated ({count} bytes needed, {self.remaining} left)"
+            )
+        view = self.buffer[self.pos : self.pos + count]
+        self.pos += count
+        return view
+
+    def unpack(self, fmt: struct.Struct) -> tuple[Any, ...]:
+        return fmt.unpack(self.take(fmt.size).numpy().tobytes())
+
+
+def _read_tensor(reader: _Reader, limits: Limits, *, exact: bool) -> torch.Tensor:
+    code, ndim = reader.unpack(_TENSOR_META)
+    dtype = CODE_DTYPES.get(code)
+    if dtype is None:
+        raise PeerProtocolError(f"{reader.what}: unknown dtype code {code}")
+    if ndim > limits.max_ndim:
+        raise PeerProtocolError(f"{reader.what}: ndim {ndim} exceeds max_ndim {limits.max_ndim}")
+    shape = [reader.unpack(_U64)[0] for _ in range(ndim)]
+    if any(dim > limits.max_frame_bytes for dim in shape):
+        raise PeerProtocolError(f"{reader.what}: shape {shape} has a dim over the frame cap")
+    pad = _padding(reader.pos)
+    if reader.take(pad).any():
+        raise PeerProtocolError(f"{reader.what}: nonzero padding")
+    itemsize = dtype.itemsize
+    numel = 0 if 0 in shape else 1
+    for dim in shape if numel else ():  # dims >= 1: the product only grows; stop once too big
+        numel *= dim
+        if numel * itemsize > reader.remaining:
+            raise PeerProtocolError(
+                f"{reader.what}: shape {shape} of {dtype} needs more than "
+                f"the {reader.remaining} bytes left"
+            )
+    nbytes = numel * itemsize
+    if exact and nbytes != reader.remaining:
+        raise PeerProtocolError(
+            f"{reader.what}: shape {shape} of {dtype} is {nbytes} bytes, "
+            f"payload has {reader.remaining}"
+        )
+    data = reader.take(nbytes)
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    if dtype == torch.bool and bool((data > 1).any()):
+        raise PeerProtocolError(f"{reader.what}: bool tensor holds bytes other than 0 and 1")
+    return data.view(dtype).view(shape)
+
+
+def decode_payload(header: Header, payload: torch.Tensor, *, limits: Limits) -> Any:
+    """Decode a complete payload (a uint8 tensor of `header.length` bytes).
+
+    Tensors come back as views into `payload` (no copy); they keep it alive.
+    """
+    what = REGISTRY.name(header.type)
+    if payload.numel() != header.length:
+        raise PeerProtocolError(
+            f"{what}: {payload.numel()} payload bytes, header says {header.length}"
+        )
+    kind = header.kind
+    if kind == PayloadKind.EMPTY:
+        return None
+    if kind == PayloadKind.BYTES:
+        return payload.numpy().tobytes()
+    if kind == PayloadKind.JSON:
+        try:
+            value = json.loads(payload.numpy().tobytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PeerProtocolError(f"{what}: bad JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise PeerProtocolError(
+                f"{what}: JSON payload must be an object, got {type(value).__name__}"
+            )
+        return value
+    if kind == PayloadKind.TOKENS:
+        if header.length % 4:
+            raise PeerProtocolError(
+                f"{what}: {header.length} bytes is not a whole number of int32 tokens"
+            )
+        return payload.view(torch.int32) if header.length else torch.empty(0, dtype=torch.int32)
+    reader = _Reader(payload, what)
+    if kind == PayloadKind.TENSOR:
+        return _read_tensor(reader, limits, exact=True)
+    # TENSORS
+    (count,) = reader.unpack(_U32)
+    if count > limits.max_tensors:
+        raise PeerProtocolError(f"{what}: {count} tensors exceed max_tensors {limits.max_tensors}")
+    tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for _ in range(count):
+        (name_len,) = reader.unpack(_U16)
+        if name_len > limits.max_name_bytes:
+            raise PeerProtocolError(
+                f"{what}: tensor name of {name_len} bytes exceeds "
+                f"max_name_bytes {limits.max_name_bytes}"
+            )
+        try:
+            name = reader.take(name_len).numpy().tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise PeerProtocolError(f"{what}: tensor name is not UTF-8") from None
+        if name in tensors:
+            raise PeerProtocolError(f"{what}: duplicate tensor name {name!r}")
+        tensors[name] = _read_tensor(reader, limits, exact=False)
+    if reader.remaining:
+        raise PeerProtocolError(f"{what}: {reader.remaining} bytes after the last tensor")
+    return tensors
+
+
+def new_payload_buffer(length: int) -> torch.Tensor:
+    """An uninitialised (length,) uint8 buffer to receive a payload into."""
+    return torch.empty(length, dtype=torch.uint8)
+
+
+class FrameDecoder:
+    """Incremental decoder: feed it bytes as they arrive, take whole messages out.
+
+    After a PeerProtocolError it stays broken (every later call raises): the caller must close
+    the connection, since the byte stream can no longer be trusted.
+    """
+
+    def __init__(self, *, limits: Limits = Limits(), registry: Registry = REGISTRY) -> None:
+        self.limits = limits
+        self.registry = registry
+        self._buffer = bytearray()
+        self._header: Header | None = None
+        self._error: PeerProtocolError | None = None
+
+    def feed(self, data: bytes) -> None:
+        self._check()
+        self._buffer += data
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise PeerProtocolError(f"stream already failed: {self._error}")
+
+    def next_message(self) -> Message | None:
+        """The next complete message, or None until more bytes arrive."""
+        self._check()
+        try:
+            if self._header is None:
+                if len(self._buffer) < HEADER_BYTES:
+                    return None
+                self._header = parse_header(
+                    self._buffer[:HEADER_BYTES], limits=self.limits, registry=self.registry
+                )
+                del self._buffer[:HEADER_BYTES]
+            header = self._header
+            if len(self._buffer) < header.length:
+                return None
+            payload = new_payload_buffer(header.length)
+            payload.numpy()[:] = memoryview(self._buffer)[: header.length]
+            del self._buffer[: header.length]
+            self._header = None
+            value = decode_payload(header, payload, limits=self.limits)
+            return Message(header.type, value, header.request_id, header.flags)
+        except PeerProtocolError as exc:
+            self._error = exc
+            raise
+
+    def __iter__(self) -> Iterator[Message]:
+        while (message := self.next_message()) is not None:
+            yield message
+
+    def close(self) -> None:
+        """End of stream: raises PeerProtocolError if it stopped in the middle of a frame."""
+        self._check()
+        if self._header is not None or self._buffer:
+            pending = len(self._buffer)
+            self._error = PeerProtocolError(
+                f"stream ended mid-frame ({pending} bytes of an incomplete frame)"
+            )
+            raise self._error
+
+
+def frames(messages: Sequence[Message], **kwargs: Any) -> bytes:
+    """Several messages as one byte string (tests, fuzzing)."""
+    return b"".join(encode_bytes(m, **kwargs) for m in messages)

@@ -1,0 +1,210 @@
+"""Live connections: concurrent sessions, timeouts, failures that close one connection only."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from netproto import (
+    Connection,
+    ConnectionClosed,
+    Limits,
+    LocalProtocolError,
+    MsgType,
+    NetTimeout,
+    PeerProtocolError,
+    RemoteError,
+)
+from netproto.wire import Message, encode_bytes
+
+from .conftest import echo_handler
+
+
+def test_typed_helpers_round_trip_through_a_server(start_server) -> None:
+    server = start_server()
+    with Connection.connect(*server.address) as conn:
+        assert conn.request(MsgType.DATA_JSON, {"a": [1, 2]}, expect=MsgType.DATA_JSON).payload == {
+            "a": [1, 2]
+        }
+        conn.send_tokens(MsgType.DATA_TOKENS, [1, 2, 3])
+        assert conn.recv_tokens(MsgType.DATA_TOKENS).tolist() == [1, 2, 3]
+        adapter = {"lora_A": torch.randn(8, 64), "lora_B": torch.zeros(64, 8, dtype=torch.bfloat16)}
+        conn.send_tensors(MsgType.DATA_TENSORS, adapter)
+        received = conn.recv_tensors(MsgType.DATA_TENSORS)
+        assert all(torch.equal(received[k], v) for k, v in adapter.items())
+        conn.ping()
+        assert conn.bytes_sent == conn.bytes_received > 0
+
+
+def test_typed_helper_refuses_a_type_of_another_kind(start_server) -> None:
+    server = start_server()
+    with (
+        Connection.connect(*server.address) as conn,
+        pytest.raises(LocalProtocolError, match="send_tokens cannot send DATA_JSON"),
+    ):
+        conn.send_tokens(MsgType.DATA_JSON, [1])
+
+
+def test_large_tensor_arrives_intact(start_server) -> None:
+    server = start_server()
+    big = torch.randn(16 * 2**20)  # 64 MiB: many partial sendmsg calls
+    with Connection.connect(*server.address) as conn:
+        conn.send_tensor(MsgType.DATA_TENSOR, big)
+        assert torch.equal(conn.recv_tensor(MsgType.DATA_TENSOR), big)
+
+
+def test_many_concurrent_sessions_each_keep_their_own_state(start_server) -> None:
+    def counting_handler(conn: Connection) -> None:
+        seen = 0  # per-session state
+        while True:
+            message = conn.recv(expect=MsgType.DATA_JSON)
+            seen += 1
+            conn.send_msg(
+                MsgType.DATA_JSON,
+                {"client": message.payload["client"], "seen": seen},
+                request_id=message.request_id,
+            )
+
+    server = start_server(counting_handler)
+    errors: list[BaseException] = []
+
+    def client(index: int) -> None:
+        try:
+            with Connection.connect(*server.address) as conn:
+                for step in range(1, 31):
+                    reply = conn.request(
+                        MsgType.DATA_JSON, {"client": index}, expect=MsgType.DATA_JSON
+                    ).payload
+                    assert reply == {"client": index, "seen": step}
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert server.sessions_started == 12
+
+
+def test_read_timeout_fires_and_the_connection_stays_usable(start_server) -> None:
+    def slow_handler(conn: Connection) -> None:
+        while True:
+            message = conn.recv()
+            time.sleep(float(message.payload["sleep"]))
+            conn.send_msg(MsgType.DATA_JSON, message.payload, request_id=message.request_id)
+
+    server = start_server(slow_handler)
+    with Connection.connect(*server.address, read_timeout_s=0.2) as conn:
+        conn.send_msg(MsgType.DATA_JSON, {"sleep": 0.6})
+        started = time.monotonic()
+        with pytest.raises(NetTimeout):
+            conn.recv(expect=MsgType.DATA_JSON)
+        assert 0.15 < time.monotonic() - started < 5
+        assert conn.recv(expect=MsgType.DATA_JSON, timeout_s=5).payload == {"sleep": 0.6}
+
+
+def test_connecting_to_a_closed_port_is_a_clear_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConnectionClosed, match=f"cannot connect to 127.0.0.1:{port}"):
+        Connection.connect("127.0.0.1", port, connect_timeout_s=2)
+
+
+def test_peer_vanishing_mid_frame_is_a_truncation_error(start_server) -> None:
+    def half_frame_handler(conn: Connection) -> None:
+        conn.recv()
+        frame = encode_bytes(Message(MsgType.DATA_BYTES, b"x" * 1000))
+        conn._sock.sendall(frame[:500])  # then the session ends and the socket closes
+
+    server = start_server(half_frame_handler)
+    with Connection.connect(*server.address) as conn:
+        conn.send_msg(MsgType.DATA_JSON, {})
+        with pytest.raises(PeerProtocolError, match="mid-frame"):
+            conn.recv()
+        assert conn.closed
+
+
+def test_malformed_frame_closes_that_connection_only(start_server) -> None:
+    server = start_server()
+    with Connection.connect(*server.address) as good:
+        with socket.create_connection(server.address) as bad:
+            bad.sendall(b"GARBAGE" * 10)
+            bad.settimeout(5)
+            reply = bad.recv(4096)  # the server says why, then closes
+            assert b"protocol_error" in reply and b"bad magic" in reply
+            with contextlib.suppress(ConnectionResetError):  # our garbage was left unread
+                assert bad.recv(4096) == b""
+        assert good.request(
+            MsgType.DATA_JSON, {"still": "here"}, expect=MsgType.DATA_JSON
+        ).payload == {"still": "here"}
+
+
+def test_oversize_frame_is_refused_before_allocation(start_server) -> None:
+    server = start_server(limits=Limits(max_frame_bytes=2**20))
+    with (
+        Connection.connect(*server.address) as conn,
+        pytest.raises(RemoteError, match="exceeds the cap of 1048576"),
+    ):
+        conn.request(MsgType.DATA_BYTES, b"x" * (2**20 + 1), expect=MsgType.DATA_BYTES)
+
+
+def test_handler_crash_is_reported_and_the_server_keeps_serving(start_server) -> None:
+    def fragile_handler(conn: Connection) -> None:
+        message = conn.recv(expect=MsgType.DATA_JSON)
+        if message.payload.get("crash"):
+            raise KeyError("bug in handler")
+        echo_handler(conn)
+
+    server = start_server(fragile_handler)
+    with (
+        Connection.connect(*server.address) as conn,
+        pytest.raises(RemoteError, match=r"internal.*KeyError"),
+    ):
+        conn.request(MsgType.DATA_JSON, {"crash": True}, expect=MsgType.DATA_JSON)
+    with Connection.connect(*server.address) as conn:
+        conn.send_msg(MsgType.DATA_JSON, {})
+        assert conn.request(MsgType.DATA_JSON, {"x": 1}, expect=MsgType.DATA_JSON).payload == {
+            "x": 1
+        }
+
+
+def test_unexpected_message_type_is_a_protocol_error(start_server) -> None:
+    server = start_server()
+    with Connection.connect(*server.address) as conn:
+        conn.send_msg(MsgType.DATA_JSON, {})
+        with pytest.raises(PeerProtocolError, match="sent DATA_JSON where DATA_TOKENS"):
+            conn.recv(expect=MsgType.DATA_TOKENS)
+        assert conn.closed
+
+
+def test_stopping_the_server_closes_every_session(start_server) -> None:
+    server = start_server()
+    conns = [Connection.connect(*server.address) for _ in range(3)]
+    for conn in conns:
+        conn.ping()
+    server.stop()
+    for conn in conns:
+        with pytest.raises((ConnectionClosed, PeerProtocolError)):
+            conn.ping(timeout_s=5)
+    assert server.active_sessions == 0
+
+
+def test_close_is_clean_and_idempotent(start_server) -> None:
+    server = start_server()
+    conn = Connection.connect(*server.address)
+    conn.close()
+    conn.close()
+    with pytest.raises(ConnectionClosed):
+        conn.send_msg(MsgType.DATA_JSON, {})
+    deadline = time.monotonic() + 5
+    while server.active_sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.active_sessions == 0

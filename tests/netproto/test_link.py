@@ -1,0 +1,58 @@
+"""The link emulator adds at least the configured delay and holds to the bandwidth cap."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from netproto import Connection, LinkEmulator, MsgType
+
+
+def median_round_trip_s(address: tuple[str, int], samples: int = 5) -> float:
+    with Connection.connect(*address) as conn:
+        conn.ping()
+        times = []
+        for _ in range(samples):
+            started = time.perf_counter()
+            conn.ping()
+            times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def test_delay_is_added_each_way(start_server) -> None:
+    server = start_server()
+    direct = median_round_trip_s(server.address)
+    with LinkEmulator(server.address, delay_ms=40) as link:
+        shaped = median_round_trip_s(link.address)
+    assert shaped >= 0.080  # 40 ms there + 40 ms back
+    assert shaped - direct >= 0.079
+
+
+def test_bandwidth_cap_slows_bulk_transfer(start_server) -> None:
+    server = start_server()
+    payload = torch.zeros(250_000)  # 1 MB
+    with (
+        LinkEmulator(server.address, bandwidth_mbps=40) as link,
+        Connection.connect(*link.address) as conn,
+    ):
+        started = time.perf_counter()
+        conn.send_tensor(MsgType.DATA_TENSOR, payload)
+        conn.recv_tensor(MsgType.DATA_TENSOR)
+        elapsed = time.perf_counter() - started
+    assert elapsed >= 2 * 8e6 / 40e6 * 0.95  # 1 MB each way at 40 Mbit/s: >= 0.4 s
+
+
+def test_emulated_link_carries_data_intact_and_closes_cleanly(start_server) -> None:
+    server = start_server()
+    value = torch.randn(1000, 100)
+    with (
+        LinkEmulator(server.address, delay_ms=1, bandwidth_mbps=1000) as link,
+        Connection.connect(*link.address) as conn,
+    ):
+        reply = conn.request(MsgType.DATA_TENSOR, value, expect=MsgType.DATA_TENSOR)
+        assert torch.equal(reply.payload, value)
+    deadline = time.monotonic() + 5
+    while server.active_sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.active_sessions == 0
