@@ -99,6 +99,8 @@ class ClusterConfig:
     """Shared secret for HMAC authentication; falls back to the LAB_SECRET environment variable."""
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
+    max_frame_mib: int = 256
+    """Largest netproto frame accepted, checked before allocating (raise for big adapters)."""
     link: LinkConfig = field(default_factory=LinkConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
 
@@ -107,6 +109,7 @@ class ClusterConfig:
             getattr(self, role).check(f"cluster.{role}")
         check_positive("cluster.connect_timeout_s", self.connect_timeout_s)
         check_positive("cluster.read_timeout_s", self.read_timeout_s)
+        check_positive("cluster.max_frame_mib", self.max_frame_mib)
 
     def resolved_secret(self) -> bytes | None:
         """The shared secret from config, else from $LAB_SECRET, else None (no auth)."""

@@ -45,6 +45,24 @@ from netproto.wire import (
 log = logging.getLogger(__name__)
 
 IOV_MAX = 1024
+READ_CHUNK_BYTES = 64 * 1024
+"""Frames up to this size arrive through one buffered read (header and payload together)."""
+SMALL_SEND_BYTES = 64 * 1024
+"""Frames up to this size are joined and sent with one sendall."""
+REUSE_MIN_BYTES = 1 << 20
+"""Payloads this big are received into a buffer reused across frames once nothing uses it."""
+NUM_SPARE_BUFFERS = 2
+
+
+def _storage_refs(tensor: torch.Tensor) -> int | None:
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    if counter is None:  # not in this torch: never reuse
+        return None
+    return int(counter(tensor.untyped_storage()._cdata))
+
+
+_UNSHARED_REFS = _storage_refs(torch.empty(1))
+"""Storage references of a tensor nobody else views (the tensor, plus the probe's own)."""
 _AUTH_TYPES = frozenset(
     {MsgType.AUTH_CHALLENGE, MsgType.AUTH_RESPONSE, MsgType.AUTH_PROOF, MsgType.AUTH_OK}
 )
@@ -96,6 +114,10 @@ class Connection:
         self.peer = peer or _peer_name(sock)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._rbuf = memoryview(bytearray(READ_CHUNK_BYTES))
+        self._rpos = 0  # unread bytes are self._rbuf[self._rpos:self._rend]
+        self._rend = 0
+        self._spares: list[torch.Tensor] = []  # big receive buffers, reused when unshared
         sock.settimeout(read_timeout_s)
 
     # ------------------------------------------------------------ set-up
@@ -212,6 +234,9 @@ class Connection:
     def _sendall(self, buffers: Sequence[Buffer]) -> int:
         views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
         total = sum(v.nbytes for v in views)
+        if total <= SMALL_SEND_BYTES:
+            self._sock.sendall(b"".join(views))
+            return total
         if isinstance(self._sock, ssl.SSLSocket):  # no sendmsg over TLS
             for view in views:
                 self._sock.sendall(view)
@@ -332,45 +357,111 @@ class Connection:
     def _recv_frame(self) -> Message:
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed")
-        header_bytes = bytearray(HEADER_BYTES)
-        self._recv_exactly(memoryview(header_bytes), what="header")
+        self._fill(HEADER_BYTES, started=False)
         try:
-            header = parse_header(header_bytes, limits=self._active_limits, registry=self._registry)
+            header = parse_header(
+                self._rbuf[self._rpos : self._rpos + HEADER_BYTES],
+                limits=self._active_limits,
+                registry=self._registry,
+            )
         except PeerProtocolError as exc:
             raise self._fail(exc) from None
-        payload = new_payload_buffer(header.length)
-        if header.length:
-            self._recv_exactly(payload.numpy().data, what="payload", started=True)
-        self.bytes_received += HEADER_BYTES + header.length
+        self._rpos += HEADER_BYTES
+        length = header.length
+        payload: torch.Tensor | bytes
+        if length <= READ_CHUNK_BYTES:
+            self._fill(length, started=True)
+            payload = bytes(self._rbuf[self._rpos : self._rpos + length])
+            self._rpos += length
+        else:  # big: straight into its own buffer, after what the read buffer already holds
+            payload = self._payload_buffer(length)
+            view = payload.numpy().data
+            buffered = min(self._rend - self._rpos, length)
+            view[:buffered] = self._rbuf[self._rpos : self._rpos + buffered]
+            self._rpos += buffered
+            self._recv_exactly(view[buffered:])
+        self.bytes_received += HEADER_BYTES + length
         try:
             value = decode_payload(header, payload, limits=self._active_limits)
         except PeerProtocolError as exc:
             raise self._fail(exc) from None
         return Message(header.type, value, header.request_id, header.flags)
 
-    def _recv_exactly(self, view: memoryview, *, what: str, started: bool = False) -> None:
-        got, size = 0, view.nbytes
-        while got < size:
-            try:
-                count = self._sock.recv_into(view[got:], size - got)
-            except TimeoutError:
-                if started or got:  # mid-frame: the stream cannot be resynchronised
-                    self._abort()
-                raise NetTimeout(f"no data from {self.peer} within the read timeout") from None
-            except OSError as exc:
+    def _payload_buffer(self, length: int) -> torch.Tensor:
+        """A buffer for a big payload: a spare nobody views any more, else a new one.
+
+        Two spares, because the natural loop `message = conn.recv()` still holds the previous
+        message while the next one arrives. Fresh big buffers cost page faults on every frame
+        (about as long as the loopback transfer itself at 64 MiB).
+        """
+        for spare in self._spares:
+            if (
+                spare.numel() >= length
+                and _UNSHARED_REFS is not None
+                and _storage_refs(spare) == _UNSHARED_REFS
+            ):
+                return spare[:length]
+        buffer = new_payload_buffer(length)
+        if length >= REUSE_MIN_BYTES:
+            self._spares = [buffer, *self._spares][:NUM_SPARE_BUFFERS]
+        return buffer
+
+    def _fill(self, need: int, *, started: bool) -> None:
+        """Make `need` (<= READ_CHUNK_BYTES) unread bytes available in the read buffer."""
+        if self._rend - self._rpos >= need:
+            return
+        if self._rpos:  # move the unread tail to the front
+            unread = self._rend - self._rpos
+            self._rbuf[:unread] = self._rbuf[self._rpos : self._rend]
+            self._rpos, self._rend = 0, unread
+        while self._rend < need:
+            self._rend += self._recv_some(
+                self._rbuf[self._rend :], started=started or self._rend > 0
+            )
+
+    def _recv_exactly(self, view: memoryview) -> None:
+        """Fill `view` (mid-frame): the bulk path, a tight loop of recv_into calls."""
+        got, size, recv_into = 0, view.nbytes, self._sock.recv_into
+        try:
+            while got < size:
+                count = recv_into(view[got:])
+                if not count:
+                    break
+                got += count
+        except TimeoutError:
+            self._abort()  # mid-frame: the stream cannot be resynchronised
+            raise NetTimeout(f"no data from {self.peer} within the read timeout") from None
+        except OSError as exc:
+            self._abort()
+            raise ConnectionClosed(
+                f"connection to {self.peer} lost: {exc.strerror or exc}"
+            ) from None
+        if got < size:
+            self._abort()
+            raise PeerProtocolError(
+                f"{self.peer} closed the connection mid-frame (truncated "
+                f"payload: {got} of {size} bytes)"
+            )
+
+    def _recv_some(self, view: memoryview, *, started: bool) -> int:
+        """One recv_into; `started`: bytes of this frame already arrived (EOF = truncation)."""
+        try:
+            count = self._sock.recv_into(view)
+        except TimeoutError:
+            if started:  # mid-frame: the stream cannot be resynchronised
                 self._abort()
-                raise ConnectionClosed(
-                    f"connection to {self.peer} lost: {exc.strerror or exc}"
-                ) from None
-            if count == 0:
-                self._abort()
-                if got == 0 and not started:
-                    raise ConnectionClosed(f"{self.peer} closed the connection")
-                raise PeerProtocolError(
-                    f"{self.peer} closed the connection mid-frame "
-                    f"(truncated {what}: {got} of {size} bytes)"
-                )
-            got += count
+            raise NetTimeout(f"no data from {self.peer} within the read timeout") from None
+        except OSError as exc:
+            self._abort()
+            raise ConnectionClosed(
+                f"connection to {self.peer} lost: {exc.strerror or exc}"
+            ) from None
+        if count == 0:
+            self._abort()
+            if not started:
+                raise ConnectionClosed(f"{self.peer} closed the connection")
+            raise PeerProtocolError(f"{self.peer} closed the connection mid-frame (truncated)")
+        return count
 
     def _fail(self, error: PeerProtocolError) -> PeerProtocolError:
         """The peer broke the protocol: tell it why (best effort) and close this connection."""

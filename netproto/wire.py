@@ -20,6 +20,7 @@ comes in without a copy. Every length, count and shape read from the wire is che
 
 from __future__ import annotations
 
+import array
 import json
 import struct
 import sys
@@ -27,8 +28,9 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from netproto.errors import LocalProtocolError, PeerProtocolError
@@ -66,6 +68,9 @@ class PayloadKind(IntEnum):
     """uint32 count, then per tensor: uint16 name length, UTF-8 name, then as TENSOR."""
     BYTES = 5
     """Opaque bytes (nonces, MACs)."""
+
+
+_KINDS = {int(kind): kind for kind in PayloadKind}
 
 
 class MsgType(IntEnum):
@@ -218,8 +223,7 @@ REGISTRY.register(
 )
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     type: int
     kind: PayloadKind
     flags: int
@@ -227,10 +231,9 @@ class Header:
     length: int
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """A decoded message. `payload` by kind: None, dict, int32 tensor, tensor,
-    OrderedDict[str, tensor], bytes."""
+    OrderedDict[str, tensor], bytes. (NamedTuples: one is built per frame, cheaply.)"""
 
     type: int
     payload: Any = None
@@ -268,7 +271,7 @@ def parse_header(
         raise PeerProtocolError(
             f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})"
         )
-    if kind not in PayloadKind._value2member_map_:
+    if kind not in _KINDS:
         raise PeerProtocolError(f"unknown payload kind {kind}")
     spec = registry.spec(msg_type)
     if spec is None:
@@ -287,7 +290,7 @@ def parse_header(
         raise PeerProtocolError(
             f"{spec.name} JSON of {length} bytes exceeds the cap of {limits.max_json_bytes}"
         )
-    return Header(msg_type, PayloadKind(kind), flags, request_id, length)
+    return Header(msg_type, _KINDS[kind], flags, request_id, length)
 
 
 # ---------------------------------------------------------------- encoding
@@ -296,12 +299,37 @@ def parse_header(
 Buffer = bytes | bytearray | memoryview
 
 
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    }
+)
+
+
 def _element_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's elements as bytes, without a copy when it is already contiguous on CPU."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    if flat.numel() == 0:
+    if not (tensor.is_cpu and tensor.is_contiguous()):
+        tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.numel() == 0:
         return memoryview(b"")
-    return flat.view(torch.uint8).numpy().data
+    if tensor.dtype in _NUMPY_DTYPES and tensor.dim():  # the cheap path (a few microseconds)
+        return tensor.numpy().data.cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _padding(offset: int) -> int:
@@ -341,7 +369,7 @@ def encode_payload(kind: PayloadKind, payload: Any, *, limits: Limits) -> list[B
             )
         return [data]
     if kind == PayloadKind.TOKENS:
-        return [_element_bytes(_as_token_tensor(payload))]
+        return [_token_bytes(payload)]
     if kind == PayloadKind.TENSOR:
         if not isinstance(payload, torch.Tensor):
             raise LocalProtocolError(f"TENSOR payload must be a tensor, not {type(payload)}")
@@ -353,6 +381,20 @@ def encode_payload(kind: PayloadKind, payload: Any, *, limits: Limits) -> list[B
             raise LocalProtocolError(f"BYTES payload must be bytes, not {type(payload)}")
         return [payload]
     raise LocalProtocolError(f"unknown payload kind {kind}")  # pragma: no cover
+
+
+def _token_bytes(tokens: Any) -> Buffer:
+    """int32 little-endian bytes of token ids: no conversion when they already are int32."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype == torch.int32 and tokens.dim() <= 1:
+            return _element_bytes(tokens)
+        return _element_bytes(_as_token_tensor(tokens))
+    try:
+        return memoryview(array.array("i", tokens)).cast("B")
+    except OverflowError:
+        raise LocalProtocolError("token ids must fit in int32") from None
+    except TypeError as exc:
+        raise LocalProtocolError(f"tokens must be integers: {exc}") from None
 
 
 def _as_token_tensor(tokens: Any) -> torch.Tensor:
@@ -485,24 +527,32 @@ def _read_tensor(reader: _Reader, limits: Limits, *, exact: bool) -> torch.Tenso
     return data.view(dtype).view(shape)
 
 
-def decode_payload(header: Header, payload: torch.Tensor, *, limits: Limits) -> Any:
-    """Decode a complete payload (a uint8 tensor of `header.length` bytes).
+def decode_payload(header: Header, payload: torch.Tensor | Buffer, *, limits: Limits) -> Any:
+    """Decode a complete payload of `header.length` bytes (a uint8 tensor, or bytes).
 
-    Tensors come back as views into `payload` (no copy); they keep it alive.
+    Tensors come back as views into a uint8 tensor payload (no copy); they keep it alive.
     """
     what = REGISTRY.name(header.type)
-    if payload.numel() != header.length:
-        raise PeerProtocolError(
-            f"{what}: {payload.numel()} payload bytes, header says {header.length}"
-        )
+    size = payload.numel() if isinstance(payload, torch.Tensor) else memoryview(payload).nbytes
+    if size != header.length:
+        raise PeerProtocolError(f"{what}: {size} payload bytes, header says {header.length}")
     kind = header.kind
     if kind == PayloadKind.EMPTY:
         return None
-    if kind == PayloadKind.BYTES:
-        return payload.numpy().tobytes()
-    if kind == PayloadKind.JSON:
+    if kind in (PayloadKind.BYTES, PayloadKind.JSON, PayloadKind.TOKENS):
+        data = payload.numpy().tobytes() if isinstance(payload, torch.Tensor) else bytes(payload)
+        if kind == PayloadKind.BYTES:
+            return data
+        if kind == PayloadKind.TOKENS:
+            if header.length % 4:
+                raise PeerProtocolError(
+                    f"{what}: {header.length} bytes is not a whole number of int32 tokens"
+                )
+            if not data:
+                return torch.empty(0, dtype=torch.int32)
+            return torch.frombuffer(bytearray(data), dtype=torch.int32)
         try:
-            value = json.loads(payload.numpy().tobytes().decode("utf-8"))
+            value = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise PeerProtocolError(f"{what}: bad JSON ({exc})") from None
         if not isinstance(value, dict):
@@ -510,12 +560,11 @@ def decode_payload(header: Header, payload: torch.Tensor, *, limits: Limits) -> 
                 f"{what}: JSON payload must be an object, got {type(value).__name__}"
             )
         return value
-    if kind == PayloadKind.TOKENS:
-        if header.length % 4:
-            raise PeerProtocolError(
-                f"{what}: {header.length} bytes is not a whole number of int32 tokens"
-            )
-        return payload.view(torch.int32) if header.length else torch.empty(0, dtype=torch.int32)
+    if not isinstance(payload, torch.Tensor):  # tensors are viewed in place: own the bytes
+        raw = payload
+        payload = new_payload_buffer(header.length)
+        if header.length:
+            payload.numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
     reader = _Reader(payload, what)
     if kind == PayloadKind.TENSOR:
         return _read_tensor(reader, limits, exact=True)
@@ -584,8 +633,7 @@ class FrameDecoder:
             header = self._header
             if len(self._buffer) < header.length:
                 return None
-            payload = new_payload_buffer(header.length)
-            payload.numpy()[:] = memoryview(self._buffer)[: header.length]
+            payload = bytes(self._buffer[: header.length])
             del self._buffer[: header.length]
             self._header = None
             value = decode_payload(header, payload, limits=self.limits)

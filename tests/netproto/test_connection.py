@@ -208,3 +208,22 @@ def test_close_is_clean_and_idempotent(start_server) -> None:
     while server.active_sessions and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.active_sessions == 0
+
+
+def test_big_receive_buffer_is_reused_only_once_nothing_holds_it(start_server) -> None:
+    server = start_server()
+    with Connection.connect(*server.address) as conn:
+        first = torch.full((2**19,), 1.0)  # 2 MiB: big enough for the reusable buffer
+        conn.send_tensor(MsgType.DATA_TENSOR, first)
+        kept = conn.recv_tensor(MsgType.DATA_TENSOR)
+        kept_ptr = kept.data_ptr()
+        conn.send_tensor(MsgType.DATA_TENSOR, torch.full((2**19,), 2.0))
+        second = conn.recv_tensor(MsgType.DATA_TENSOR)
+        assert torch.equal(kept, first)  # still held: never overwritten
+        assert second.data_ptr() != kept_ptr
+        second_ptr = second.data_ptr()
+        del kept, second
+        conn.send_tensor(MsgType.DATA_TENSOR, torch.full((2**19,), 3.0))
+        third = conn.recv_tensor(MsgType.DATA_TENSOR)
+        assert torch.equal(third, torch.full((2**19,), 3.0))
+        assert third.data_ptr() == second_ptr  # dropped: its buffer came back

@@ -56,3 +56,28 @@ def test_emulated_link_carries_data_intact_and_closes_cleanly(start_server) -> N
     while server.active_sessions and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.active_sessions == 0
+
+
+def test_cluster_settings_build_an_authenticated_shaped_connection(
+    start_server, monkeypatch
+) -> None:
+    from lab.config import ClusterConfig, Endpoint, LinkConfig
+    from netproto.cluster import connect, emulated_link, serve
+
+    monkeypatch.setenv("LAB_SECRET", "from-the-environment")
+    cluster = ClusterConfig(link=LinkConfig(delay_ms=30), max_frame_mib=1)
+
+    def answer_pings(conn: Connection) -> None:
+        conn.recv(expect=MsgType.DATA_JSON)  # answers PINGs while it waits
+
+    server = serve(answer_pings, cluster, Endpoint(), name="t")
+    try:
+        with emulated_link(cluster, server.address) as address, connect(cluster, address) as conn:
+            assert address != server.address
+            started = time.perf_counter()
+            conn.ping()
+            assert time.perf_counter() - started >= 0.060
+        assert server.secret == b"from-the-environment"
+        assert server.limits.max_frame_bytes == 2**20
+    finally:
+        server.stop()

@@ -1,0 +1,70 @@
+"""Connections and servers configured from the lab's `cluster` settings.
+
+The one place where `cluster.*` (secret, TLS, timeouts, frame cap, emulated link) turns into
+netproto objects, so every module connects and serves the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from lab.config import ClusterConfig, Endpoint
+from netproto.connection import Connection, client_ssl_context, server_ssl_context
+from netproto.link import LinkEmulator
+from netproto.server import Handler, Server
+from netproto.wire import Limits
+
+
+def limits_for(cluster: ClusterConfig) -> Limits:
+    return Limits(max_frame_bytes=cluster.max_frame_mib * 2**20)
+
+
+def connect(cluster: ClusterConfig, address: tuple[str, int]) -> Connection:
+    """A client connection to `address` with the cluster's secret, TLS and timeouts."""
+    tls = cluster.tls
+    context = client_ssl_context(ca=tls.ca, cert=tls.cert, key=tls.key) if tls.enabled else None
+    return Connection.connect(
+        *address,
+        secret=cluster.resolved_secret(),
+        ssl_context=context,
+        connect_timeout_s=cluster.connect_timeout_s,
+        read_timeout_s=cluster.read_timeout_s,
+        limits=limits_for(cluster),
+    )
+
+
+def serve(handler: Handler, cluster: ClusterConfig, endpoint: Endpoint, *, name: str) -> Server:
+    """A started server for `handler` on `endpoint` (port 0: any free port)."""
+    tls = cluster.tls
+    context = None
+    if tls.enabled:
+        if not (tls.cert and tls.key):
+            raise ValueError(
+                "cluster.tls.enabled=true on a server needs cluster.tls.cert and cluster.tls.key"
+            )
+        context = server_ssl_context(cert=tls.cert, key=tls.key, ca=tls.ca)
+    return Server(
+        handler,
+        host=endpoint.host,
+        port=endpoint.port,
+        secret=cluster.resolved_secret(),
+        ssl_context=context,
+        limits=limits_for(cluster),
+        read_timeout_s=cluster.read_timeout_s,
+        handshake_timeout_s=cluster.connect_timeout_s,
+        name=name,
+    ).start()
+
+
+@contextlib.contextmanager
+def emulated_link(cluster: ClusterConfig, address: tuple[str, int]) -> Iterator[tuple[str, int]]:
+    """The address to dial for `address`: through a LinkEmulator when `cluster.link` shapes."""
+    link = cluster.link
+    if not (link.delay_ms or link.bandwidth_mbps):
+        yield address
+        return
+    with LinkEmulator(
+        address, delay_ms=link.delay_ms, bandwidth_mbps=link.bandwidth_mbps
+    ) as emulator:
+        yield emulator.address
