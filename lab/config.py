@@ -192,6 +192,9 @@ class LabConfig:
     seed: int = 0
     role: str = "local"
     """local starts every role on loopback; the others name one part of a multi-host run."""
+    num_threads: int = 0
+    """torch intra-op threads for this process; 0 = torch's default (all cores). Local runs
+    give each of their processes its share of the cores, as if each had its own machine."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -199,6 +202,7 @@ class LabConfig:
 
     def __post_init__(self) -> None:
         check_choice("role", self.role, ROLES)
+        check_positive("num_threads", self.num_threads, allow_zero=True)
 
 
 SettingsT = TypeVar("SettingsT")

@@ -143,3 +143,17 @@ class DeviceReport:
             name=name,
             total_memory_bytes=total,
         )
+
+
+def apply_num_threads(num_threads: int) -> None:
+    """Set torch's intra-op threads for this process (0 leaves torch's default)."""
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+def share_of_cores(num_processes: int) -> int:
+    """Threads per process when `num_processes` share this machine's cores."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // num_processes)

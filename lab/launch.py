@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TextIO
 
@@ -194,3 +194,31 @@ def _stop(running: Sequence[_Running], *, grace_s: float) -> None:
     for proc in running:
         proc.signal_group(signal.SIGKILL)  # grandchildren left in the group, if any
         proc.finish_output()
+
+
+@contextlib.contextmanager
+def services(
+    roles: Sequence[Role], *, grace_s: float = 5.0, out: TextIO | None = None
+) -> Iterator[Callable[[], None]]:
+    """Start `roles` (servers) in the background for the length of a `with` block.
+
+    Yields `check()`, which raises RoleFailedError if any of them has exited. On leaving the
+    block, whatever happened inside it, every process group is stopped and reaped.
+    """
+    lock = threading.Lock()
+    running: list[_Running] = []
+
+    def check() -> None:
+        for proc in running:
+            code = proc.process.poll()
+            if code is not None and not proc.stopped_by_us:
+                proc.finish_output()
+                raise RoleFailedError(proc.role.name, code, proc.tail)
+
+    try:
+        with _sigterm_as_interrupt():
+            for role in roles:
+                running.append(_Running(role, out=out or sys.stdout, out_lock=lock))
+            yield check
+    finally:
+        _stop(running, grace_s=grace_s)

@@ -1,18 +1,66 @@
-"""spec_decoding's config schema (`conf/spec_decoding.yaml`).
-
-Only the shared settings so far; the module's own section is added with the module itself.
-"""
+"""spec_decoding's config schema (`conf/spec_decoding.yaml`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from lab.config import LabConfig, register_schema
+from lab.config import LabConfig, ModelConfig, register_schema
+
+MAX_GAMMA = 32
+"""Most tokens one draft may hold (the verifier refuses more)."""
+
+
+@dataclass
+class SpecConfig:
+    gamma: str = "auto"
+    """Draft length: a number of tokens, or `auto` (the expected-speedup model picks it)."""
+    max_gamma: int = 8
+    """Largest draft length `auto` may choose."""
+    temperature: float = 0.0
+    """0: greedy (output identical to the target's own greedy decoding); > 0: sampling."""
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    num_prompts: int = 4
+    """Prompts taken from the held-out stdlib corpus (the start of validation files)."""
+    prompt_tokens: int = 32
+    baseline: bool = True
+    """Also time target-only generation on the verifier, on the same prompts, in the same run."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.gamma != "auto":
+            try:
+                value = int(self.gamma)
+            except ValueError:
+                raise ValueError(
+                    f"spec.gamma={self.gamma!r} must be `auto` or a number of tokens"
+                ) from None
+            if not 1 <= value <= MAX_GAMMA:
+                raise ValueError(f"spec.gamma={value} must be in 1..{MAX_GAMMA}")
+        if not 1 <= self.max_gamma <= MAX_GAMMA:
+            raise ValueError(f"spec.max_gamma={self.max_gamma} must be in 1..{MAX_GAMMA}")
+        if self.temperature < 0:
+            raise ValueError(f"spec.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"spec.top_p={self.top_p} must be in (0, 1]")
+        for name in ("max_new_tokens", "num_prompts", "prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"spec.{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def fixed_gamma(self) -> int | None:
+        return None if self.gamma == "auto" else int(self.gamma)
 
 
 @dataclass
 class SpecDecodingRunConfig(LabConfig):
     """Schema of `conf/spec_decoding.yaml`."""
+
+    target: ModelConfig = field(default_factory=ModelConfig)
+    draft: ModelConfig = field(
+        default_factory=lambda: ModelConfig(name="tiny_draft", pretrained="lab:tiny_draft")
+    )
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
 
 register_schema("spec_decoding_schema", SpecDecodingRunConfig)

@@ -150,3 +150,30 @@ def test_role_names_must_be_unique_and_someone_must_finish() -> None:
         launch([py_role("a", "pass"), py_role("a", "pass")])
     with pytest.raises(ValueError, match="not be a service"):
         launch([py_role("a", "pass", service=True)])
+
+
+def test_services_run_in_the_background_and_are_reaped() -> None:
+    from lab.launch import services
+
+    out = io.StringIO()
+    with services([py_role("server", SLEEPER)], out=out) as check:
+        deadline = time.monotonic() + 10
+        while not pids_in(out.getvalue()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        check()  # alive: no error
+        [pid] = pids_in(out.getvalue())
+        assert alive(pid)
+    assert not alive(pid)
+
+
+def test_a_dead_service_is_reported_by_check() -> None:
+    from lab.launch import services
+
+    with services(
+        [py_role("server", "print('cannot bind'); raise SystemExit(2)")], out=io.StringIO()
+    ) as check:
+        deadline = time.monotonic() + 10
+        with pytest.raises(RoleFailedError, match="cannot bind"):
+            while time.monotonic() < deadline:
+                check()
+                time.sleep(0.01)

@@ -1,0 +1,18 @@
+"""`python -m spec_decoding [role=verifier|drafter] [spec.gamma=4] [model@target=...]`."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+import spec_decoding.config  # noqa: F401  (registers the schema)
+from spec_decoding.run import run
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="spec_decoding")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""A causal LM with a KV cache that follows a committed token sequence and rolls back.
+
+Both sides of speculative decoding run forwards over tokens that may later be rejected. Instead
+of recomputing the prefix, the cache is cropped to the longest prefix that is still committed.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class CachedDecoder:
+    """Feeds a model only what its cache lacks; `commit` rolls the cache back past rejections."""
+
+    def __init__(self, model: torch.nn.Module, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.tokens: list[int] = list(prompt)
+        """The committed sequence: prompt + generated tokens."""
+        self.cache = DynamicCache()
+        self.cached: list[int] = []
+        """The tokens whose keys/values the cache holds, in order."""
+
+    def extend(self, speculative: list[int]) -> torch.Tensor:
+        """Run the committed tokens the cache lacks, then `speculative`; return their logits.
+
+        Returns (fed, V) float logits: row i predicts the token after the i-th token fed. The
+        last row is the prediction after the last of `speculative` (or of the committed tokens).
+        """
+        base = self.tokens if len(self.cached) < len(self.tokens) else self.cached
+        feed = base[len(self.cached) :] + list(speculative)
+        if not feed:
+            raise ValueError("nothing to feed: the cache already covers every token")
+        return self._run(feed)
+
+    def prefill(self) -> None:
+        """Cache the prompt, all but its last token (which the first step feeds)."""
+        if len(self.tokens) > 1 and not self.cached:
+            self._run(self.tokens[:-1])
+
+    @torch.no_grad()
+    def _run(self, feed: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)  # (1, fed)
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.cached.extend(feed)
+        return out.logits[0].float()  # (fed, V)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append `tokens` to the committed sequence and drop cache entries that disagree.
+
+        The cache keeps the longest common prefix of what it holds and the committed sequence,
+        but never the last committed token, so the next `extend` always has one to feed.
+        """
+        self.tokens.extend(tokens)
+        valid = 0
+        limit = min(len(self.cached), len(self.tokens) - 1)
+        while valid < limit and self.cached[valid] == self.tokens[valid]:
+            valid += 1
+        if valid < len(self.cached):
+            self.cache.crop(valid - len(self.cached))  # transformers 5: minus tokens to drop
+            del self.cached[valid:]

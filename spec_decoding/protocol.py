@@ -1,0 +1,46 @@
+"""spec_decoding's netproto messages (range 0x0200-0x02FF).
+
+    drafter -> verifier  OPEN      JSON  {"prompt": [ids], "temperature", "top_p", "seed",
+                                          "vocab_hash"}      -> OPENED {"vocab_size", "prefill_ms"}
+    drafter -> verifier  DRAFT     TENSORS {"tokens": int32 (k,), ["q": float32 (k, V)]}
+                                                             -> VERDICT {"accepted", "token",
+                                                                         "verify_ms"}
+    drafter -> verifier  BASELINE  JSON  {"prompt", "max_new_tokens", "temperature", "top_p",
+                                          "seed"}            -> BASELINE_DONE {"tokens", "seconds"}
+    drafter -> verifier  CLOSE     EMPTY (frees the session; so does closing the connection)
+
+One session per connection: the verifier's KV cache for it lives and dies with the connection.
+`q`, the draft's probabilities for its tokens, is sent only when sampling (temperature > 0).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from netproto import REGISTRY, PayloadKind
+
+
+class SpecMsg(IntEnum):
+    OPEN = 0x0201
+    OPENED = 0x0202
+    DRAFT = 0x0203
+    VERDICT = 0x0204
+    BASELINE = 0x0205
+    BASELINE_DONE = 0x0206
+    CLOSE = 0x0207
+
+
+REGISTRY.register(
+    "spec_decoding",
+    0x0200,
+    0x02FF,
+    {
+        SpecMsg.OPEN: PayloadKind.JSON,
+        SpecMsg.OPENED: PayloadKind.JSON,
+        SpecMsg.DRAFT: PayloadKind.TENSORS,
+        SpecMsg.VERDICT: PayloadKind.JSON,
+        SpecMsg.BASELINE: PayloadKind.JSON,
+        SpecMsg.BASELINE_DONE: PayloadKind.JSON,
+        SpecMsg.CLOSE: PayloadKind.EMPTY,
+    },
+)

@@ -1,0 +1,267 @@
+"""`python -m spec_decoding`: roles, metrics, and the local (loopback) set-up."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lab.config import SECRET_ENV, Endpoint, to_settings
+from lab.corpus import load_corpus
+from lab.device import apply_num_threads, share_of_cores
+from lab.launch import Role, free_port, services
+from lab.models import load_model, load_tokenizer
+from lab.tracking import Tracker
+from netproto import Connection, ConnectionClosed, NetTimeout
+from netproto.cluster import connect, emulated_link, serve
+from spec_decoding.config import SpecDecodingRunConfig
+from spec_decoding.drafter import Drafter, Generation, VerifierLostError
+from spec_decoding.gamma import GammaController, expected_tokens
+from spec_decoding.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+
+def prompts_from_corpus(tokenizer: Any, *, count: int, tokens: int) -> list[list[int]]:
+    """The first `tokens` tokens of the first held-out stdlib files: code the models never saw."""
+    corpus = load_corpus(val_fraction=0.05)
+    prompts = []
+    for doc in corpus.validation:
+        ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"][:tokens]
+        if len(ids) == tokens:
+            prompts.append(ids)
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"the held-out corpus has fewer than {count} files of {tokens} tokens")
+
+
+def serve_verifier(
+    settings: SpecDecodingRunConfig,
+    *,
+    ready: Callable[[str], None] = print,
+    stop: threading.Event | None = None,
+) -> None:
+    """`role=verifier`: serve the target model until SIGTERM/SIGINT (or `stop` is set)."""
+    cache_dir = settings.paths.cache_path
+    model = load_model(settings.target, cache_dir=cache_dir)
+    verifier = Verifier(model, load_tokenizer(settings.target, cache_dir=cache_dir))
+    server = serve(verifier.handle, settings.cluster, settings.cluster.verifier, name="verifier")
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    try:
+        host, port = server.address
+        ready(f"verifier ready on {host}:{port} serving {settings.target.name}")
+        stop.wait()
+    finally:
+        server.stop()
+
+
+def _connect_with_retry(
+    settings: SpecDecodingRunConfig,
+    address: tuple[str, int],
+    *,
+    wait_s: float,
+    check: Callable[[], None],
+) -> Connection:
+    """The verifier may still be loading its model: retry until `wait_s` has passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        check()
+        try:
+            return connect(settings.cluster, address)
+        except (ConnectionClosed, NetTimeout) as exc:
+            if time.monotonic() > deadline:
+                raise VerifierLostError(
+                    f"no verifier answering at {address[0]}:{address[1]} "
+                    f"after {wait_s:.0f}s ({exc})"
+                ) from None
+            time.sleep(0.2)
+
+
+def summarize(
+    generations: list[Generation], baselines: list[dict[str, Any]], *, greedy: bool
+) -> dict[str, float]:
+    """Headline metrics of a run: measured speedup next to what the model of it predicts."""
+    rounds = [r for g in generations for r in g.rounds]
+    drafted = sum(r.drafted for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    trials = sum(r.accepted + (r.accepted < r.drafted) for r in rounds)
+    new_tokens = sum(len(g.tokens) for g in generations)
+    seconds = sum(g.seconds for g in generations)
+    metrics: dict[str, float] = {
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_per_round": accepted / len(rounds),
+        "mean_gamma": drafted / len(rounds),
+        "tokens_per_s": new_tokens / seconds,
+        "rtt_ms": statistics.median(max(0.0, r.round_s - r.draft_s - r.verify_s) for r in rounds)
+        * 1e3,
+        "draft_ms_per_token": sum(r.draft_s for r in rounds) / max(drafted, 1) * 1e3,
+        "verify_ms_per_round": statistics.mean(r.verify_s for r in rounds) * 1e3,
+        "rounds": float(len(rounds)),
+        "new_tokens": float(new_tokens),
+    }
+    if baselines:
+        target_tokens = sum(len(b["tokens"]) for b in baselines)
+        target_rate = target_tokens / sum(b["seconds"] for b in baselines)
+        alpha = min(accepted / trials, 0.999) if trials else 0.0
+        draft_s = sum(r.draft_s for r in rounds) / max(drafted, 1)
+        # The cost model of `gamma.py`, fed with this run's measured rate and costs.
+        predicted_tokens = sum(expected_tokens(alpha, r.drafted) for r in rounds)
+        predicted_seconds = sum(
+            r.drafted * draft_s + r.verify_s + max(0.0, r.round_s - r.draft_s - r.verify_s)
+            for r in rounds
+        )
+        predicted_speedup = predicted_tokens / predicted_seconds / target_rate
+        metrics.update(
+            {
+                "target_tokens_per_s": target_rate,
+                "speedup": metrics["tokens_per_s"] / target_rate,
+                "predicted_speedup": predicted_speedup,
+                "measured_over_predicted": metrics["tokens_per_s"]
+                / target_rate
+                / predicted_speedup,
+            }
+        )
+        if greedy:
+            metrics["greedy_match"] = statistics.mean(
+                float(g.tokens == b["tokens"]) for g, b in zip(generations, baselines, strict=True)
+            )
+    return metrics
+
+
+def run_drafter(
+    settings: SpecDecodingRunConfig,
+    address: tuple[str, int],
+    *,
+    wait_s: float | None = None,
+    check: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """`role=drafter`: generate on the configured prompts against the verifier at `address`."""
+    spec = settings.spec
+    cache_dir = settings.paths.cache_path
+    model = load_model(settings.draft, cache_dir=cache_dir)
+    tokenizer = load_tokenizer(settings.draft, cache_dir=cache_dir)
+    prompts = prompts_from_corpus(tokenizer, count=spec.num_prompts, tokens=spec.prompt_tokens)
+    with (
+        Tracker.from_settings(settings, job="spec_decoding") as tracker,
+        emulated_link(settings.cluster, address) as dial,
+    ):
+        conn = _connect_with_retry(
+            settings,
+            dial,
+            check=check,
+            wait_s=settings.cluster.connect_timeout_s if wait_s is None else wait_s,
+        )
+        try:
+            drafter = Drafter(
+                model,
+                tokenizer,
+                conn,
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
+            )
+            generations, baselines = [], []
+            for index, prompt in enumerate(prompts):
+                if spec.baseline:
+                    baselines.append(
+                        drafter.baseline(
+                            prompt, max_new_tokens=spec.max_new_tokens, seed=spec.seed + index
+                        )
+                    )
+                generation = drafter.generate(
+                    prompt, max_new_tokens=spec.max_new_tokens, seed=spec.seed + index
+                )
+                generations.append(generation)
+                tracker.log(
+                    summarize([generation], baselines[-1:], greedy=spec.temperature == 0),
+                    step=index,
+                )
+                log.info(
+                    "prompt %d/%d: %d tokens in %.2fs",
+                    index + 1,
+                    len(prompts),
+                    len(generation.tokens),
+                    generation.seconds,
+                )
+            if generations:
+                log.info("sample output: %r", tokenizer.decode(generations[0].tokens))
+        except VerifierLostError:
+            check()  # a verifier process that died says why
+            raise
+        finally:
+            conn.close()
+        metrics = summarize(generations, baselines, greedy=spec.temperature == 0)
+        tracker.summary(metrics)
+        return metrics
+
+
+def run(cfg: DictConfig | SpecDecodingRunConfig) -> dict[str, float]:
+    settings = to_settings(cfg, SpecDecodingRunConfig)
+    if settings.role == "local" and settings.num_threads == 0:
+        settings = replace(settings, num_threads=share_of_cores(2))  # verifier + drafter
+    apply_num_threads(settings.num_threads)
+    verifier = settings.cluster.verifier
+    if settings.role == "verifier":
+        serve_verifier(settings)
+        return {}
+    if settings.role == "drafter":
+        if verifier.port == 0:
+            raise ValueError("role=drafter needs cluster.verifier.port (the verifier's port)")
+        return run_drafter(settings, (verifier.host, verifier.port))
+    if settings.role != "local":
+        raise ValueError(f"spec_decoding has roles local, verifier, drafter; not {settings.role}")
+    # Local: build the models here once, then the verifier as its own process on loopback.
+    load_model(settings.target, cache_dir=settings.paths.cache_path)
+    port = free_port(verifier.host)
+    local = replace(
+        settings, cluster=replace(settings.cluster, verifier=Endpoint(verifier.host, port))
+    )
+    with services([_verifier_role(local)]) as check:
+        return run_drafter(
+            local,
+            (verifier.host, port),
+            check=check,
+            wait_s=settings.cluster.connect_timeout_s + 120,
+        )
+
+
+def _verifier_role(settings: SpecDecodingRunConfig) -> Role:
+    """The verifier process of a local run, started from this run's own resolved settings.
+
+    The settings go to a YAML file in the run directory (so both sides run exactly the same
+    config, whoever composed it); the secret, if any, goes through the environment instead.
+    """
+    run_dir = settings.paths.run_path.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    child_dir = run_dir / "verifier"
+    data = asdict(settings)
+    data["cluster"]["secret"] = None
+    data["defaults"] = ["spec_decoding_schema", "_self_"]
+    OmegaConf.save(OmegaConf.create(data), run_dir / "verifier_config.yaml")
+    secret = settings.cluster.resolved_secret()
+    return Role(
+        "verifier",
+        [
+            sys.executable,
+            "-m",
+            "spec_decoding",
+            f"--config-path={run_dir}",
+            "--config-name=verifier_config",
+            "role=verifier",
+            f"paths.run_dir={child_dir}",
+            f"hydra.run.dir={child_dir}",
+        ],
+        env={SECRET_ENV: secret.decode()} if secret else {},
+        service=True,
+    )

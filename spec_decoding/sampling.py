@@ -1,0 +1,57 @@
+"""The maths of speculative decoding as pure functions: no models, no sockets.
+
+Greedy: accept drafted tokens while they equal the target's argmax; the first mismatch is
+replaced by the target's choice, and if all match the target adds one more (the bonus).
+Sampling (Leviathan et al. 2023; Chen et al. 2023): accept draft token x with probability
+min(1, p(x) / q(x)); at the first rejection sample from normalize(max(0, p - q)); if all are
+accepted, sample the bonus from p. The output is distributed exactly as the target's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def probs_from_logits(logits: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
+    """Next-token distributions (..., V) after temperature and nucleus (top-p) filtering."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+    keep_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    filtered = probs * keep
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def greedy_verdict(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+    """(accepted, next token) for greedy decoding.
+
+    `target_logits`: (k + 1, V), row i is the target's prediction after draft[:i].
+    """
+    choices = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == choices[accepted]:
+        accepted += 1
+    return accepted, choices[accepted]
+
+
+def speculative_verdict(
+    p: torch.Tensor, q: torch.Tensor, draft: list[int], *, generator: torch.Generator
+) -> tuple[int, int]:
+    """(accepted, next token) under the speculative sampling rule.
+
+    `p`: (k + 1, V) target probabilities; `q`: (k, V) draft probabilities the draft tokens were
+    sampled from.
+    """
+    for i, token in enumerate(draft):
+        ratio = (p[i, token] / q[i, token]).item() if q[i, token] > 0 else float("inf")
+        if torch.rand((), generator=generator).item() >= min(1.0, ratio):
+            residual = (p[i] - q[i]).clamp_min(0)
+            total = residual.sum()
+            # p == q in floating point leaves no mass: then p itself is the right law
+            law = residual / total if total > 0 else p[i]
+            return i, int(torch.multinomial(law, 1, generator=generator).item())
+    k = len(draft)
+    return k, int(torch.multinomial(p[k], 1, generator=generator).item())

@@ -1,0 +1,49 @@
+"""Greedy speculative decoding is token-for-token the target's own greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+PROMPTS = ["def parse(self, text):\n", "import os\nimport sys\n\n", "class Queue:\n    def "]
+
+
+def target_greedy(target, tokenizer, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt_ids])
+    out = target.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("draft_name", ["unrelated", "same", "noisy"])
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_output_equals_target_greedy(
+    make_drafter, drafts, target, tokenizer, draft_name: str, gamma: int
+) -> None:
+    drafter = make_drafter(drafts[draft_name], gamma=gamma)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        result = drafter.generate(ids, max_new_tokens=24)
+        assert result.tokens == target_greedy(target, tokenizer, ids, 24)
+    accepted = sum(r.accepted for r in result.rounds)
+    drafted = sum(r.drafted for r in result.rounds)
+    if draft_name == "same":
+        assert accepted == drafted  # a perfect draft is always accepted
+    if draft_name == "unrelated":
+        assert accepted < drafted
+
+
+def test_auto_gamma_also_matches_and_stays_in_bounds(
+    make_drafter, drafts, target, tokenizer
+) -> None:
+    drafter = make_drafter(drafts["noisy"], gamma=None)
+    ids = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    result = drafter.generate(ids, max_new_tokens=40)
+    assert result.tokens == target_greedy(target, tokenizer, ids, 40)
+    assert all(0 <= r.drafted <= 8 for r in result.rounds)

@@ -1,0 +1,110 @@
+"""Real processes: the local run end to end, and a verifier killed mid-generation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lab.config import ModelConfig
+from lab.launch import free_port
+from lab.models import load_model, load_tokenizer
+from netproto import Connection
+from spec_decoding.drafter import Drafter, VerifierLostError
+from spec_decoding.gamma import GammaController
+from spec_decoding.run import run
+
+
+def test_local_run_end_to_end(compose_config, tiny_models: Path) -> None:
+    cfg = compose_config(
+        "spec_decoding",
+        [
+            "target.lab_preset=debug",
+            "draft.lab_preset=debug",
+            "tracking.wandb=false",
+            "spec.num_prompts=2",
+            "spec.max_new_tokens=12",
+            "spec.prompt_tokens=16",
+        ],
+    )
+    metrics = run(cfg)
+    assert metrics["greedy_match"] == 1.0
+    assert metrics["new_tokens"] == 24
+    assert 0.0 <= metrics["acceptance_rate"] <= 1.0
+    for key in (
+        "tokens_per_s",
+        "target_tokens_per_s",
+        "speedup",
+        "predicted_speedup",
+        "measured_over_predicted",
+    ):
+        assert metrics[key] > 0
+
+
+def start_verifier(lab_cache: Path, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spec_decoding",
+            "role=verifier",
+            "target.lab_preset=debug",
+            f"paths.cache_dir={lab_cache}",
+            f"cluster.verifier.port={port}",
+            f"hydra.run.dir={tmp_path / 'verifier'}",
+            "tracking.wandb=false",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "verifier ready" in line:
+            return proc, port
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    pytest.fail("verifier did not start")
+
+
+class KillAfter(GammaController):
+    """Kills the verifier process after a few rounds: a crash in the middle of generation."""
+
+    def __init__(self, proc: subprocess.Popen, rounds: int) -> None:
+        super().__init__(fixed=2, max_gamma=8)
+        self.proc, self.rounds = proc, rounds
+
+    def update(self, **kwargs) -> None:
+        super().update(**kwargs)
+        self.rounds -= 1
+        if self.rounds == 0:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def test_killed_verifier_gives_the_drafter_a_clear_error(
+    tiny_models: Path, lab_cache: Path, tmp_path: Path
+) -> None:
+    proc, port = start_verifier(lab_cache, tmp_path)
+    try:
+        draft_cfg = ModelConfig(pretrained="lab:tiny_draft", lab_preset="debug")
+        model = load_model(draft_cfg, cache_dir=lab_cache)
+        tokenizer = load_tokenizer(draft_cfg, cache_dir=lab_cache)
+        conn = Connection.connect("127.0.0.1", port, read_timeout_s=10)
+        drafter = Drafter(model, tokenizer, conn, gamma=KillAfter(proc, rounds=3))
+        started = time.monotonic()
+        with pytest.raises(VerifierLostError, match=f"lost the verifier at 127.0.0.1:{port}"):
+            drafter.generate([5, 6, 7, 8], max_new_tokens=500)
+        assert time.monotonic() - started < 10  # an error, not a hang until the timeout
+    finally:
+        proc.kill()
+        proc.wait()

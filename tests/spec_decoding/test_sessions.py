@@ -1,0 +1,113 @@
+"""Sessions: KV rollback equals recomputation; concurrency; faults close one session only."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from netproto import Connection, RemoteError
+from spec_decoding.cache import CachedDecoder
+from spec_decoding.protocol import SpecMsg
+from spec_decoding.verifier import vocab_hash
+
+
+def test_rollback_leaves_the_same_state_as_recomputation(target) -> None:
+    prompt = [5, 17, 42, 8, 99]
+    decoder = CachedDecoder(target, prompt)
+    decoder.prefill()
+    decoder.extend([7, 7, 7, 7])  # a draft that will be mostly rejected
+    decoder.commit([7, 13])  # one accepted, then a correction
+    decoder.extend([21, 22])  # another speculative run past the rollback point
+    decoder.commit([])  # nothing accepted
+    after_rollback = decoder.extend([30])[-1]
+    fresh = CachedDecoder(target, [*prompt, 7, 13])
+    fresh.prefill()
+    recomputed = fresh.extend([30])[-1]
+    torch.testing.assert_close(after_rollback, recomputed, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        full = target(input_ids=torch.tensor([[*prompt, 7, 13, 30]])).logits[0, -1]
+    torch.testing.assert_close(after_rollback, full, rtol=1e-4, atol=1e-4)
+    assert decoder.cached == [*prompt, 7, 13, 30]
+
+
+def test_concurrent_sessions_give_their_solo_outputs(make_drafter, drafts, tokenizer) -> None:
+    prompts = [
+        tokenizer(t, add_special_tokens=False)["input_ids"]
+        for t in ("def run(self):\n", "import json\n")
+    ]
+    solo = [
+        make_drafter(drafts["noisy"], temperature=0.8).generate(p, max_new_tokens=20, seed=i).tokens
+        for i, p in enumerate(prompts)
+    ]
+    together: list[list[int]] = [[], []]
+
+    def worker(index: int) -> None:
+        drafter = make_drafter(drafts["noisy"], temperature=0.8)
+        together[index] = drafter.generate(prompts[index], max_new_tokens=20, seed=index).tokens
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert together == solo
+    assert solo[0] != solo[1]
+
+
+def open_body(tokenizer, **extra) -> dict:
+    return {"prompt": [1, 2, 3], "vocab_hash": vocab_hash(tokenizer), **extra}
+
+
+def test_draft_before_open_closes_that_session_only(verifier_server, tokenizer) -> None:
+    address = verifier_server.address
+    with Connection.connect(*address) as good, Connection.connect(*address) as bad:
+        good.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
+        with pytest.raises(RemoteError, match="DRAFT before OPEN"):
+            bad.request(
+                SpecMsg.DRAFT,
+                {"tokens": torch.tensor([1], dtype=torch.int32)},
+                expect=SpecMsg.VERDICT,
+            )
+        verdict = good.request(
+            SpecMsg.DRAFT, {"tokens": torch.tensor([4], dtype=torch.int32)}, expect=SpecMsg.VERDICT
+        ).payload
+        assert set(verdict) == {"accepted", "token", "verify_ms"}
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ({"prompt": [10**9]}, "token ids outside"),
+        ({"prompt": []}, "prompt must hold"),
+        ({"temperature": -1}, "temperature"),
+        ({"vocab_hash": "not-the-same"}, "tokenizer differs"),
+    ],
+)
+def test_bad_open_is_refused_with_a_reason(verifier_server, tokenizer, body, error) -> None:
+    with (
+        Connection.connect(*verifier_server.address) as conn,
+        pytest.raises(RemoteError, match=error),
+    ):
+        conn.request(SpecMsg.OPEN, open_body(tokenizer, **body), expect=SpecMsg.OPENED)
+
+
+def test_draft_model_with_another_tokenizer_is_refused(make_drafter, drafts, tokenizer) -> None:
+    drafter = make_drafter(drafts["noisy"])
+    drafter.vocab_hash = "another-vocabulary"
+    with pytest.raises(RemoteError, match="share one vocabulary"):
+        drafter.generate([1, 2, 3], max_new_tokens=4)
+
+
+def test_a_vanished_drafter_frees_its_session(verifier_server, tokenizer) -> None:
+    verifier = verifier_server.verifier
+    conn = Connection.connect(*verifier_server.address)
+    conn.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
+    assert verifier.active_sessions == 1
+    conn._abort()  # gone without a goodbye
+    deadline = time.monotonic() + 5
+    while verifier.active_sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert verifier.active_sessions == 0
