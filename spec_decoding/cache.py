@@ -41,7 +41,7 @@ class CachedDecoder:
         if len(self.tokens) > 1 and not self.cached:
             self._run(self.tokens[:-1])
 
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper than no_grad per call: decoding never needs autograd
     def _run(self, feed: list[int]) -> torch.Tensor:
         input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)  # (1, fed)
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)

@@ -116,7 +116,7 @@ class Verifier:
             with self._lock:
                 self.active_sessions -= 1
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as our own decoding runs: a like-for-like baseline
     def baseline(self, body: dict[str, Any]) -> dict[str, Any]:
         """Target-only generation with Hugging Face `generate`, timed here (no network)."""
         prompt = _check_tokens(list(body.get("prompt", [])), self.vocab_size, "prompt")

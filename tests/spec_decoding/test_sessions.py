@@ -111,3 +111,35 @@ def test_a_vanished_drafter_frees_its_session(verifier_server, tokenizer) -> Non
     while verifier.active_sessions and time.monotonic() < deadline:
         time.sleep(0.01)
     assert verifier.active_sessions == 0
+
+
+def test_any_model_pair_is_chosen_with_package_overrides(compose_config) -> None:
+    from lab.config import to_settings
+    from spec_decoding.config import SpecDecodingRunConfig
+
+    settings = to_settings(
+        compose_config(
+            "spec_decoding", ["model@target=tinyllama", "model@draft=tiny_draft", "spec.gamma=5"]
+        ),
+        SpecDecodingRunConfig,
+    )
+    assert settings.target.pretrained == "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+    assert settings.draft.pretrained == "lab:tiny_draft"
+    assert settings.spec.fixed_gamma == 5
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("spec.gamma=lots", "spec.gamma='lots' must be `auto` or a number"),
+        ("spec.gamma=0", "spec.gamma=0 must be in 1..32"),
+        ("spec.top_p=1.5", "spec.top_p=1.5 must be in (0, 1]"),
+    ],
+)
+def test_bad_spec_settings_name_the_key(compose_config, override: str, needle: str) -> None:
+    from lab.config import to_settings
+    from spec_decoding.config import SpecDecodingRunConfig
+
+    with pytest.raises(ValueError) as info:
+        to_settings(compose_config("spec_decoding", [override]), SpecDecodingRunConfig)
+    assert needle in str(info.value)

@@ -1,0 +1,203 @@
+"""Speculative decoding vs target-only vs HF assisted generation.
+
+Run: `python bench/spec_decoding_bench.py [--quick]`.
+
+One run, the same held-out prompts and the same tiny_target / tiny_draft pair (greedy, so every
+method must produce the same tokens, which is checked):
+  1. target-only greedy with Hugging Face `generate`, in this process;
+  2. Hugging Face assisted generation (`generate(assistant_model=draft)`), in this process;
+  3. ours: the verifier in its own process, the drafter here, over loopback;
+  4. ours through the link emulator at 2, 10 and 50 ms one-way delay, fixed gammas vs `auto`.
+Every process uses one thread, as if each were its own small machine. Prints a table, writes
+bench/results/spec_decoding_bench.json, and ends with our loopback speedup over target-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lab.config import ModelConfig
+from lab.launch import free_port
+from lab.models import load_model, load_tokenizer
+from netproto import Connection, LinkEmulator
+from spec_decoding.drafter import Drafter
+from spec_decoding.gamma import GammaController
+from spec_decoding.run import prompts_from_corpus
+
+RESULTS = Path(__file__).resolve().parent / "results" / "spec_decoding_bench.json"
+CACHE = Path.home() / ".cache" / "distributed-llm-lab"
+
+
+def hf_generate(
+    model: Any, prompts: list[list[int]], max_new: int, tokenizer: Any, **kwargs: Any
+) -> tuple[list[list[int]], float]:
+    outputs, seconds = [], 0.0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        started = time.perf_counter()
+        with torch.inference_mode():  # as our decoding runs: like for like
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                **kwargs,
+            )
+        seconds += time.perf_counter() - started
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs, seconds
+
+
+def start_verifier(cache: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spec_decoding",
+            "role=verifier",
+            "num_threads=1",
+            f"cluster.verifier.port={port}",
+            f"paths.cache_dir={cache}",
+            "tracking.wandb=false",
+            "hydra.run.dir=outputs/bench/spec_verifier",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "verifier ready" in line:
+            return proc, port
+    raise RuntimeError("the verifier did not start")
+
+
+def ours(
+    address: tuple[str, int],
+    draft: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    max_new: int,
+    gamma: int | None,
+) -> dict[str, Any]:
+    with Connection.connect(*address, read_timeout_s=120) as conn:
+        drafter = Drafter(draft, tokenizer, conn, gamma=GammaController(fixed=gamma, max_gamma=8))
+        outputs, seconds, rounds = [], 0.0, []
+        for index, prompt in enumerate(prompts):
+            generation = drafter.generate(prompt, max_new_tokens=max_new, seed=index)
+            outputs.append(generation.tokens)
+            seconds += generation.seconds
+            rounds += generation.rounds
+    drafted = sum(r.drafted for r in rounds)
+    return {
+        "outputs": outputs,
+        "seconds": seconds,
+        "acceptance": sum(r.accepted for r in rounds) / max(drafted, 1),
+        "mean_gamma": drafted / len(rounds),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer prompts and delays")
+    parser.add_argument("--cache-dir", type=Path, default=CACHE)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    num_prompts, max_new = (2, 32) if args.quick else (4, 64)
+    delays = (10,) if args.quick else (2, 10, 50)
+    gammas = (1, 2, 4) if args.quick else (1, 2, 3, 4, 6)
+
+    target_cfg = ModelConfig(name="tiny_target", pretrained="lab:tiny_target")
+    draft_cfg = ModelConfig(name="tiny_draft", pretrained="lab:tiny_draft")
+    target = load_model(target_cfg, cache_dir=args.cache_dir, device=torch.device("cpu"))
+    draft = load_model(draft_cfg, cache_dir=args.cache_dir, device=torch.device("cpu"))
+    tokenizer = load_tokenizer(draft_cfg, cache_dir=args.cache_dir)
+    prompts = prompts_from_corpus(tokenizer, count=num_prompts, tokens=32)
+
+    hf_generate(target, prompts[:1], 8, tokenizer)  # warm-up
+    reference, target_s = hf_generate(target, prompts, max_new, tokenizer)
+    assisted, assisted_s = hf_generate(target, prompts, max_new, tokenizer, assistant_model=draft)
+    tokens = sum(len(o) for o in reference)
+    rows: dict[str, dict[str, Any]] = {
+        "target-only (HF generate)": {"tokens_per_s": tokens / target_s},
+        "HF assisted generation": {
+            "tokens_per_s": tokens / assisted_s,
+            "same_tokens": assisted == reference,
+        },
+    }
+    proc, port = start_verifier(args.cache_dir)
+    try:
+        address = ("127.0.0.1", port)
+        ours(address, draft, tokenizer, prompts[:1], 8, None)  # warm-up
+        loopback = ours(address, draft, tokenizer, prompts, max_new, None)
+        rows["ours, loopback, auto"] = {
+            "tokens_per_s": tokens / loopback["seconds"],
+            "acceptance": loopback["acceptance"],
+            "mean_gamma": loopback["mean_gamma"],
+            "same_tokens": loopback["outputs"] == reference,
+        }
+        for delay in delays:
+            with LinkEmulator(address, delay_ms=delay) as link:
+                for gamma in (*gammas, None):
+                    result = ours(link.address, draft, tokenizer, prompts, max_new, gamma)
+                    label = f"ours, {delay} ms, gamma={'auto' if gamma is None else gamma}"
+                    rows[label] = {
+                        "tokens_per_s": tokens / result["seconds"],
+                        "acceptance": result["acceptance"],
+                        "mean_gamma": result["mean_gamma"],
+                        "same_tokens": result["outputs"] == reference,
+                    }
+                    print(f"{label}: {rows[label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+    base = rows["target-only (HF generate)"]["tokens_per_s"]
+    print(f"{'method':<32}{'tokens/s':>10}{'vs target':>11}{'accept':>8}{'gamma':>7}  same")
+    nan = float("nan")
+    for label, row in rows.items():
+        row["speedup"] = row["tokens_per_s"] / base
+        print(
+            f"{label:<32}{row['tokens_per_s']:>10.1f}{row['speedup']:>10.2f}x"
+            f"{row.get('acceptance', nan):>8.2f}{row.get('mean_gamma', nan):>7.2f}"
+            f"  {row.get('same_tokens', True)}"
+        )
+    auto_vs_best = {}
+    for delay in delays:
+        fixed = [rows[f"ours, {delay} ms, gamma={g}"]["tokens_per_s"] for g in gammas]
+        auto_vs_best[delay] = rows[f"ours, {delay} ms, gamma=auto"]["tokens_per_s"] / max(fixed)
+        print(f"auto / best fixed gamma at {delay} ms: {auto_vs_best[delay]:.2f}")
+    ours_speedup = rows["ours, loopback, auto"]["speedup"]
+    vs_assisted = (
+        rows["ours, loopback, auto"]["tokens_per_s"]
+        / rows["HF assisted generation"]["tokens_per_s"]
+    )
+    print(f"ours / HF assisted generation (loopback): {vs_assisted:.2f}x")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "auto_vs_best_fixed": auto_vs_best,
+                "prompts": num_prompts,
+                "max_new_tokens": max_new,
+            },
+            indent=2,
+        )
+    )
+    print(f"our speedup over target-only (loopback): {ours_speedup:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Top-k with error feedback loses nothing; int8 stays within half a step; bytes shrink."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fed_learn.compression import (
+    ErrorFeedback,
+    compress,
+    decompress,
+    quantize_int8,
+    topk,
+    wire_bytes,
+)
+
+
+def test_topk_keeps_the_largest_magnitudes() -> None:
+    indices, values = topk(torch.tensor([0.1, -5.0, 0.3, 4.0, -0.2]), fraction=0.4)
+    assert sorted(indices.tolist()) == [1, 3]
+    assert sorted(values.tolist()) == [-5.0, 4.0]
+
+
+@pytest.mark.parametrize("method", ["topk", "topk_int8"])
+def test_error_feedback_keeps_the_residual(method: str) -> None:
+    torch.manual_seed(0)
+    shapes = {"a": torch.Size([8, 16]), "b": torch.Size([32, 8])}
+    feedback = ErrorFeedback()
+    total_update = {k: torch.zeros(s) for k, s in shapes.items()}
+    total_sent = {k: torch.zeros(s) for k, s in shapes.items()}
+    for _ in range(5):
+        update = {k: torch.randn(s) for k, s in shapes.items()}
+        sent = decompress(
+            feedback.compress(update, method=method, fraction=0.1), method=method, shapes=shapes
+        )
+        for key in shapes:
+            total_update[key] += update[key]
+            total_sent[key] += sent[key]
+    for key in shapes:  # everything is either sent or still owed
+        torch.testing.assert_close(
+            total_sent[key] + feedback.residual[key], total_update[key], rtol=1e-5, atol=1e-5
+        )
+        assert feedback.residual[key].abs().sum() > 0
+
+
+def test_int8_error_is_at_most_half_a_step() -> None:
+    values = torch.randn(1000)
+    q, scale = quantize_int8(values)
+    assert q.dtype == torch.int8
+    assert (q.float() * scale - values).abs().max() <= scale / 2 + 1e-7
+
+
+def test_topk_int8_sends_many_times_fewer_bytes() -> None:
+    update = {"a": torch.randn(64, 256), "b": torch.randn(256, 64)}
+    dense = wire_bytes(compress(update, method="none", fraction=1.0))
+    sparse = wire_bytes(compress(update, method="topk_int8", fraction=0.02))
+    assert dense / sparse > 10
+
+
+def test_decompress_refuses_indices_out_of_range() -> None:
+    wire = {"a.idx": torch.tensor([0, 99], dtype=torch.int32), "a.val": torch.ones(2)}
+    with pytest.raises(ValueError, match="out of range"):
+        decompress(wire, method="topk", shapes={"a": torch.Size([4])})
