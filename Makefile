@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP) ## Create .venv and install the project (editable) with its dev tools
 
-run: $(STAMP) ## Run the lab's main job on the offline defaults (builds the tiny models if missing)
+run: $(STAMP) ## The lab tour on offline defaults: build the tiny models, then speculative decoding
 	$(PY) -m lab.pretrain
+	$(PY) -m spec_decoding
 
 test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded)
 	$(PY) -m pytest -m "not slow and not multihost" -q
