@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,12 +24,11 @@ from typing import Any
 import torch
 
 from lab.config import ModelConfig
-from lab.launch import free_port
 from lab.models import load_model, load_tokenizer
 from netproto import Connection, LinkEmulator
 from spec_decoding.drafter import Drafter
 from spec_decoding.gamma import GammaController
-from spec_decoding.run import prompts_from_corpus
+from spec_decoding.run import prompts_from_corpus, start_verifier_process
 
 RESULTS = Path(__file__).resolve().parent / "results" / "spec_decoding_bench.json"
 CACHE = Path.home() / ".cache" / "distributed-llm-lab"
@@ -56,31 +54,6 @@ def hf_generate(
         seconds += time.perf_counter() - started
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs, seconds
-
-
-def start_verifier(cache: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spec_decoding",
-            "role=verifier",
-            "num_threads=1",
-            f"cluster.verifier.port={port}",
-            f"paths.cache_dir={cache}",
-            "tracking.wandb=false",
-            "hydra.run.dir=outputs/bench/spec_verifier",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "verifier ready" in line:
-            return proc, port
-    raise RuntimeError("the verifier did not start")
 
 
 def ours(
@@ -136,7 +109,14 @@ def main() -> None:
             "same_tokens": assisted == reference,
         },
     }
-    proc, port = start_verifier(args.cache_dir)
+    proc, port = start_verifier_process(
+        [
+            "num_threads=1",
+            f"paths.cache_dir={args.cache_dir}",
+            "tracking.wandb=false",
+            "hydra.run.dir=outputs/bench/spec_verifier",
+        ]
+    )
     try:
         address = ("127.0.0.1", port)
         ours(address, draft, tokenizer, prompts[:1], 8, None)  # warm-up

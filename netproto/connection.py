@@ -218,14 +218,8 @@ class Connection:
                 raise ConnectionClosed(f"connection to {self.peer} is closed")
             try:
                 sent = self._sendall(buffers)
-            except TimeoutError:
-                self._abort()
-                raise NetTimeout(f"sending to {self.peer} timed out") from None
-            except OSError as exc:
-                self._abort()
-                raise ConnectionClosed(
-                    f"connection to {self.peer} lost while sending: {exc.strerror or exc}"
-                ) from None
+            except OSError as exc:  # a half-sent frame cannot be taken back: close
+                raise self._lost(exc, mid_frame=True) from None
         self.bytes_sent += sent
         return sent
 
@@ -428,14 +422,8 @@ class Connection:
                 if not count:
                     break
                 got += count
-        except TimeoutError:
-            self._abort()  # mid-frame: the stream cannot be resynchronised
-            raise NetTimeout(f"no data from {self.peer} within the read timeout") from None
         except OSError as exc:
-            self._abort()
-            raise ConnectionClosed(
-                f"connection to {self.peer} lost: {exc.strerror or exc}"
-            ) from None
+            raise self._lost(exc, mid_frame=True) from None
         if got < size:
             self._abort()
             raise PeerProtocolError(
@@ -447,21 +435,24 @@ class Connection:
         """One recv_into; `started`: bytes of this frame already arrived (EOF = truncation)."""
         try:
             count = self._sock.recv_into(view)
-        except TimeoutError:
-            if started:  # mid-frame: the stream cannot be resynchronised
-                self._abort()
-            raise NetTimeout(f"no data from {self.peer} within the read timeout") from None
         except OSError as exc:
-            self._abort()
-            raise ConnectionClosed(
-                f"connection to {self.peer} lost: {exc.strerror or exc}"
-            ) from None
+            raise self._lost(exc, mid_frame=started) from None
         if count == 0:
             self._abort()
             if not started:
                 raise ConnectionClosed(f"{self.peer} closed the connection")
             raise PeerProtocolError(f"{self.peer} closed the connection mid-frame (truncated)")
         return count
+
+    def _lost(self, exc: OSError, *, mid_frame: bool) -> NetTimeout | ConnectionClosed:
+        """The error to raise for a socket failure. A timeout between frames leaves the
+        connection usable; anything else (or a timeout mid-frame) closes it."""
+        if isinstance(exc, TimeoutError):
+            if mid_frame:  # the stream cannot be resynchronised
+                self._abort()
+            return NetTimeout(f"{self.peer} did not answer within the timeout")
+        self._abort()
+        return ConnectionClosed(f"connection to {self.peer} lost: {exc.strerror or exc}")
 
     def _fail(self, error: PeerProtocolError) -> PeerProtocolError:
         """The peer broke the protocol: tell it why (best effort) and close this connection."""

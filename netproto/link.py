@@ -13,11 +13,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import selectors
 import socket
 import threading
 import time
 from typing import Any
+
+from netproto.listener import accept_until, listen
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,7 @@ class LinkEmulator:
         return host, port
 
     def start(self) -> LinkEmulator:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(self._listen)
-        listener.listen(64)
-        listener.setblocking(False)
-        self._listener = listener
+        self._listener = listen(*self._listen, backlog=64, name="link emulator")
         self._spawn(self._accept_loop, "link-accept")
         log.info(
             "link emulator %s:%d -> %s:%d (delay %.1f ms, %s)",
@@ -82,31 +78,22 @@ class LinkEmulator:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
-            while not self._stopping.is_set():
-                if not selector.select(timeout=0.1):
-                    continue
-                try:
-                    client, _ = self._listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    return
-                client.setblocking(True)
-                try:
-                    server = socket.create_connection(self.upstream, timeout=10.0)
-                except OSError as exc:
-                    log.warning("link emulator cannot reach %s:%d: %s", *self.upstream, exc)
-                    client.close()
-                    continue
-                server.settimeout(None)
-                for sock in (client, server):
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                with self._lock:
-                    self._sockets += [client, server]
-                self._start_direction(client, server, "up")
-                self._start_direction(server, client, "down")
+        accept_until(self._listener, self._stopping, self._connect_upstream)
+
+    def _connect_upstream(self, client: socket.socket) -> None:
+        try:
+            server = socket.create_connection(self.upstream, timeout=10.0)
+        except OSError as exc:
+            log.warning("link emulator cannot reach %s:%d: %s", *self.upstream, exc)
+            client.close()
+            return
+        server.settimeout(None)
+        for sock in (client, server):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._sockets += [client, server]
+        self._start_direction(client, server, "up")
+        self._start_direction(server, client, "down")
 
     def _start_direction(self, source: socket.socket, sink: socket.socket, name: str) -> None:
         chunks: queue.Queue[tuple[float, bytes] | None] = queue.Queue(maxsize=QUEUE_CHUNKS)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import selectors
 import socket
 import ssl
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 
 from netproto.connection import Connection
 from netproto.errors import AuthenticationError, ConnectionClosed, NetprotoError, NetTimeout
+from netproto.listener import accept_until, listen
 from netproto.wire import REGISTRY, Limits, Registry
 
 log = logging.getLogger(__name__)
@@ -74,20 +74,7 @@ class Server:
             return len(self._sessions)
 
     def start(self) -> Server:
-        family = socket.AF_INET6 if ":" in self._bind[0] else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind(self._bind)
-        except OSError as exc:
-            listener.close()
-            raise OSError(
-                exc.errno,
-                f"{self.name}: cannot listen on {self._bind[0]}:{self._bind[1]}: {exc.strerror}",
-            ) from None
-        listener.listen(128)
-        listener.setblocking(False)
-        self._listener = listener
+        self._listener = listen(*self._bind, name=self.name)
         self._accept_thread = threading.Thread(
             target=self._accept_loop, daemon=True, name=f"{self.name}-accept"
         )
@@ -103,40 +90,26 @@ class Server:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._listener, selectors.EVENT_READ)
-            while not self._stopping.is_set():
-                if not selector.select(timeout=0.1):
-                    continue
-                try:
-                    sock, _ = self._listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    if self._stopping.is_set():
-                        return
-                    raise
-                sock.setblocking(True)
-                with self._lock:
-                    busy = len(self._sessions) >= self.max_connections
-                    if not busy:
-                        thread = threading.Thread(
-                            target=self._session,
-                            args=(sock,),
-                            daemon=True,
-                            name=f"{self.name}-session",
-                        )
-                        self._sessions[thread] = sock
-                        self.sessions_started += 1
-                if busy:
-                    log.warning(
-                        "%s: refusing a connection, %d sessions already open",
-                        self.name,
-                        self.max_connections,
-                    )
-                    sock.close()
-                    continue
-                thread.start()
+        accept_until(self._listener, self._stopping, self._start_session)
+
+    def _start_session(self, sock: socket.socket) -> None:
+        with self._lock:
+            busy = len(self._sessions) >= self.max_connections
+            if not busy:
+                thread = threading.Thread(
+                    target=self._session, args=(sock,), daemon=True, name=f"{self.name}-session"
+                )
+                self._sessions[thread] = sock
+                self.sessions_started += 1
+        if busy:
+            log.warning(
+                "%s: refusing a connection, %d sessions already open",
+                self.name,
+                self.max_connections,
+            )
+            sock.close()
+            return
+        thread.start()
 
     def _session(self, sock: socket.socket) -> None:
         conn: Connection | None = None

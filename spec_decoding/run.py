@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -64,6 +65,43 @@ def serve_verifier(
         stop.wait()
     finally:
         server.stop()
+
+
+def start_verifier_process(
+    overrides: list[str], *, host: str = "127.0.0.1", timeout_s: float = 120.0
+) -> tuple[subprocess.Popen[str], int]:
+    """`python -m spec_decoding role=verifier` on a free port; returns once it serves.
+
+    Its output is drained in the background (a full pipe would stall it).
+    """
+    port = free_port(host)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spec_decoding",
+            "role=verifier",
+            f"cluster.verifier.host={host}",
+            f"cluster.verifier.port={port}",
+            *overrides,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = [*tail[-20:], line]
+        if "verifier ready" in line:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, port
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    proc.wait()
+    raise RuntimeError("the verifier process did not start:\n" + "".join(tail))
 
 
 def _connect_with_retry(

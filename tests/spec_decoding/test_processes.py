@@ -5,19 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from lab.config import ModelConfig
-from lab.launch import free_port
 from lab.models import load_model, load_tokenizer
 from netproto import Connection
 from spec_decoding.drafter import Drafter, VerifierLostError
 from spec_decoding.gamma import GammaController
-from spec_decoding.run import run
+from spec_decoding.run import run, start_verifier_process
 
 
 def test_local_run_end_to_end(compose_config, tiny_models: Path) -> None:
@@ -47,33 +45,14 @@ def test_local_run_end_to_end(compose_config, tiny_models: Path) -> None:
 
 
 def start_verifier(lab_cache: Path, tmp_path: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    proc = subprocess.Popen(
+    return start_verifier_process(
         [
-            sys.executable,
-            "-m",
-            "spec_decoding",
-            "role=verifier",
             "target.lab_preset=debug",
             f"paths.cache_dir={lab_cache}",
-            f"cluster.verifier.port={port}",
-            f"hydra.run.dir={tmp_path / 'verifier'}",
             "tracking.wandb=false",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+            f"hydra.run.dir={tmp_path / 'verifier'}",
+        ]
     )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if "verifier ready" in line:
-            return proc, port
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    pytest.fail("verifier did not start")
 
 
 class KillAfter(GammaController):
