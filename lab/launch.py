@@ -222,3 +222,47 @@ def services(
             yield check
     finally:
         _stop(running, grace_s=grace_s)
+
+
+def settings_role(
+    name: str,
+    module: str,
+    settings: object,
+    *,
+    schema: str,
+    overrides: Sequence[str] = (),
+    service: bool = False,
+) -> Role:
+    """A role that runs `python -m module` with exactly this run's resolved settings.
+
+    The settings (a schema dataclass) are written to `<run_dir>/<name>_config.yaml` and the
+    child composes that file against `schema`; `overrides` then set what differs for this role
+    (its `role=...`, its port...). A shared secret travels in the environment, never in a file.
+    """
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    from lab.config import SECRET_ENV, LabConfig
+
+    if not isinstance(settings, LabConfig):
+        raise TypeError("settings_role needs a LabConfig (sub)class instance")
+    run_dir = settings.paths.run_path.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    child_dir = run_dir / name
+    data = asdict(settings)
+    data["cluster"]["secret"] = None
+    data["defaults"] = [schema, "_self_"]
+    OmegaConf.save(OmegaConf.create(data), run_dir / f"{name}_config.yaml")
+    secret = settings.cluster.resolved_secret()
+    argv = [
+        sys.executable,
+        "-m",
+        module,
+        f"--config-path={run_dir}",
+        f"--config-name={name}_config",
+        *overrides,
+        f"paths.run_dir={child_dir}",
+        f"hydra.run.dir={child_dir}",
+    ]
+    return Role(name, argv, env={SECRET_ENV: secret.decode()} if secret else {}, service=service)

@@ -13,6 +13,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -114,6 +115,8 @@ class Connection:
         self.peer = peer or _peer_name(sock)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.last_received = time.monotonic()
+        """When the last whole frame arrived (heartbeats included): for liveness checks."""
         self._rbuf = memoryview(bytearray(READ_CHUNK_BYTES))
         self._rpos = 0  # unread bytes are self._rbuf[self._rpos:self._rend]
         self._rend = 0
@@ -375,6 +378,7 @@ class Connection:
             self._rpos += buffered
             self._recv_exactly(view[buffered:])
         self.bytes_received += HEADER_BYTES + length
+        self.last_received = time.monotonic()
         try:
             value = decode_payload(header, payload, limits=self._active_limits)
         except PeerProtocolError as exc:

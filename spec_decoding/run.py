@@ -10,15 +10,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from lab.config import SECRET_ENV, Endpoint, to_settings
+from lab.config import Endpoint, to_settings
 from lab.corpus import load_corpus
 from lab.device import apply_num_threads, share_of_cores
-from lab.launch import Role, free_port, services
+from lab.launch import free_port, services, settings_role
 from lab.models import load_model, load_tokenizer
 from lab.tracking import Tracker
 from netproto import Connection, ConnectionClosed, NetTimeout
@@ -265,41 +265,18 @@ def run(cfg: DictConfig | SpecDecodingRunConfig) -> dict[str, float]:
     local = replace(
         settings, cluster=replace(settings.cluster, verifier=Endpoint(verifier.host, port))
     )
-    with services([_verifier_role(local)]) as check:
+    role = settings_role(
+        "verifier",
+        "spec_decoding",
+        local,
+        schema="spec_decoding_schema",
+        overrides=["role=verifier"],
+        service=True,
+    )
+    with services([role]) as check:
         return run_drafter(
             local,
             (verifier.host, port),
             check=check,
             wait_s=settings.cluster.connect_timeout_s + 120,
         )
-
-
-def _verifier_role(settings: SpecDecodingRunConfig) -> Role:
-    """The verifier process of a local run, started from this run's own resolved settings.
-
-    The settings go to a YAML file in the run directory (so both sides run exactly the same
-    config, whoever composed it); the secret, if any, goes through the environment instead.
-    """
-    run_dir = settings.paths.run_path.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    child_dir = run_dir / "verifier"
-    data = asdict(settings)
-    data["cluster"]["secret"] = None
-    data["defaults"] = ["spec_decoding_schema", "_self_"]
-    OmegaConf.save(OmegaConf.create(data), run_dir / "verifier_config.yaml")
-    secret = settings.cluster.resolved_secret()
-    return Role(
-        "verifier",
-        [
-            sys.executable,
-            "-m",
-            "spec_decoding",
-            f"--config-path={run_dir}",
-            "--config-name=verifier_config",
-            "role=verifier",
-            f"paths.run_dir={child_dir}",
-            f"hydra.run.dir={child_dir}",
-        ],
-        env={SECRET_ENV: secret.decode()} if secret else {},
-        service=True,
-    )

@@ -1,0 +1,93 @@
+"""A LoRA client: its private shard never leaves it; it sends only adapter tensors."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from fed_learn.lora import adapter_state, load_adapter_state, train_local
+from fed_learn.protocol import FedMsg
+from lab.pretrain import evaluate
+from netproto import Connection, MsgType, NetprotoError
+
+log = logging.getLogger(__name__)
+
+
+class LoRAClient:
+    def __init__(
+        self,
+        model: Any,
+        train_blocks: torch.Tensor,
+        val_blocks: torch.Tensor,
+        *,
+        name: str,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.train_blocks = train_blocks
+        self.val_blocks = val_blocks
+        self.name = name
+        self.seed = seed
+
+    def run(self, conn: Connection, *, heartbeat_s: float) -> int:
+        """Join, then train whenever asked until FINISH; returns the rounds taken part in."""
+        stop = threading.Event()
+        beat = threading.Thread(
+            target=self._heartbeat, args=(conn, heartbeat_s, stop), daemon=True, name="heartbeat"
+        )
+        beat.start()
+        rounds = 0
+        try:
+            welcome = conn.request(
+                FedMsg.JOIN,
+                {"name": self.name, "num_examples": len(self.train_blocks)},
+                expect=FedMsg.WELCOME,
+            ).payload
+            log.info(
+                "joined as client %d with %d examples", welcome["client_id"], len(self.train_blocks)
+            )
+            while True:
+                message = conn.recv(expect={FedMsg.TASK, FedMsg.FINISH}, timeout_s=None)
+                if message.type == FedMsg.FINISH:
+                    return rounds
+                task = message.payload
+                load_adapter_state(self.model, conn.recv_tensors(FedMsg.GLOBAL, timeout_s=None))
+                started = time.perf_counter()
+                train_loss = train_local(
+                    self.model,
+                    self.train_blocks,
+                    epochs=int(task["local_epochs"]),
+                    max_steps=int(task["local_steps"]),
+                    batch_size=int(task["batch_size"]),
+                    lr=float(task["lr"]),
+                    seed=self.seed + int(task["round"]),
+                    prox_mu=float(task.get("prox_mu", 0.0)),
+                    freeze_a=bool(task.get("freeze_a", False)),
+                )
+                conn.send_msg(
+                    FedMsg.RESULT,
+                    {
+                        "round": task["round"],
+                        "num_examples": len(self.train_blocks),
+                        "train_loss": train_loss,
+                        "val_loss": evaluate(self.model, self.val_blocks),
+                        "seconds": time.perf_counter() - started,
+                    },
+                )
+                conn.send_tensors(FedMsg.UPDATE, adapter_state(self.model))
+                rounds += 1
+                log.info("round %d: train loss %.4f", task["round"] + 1, train_loss)
+        finally:
+            stop.set()
+
+    @staticmethod
+    def _heartbeat(conn: Connection, every_s: float, stop: threading.Event) -> None:
+        while not stop.wait(every_s):
+            try:
+                conn.send(MsgType.PING)
+            except NetprotoError:
+                return

@@ -1,0 +1,139 @@
+"""LoRA on a causal LM with PEFT: building the model, its data, and one client's local training."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fed_learn.config import LoRASettings
+from lab.config import ModelConfig
+from lab.corpus import client_shards, load_corpus, token_blocks
+from lab.models import load_model
+
+log = logging.getLogger(__name__)
+
+MAX_BLOCK_TOKENS = 128
+
+
+def peft_model(
+    base: ModelConfig,
+    lora: LoRASettings,
+    *,
+    cache_dir: Path,
+    device: torch.device | None = None,
+    seed: int = 0,
+) -> Any:
+    """The base model (4-bit where configured and supported) wrapped with LoRA adapters."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    model = load_model(base, cache_dir=cache_dir, device=device, for_training=True)
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(seed)  # every party builds the same initial adapter
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's tensors (PEFT state dict keys), detached copies on CPU."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu").clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def load_adapter_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    expected = set(adapter_state(model))
+    if set(state) != expected:
+        raise ValueError(
+            f"adapter tensors do not match this model's LoRA layout: "
+            f"{sorted(set(state) ^ expected)[:4]}"
+        )
+    set_peft_model_state_dict(model, state)
+
+
+def block_size(model: Any) -> int:
+    return min(MAX_BLOCK_TOKENS, int(model.config.max_position_embeddings))
+
+
+def client_data(
+    tokenizer: Any, *, index: int, num_clients: int, seed: int, block: int, max_examples: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) blocks of client `index`'s own shard (90/10 split)."""
+    if not 0 <= index < num_clients:
+        raise ValueError(f"client_index={index} must be in 0..{num_clients - 1}")
+    shard = client_shards(load_corpus().train, num_clients, seed=seed)[index]
+    blocks = token_blocks(
+        [d.text for d in shard], tokenizer, block_size=block, max_blocks=max_examples
+    )
+    num_val = max(1, len(blocks) // 10)
+    return blocks[num_val:], blocks[:num_val]
+
+
+def validation_blocks(tokenizer: Any, *, block: int, count: int) -> torch.Tensor:
+    """Held-out text nobody trains on: the corpus's validation files."""
+    return token_blocks(
+        [d.text for d in load_corpus().validation], tokenizer, block_size=block, max_blocks=count
+    )
+
+
+def train_local(
+    model: Any,
+    blocks: torch.Tensor,
+    *,
+    epochs: int,
+    max_steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    prox_mu: float = 0.0,
+    freeze_a: bool = False,
+) -> float:
+    """Local LoRA training; returns the mean training loss.
+
+    `prox_mu` > 0 adds FedProx's (mu / 2) * ||w - w_global||^2 over the adapter weights;
+    `freeze_a` trains only the B matrices (FFA-LoRA).
+    """
+    params = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    for name, param in params.items():
+        param.requires_grad_(not (freeze_a and "lora_A" in name))
+    trainable = [p for p in params.values() if p.requires_grad]
+    anchors = {n: p.detach().clone() for n, p in params.items()} if prox_mu > 0 else {}
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    steps_per_epoch = math.ceil(len(blocks) / batch_size)
+    total = epochs * steps_per_epoch if max_steps <= 0 else min(max_steps, epochs * steps_per_epoch)
+    model.train()
+    losses = []
+    for step in range(total):
+        if step % steps_per_epoch == 0:
+            order = torch.randperm(len(blocks), generator=generator)
+        start = (step % steps_per_epoch) * batch_size
+        batch = blocks[order[start : start + batch_size]].to(device)  # (B, T)
+        logits = model(input_ids=batch).logits[:, :-1]  # (B, T-1, V)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
+        )
+        losses.append(loss.item())
+        if anchors:
+            loss = loss + prox_mu / 2 * sum(
+                ((params[n] - a) ** 2).sum() for n, a in anchors.items()
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return sum(losses) / len(losses)

@@ -1,0 +1,128 @@
+"""`python -m fed_learn`: the coordinator, the clients, and the local (loopback) set-up."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import replace
+
+from omegaconf import DictConfig
+
+from fed_learn.client import LoRAClient
+from fed_learn.config import FedLearnRunConfig
+from fed_learn.coordinator import Coordinator
+from fed_learn.lora import block_size, client_data, peft_model, validation_blocks
+from lab.config import Endpoint, to_settings
+from lab.device import apply_num_threads, share_of_cores
+from lab.launch import free_port, launch, settings_role
+from lab.models import load_tokenizer
+from lab.tracking import METRICS_FILE, Tracker
+from netproto import ConnectionClosed, NetTimeout
+from netproto.cluster import connect, serve
+
+log = logging.getLogger(__name__)
+
+
+def run_coordinator(settings: FedLearnRunConfig) -> dict[str, float]:
+    cache_dir = settings.paths.cache_path
+    model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
+    tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
+    val = validation_blocks(tokenizer, block=block_size(model), count=settings.fed.eval_blocks)
+    coordinator = Coordinator(settings, model, val)
+    server = serve(
+        coordinator.handle, settings.cluster, settings.cluster.coordinator, name="coordinator"
+    )
+    try:
+        log.info("coordinator ready on %s:%d", *server.address)
+        with Tracker.from_settings(settings, job="fed_learn") as tracker:
+            metrics = coordinator.run_rounds(tracker)
+            tracker.summary(metrics)
+            return metrics
+    finally:
+        server.stop()
+
+
+def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
+    cache_dir = settings.paths.cache_path
+    model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
+    tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
+    train, val = client_data(
+        tokenizer,
+        index=settings.client_index,
+        num_clients=settings.fed.num_clients,
+        seed=settings.seed,
+        block=block_size(model),
+        max_examples=settings.fed.max_examples_per_client,
+    )
+    address = (settings.cluster.coordinator.host, settings.cluster.coordinator.port)
+    deadline = time.monotonic() + settings.cluster.connect_timeout_s + settings.fed.wait_clients_s
+    while True:  # the coordinator may still be loading its model
+        try:
+            conn = connect(settings.cluster, address)
+            break
+        except (ConnectionClosed, NetTimeout):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    client = LoRAClient(
+        model,
+        train,
+        val,
+        seed=settings.seed + settings.client_index,
+        name=settings.client_name or f"client{settings.client_index}",
+    )
+    with conn:
+        rounds = client.run(conn, heartbeat_s=settings.fed.heartbeat_s)
+    return {"rounds": float(rounds), "num_examples": float(len(train))}
+
+
+def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
+    settings = to_settings(cfg, FedLearnRunConfig)
+    processes = settings.fed.num_clients + 1
+    if settings.role == "local" and settings.num_threads == 0:
+        settings = replace(settings, num_threads=share_of_cores(processes))
+    apply_num_threads(settings.num_threads)
+    if settings.role == "coordinator":
+        return run_coordinator(settings)
+    if settings.role == "client":
+        if settings.cluster.coordinator.port == 0:
+            raise ValueError("role=client needs cluster.coordinator.port (the coordinator's)")
+        return run_client(settings)
+    if settings.role != "local":
+        raise ValueError(f"fed_learn has roles local, coordinator, client; not {settings.role}")
+    # Local: the coordinator and every client as their own processes on loopback.
+    from lab.models import load_model
+
+    load_model(settings.model, cache_dir=settings.paths.cache_path)  # build tiny models once
+    host = settings.cluster.coordinator.host
+    local = replace(
+        settings, cluster=replace(settings.cluster, coordinator=Endpoint(host, free_port(host)))
+    )
+    roles = [
+        settings_role(
+            "coordinator",
+            "fed_learn",
+            local,
+            schema="fed_learn_schema",
+            overrides=["role=coordinator"],
+        )
+    ]
+    roles += [
+        settings_role(
+            f"client{i}",
+            "fed_learn",
+            local,
+            schema="fed_learn_schema",
+            overrides=["role=client", f"client_index={i}"],
+        )
+        for i in range(settings.fed.num_clients)
+    ]
+    launch(roles)
+    return _summary(local.paths.run_path / "coordinator" / METRICS_FILE)
+
+
+def _summary(metrics_file) -> dict[str, float]:
+    lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    summary = [line for line in lines if line["kind"] == "summary"][-1]
+    return {k: float(v) for k, v in summary.items() if k not in ("kind", "time_s")}
