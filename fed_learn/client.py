@@ -55,34 +55,40 @@ class LoRAClient:
                 if message.type == FedMsg.FINISH:
                     return rounds
                 task = message.payload
-                load_adapter_state(self.model, conn.recv_tensors(FedMsg.GLOBAL, timeout_s=None))
-                started = time.perf_counter()
-                train_loss = train_local(
-                    self.model,
-                    self.train_blocks,
-                    epochs=int(task["local_epochs"]),
-                    max_steps=int(task["local_steps"]),
-                    batch_size=int(task["batch_size"]),
-                    lr=float(task["lr"]),
-                    seed=self.seed + int(task["round"]),
-                    prox_mu=float(task.get("prox_mu", 0.0)),
-                    freeze_a=bool(task.get("freeze_a", False)),
-                )
-                conn.send_msg(
-                    FedMsg.RESULT,
-                    {
-                        "round": task["round"],
-                        "num_examples": len(self.train_blocks),
-                        "train_loss": train_loss,
-                        "val_loss": evaluate(self.model, self.val_blocks),
-                        "seconds": time.perf_counter() - started,
-                    },
-                )
-                conn.send_tensors(FedMsg.UPDATE, adapter_state(self.model))
+                global_state = conn.recv_tensors(FedMsg.GLOBAL, timeout_s=None)
+                result, update = self.train_round(task, global_state)
+                conn.send_msg(FedMsg.RESULT, result)
+                conn.send_tensors(FedMsg.UPDATE, update)
                 rounds += 1
-                log.info("round %d: train loss %.4f", task["round"] + 1, train_loss)
         finally:
             stop.set()
+
+    def train_round(
+        self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Local training from the global adapter: (result metadata, the new adapter)."""
+        load_adapter_state(self.model, global_state)
+        started = time.perf_counter()
+        train_loss = train_local(
+            self.model,
+            self.train_blocks,
+            epochs=int(task["local_epochs"]),
+            max_steps=int(task["local_steps"]),
+            batch_size=int(task["batch_size"]),
+            lr=float(task["lr"]),
+            seed=self.seed + int(task["round"]),
+            prox_mu=float(task.get("prox_mu", 0.0)),
+            freeze_a=bool(task.get("freeze_a", False)),
+        )
+        log.info("round %d: train loss %.4f", task["round"] + 1, train_loss)
+        result = {
+            "round": task["round"],
+            "num_examples": len(self.train_blocks),
+            "train_loss": train_loss,
+            "val_loss": evaluate(self.model, self.val_blocks),
+            "seconds": time.perf_counter() - started,
+        }
+        return result, adapter_state(self.model)
 
     @staticmethod
     def _heartbeat(conn: Connection, every_s: float, stop: threading.Event) -> None:

@@ -1,0 +1,141 @@
+"""Rounds that survive a dead client, a clear error for too few, and resume after a crash."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fed_learn.client import LoRAClient
+from fed_learn.config import FedConfig, FedLearnRunConfig
+from fed_learn.coordinator import Coordinator, NotEnoughClientsError
+from fed_learn.lora import adapter_state, block_size, client_data, peft_model
+from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
+from lab.models import load_tokenizer
+from lab.tracking import Tracker
+from netproto import Connection, ConnectionClosed
+from netproto.cluster import connect, serve
+
+MODEL = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
+
+
+def settings_for(tmp_path: Path, lab_cache: Path, **fed) -> FedLearnRunConfig:
+    base = FedConfig(
+        rounds=1,
+        num_clients=3,
+        min_fit_clients=2,
+        round_timeout_s=30,
+        wait_clients_s=10,
+        local_steps=3,
+        max_examples_per_client=32,
+        eval_blocks=4,
+        heartbeat_s=0.5,
+        heartbeat_timeout_s=10,
+    )
+    return FedLearnRunConfig(
+        model=MODEL,
+        fed=replace(base, **fed),
+        paths=PathsConfig(run_dir=str(tmp_path), cache_dir=str(lab_cache)),
+        tracking=TrackingConfig(wandb=False, console=False),
+    )
+
+
+class DyingClient(LoRAClient):
+    """Vanishes in the middle of its first round, as a laptop whose lid closes."""
+
+    conn: Connection
+
+    def train_round(self, task, global_state):
+        self.conn._abort()
+        raise ConnectionClosed("this client died mid-round")
+
+
+@pytest.fixture
+def federation(tiny_models: Path, lab_cache: Path) -> Iterator[Callable]:
+    servers, threads = [], []
+
+    def start(settings: FedLearnRunConfig, *, clients: int, dying: int = 0) -> Coordinator:
+        model = peft_model(MODEL, settings.lora, cache_dir=lab_cache)
+        tokenizer = load_tokenizer(MODEL, cache_dir=lab_cache)
+        coordinator = Coordinator(settings, model, torch.randint(0, 300, (4, 32)))
+        server = serve(coordinator.handle, settings.cluster, Endpoint(), name="coordinator")
+        servers.append(server)
+        for index in range(clients):
+            cls = DyingClient if index < dying else LoRAClient
+            train, val = client_data(
+                tokenizer,
+                index=index,
+                num_clients=3,
+                seed=0,
+                block=block_size(model),
+                max_examples=32,
+            )
+            client = cls(
+                peft_model(MODEL, settings.lora, cache_dir=lab_cache), train, val, name=f"c{index}"
+            )
+            conn = connect(settings.cluster, server.address)
+            client.conn = conn  # type: ignore[attr-defined]
+
+            def serve_client(client=client, conn=conn) -> None:
+                with contextlib.suppress(ConnectionClosed):  # the dying client's own end
+                    client.run(conn, heartbeat_s=settings.fed.heartbeat_s)
+
+            threads.append(threading.Thread(target=serve_client, daemon=True))
+            threads[-1].start()
+        return coordinator
+
+    yield start
+    for server in servers:
+        server.stop()
+    for thread in threads:
+        thread.join(timeout=10)
+
+
+def run_rounds(coordinator: Coordinator, tmp_path: Path) -> dict[str, float]:
+    with Tracker(
+        tmp_path, config={}, tracking=TrackingConfig(wandb=False, console=False), job="test"
+    ) as tracker:
+        return coordinator.run_rounds(tracker)
+
+
+def test_a_client_dying_mid_round_leaves_the_round_to_the_others(
+    federation, tmp_path, lab_cache
+) -> None:
+    settings = settings_for(tmp_path, lab_cache)
+    coordinator = federation(settings, clients=3, dying=1)
+    coordinator.wait_for_clients(3)
+    metrics = run_rounds(coordinator, tmp_path)
+    assert metrics["mean_clients_per_round"] == 2
+    assert sum(not c.alive for c in coordinator.clients.values()) == 1
+
+
+def test_too_few_clients_is_a_clear_error_not_a_hang(federation, tmp_path, lab_cache) -> None:
+    settings = settings_for(tmp_path, lab_cache, wait_clients_s=1.0)
+    coordinator = federation(settings, clients=1)
+    started = time.monotonic()
+    with pytest.raises(NotEnoughClientsError, match="only 1 of the 2 clients needed"):
+        run_rounds(coordinator, tmp_path)
+    assert time.monotonic() - started < 10
+
+
+def test_restarted_coordinator_resumes_at_the_next_round(federation, tmp_path, lab_cache) -> None:
+    first = federation(settings_for(tmp_path, lab_cache, rounds=1), clients=2)
+    run_rounds(first, tmp_path)
+    saved = load_file(str(tmp_path / "checkpoints" / "round_0001" / "adapter_model.safetensors"))
+    # A new coordinator process after a crash: fresh model, same run directory.
+    settings = settings_for(tmp_path, lab_cache, rounds=2, resume=True)
+    restarted = Coordinator(
+        settings,
+        peft_model(MODEL, settings.lora, cache_dir=lab_cache),
+        torch.randint(0, 300, (4, 32)),
+    )
+    assert restarted.resume() == 1  # round 2 is next
+    state = adapter_state(restarted.model)
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
