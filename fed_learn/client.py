@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from fed_learn.compression import ErrorFeedback
 from fed_learn.lora import adapter_state, load_adapter_state, train_local
 from fed_learn.protocol import FedMsg
 from lab.pretrain import evaluate
@@ -32,6 +33,7 @@ class LoRAClient:
         self.val_blocks = val_blocks
         self.name = name
         self.seed = seed
+        self.feedback = ErrorFeedback()
 
     def run(self, conn: Connection, *, heartbeat_s: float) -> int:
         """Join, then train whenever asked until FINISH; returns the rounds taken part in."""
@@ -88,7 +90,14 @@ class LoRAClient:
             "val_loss": evaluate(self.model, self.val_blocks),
             "seconds": time.perf_counter() - started,
         }
-        return result, adapter_state(self.model)
+        local = adapter_state(self.model)
+        method = str(task.get("compression", "none"))
+        if method == "none":
+            return result, local
+        delta = {name: local[name].float() - global_state[name].float() for name in local}
+        return result, self.feedback.compress(
+            delta, method=method, fraction=float(task["topk_fraction"])
+        )
 
     @staticmethod
     def _heartbeat(conn: Connection, every_s: float, stop: threading.Event) -> None:

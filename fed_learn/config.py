@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fed_learn.compression import COMPRESSIONS
 from lab.config import LabConfig, check_choice, register_schema
 
 STRATEGIES = ("fedavg", "fedprox", "ffa", "svd")
@@ -60,11 +61,18 @@ class FedConfig:
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 30.0
     """A client silent this long is dead and left out of later rounds."""
+    compression: str = "none"
+    """none | topk | topk_int8: clients send the top-k of their update (delta from the global
+    adapter), keeping the rest as error feedback for later rounds; int8 also quantizes it."""
+    topk_fraction: float = 0.05
     resume: bool = False
     """Continue from the last completed round's checkpoint in the run directory."""
 
     def __post_init__(self) -> None:
         check_choice("fed.strategy", self.strategy, STRATEGIES)
+        check_choice("fed.compression", self.compression, COMPRESSIONS)
+        if not 0 < self.topk_fraction <= 1:
+            raise ValueError(f"fed.topk_fraction={self.topk_fraction} must be in (0, 1]")
         for name in (
             "rounds",
             "num_clients",

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from fed_learn.compression import decompress
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.protocol import FedMsg
@@ -153,6 +154,8 @@ class Coordinator:
                 "local_steps": self.fed.local_steps,
                 "batch_size": self.fed.batch_size,
                 "lr": self.fed.lr,
+                "compression": self.fed.compression,
+                "topk_fraction": self.fed.topk_fraction,
                 **self.strategy.client_options(),
             }
             for client in sampled:
@@ -163,7 +166,7 @@ class Coordinator:
                     log.warning(
                         "round %d: cannot reach client %d: %s", self.round, client.client_id, exc
                     )
-            updates, failures, results = self._collect(sampled)
+            updates, failures, results = self._collect(sampled, global_state)
             aggregate_started = time.perf_counter()
             if len(updates) >= self.fed.min_fit_clients:
                 load_adapter_state(self.model, self.strategy.aggregate(updates))
@@ -227,7 +230,9 @@ class Coordinator:
             ),
         }
 
-    def _collect(self, sampled: list[ClientHandle]) -> tuple[list, list[int], list[dict]]:
+    def _collect(
+        self, sampled: list[ClientHandle], global_state: dict[str, torch.Tensor]
+    ) -> tuple[list, list[int], list[dict]]:
         """Wait for the sampled clients' updates until the round's deadline."""
         deadline = time.monotonic() + self.fed.round_timeout_s
         updates, failures, results = [], [], []
@@ -240,9 +245,35 @@ class Coordinator:
                 failures.append(client.client_id)
                 continue
             result, update = item
+            try:
+                update = self._expand(update, global_state)
+            except (KeyError, ValueError) as exc:
+                log.warning(
+                    "round %d: client %d sent a malformed update (%s)",
+                    self.round,
+                    client.client_id,
+                    exc,
+                )
+                failures.append(client.client_id)
+                continue
             results.append(result)
             updates.append((update, int(result["num_examples"])))
         return updates, failures, results
+
+    def _expand(
+        self, update: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A client's full adapter: as sent, or global + its decompressed delta."""
+        shapes = {name: tensor.shape for name, tensor in global_state.items()}
+        if self.fed.compression == "none":
+            if {n: t.shape for n, t in update.items()} != shapes:
+                raise ValueError("adapter tensors do not match the global adapter's layout")
+            return update
+        delta = decompress(update, method=self.fed.compression, shapes=shapes)
+        return {
+            name: (global_state[name].float() + delta[name]).to(global_state[name].dtype)
+            for name in shapes
+        }
 
     # ------------------------------------------------------------ checkpoints
 

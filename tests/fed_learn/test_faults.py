@@ -139,3 +139,15 @@ def test_restarted_coordinator_resumes_at_the_next_round(federation, tmp_path, l
     assert restarted.resume() == 1  # round 2 is next
     state = adapter_state(restarted.model)
     assert all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+def test_topk_int8_updates_cost_many_times_fewer_bytes(federation, tmp_path, lab_cache) -> None:
+    bytes_up = {}
+    for method in ("none", "topk_int8"):
+        run_dir = tmp_path / method
+        settings = settings_for(run_dir, lab_cache, compression=method, topk_fraction=0.02)
+        coordinator = federation(settings, clients=2)
+        metrics = run_rounds(coordinator, run_dir)
+        assert metrics["mean_clients_per_round"] == 2
+        bytes_up[method] = metrics["bytes_up_per_round"]
+    assert bytes_up["none"] / bytes_up["topk_int8"] > 8
