@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
+FIRST_ROUND_GRACE_S = 30.0
+"""Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
 
 
 class NotEnoughClientsError(RuntimeError):
@@ -116,7 +118,19 @@ class Coordinator:
         with self._lock:
             return [c for c in self.clients.values() if c.alive]
 
-    def wait_for_clients(self, count: int) -> list[ClientHandle]:
+    def wait_for_clients(
+        self, count: int, *, hoped: int = 0, grace_s: float = 0.0
+    ) -> list[ClientHandle]:
+        """Block until `count` clients are alive (NotEnoughClientsError after wait_clients_s).
+
+        With `hoped` > count, first wait up to `grace_s` for that many (the expected roster).
+        """
+        grace_end = time.monotonic() + grace_s
+        with self._lock:
+            while (
+                sum(c.alive for c in self.clients.values()) < hoped and time.monotonic() < grace_end
+            ):
+                self._joined.wait(timeout=max(0.0, min(grace_end - time.monotonic(), 1.0)))
         deadline = time.monotonic() + self.fed.wait_clients_s
         with self._lock:
             while sum(c.alive for c in self.clients.values()) < count:
@@ -141,7 +155,12 @@ class Coordinator:
         for round_index in range(start, self.fed.rounds):
             self.round = round_index  # sessions read it: a client joining now starts next round
             started = time.perf_counter()
-            alive = self.wait_for_clients(self.fed.min_fit_clients)
+            first = round_index == start  # give the whole roster a moment to join
+            alive = self.wait_for_clients(
+                self.fed.min_fit_clients,
+                hoped=self.fed.num_clients if first else 0,
+                grace_s=min(FIRST_ROUND_GRACE_S, self.fed.wait_clients_s) if first else 0.0,
+            )
             size = max(self.fed.min_fit_clients, math.ceil(self.fed.fraction_fit * len(alive)))
             sampled = sorted(rng.sample(alive, min(size, len(alive))), key=lambda c: c.client_id)
             global_state = adapter_state(self.model)
