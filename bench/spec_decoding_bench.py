@@ -39,7 +39,7 @@ def hf_generate(
 ) -> tuple[list[list[int]], float]:
     outputs, seconds = [], 0.0
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         started = time.perf_counter()
         with torch.inference_mode():  # as our decoding runs: like for like
             out = model.generate(
@@ -85,16 +85,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts and delays")
     parser.add_argument("--cache-dir", type=Path, default=CACHE)
+    parser.add_argument(
+        "--target",
+        default="lab:tiny_target",
+        help="hub id, local folder or lab: model (default: lab:tiny_target)",
+    )
+    parser.add_argument("--draft", default="lab:tiny_draft", help="same, for the draft model")
     args = parser.parse_args()
     torch.set_num_threads(1)
     num_prompts, max_new = (2, 32) if args.quick else (4, 64)
     delays = (10,) if args.quick else (2, 10, 50)
     gammas = (1, 2, 4) if args.quick else (1, 2, 3, 4, 6)
 
-    target_cfg = ModelConfig(name="tiny_target", pretrained="lab:tiny_target")
-    draft_cfg = ModelConfig(name="tiny_draft", pretrained="lab:tiny_draft")
-    target = load_model(target_cfg, cache_dir=args.cache_dir, device=torch.device("cpu"))
-    draft = load_model(draft_cfg, cache_dir=args.cache_dir, device=torch.device("cpu"))
+    target_cfg = ModelConfig(name="target", pretrained=args.target)
+    draft_cfg = ModelConfig(name="draft", pretrained=args.draft)
+    target = load_model(target_cfg, cache_dir=args.cache_dir)  # CUDA, MPS or CPU: detected
+    draft = load_model(draft_cfg, cache_dir=args.cache_dir)
     tokenizer = load_tokenizer(draft_cfg, cache_dir=args.cache_dir)
     prompts = prompts_from_corpus(tokenizer, count=num_prompts, tokens=32)
 
@@ -112,6 +118,7 @@ def main() -> None:
     proc, port = start_verifier_process(
         [
             "num_threads=1",
+            f"target.pretrained={args.target}",
             f"paths.cache_dir={args.cache_dir}",
             "tracking.wandb=false",
             "hydra.run.dir=outputs/bench/spec_verifier",
