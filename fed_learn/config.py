@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fed_learn.compression import COMPRESSIONS
-from lab.config import LabConfig, check_choice, register_schema
+from lab.config import LabConfig, check_choice, check_fields_positive, register_schema
 
 STRATEGIES = ("fedavg", "fedprox", "ffa", "svd")
 
@@ -73,17 +73,19 @@ class FedConfig:
         check_choice("fed.compression", self.compression, COMPRESSIONS)
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"fed.topk_fraction={self.topk_fraction} must be in (0, 1]")
-        for name in (
-            "rounds",
-            "num_clients",
-            "min_fit_clients",
-            "local_epochs",
-            "batch_size",
-            "max_examples_per_client",
-            "eval_blocks",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"fed.{name}={getattr(self, name)} must be >= 1")
+        check_fields_positive(
+            "fed",
+            self,
+            (
+                "rounds",
+                "num_clients",
+                "min_fit_clients",
+                "local_epochs",
+                "batch_size",
+                "max_examples_per_client",
+                "eval_blocks",
+            ),
+        )
         if not 0 < self.fraction_fit <= 1:
             raise ValueError(f"fed.fraction_fit={self.fraction_fit} must be in (0, 1]")
         if self.heartbeat_timeout_s <= self.heartbeat_s:

@@ -37,6 +37,12 @@ def check_positive(field_name: str, value: float, *, allow_zero: bool = False) -
         raise ValueError(f"{field_name}={value!r} must be {bound}")
 
 
+def check_fields_positive(section: str, obj: object, names: Iterable[str]) -> None:
+    """`check_positive` for each named field of a config section, reported as `section.name`."""
+    for name in names:
+        check_positive(f"{section}.{name}", getattr(obj, name))
+
+
 @dataclass
 class Endpoint:
     """A host and TCP port one role listens on (port 0: the local launcher picks a free one)."""

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from lab.config import CONF_DIR, LabConfig, check_positive, register_schema, to_settings
+from lab.config import CONF_DIR, LabConfig, check_fields_positive, register_schema, to_settings
 from lab.corpus import load_corpus, token_blocks
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,9 @@ class TinyModelSpec:
     intermediate_size: int = 688
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "intermediate_size"):
-            check_positive(f"pretrain.*.{name}", getattr(self, name))
+        check_fields_positive(
+            "pretrain.*", self, ("num_layers", "hidden_size", "num_heads", "intermediate_size")
+        )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} must be a multiple of num_heads={self.num_heads}"
@@ -92,17 +93,20 @@ class PretrainConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "context_length",
-            "train_chars",
-            "batch_size",
-            "lr",
-            "target_steps",
-            "draft_steps",
-            "eval_blocks",
-        ):
-            check_positive(f"pretrain.{name}", getattr(self, name))
+        check_fields_positive(
+            "pretrain",
+            self,
+            (
+                "vocab_size",
+                "context_length",
+                "train_chars",
+                "batch_size",
+                "lr",
+                "target_steps",
+                "draft_steps",
+                "eval_blocks",
+            ),
+        )
         if not 0.0 <= self.distill_alpha <= 1.0:
             raise ValueError(f"pretrain.distill_alpha={self.distill_alpha} must be in [0, 1]")
         if self.vocab_size < 300:

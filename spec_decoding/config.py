@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lab.config import LabConfig, ModelConfig, register_schema
+from lab.config import LabConfig, ModelConfig, check_fields_positive, register_schema
 
 MAX_GAMMA = 32
 """Most tokens one draft may hold (the verifier refuses more)."""
@@ -43,9 +43,7 @@ class SpecConfig:
             raise ValueError(f"spec.temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"spec.top_p={self.top_p} must be in (0, 1]")
-        for name in ("max_new_tokens", "num_prompts", "prompt_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"spec.{name}={getattr(self, name)} must be >= 1")
+        check_fields_positive("spec", self, ("max_new_tokens", "num_prompts", "prompt_tokens"))
 
     @property
     def fixed_gamma(self) -> int | None:

@@ -131,3 +131,20 @@ def test_secret_comes_from_config_then_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("LAB_SECRET", "from-env")
     assert ClusterConfig().resolved_secret() == b"from-env"
     assert ClusterConfig(secret="from-config").resolved_secret() == b"from-config"
+
+
+@pytest.mark.parametrize(
+    ("name", "override", "needle"),
+    [
+        ("fed_learn", "fed.rounds=0", "fed.rounds=0 must be > 0"),
+        ("fed_learn", "fed.strategy=magic", "fed.strategy='magic' is not allowed; choose one of"),
+        ("fed_learn", "fed.compression=zip", "fed.compression='zip' is not allowed"),
+        ("spec_decoding", "spec.max_new_tokens=0", "spec.max_new_tokens=0 must be > 0"),
+    ],
+)
+def test_experiment_sections_name_their_bad_keys(
+    compose_config, name: str, override: str, needle: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        to_settings(compose_config(name, [override]), LabConfig)
+    assert needle in str(info.value)
