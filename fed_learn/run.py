@@ -19,7 +19,7 @@ from lab.launch import free_port, launch, settings_role
 from lab.models import load_tokenizer
 from lab.tracking import METRICS_FILE, Tracker
 from netproto import ConnectionClosed, NetTimeout
-from netproto.cluster import connect, serve
+from netproto.cluster import connect, emulated_link, serve
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +56,6 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         max_examples=settings.fed.max_examples_per_client,
     )
     address = (settings.cluster.coordinator.host, settings.cluster.coordinator.port)
-    deadline = time.monotonic() + settings.cluster.connect_timeout_s + settings.fed.wait_clients_s
-    while True:  # the coordinator may still be loading its model
-        try:
-            conn = connect(settings.cluster, address)
-            break
-        except (ConnectionClosed, NetTimeout):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
     client = LoRAClient(
         model,
         train,
@@ -72,8 +63,20 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         seed=settings.seed + settings.client_index,
         name=settings.client_name or f"client{settings.client_index}",
     )
-    with conn:
-        rounds = client.run(conn, heartbeat_s=settings.fed.heartbeat_s)
+    with emulated_link(settings.cluster, address) as dial:  # cluster.link.*: a LAN/WAN here
+        deadline = (
+            time.monotonic() + settings.cluster.connect_timeout_s + settings.fed.wait_clients_s
+        )
+        while True:  # the coordinator may still be loading its model
+            try:
+                conn = connect(settings.cluster, dial)
+                break
+            except (ConnectionClosed, NetTimeout):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        with conn:
+            rounds = client.run(conn, heartbeat_s=settings.fed.heartbeat_s)
     return {"rounds": float(rounds), "num_examples": float(len(train))}
 
 
