@@ -67,6 +67,9 @@ class FedConfig:
     topk_fraction: float = 0.05
     resume: bool = False
     """Continue from the last completed round's checkpoint in the run directory."""
+    centralized_baseline: bool = True
+    """Local runs: also train the same model on all clients' data pooled in one place (the
+    same number of gradient steps) and report federated / centralized validation loss."""
 
     def __post_init__(self) -> None:
         check_choice("fed.strategy", self.strategy, STRATEGIES)

@@ -7,16 +7,18 @@ import logging
 import time
 from dataclasses import replace
 
+import torch
 from omegaconf import DictConfig
 
 from fed_learn.client import LoRAClient
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import Coordinator
-from fed_learn.lora import block_size, client_data, peft_model, validation_blocks
+from fed_learn.lora import block_size, client_data, peft_model, train_local, validation_blocks
 from lab.config import Endpoint, to_settings
 from lab.device import apply_num_threads, share_of_cores
 from lab.launch import free_port, launch, settings_role
 from lab.models import load_tokenizer
+from lab.pretrain import evaluate
 from lab.tracking import METRICS_FILE, Tracker
 from netproto import ConnectionClosed, NetTimeout
 from netproto.cluster import connect, emulated_link, serve
@@ -122,7 +124,51 @@ def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
         for i in range(settings.fed.num_clients)
     ]
     launch(roles)
-    return _summary(local.paths.run_path / "coordinator" / METRICS_FILE)
+    metrics = _summary(local.paths.run_path / "coordinator" / METRICS_FILE)
+    if settings.fed.centralized_baseline:
+        metrics["centralized_val_loss"] = centralized_baseline(local)
+        metrics["federated_over_centralized"] = (
+            metrics["final_val_loss"] / metrics["centralized_val_loss"]
+        )
+    with Tracker.from_settings(local, job="fed_learn") as tracker:
+        tracker.summary(metrics)
+    return metrics
+
+
+def centralized_baseline(settings: FedLearnRunConfig) -> float:
+    """The same model trained on every client's shard pooled in one place, for comparison.
+
+    Same total gradient steps as the federation (rounds x clients x local steps), or the same
+    passes over each example when rounds are counted in epochs.
+    """
+    fed = settings.fed
+    cache_dir = settings.paths.cache_path
+    model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
+    tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
+    pooled = torch.cat(
+        [
+            client_data(
+                tokenizer,
+                index=i,
+                num_clients=fed.num_clients,
+                seed=settings.seed,
+                block=block_size(model),
+                max_examples=fed.max_examples_per_client,
+            )[0]
+            for i in range(fed.num_clients)
+        ]
+    )
+    train_local(
+        model,
+        pooled,
+        epochs=fed.rounds * fed.local_epochs,
+        max_steps=fed.rounds * fed.num_clients * fed.local_steps,
+        batch_size=fed.batch_size,
+        lr=fed.lr,
+        seed=settings.seed,
+    )
+    val = validation_blocks(tokenizer, block=block_size(model), count=fed.eval_blocks)
+    return evaluate(model, val)
 
 
 def _summary(metrics_file) -> dict[str, float]:

@@ -37,6 +37,11 @@ def test_two_clients_lower_the_global_validation_loss(
     assert metrics["final_val_loss"] < metrics["initial_val_loss"] - 0.02
     assert metrics["mean_clients_per_round"] == 2
     assert 0 < metrics["bytes_up_per_round"] < 1e6  # adapters only: never the base weights
+    # the pooled-data baseline ran on the same steps, and the ratio is reported
+    assert metrics["centralized_val_loss"] < metrics["initial_val_loss"]
+    assert metrics["federated_over_centralized"] == pytest.approx(
+        metrics["final_val_loss"] / metrics["centralized_val_loss"]
+    )
 
     # Every round left a PEFT checkpoint that PEFT itself loads.
     from peft import PeftModel
