@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import replace
 
 import torch
@@ -20,8 +19,7 @@ from lab.launch import free_port, launch, settings_role
 from lab.models import load_tokenizer
 from lab.pretrain import evaluate
 from lab.tracking import METRICS_FILE, Tracker
-from netproto import ConnectionClosed, NetTimeout
-from netproto.cluster import connect, emulated_link, serve
+from netproto.cluster import connect_when_ready, emulated_link, serve
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +64,11 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         name=settings.client_name or f"client{settings.client_index}",
     )
     with emulated_link(settings.cluster, address) as dial:  # cluster.link.*: a LAN/WAN here
-        deadline = (
-            time.monotonic() + settings.cluster.connect_timeout_s + settings.fed.wait_clients_s
+        conn = connect_when_ready(  # the coordinator may still be loading its model
+            settings.cluster,
+            dial,
+            wait_s=settings.cluster.connect_timeout_s + settings.fed.wait_clients_s,
         )
-        while True:  # the coordinator may still be loading its model
-            try:
-                conn = connect(settings.cluster, dial)
-                break
-            except (ConnectionClosed, NetTimeout):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
         with conn:
             rounds = client.run(conn, heartbeat_s=settings.fed.heartbeat_s)
     return {"rounds": float(rounds), "num_examples": float(len(train))}

@@ -36,7 +36,7 @@ def _mac(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
 def client_handshake(conn: Connection, secret: bytes) -> None:
     """Prove we know `secret` and check that the server does too."""
     nonce_c = secrets.token_bytes(NONCE_BYTES)
-    conn.send_raw(MsgType.AUTH_CHALLENGE, nonce_c)
+    conn.send(MsgType.AUTH_CHALLENGE, nonce_c)
     try:
         reply = conn.recv(expect=MsgType.AUTH_RESPONSE).payload
     except RemoteError as exc:
@@ -48,7 +48,7 @@ def client_handshake(conn: Connection, secret: bytes) -> None:
     nonce_s, server_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
     if not hmac.compare_digest(server_mac, _mac(secret, b"srv", nonce_c, nonce_s)):
         raise AuthenticationError("server does not know the shared secret")
-    conn.send_raw(MsgType.AUTH_PROOF, _mac(secret, b"cli", nonce_s, nonce_c))
+    conn.send(MsgType.AUTH_PROOF, _mac(secret, b"cli", nonce_s, nonce_c))
     try:
         conn.recv(expect=MsgType.AUTH_OK)
     except RemoteError as exc:
@@ -71,7 +71,7 @@ def server_handshake(conn: Connection, secret: bytes) -> None:
     if len(nonce_c) != NONCE_BYTES:
         raise AuthenticationError("peer's challenge has the wrong length")
     nonce_s = secrets.token_bytes(NONCE_BYTES)
-    conn.send_raw(MsgType.AUTH_RESPONSE, nonce_s + _mac(secret, b"srv", nonce_c, nonce_s))
+    conn.send(MsgType.AUTH_RESPONSE, nonce_s + _mac(secret, b"srv", nonce_c, nonce_s))
     try:
         proof = conn.recv(expect=MsgType.AUTH_PROOF).payload
     except PeerProtocolError as exc:
@@ -79,4 +79,4 @@ def server_handshake(conn: Connection, secret: bytes) -> None:
     if not hmac.compare_digest(proof, _mac(secret, b"cli", nonce_s, nonce_c)):
         conn.send_error("auth_failed", "wrong shared secret")
         raise AuthenticationError("peer does not know the shared secret")
-    conn.send_raw(MsgType.AUTH_OK, None)
+    conn.send(MsgType.AUTH_OK, None)

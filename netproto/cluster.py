@@ -7,10 +7,12 @@ netproto objects, so every module connects and serves the same way.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from lab.config import ClusterConfig, Endpoint
 from netproto.connection import Connection, client_ssl_context, server_ssl_context
+from netproto.errors import ConnectionClosed, NetTimeout
 from netproto.link import LinkEmulator
 from netproto.server import Handler, Server
 from netproto.wire import Limits
@@ -68,3 +70,28 @@ def emulated_link(cluster: ClusterConfig, address: tuple[str, int]) -> Iterator[
         address, delay_ms=link.delay_ms, bandwidth_mbps=link.bandwidth_mbps
     ) as emulator:
         yield emulator.address
+
+
+def connect_when_ready(
+    cluster: ClusterConfig,
+    address: tuple[str, int],
+    *,
+    wait_s: float,
+    check: Callable[[], None] | None = None,
+    poll_s: float = 0.2,
+) -> Connection:
+    """`connect`, retrying while the server is still starting (loading a model, say).
+
+    Raises the last ConnectionClosed / NetTimeout once `wait_s` has passed; `check` runs
+    before every try (e.g. to report that the server's process has died).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        if check is not None:
+            check()
+        try:
+            return connect(cluster, address)
+        except (ConnectionClosed, NetTimeout):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(poll_s)

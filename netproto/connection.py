@@ -226,8 +226,6 @@ class Connection:
         self.bytes_sent += sent
         return sent
 
-    send_raw = send
-
     def _sendall(self, buffers: Sequence[Buffer]) -> int:
         views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
         total = sum(v.nbytes for v in views)

@@ -21,8 +21,8 @@ from lab.device import apply_num_threads, share_of_cores
 from lab.launch import free_port, services, settings_role
 from lab.models import load_model, load_tokenizer
 from lab.tracking import Tracker
-from netproto import Connection, ConnectionClosed, NetTimeout
-from netproto.cluster import connect, emulated_link, serve
+from netproto import ConnectionClosed, NetTimeout
+from netproto.cluster import connect_when_ready, emulated_link, serve
 from spec_decoding.config import SpecDecodingRunConfig
 from spec_decoding.drafter import Drafter, Generation, VerifierLostError
 from spec_decoding.gamma import GammaController, expected_tokens
@@ -44,24 +44,18 @@ def prompts_from_corpus(tokenizer: Any, *, count: int, tokens: int) -> list[list
     raise ValueError(f"the held-out corpus has fewer than {count} files of {tokens} tokens")
 
 
-def serve_verifier(
-    settings: SpecDecodingRunConfig,
-    *,
-    ready: Callable[[str], None] = print,
-    stop: threading.Event | None = None,
-) -> None:
-    """`role=verifier`: serve the target model until SIGTERM/SIGINT (or `stop` is set)."""
+def serve_verifier(settings: SpecDecodingRunConfig) -> None:
+    """`role=verifier`: serve the target model until SIGTERM or SIGINT."""
     cache_dir = settings.paths.cache_path
     model = load_model(settings.target, cache_dir=cache_dir)
     verifier = Verifier(model, load_tokenizer(settings.target, cache_dir=cache_dir))
     server = serve(verifier.handle, settings.cluster, settings.cluster.verifier, name="verifier")
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         host, port = server.address
-        ready(f"verifier ready on {host}:{port} serving {settings.target.name}")
+        print(f"verifier ready on {host}:{port} serving {settings.target.name}", flush=True)
         stop.wait()
     finally:
         server.stop()
@@ -102,28 +96,6 @@ def start_verifier_process(
     proc.kill()
     proc.wait()
     raise RuntimeError("the verifier process did not start:\n" + "".join(tail))
-
-
-def _connect_with_retry(
-    settings: SpecDecodingRunConfig,
-    address: tuple[str, int],
-    *,
-    wait_s: float,
-    check: Callable[[], None],
-) -> Connection:
-    """The verifier may still be loading its model: retry until `wait_s` has passed."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        check()
-        try:
-            return connect(settings.cluster, address)
-        except (ConnectionClosed, NetTimeout) as exc:
-            if time.monotonic() > deadline:
-                raise VerifierLostError(
-                    f"no verifier answering at {address[0]}:{address[1]} "
-                    f"after {wait_s:.0f}s ({exc})"
-                ) from None
-            time.sleep(0.2)
 
 
 def summarize(
@@ -194,12 +166,17 @@ def run_drafter(
         Tracker.from_settings(settings, job="spec_decoding") as tracker,
         emulated_link(settings.cluster, address) as dial,
     ):
-        conn = _connect_with_retry(
-            settings,
-            dial,
-            check=check,
-            wait_s=settings.cluster.connect_timeout_s if wait_s is None else wait_s,
-        )
+        try:  # the verifier may still be loading its model
+            conn = connect_when_ready(
+                settings.cluster,
+                dial,
+                check=check,
+                wait_s=settings.cluster.connect_timeout_s if wait_s is None else wait_s,
+            )
+        except (ConnectionClosed, NetTimeout) as exc:
+            raise VerifierLostError(
+                f"no verifier answering at {address[0]}:{address[1]} ({exc})"
+            ) from None
         try:
             drafter = Drafter(
                 model,
