@@ -5,37 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fed_learn.compression import COMPRESSIONS
-from lab.config import LabConfig, check_choice, check_fields_positive, register_schema
+from lab.config import (
+    LabConfig,
+    LoRASettings,
+    check_choice,
+    check_fields_positive,
+    register_schema,
+)
 
 STRATEGIES = ("fedavg", "fedprox", "ffa", "svd")
-
-
-@dataclass
-class LoRASettings:
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
-    """Every linear layer of a Llama block: on the lab's tiny models adapting q/v only barely
-    moves the validation loss."""
-
-    def __post_init__(self) -> None:
-        if self.r < 1:
-            raise ValueError(f"lora.r={self.r} must be >= 1")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
-        if not self.target_modules:
-            raise ValueError("lora.target_modules must name at least one module")
 
 
 @dataclass

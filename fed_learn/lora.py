@@ -10,8 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fed_learn.config import LoRASettings
-from lab.config import ModelConfig
+from lab.config import LoRASettings, ModelConfig
 from lab.corpus import client_shards, load_corpus, token_blocks
 from lab.models import load_model
 

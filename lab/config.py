@@ -152,6 +152,36 @@ class ModelConfig:
         check_choice("model.quantization", self.quantization, QUANTIZATIONS)
 
 
+@dataclass
+class LoRASettings:
+    """PEFT LoRA adapters (fed_learn's clients, split_training's LoRA-only mode)."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    """Every linear layer of a Llama block: on the lab's tiny models adapting q/v only barely
+    moves the validation loss."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"lora.r={self.r} must be >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules must name at least one module")
+
+
 WANDB_MODES = ("auto", "offline", "online")
 
 
@@ -188,7 +218,7 @@ class PathsConfig:
         return Path(self.run_dir)
 
 
-ROLES = ("local", "coordinator", "client", "verifier", "drafter", "stage")
+ROLES = ("local", "coordinator", "client", "verifier", "drafter", "driver", "stage")
 
 
 @dataclass

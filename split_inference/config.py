@@ -1,18 +1,93 @@
-"""split_inference's config schema (`conf/split_inference.yaml`).
-
-Only the shared settings so far; the module's own section is added with the module itself.
-"""
+"""split_inference's config schema (`conf/split_inference.yaml`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from lab.config import LabConfig, register_schema
+from lab.config import LabConfig, check_choice, check_fields_positive, register_schema
+
+BALANCES = ("params", "memory")
+WIRE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_STAGES = 16
+
+
+@dataclass
+class SplitConfig:
+    """How the model is cut and how its stages talk (shared with split_training)."""
+
+    num_stages: int = 2
+    """Stage processes (hosts); the driver is one more RPC worker on top."""
+    boundaries: list[int] = field(default_factory=list)
+    """First layer of every stage after the first, e.g. [2] puts layers 0-1 on stage 1 and the
+    rest on stage 2. Empty: balanced automatically (see `balance`)."""
+    balance: str = "params"
+    """params: equal parameter counts (embeddings and LM head included); memory: parameter counts
+    proportional to each stage host's free memory (asked over RPC at start)."""
+    rank: int = 0
+    """role=stage: this process's RPC rank, 1..num_stages (the driver is rank 0)."""
+    wire_dtype: str = "auto"
+    """dtype of activations between stages; auto = the stages' compute dtype. bfloat16 or
+    float16 halve the bytes on the wire at a small cost in precision."""
+    rpc_timeout_s: float = 60.0
+    """Longest wait for any one RPC; a stage that dies is reported within this."""
+    join_timeout_s: float = 300.0
+    """Longest wait for every stage and the driver to meet at `cluster.master` at start-up."""
+    rpc_threads: int = 16
+    """TensorPipe worker threads per process."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_stages <= MAX_STAGES:
+            raise ValueError(f"split.num_stages={self.num_stages} must be in 1..{MAX_STAGES}")
+        if self.boundaries and len(self.boundaries) != self.num_stages - 1:
+            raise ValueError(
+                f"split.boundaries={list(self.boundaries)} must hold num_stages-1="
+                f"{self.num_stages - 1} layer indices (or be empty to balance automatically)"
+            )
+        if any(b <= a for a, b in zip(self.boundaries, self.boundaries[1:], strict=False)):
+            raise ValueError(f"split.boundaries={list(self.boundaries)} must increase strictly")
+        check_choice("split.balance", self.balance, BALANCES)
+        check_choice("split.wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        if not 0 <= self.rank <= self.num_stages:
+            raise ValueError(f"split.rank={self.rank} must be in 1..{self.num_stages} for a stage")
+        check_fields_positive("split", self, ("rpc_timeout_s", "join_timeout_s", "rpc_threads"))
+
+
+@dataclass
+class GenerateConfig:
+    """What the driver generates and measures."""
+
+    num_prompts: int = 4
+    """Prompts from the held-out stdlib corpus (the start of validation files)."""
+    prompt_tokens: int = 32
+    """Longest prompt; in a batch, prompts are cut to different lengths and left-padded."""
+    batch_size: int = 2
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    """0: greedy (identical to the unsplit model's greedy decoding); > 0: sampling."""
+    top_p: float = 1.0
+    kv_cache: bool = True
+    """Keep a KV cache in every stage (prefill once, then one token per step); false
+    recomputes the whole prefix every step (the baseline the cache is measured against)."""
+    baseline: bool = True
+    """Also run the unsplit model in the driver on the same prompts (needs it to fit there)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields_positive(
+            "generate", self, ("num_prompts", "prompt_tokens", "batch_size", "max_new_tokens")
+        )
+        if self.temperature < 0:
+            raise ValueError(f"generate.temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generate.top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass
 class SplitInferenceRunConfig(LabConfig):
     """Schema of `conf/split_inference.yaml`."""
+
+    split: SplitConfig = field(default_factory=SplitConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
 
 
 register_schema("split_inference_schema", SplitInferenceRunConfig)

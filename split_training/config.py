@@ -1,18 +1,73 @@
-"""split_training's config schema (`conf/split_training.yaml`).
-
-Only the shared settings so far; the module's own section is added with the module itself.
-"""
+"""split_training's config schema (`conf/split_training.yaml`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from lab.config import LabConfig, register_schema
+from lab.config import LabConfig, LoRASettings, check_choice, check_fields_positive, register_schema
+from split_inference.config import SplitConfig
+
+MIXED_PRECISIONS = ("auto", "bf16", "none")
+
+
+@dataclass
+class SplitTrainConfig(SplitConfig):
+    """The cut (as in split_inference) plus how the split model is trained."""
+
+    microbatches: int = 4
+    """Micro-batches per batch, flowing through the stages concurrently (GPipe fill-drain);
+    1 = no pipelining. Gradients of all of them make one optimizer step."""
+    steps: int = 40
+    """Optimizer steps."""
+    batch_size: int = 8
+    block_size: int = 64
+    """Tokens per training sequence."""
+    grad_accum_steps: int = 1
+    """Batches per optimizer step (each with its own backward, so activations of one batch at
+    a time are alive)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over every stage) to this; 0 = off."""
+    mixed_precision: str = "auto"
+    """auto: bf16 autocast on CUDA devices that have bf16, none elsewhere; bf16 forces it."""
+    lora: bool = False
+    """Train only PEFT LoRA adapters (the `lora` section) on every stage, not all weights."""
+    max_train_blocks: int = 4096
+    """Training sequences taken from the stdlib corpus (its training split)."""
+    checkpoint_every: int = 20
+    """Save every stage's weights and optimizer state every this many steps (0 = at the end
+    only)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; default `<run dir>/checkpoints`. Each stage writes its own files
+    under this path on its own host."""
+    resume: bool = False
+    """Continue from the latest checkpoint in checkpoint_dir (same data order: the losses are
+    those of an uninterrupted run)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fields_positive(
+            "split", self, ("microbatches", "steps", "batch_size", "grad_accum_steps", "lr")
+        )
+        if self.block_size < 2:
+            raise ValueError(f"split.block_size={self.block_size} must be >= 2")
+        if self.batch_size % self.microbatches:
+            raise ValueError(
+                f"split.batch_size={self.batch_size} must be a multiple of "
+                f"split.microbatches={self.microbatches}"
+            )
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.checkpoint_every < 0:
+            raise ValueError("split.weight_decay, grad_clip and checkpoint_every must be >= 0")
+        check_choice("split.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
 
 
 @dataclass
 class SplitTrainingRunConfig(LabConfig):
     """Schema of `conf/split_training.yaml`."""
+
+    split: SplitTrainConfig = field(default_factory=SplitTrainConfig)
+    lora: LoRASettings = field(default_factory=LoRASettings)
 
 
 register_schema("split_training_schema", SplitTrainingRunConfig)

@@ -1,0 +1,18 @@
+"""`python -m split_inference [role=driver|stage split.rank=K] [split.num_stages=3] [model=...]`."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+import split_inference.config  # noqa: F401  (registers the schema)
+from split_inference.run import run
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="split_inference")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""`python -m split_inference`: roles, metrics, and the local (loopback) set-up."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from lab.config import Endpoint, LabConfig, to_settings
+from lab.device import apply_num_threads, detect_device
+from lab.launch import free_port, services, settings_role
+from lab.models import load_model, load_tokenizer
+from lab.tracking import Tracker
+from spec_decoding.run import prompts_from_corpus
+from split_inference.config import SplitConfig, SplitInferenceRunConfig
+from split_inference.generation import Generation, UnsplitModel, decode
+from split_inference.sharded import ShardedModel
+from split_inference.stage import StageHost, set_stage_host
+from split_inference.workers import (
+    World,
+    authenticate_stages,
+    joined,
+    release_all,
+    serve_until_released,
+)
+
+log = logging.getLogger(__name__)
+
+PING_S = 2.0
+"""How often an idle stage checks that its driver is still there."""
+
+
+def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
+    """`role=stage split.rank=K`: join the RPC world and serve until the driver is done."""
+    if not 1 <= split.rank <= split.num_stages:
+        raise ValueError(
+            f"role=stage needs split.rank in 1..split.num_stages={split.num_stages} "
+            f"(the driver is rank 0), got {split.rank}"
+        )
+    if settings.cluster.master.port == 0:
+        raise ValueError("role=stage needs cluster.master.port (the driver's rendezvous port)")
+    set_stage_host(StageHost(cache_dir=settings.paths.cache_path, device=detect_device()))
+    world = World(
+        split.rank,
+        split.num_stages,
+        settings.cluster.master,
+        split.rpc_timeout_s,
+        split.rpc_threads,
+    )
+    with joined(
+        world, secret=settings.cluster.resolved_secret(), join_timeout_s=split.join_timeout_s
+    ):
+        print(f"{world.name} joined the run", flush=True)
+        serve_until_released(ping_s=PING_S, timeout_s=split.rpc_timeout_s)
+
+
+@contextmanager
+def driving(
+    settings: LabConfig, split: SplitConfig, *, check: Callable[[], None]
+) -> Iterator[None]:
+    """Join as the driver (rank 0), authenticate every stage, and release them all at the end."""
+    if settings.cluster.master.port == 0:
+        raise ValueError("the driver needs cluster.master.port (where stages meet it)")
+    world = World(
+        0, split.num_stages, settings.cluster.master, split.rpc_timeout_s, split.rpc_threads
+    )
+    secret = settings.cluster.resolved_secret()
+    with joined(world, secret=secret, join_timeout_s=split.join_timeout_s, check=check):
+        try:
+            authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
+            yield
+        finally:
+            release_all(split.num_stages)
+
+
+@contextmanager
+def local_stages(
+    settings: Any, *, module: str, schema: str
+) -> Iterator[tuple[Any, Callable[[], None]]]:
+    """Start `num_stages` stage processes on loopback; yields (driver settings, check)."""
+    split = settings.split
+    master = Endpoint(settings.cluster.master.host, free_port(settings.cluster.master.host))
+    local = replace(settings, cluster=replace(settings.cluster, master=master))
+    roles = [
+        settings_role(
+            f"stage{rank}",
+            module,
+            local,
+            schema=schema,
+            overrides=["role=stage", f"split.rank={rank}"],
+            service=True,
+        )
+        for rank in range(1, split.num_stages + 1)
+    ]
+    with services(roles) as check:
+        yield local, check
+
+
+def batches(
+    prompts: list[list[int]], *, batch_size: int, pad_token_id: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Left-padded (ids, mask) batches; row j of a batch is shortened by j*T/(2B) tokens so that
+    padding, masks and per-row positions are exercised."""
+    out = []
+    for begin in range(0, len(prompts), batch_size):
+        rows = prompts[begin : begin + batch_size]
+        full = len(rows[0])
+        rows = [row[: full - j * full // (2 * batch_size)] for j, row in enumerate(rows)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, row in enumerate(rows):
+            ids[j, width - len(row) :] = torch.tensor(row)
+            mask[j, width - len(row) :] = 1
+        out.append((ids, mask))
+    return out
+
+
+def latency_metrics(generations: list[Generation], prefix: str = "") -> dict[str, float]:
+    steps = [s for g in generations for s in g.step_s]
+    tokens = sum(g.tokens.numel() for g in generations)
+    seconds = sum(g.prefill_s + sum(g.step_s) for g in generations)
+    q = statistics.quantiles(steps, n=20) if len(steps) >= 2 else steps * 19
+    return {
+        f"{prefix}prefill_ms": statistics.mean(g.prefill_s for g in generations) * 1e3,
+        f"{prefix}token_ms_p50": statistics.median(steps) * 1e3 if steps else 0.0,
+        f"{prefix}token_ms_p95": q[18] * 1e3 if steps else 0.0,
+        f"{prefix}tokens_per_s": tokens / seconds,
+    }
+
+
+def run_driver(
+    settings: SplitInferenceRunConfig, *, check: Callable[[], None] = lambda: None
+) -> dict[str, float]:
+    """`role=driver`: cut the model across the stages, generate, measure."""
+    split, gen = settings.split, settings.generate
+    cache_dir = settings.paths.cache_path
+    tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
+    prompts = prompts_from_corpus(tokenizer, count=gen.num_prompts, tokens=gen.prompt_tokens)
+    pad = tokenizer.pad_token_id
+    work = batches(prompts, batch_size=gen.batch_size, pad_token_id=pad)
+    options = {
+        "max_new_tokens": gen.max_new_tokens,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": pad,
+        "kv_cache": gen.kv_cache,
+    }
+    with (
+        Tracker.from_settings(settings, job="split_inference") as tracker,
+        driving(settings, split, check=check),
+    ):
+        sharded = ShardedModel.build(settings.model, split)
+        split_runs = []
+        for index, (ids, mask) in enumerate(work):
+            generator = torch.Generator().manual_seed(gen.seed + index)
+            split_runs.append(decode(sharded, ids, mask, generator=generator, **options))
+            tracker.log(latency_metrics(split_runs[-1:]), step=index)
+        stage_stats = sharded.stats()
+        metrics = latency_metrics(split_runs)
+        new_tokens = sum(g.tokens.numel() for g in split_runs)
+        metrics["bytes_between_stages_per_token"] = sharded.bytes_between_stages / new_tokens
+        for rank, stats in enumerate(stage_stats, start=1):
+            metrics[f"stage{rank}_peak_rss_mib"] = stats["peak_rss_mib"]
+            metrics[f"stage{rank}_params_m"] = stats["params"] / 1e6
+            if "cuda_max_allocated_mib" in stats:
+                metrics[f"stage{rank}_cuda_max_allocated_mib"] = stats["cuda_max_allocated_mib"]
+        if gen.baseline:
+            unsplit = UnsplitModel(load_model(settings.model, cache_dir=cache_dir))
+            base_runs = []
+            for index, (ids, mask) in enumerate(work):
+                generator = torch.Generator().manual_seed(gen.seed + index)
+                base_runs.append(decode(unsplit, ids, mask, generator=generator, **options))
+            metrics.update(latency_metrics(base_runs, prefix="unsplit_"))
+            metrics["latency_ratio"] = metrics["token_ms_p50"] / metrics["unsplit_token_ms_p50"]
+            if gen.temperature == 0:
+                metrics["greedy_match"] = statistics.mean(
+                    float(torch.equal(a.tokens, b.tokens))
+                    for a, b in zip(split_runs, base_runs, strict=True)
+                )
+        log.info(
+            "sample output: %r", tokenizer.decode(split_runs[0].tokens[0], skip_special_tokens=True)
+        )
+        tracker.summary(metrics)
+        return metrics
+
+
+def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:
+    settings = to_settings(cfg, SplitInferenceRunConfig)
+    apply_num_threads(settings.num_threads)
+    if settings.role == "stage":
+        serve_stage(settings, settings.split)
+        return {}
+    if settings.role == "driver":
+        return run_driver(settings)
+    if settings.role != "local":
+        raise ValueError(f"split_inference has roles local, driver, stage; not {settings.role}")
+    load_model(settings.model, cache_dir=settings.paths.cache_path)  # build lab: models once, here
+    with local_stages(settings, module="split_inference", schema="split_inference_schema") as (
+        local,
+        check,
+    ):
+        return run_driver(local, check=check)

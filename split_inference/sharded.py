@@ -1,0 +1,197 @@
+"""The driver's view of a split model: RRefs to its stages, `forward` and `generate`.
+
+Each call runs the stages in order, the driver relaying activations (CPU tensors) from one to
+the next. In generation (`split_inference.generation.decode`) every stage keeps a KV cache per
+request: the prompt is sent once (prefill), then only the newest token's hidden state travels
+per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import RRef
+
+from lab.config import ModelConfig
+from split_inference.config import SplitConfig
+from split_inference.generation import positions_from_mask
+from split_inference.layout import StageCosts, balance_boundaries, stage_ranges
+from split_inference.stage import Stage, describe_model
+from split_inference.workers import StageLostError, free_memory_bytes, stage_name
+
+log = logging.getLogger(__name__)
+
+
+def choose_boundaries(split: SplitConfig, costs: StageCosts, *, timeout_s: float) -> list[int]:
+    """`split.boundaries` when given, else a balance by parameter count or by free memory."""
+    if split.boundaries:
+        return list(split.boundaries)
+    if split.balance == "memory":
+        capacities = [
+            rpc.rpc_sync(stage_name(rank), free_memory_bytes, timeout=timeout_s)
+            for rank in range(1, split.num_stages + 1)
+        ]
+        log.info("free memory per stage host (GiB): %s", [round(c / 2**30, 1) for c in capacities])
+    else:
+        capacities = [1.0] * split.num_stages
+    return balance_boundaries(costs, capacities=capacities)
+
+
+class ShardedModel:
+    """A causal LM whose layers live in stage processes; the driver holds only RRefs."""
+
+    def __init__(
+        self, stages: list[RRef], *, ranges: list[tuple[int, int]], timeout_s: float
+    ) -> None:
+        self.stages = stages
+        self.ranges = ranges
+        self.timeout_s = timeout_s
+        self.bytes_between_stages = 0
+        self._requests = itertools.count()
+
+    @classmethod
+    def build(
+        cls,
+        model: ModelConfig,
+        split: SplitConfig,
+        *,
+        training: bool = False,
+        mixed_precision: str = "none",
+        lora: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> ShardedModel:
+        """Decide the cut, then have every stage load its own layers (in parallel)."""
+        fields = asdict(model)
+        timeout = split.rpc_timeout_s
+        info = rpc.rpc_sync(stage_name(1), describe_model, args=(fields,), timeout=timeout)
+        costs = StageCosts(info["embeddings"], info["per_layer"], info["head"], info["num_layers"])
+        ranges = stage_ranges(choose_boundaries(split, costs, timeout_s=timeout), costs.num_layers)
+        log.info(
+            "%s cut into %d stages: layers %s (params %s)",
+            model.name,
+            len(ranges),
+            [f"{a}-{b - 1}" for a, b in ranges],
+            [costs.stage(a, b) for a, b in ranges],
+        )
+        stages = [
+            rpc.remote(
+                stage_name(rank),
+                Stage,
+                args=(fields,),
+                kwargs={
+                    "start": start,
+                    "end": end,
+                    "wire_dtype": split.wire_dtype,
+                    "training": training,
+                    "mixed_precision": mixed_precision,
+                    "lora": lora,
+                    "seed": seed,
+                },
+                timeout=timeout,
+            )
+            for rank, (start, end) in enumerate(ranges, start=1)
+        ]
+        sharded = cls(stages, ranges=ranges, timeout_s=timeout)
+        sharded.call_all("held_layers")  # waits for every stage to have loaded
+        return sharded
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _lost(self, index: int, exc: Exception) -> StageLostError:
+        start, end = self.ranges[index]
+        return StageLostError(
+            f"{stage_name(index + 1)} (layers {start}-{end - 1}) failed or stopped answering "
+            f"within split.rpc_timeout_s={self.timeout_s:g}: {str(exc).splitlines()[0][:300]}"
+        )
+
+    def call(self, index: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`stage.method(*args, **kwargs)` on stage `index` (0-based), synchronously."""
+        try:
+            return getattr(self.stages[index].rpc_sync(timeout=self.timeout_s), method)(
+                *args, **kwargs
+            )
+        except RuntimeError as exc:
+            raise self._lost(index, exc) from None
+
+    def call_async(
+        self, index: int, method: str, *args: Any, **kwargs: Any
+    ) -> torch.futures.Future:
+        return getattr(self.stages[index].rpc_async(timeout=self.timeout_s), method)(
+            *args, **kwargs
+        )
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """The same call on every stage at once; results in stage order."""
+        futures = [self.call_async(i, method, *args, **kwargs) for i in range(len(self.stages))]
+        results = []
+        for index, future in enumerate(futures):
+            try:
+                results.append(future.wait())
+            except RuntimeError as exc:
+                raise self._lost(index, exc) from None
+        return results
+
+    def run_stages(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        *,
+        request: int | None = None,
+        labels: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Through every stage in order; returns the last stage's output."""
+        for index in range(len(self.stages)):
+            last = index == len(self.stages) - 1
+            x = self.call(
+                index,
+                "forward",
+                x,
+                attention_mask,
+                position_ids,
+                request=request,
+                labels=labels if last else None,
+                last_only=last_only,
+            )
+            if not last:
+                self.bytes_between_stages += 2 * x.numel() * x.element_size()  # in and out
+        return x
+
+    # ------------------------------------------------------------------ model API
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits (B, T, V) for the whole sequence, as the unsplit model computes them."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return self.run_stages(input_ids, attention_mask, positions_from_mask(attention_mask))
+
+    def step(
+        self,
+        feed: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        request: int | None,
+    ) -> torch.Tensor:
+        """One decode step for `generation.decode`: last-position logits (B, 1, V)."""
+        return self.run_stages(feed, attention_mask, position_ids, request=request, last_only=True)
+
+    def new_request(self) -> int:
+        return next(self._requests)
+
+    def end_request(self, request: int) -> None:
+        for index in range(len(self.stages)):
+            with contextlib.suppress(RuntimeError):  # a stage that is gone took its cache along
+                self.call_async(index, "end_request", request)
+
+    def stats(self) -> list[dict[str, float]]:
+        return self.call_all("stats")

@@ -1,0 +1,291 @@
+"""One stage of a split model, living in its own process and called over RPC.
+
+The driver creates it with `rpc.remote(stage_name, Stage, ...)` and then calls its methods
+through the RRef. Tensors cross the RPC boundary on CPU (distributed autograd supports nothing
+else) and move to the stage's device on arrival. Calls into one stage are serialised by a lock:
+a stage computes one thing at a time, as one machine would, and pipelined micro-batches overlap
+*across* stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.rpc import RRef
+
+from lab.config import ModelConfig
+from lab.device import detect_device, resolve_dtype, supports_bf16
+from lab.models import hub_offline, resolve_source
+from split_inference.layout import build_stage_model, stage_costs
+from split_inference.workers import peak_memory, require_driver
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+"""Label of a position that does not count in the loss (padding)."""
+
+
+@dataclass
+class StageHost:
+    """What a stage process knows about its own machine (set by `role=stage` at start)."""
+
+    cache_dir: Path
+    device: torch.device
+
+
+_host: StageHost | None = None
+
+
+def set_stage_host(host: StageHost) -> None:
+    global _host
+    _host = host
+
+
+def stage_host() -> StageHost:
+    if _host is None:  # a driver-only process, or a test building a stage in-process
+        return StageHost(
+            cache_dir=Path("~/.cache/distributed-llm-lab").expanduser(), device=detect_device()
+        )
+    return _host
+
+
+def _model_config(fields: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(**fields)
+
+
+def describe_model(model_fields: dict[str, Any]) -> dict[str, int]:
+    """Layer count and parameter costs of the model, read from its config on the stage's host.
+
+    The driver asks stage 1 for this, so the driver itself needs no copy of the model.
+    """
+    require_driver()
+    from transformers import AutoConfig
+
+    cfg = _model_config(model_fields)
+    source = resolve_source(cfg, cache_dir=stage_host().cache_dir)
+    config = AutoConfig.from_pretrained(
+        source, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+    )
+    costs = stage_costs(config)
+    return {
+        "num_layers": costs.num_layers,
+        "embeddings": costs.embeddings,
+        "per_layer": costs.per_layer,
+        "head": costs.head,
+        "vocab_size": int(config.vocab_size),
+    }
+
+
+class Stage:
+    """Layers [start, end) of a causal LM, with a KV cache per generation request."""
+
+    def __init__(
+        self,
+        model_fields: dict[str, Any],
+        *,
+        start: int,
+        end: int,
+        wire_dtype: str = "auto",
+        training: bool = False,
+        mixed_precision: str = "none",
+        lora: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        require_driver()
+        host = stage_host()
+        cfg = _model_config(model_fields)
+        source = resolve_source(cfg, cache_dir=host.cache_dir)
+        self.device = host.device
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        started = time.perf_counter()
+        model, layout, full_config = build_stage_model(
+            source,
+            start=start,
+            end=end,
+            dtype=self.dtype,
+            device=self.device,
+            revision=cfg.revision,
+            offline=hub_offline(),
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        self.start, self.end = start, end
+        self.first = start == 0
+        self.last = end == full_config.num_hidden_layers
+        self.wire_dtype = self.dtype if wire_dtype == "auto" else getattr(torch, wire_dtype)
+        self.autocast = mixed_precision == "bf16" and supports_bf16(self.device)
+        if mixed_precision == "bf16" and not self.autocast:
+            log.warning("%s has no bf16 support: training in %s", self.device, self.dtype)
+        if lora is not None:
+            from peft import LoraConfig, inject_adapter_in_model
+
+            torch.manual_seed(seed + start)  # adapters start the same for any cut of this stage
+            model = inject_adapter_in_model(LoraConfig(**lora), model)
+            for name, param in model.named_parameters():
+                param.requires_grad_("lora_" in name)
+        self.model = model.train(training)
+        self.training = training
+        self.decoder = getattr(model, layout.decoder)
+        self.head = getattr(model, layout.head)
+        self.caches: dict[int, Any] = {}
+        self.lock = threading.Lock()
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        log.info(
+            "stage layers [%d, %d) of %s on %s as %s (%.1f M params, %.1fs)%s",
+            start,
+            end,
+            cfg.name,
+            self.device,
+            self.dtype,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            time.perf_counter() - started,
+            " with LoRA adapters" if lora else "",
+        )
+
+    # ------------------------------------------------------------------ compute
+
+    def forward(
+        self,
+        x: torch.Tensor | RRef,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        *,
+        request: int | None = None,
+        labels: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Run this stage on token ids (first stage) or hidden states (the others).
+
+        Returns hidden states in the wire dtype (B, T, H), or on the last stage logits (B, T, V)
+        (B, 1, V with `last_only`), or with `labels` the summed token loss (a scalar). With
+        `request`, keys and values are kept for that request's next call. `x` may be an RRef
+        to the previous stage's output (pipelined training): it is fetched straight from there.
+        """
+        if not isinstance(x, torch.Tensor):  # an RRef (torch hands us its C++ PyRRef)
+            x = x.to_here()
+        assert isinstance(x, torch.Tensor)
+        self.bytes_received += x.numel() * x.element_size()
+        grad = self.training and torch.is_grad_enabled()
+        with self.lock, torch.set_grad_enabled(grad), self._autocast():
+            inputs: dict[str, Any] = {
+                "attention_mask": None
+                if attention_mask is None
+                else attention_mask.to(self.device),
+                "position_ids": position_ids.to(self.device),
+                "use_cache": request is not None,
+            }
+            if request is not None:
+                inputs["past_key_values"] = self.caches.get(request)
+            if self.first:
+                inputs["input_ids"] = x.to(self.device)
+            else:
+                inputs["inputs_embeds"] = x.to(self.device, self.dtype)  # (B, T, H)
+            out = self.decoder(**inputs)
+            if request is not None:
+                self.caches[request] = out.past_key_values
+            hidden = out.last_hidden_state  # (B, T, H)
+            if not self.last:
+                result = hidden.to(self.wire_dtype).cpu()
+            else:
+                if last_only:
+                    hidden = hidden[:, -1:]  # (B, 1, H)
+                logits = self.head(hidden)  # (B, T, V)
+                result = logits.float().cpu() if labels is None else self._loss(logits, labels)
+        self.bytes_sent += result.numel() * result.element_size()
+        return result
+
+    @staticmethod
+    def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token cross-entropy (the driver divides by the batch's token count)."""
+        vocab = logits.shape[-1]
+        shifted = logits[:, :-1].float().reshape(-1, vocab)  # (B*(T-1), V)
+        targets = labels[:, 1:].reshape(-1).to(logits.device)  # (B*(T-1),)
+        loss = F.cross_entropy(shifted, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss.cpu()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def end_request(self, request: int) -> None:
+        """Free a finished request's KV cache."""
+        self.caches.pop(request, None)
+
+    # ------------------------------------------------------------------ introspection
+
+    def held_layers(self) -> list[int]:
+        """Global indices of the decoder layers whose weights this process holds."""
+        layers = getattr(self.decoder, "layers", None) or self.decoder.h
+        return list(range(self.start, self.start + len(layers)))
+
+    def parameter_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_parameters()]
+
+    def parameter_rrefs(self) -> list[RRef]:
+        """RRefs to the parameters this stage trains (for DistributedOptimizer)."""
+        return [RRef(p) for p in self.model.parameters() if p.requires_grad]
+
+    def stats(self) -> dict[str, float]:
+        """Memory, CPU time and traffic of this stage's process."""
+        stats = peak_memory()
+        stats.update(
+            bytes_received=float(self.bytes_received),
+            bytes_sent=float(self.bytes_sent),
+            params=float(sum(p.numel() for p in self.model.parameters())),
+            open_requests=float(len(self.caches)),
+        )
+        return stats
+
+    def reset_traffic(self) -> None:
+        self.bytes_received = self.bytes_sent = 0
+
+    # ------------------------------------------------------------------ training
+
+    def _context_gradients(self, context_id: int) -> dict[str, torch.Tensor]:
+        import torch.distributed.autograd as dist_autograd
+
+        grads = dist_autograd.get_gradients(context_id)
+        return {name: grads[p] for name, p in self.model.named_parameters() if p in grads}
+
+    def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
+        """This stage's accumulated gradients in a distributed autograd context, by name."""
+        return {name: g.detach().cpu() for name, g in self._context_gradients(context_id).items()}
+
+    def grad_sq_norm(self, context_id: int) -> float:
+        return float(
+            sum(g.float().pow(2).sum() for g in self._context_gradients(context_id).values())
+        )
+
+    def scale_grads(self, context_id: int, factor: float) -> None:
+        """Multiply this context's gradients in place (global-norm clipping)."""
+        for grad in self._context_gradients(context_id).values():
+            grad.mul_(factor)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {
+            name: p.detach().cpu().contiguous()
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
+        }
+
+    def load_trainable_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        expected = {name for name, p in params.items() if p.requires_grad}
+        if set(tensors) != expected:
+            missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+            raise ValueError(
+                f"checkpoint does not match stage layers [{self.start}, {self.end}): "
+                f"missing {missing[:3]}, unexpected {extra[:3]}"
+            )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)

@@ -1,0 +1,353 @@
+"""The RPC world of a split run: start, authenticate, serve, stop.
+
+Ranks: the driver is rank 0 (`driver`), stage k is rank k (`stage1` ... `stageN`); the driver's
+host runs the rendezvous store on `cluster.master`. torch.distributed.rpc (TensorPipe) carries
+Python calls as pickles and has no authentication of its own, so this module adds both guards
+the project asks for:
+
+- Every process unpickles RPC messages with an allow-list (`SafeUnpickler`): only the functions
+  and classes split_inference / split_training call, tensors and RRefs, plain builtins and
+  exception types. Anything else (`os.system`, `builtins.eval`, ...) is refused before it is
+  looked up, so a peer cannot make a stage run arbitrary code.
+- With a shared secret (`cluster.secret` / LAB_SECRET), the driver and each stage prove it to
+  each other (HMAC-SHA256 challenge-response, both ways) before any model is built; a stage
+  serves nothing but the handshake until the driver has proved itself, and the driver aborts
+  the run if a stage cannot.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import hashlib
+import hmac
+import io
+import logging
+import os
+import pickle
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import internal as rpc_internal
+
+from lab.config import Endpoint
+
+log = logging.getLogger(__name__)
+
+DRIVER = "driver"
+
+
+def stage_name(rank: int) -> str:
+    return f"stage{rank}"
+
+
+class StageLostError(RuntimeError):
+    """A stage did not answer (it died, hung, or the network between went away)."""
+
+
+class UnsafeMessageError(pickle.UnpicklingError):
+    """An RPC message named a global outside the allow-list."""
+
+
+# ---------------------------------------------------------------------------- safe unpickling
+
+_ALLOWED_MODULE_PREFIXES = ("split_inference.", "split_training.")
+_ALLOWED_GLOBALS = {
+    # torch's RPC pickler (tensors and RRefs are rebuilt by its receivers, see `_receiver`),
+    # the start-up / shutdown all-gather, and remote exceptions.
+    ("torch.distributed.rpc.internal", "_InternalRPCPickler"),
+    ("torch.distributed.rpc.internal", "RemoteException"),
+    ("torch.distributed.rpc.api", "_gather_to_leader"),
+    ("torch.distributed.rpc.api", "_broadcast_to_followers"),
+    # Python calls and RRef method calls.
+    ("torch.distributed.rpc.internal", "PythonUDF"),
+    ("torch.distributed.rpc.api", "_rref_typeof_on_owner"),
+    ("torch.distributed.rpc.rref_proxy", "_local_invoke"),
+    # DistributedOptimizer: create each stage's local optimizer, step it.
+    ("torch.distributed.optim.optimizer", "_new_local_optimizer"),
+    ("torch.distributed.optim.optimizer", "_local_optimizer_step"),
+}
+_SAFE_BUILTINS = {
+    "dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes",
+    "complex", "slice", "range",
+}  # fmt: skip
+
+
+_RECEIVERS = ("_tensor_receiver", "_rref_receiver", "_py_rref_receiver")
+
+
+def _receiver(owner: Any, name: str) -> Any:
+    """The only `getattr` a message may call: the RPC pickler's own receiver classmethods."""
+    if owner is rpc_internal._InternalRPCPickler and name in _RECEIVERS:
+        return getattr(owner, name)
+    raise UnsafeMessageError(f"RPC message refused: it asks for attribute {name!r}")
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """`pickle.Unpickler` that resolves only allow-listed globals (see the module docstring)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins":
+            if name == "getattr":  # classmethods are pickled as getattr(cls, name)
+                return _receiver
+            value = getattr(builtins, name, None)
+            if name in _SAFE_BUILTINS:
+                return value
+            if isinstance(value, type) and issubclass(value, BaseException):
+                return value  # remote exceptions are re-raised by type
+        elif module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise UnsafeMessageError(f"RPC message refused: it names {module}.{name}")
+
+
+def install_safe_unpickler() -> None:
+    """Make torch's RPC layer use `SafeUnpickler` in this process (idempotent)."""
+    rpc_internal._unpickler = SafeUnpickler
+
+
+def safe_loads(data: bytes) -> Any:
+    """Unpickle with the RPC allow-list (for tests and tools)."""
+    return SafeUnpickler(io.BytesIO(data)).load()
+
+
+# ---------------------------------------------------------------------------- authentication
+
+_NONCE_BYTES = 32
+
+
+@dataclass
+class _AuthState:
+    secret: bytes | None = None
+    driver_proved: bool = False
+    nonce: bytes = b""
+
+
+_auth = _AuthState()
+_auth_lock = threading.Lock()
+
+
+def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def stage_prove(driver_nonce: bytes) -> tuple[bytes, bytes]:
+    """Stage side, step 1: our MAC over the driver's nonce, and a nonce for the driver to sign."""
+    with _auth_lock:
+        secret = _auth.secret
+        if secret is None:
+            return b"", b""
+        _auth.nonce = secrets.token_bytes(_NONCE_BYTES)
+        name = rpc.get_worker_info().name.encode()
+        return _mac(secret, b"stage", name, driver_nonce, _auth.nonce), _auth.nonce
+
+
+def stage_accept_driver(proof: bytes) -> bool:
+    """Stage side, step 2: check the driver's MAC over our nonce; serve only if it holds."""
+    with _auth_lock:
+        secret, nonce = _auth.secret, _auth.nonce
+        if secret is None:
+            _auth.driver_proved = True
+            return True
+        ok = bool(nonce) and hmac.compare_digest(proof, _mac(secret, b"driver", nonce))
+        _auth.nonce = b""  # one use
+        _auth.driver_proved = _auth.driver_proved or ok
+        return ok
+
+
+def require_driver() -> None:
+    """Called first by every stage-side entry point: refuse work before the driver proved itself."""
+    if not _auth.driver_proved:
+        raise PermissionError("this stage serves only a driver that has proved the shared secret")
+
+
+def authenticate_stages(secret: bytes | None, num_stages: int, *, timeout_s: float) -> None:
+    """Driver side: mutual challenge-response with every stage; raises if one fails."""
+    for rank in range(1, num_stages + 1):
+        name = stage_name(rank)
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        mac, stage_nonce = rpc.rpc_sync(name, stage_prove, args=(nonce,), timeout=timeout_s)
+        if secret is not None:
+            expected = _mac(secret, b"stage", name.encode(), nonce, stage_nonce)
+            if not mac or not hmac.compare_digest(mac, expected):
+                raise PermissionError(
+                    f"{name} could not prove the shared secret (cluster.secret / LAB_SECRET "
+                    f"differ, or it has none): stopping before sending it anything"
+                )
+            proof = _mac(secret, b"driver", stage_nonce)
+        else:
+            if mac:
+                raise PermissionError(f"{name} expects a shared secret and this driver has none")
+            proof = b""
+        if not rpc.rpc_sync(name, stage_accept_driver, args=(proof,), timeout=timeout_s):
+            raise PermissionError(f"{name} refused this driver's proof of the shared secret")
+
+
+# ---------------------------------------------------------------------------- the world
+
+
+@dataclass(frozen=True)
+class World:
+    """The RPC world this process is part of."""
+
+    rank: int
+    num_stages: int
+    master: Endpoint
+    timeout_s: float
+    threads: int
+
+    @property
+    def name(self) -> str:
+        return DRIVER if self.rank == 0 else stage_name(self.rank)
+
+
+def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
+    return rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=world.threads,
+        rpc_timeout=world.timeout_s,
+        init_method=f"tcp://{world.master.host}:{world.master.port}",
+    )
+
+
+@contextmanager
+def joined(
+    world: World,
+    *,
+    secret: bytes | None,
+    join_timeout_s: float,
+    check: Callable[[], None] = lambda: None,
+) -> Iterator[None]:
+    """Be part of the RPC world for the length of the block; always leave it.
+
+    Joining waits for every rank. torch's rendezvous would wait 30 minutes for a missing one
+    and cannot be interrupted, so a watchdog ends this process with a clear message after
+    `join_timeout_s` instead, or as soon as `check()` raises (a local stage process that
+    died while the driver waited for it). Leaving is graceful (waits for the others) when the
+    block ended normally, immediate when it raised: a failed run must not wait for a peer that
+    is gone.
+    """
+    install_safe_unpickler()
+    _auth.secret, _auth.driver_proved, _auth.nonce = secret, False, b""
+    log.info(
+        "%s joining the RPC world on %s:%d (%d stages)",
+        world.name,
+        world.master.host,
+        world.master.port,
+        world.num_stages,
+    )
+
+    assembled = threading.Event()
+
+    def watch() -> None:  # pragma: no cover - ends the process
+        deadline = time.monotonic() + join_timeout_s
+        while not assembled.wait(1.0):
+            try:
+                check()
+            except Exception as exc:
+                reason = str(exc)
+                break
+            if time.monotonic() > deadline:
+                reason = (
+                    f"the RPC world (driver + {world.num_stages} stages at {world.master.host}:"
+                    f"{world.master.port}) did not assemble within {join_timeout_s:.0f}s; check "
+                    f"that every stage runs with the same cluster.master and split.num_stages"
+                )
+                break
+        else:
+            return
+        log.error("%s: %s", world.name, reason)
+        logging.shutdown()
+        os._exit(3)
+
+    threading.Thread(target=watch, daemon=True, name="rpc-join-watchdog").start()
+    try:
+        rpc.init_rpc(
+            world.name,
+            rank=world.rank,
+            world_size=world.num_stages + 1,
+            rpc_backend_options=_options(world),
+        )
+    finally:
+        assembled.set()
+    graceful = False
+    try:
+        yield
+        graceful = True
+    finally:
+        try:
+            rpc.shutdown(graceful=graceful, timeout=world.timeout_s)
+        except Exception as exc:  # a peer already gone: nothing left to wait for
+            log.warning("RPC shutdown of %s: %s", world.name, exc)
+            if graceful:
+                rpc.shutdown(graceful=False)
+
+
+# ---------------------------------------------------------------------------- stage serving
+
+_released = threading.Event()
+
+
+def release_stage() -> None:
+    """Driver -> stage: the run is over, leave the world."""
+    _released.set()
+
+
+def driver_alive() -> bool:
+    return True
+
+
+def serve_until_released(*, ping_s: float, timeout_s: float) -> None:
+    """Stage main loop: serve RPCs until the driver releases us; raise if the driver vanishes."""
+    _released.clear()
+    while not _released.wait(ping_s):
+        try:
+            rpc.rpc_sync(DRIVER, driver_alive, timeout=timeout_s)
+        except RuntimeError as exc:
+            raise StageLostError(f"the driver stopped answering ({exc}); leaving the run") from None
+
+
+def release_all(num_stages: int) -> None:
+    """Driver side: tell every stage to leave (best effort: some may be gone)."""
+    futures = []
+    for rank in range(1, num_stages + 1):
+        with contextlib.suppress(RuntimeError):
+            futures.append(rpc.rpc_async(stage_name(rank), release_stage, timeout=5.0))
+    for future in futures:
+        with contextlib.suppress(RuntimeError):
+            future.wait()
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's peak and current resident memory (and CUDA peak where CUDA is used)."""
+    import resource
+
+    import psutil
+
+    stats = {
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_mib": psutil.Process().memory_info().rss / 2**20,
+        "cpu_s": time.process_time(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return stats
+
+
+def free_memory_bytes() -> float:
+    """Memory a stage could still fill: free CUDA memory on a GPU host, available RAM otherwise."""
+    require_driver()
+    from lab.device import detect_device
+
+    device = detect_device()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free)
+    import psutil
+
+    return float(psutil.virtual_memory().available)

@@ -1,0 +1,187 @@
+"""`python -m split_training`: roles, the training loop, and the local (loopback) set-up."""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from lab.config import to_settings
+from lab.corpus import load_corpus, token_blocks
+from lab.device import apply_num_threads, detect_device, supports_bf16
+from lab.models import load_model, load_tokenizer
+from lab.tracking import Tracker
+from split_inference.run import driving, local_stages, serve_stage
+from split_inference.sharded import ShardedModel
+from split_training.config import SplitTrainConfig, SplitTrainingRunConfig
+from split_training.trainer import DistributedTrainer, bubble_fraction
+
+log = logging.getLogger(__name__)
+
+
+def training_blocks(tokenizer, split: SplitTrainConfig) -> torch.Tensor:
+    """(N, block_size) token ids from the stdlib corpus' training split."""
+    corpus = load_corpus(val_fraction=0.05)
+    return token_blocks(
+        [doc.text for doc in corpus.train],
+        tokenizer,
+        block_size=split.block_size,
+        max_blocks=split.max_train_blocks,
+    )
+
+
+def batch_schedule(num_blocks: int, split: SplitTrainConfig, *, seed: int) -> list[list[list[int]]]:
+    """Block indices per step, per accumulated batch: a pure function of the seed, so a resumed
+    run sees exactly the batches the uninterrupted run would have."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    per_step = split.batch_size * split.grad_accum_steps
+    while len(order) < split.steps * per_step:
+        epoch = list(range(num_blocks))
+        rng.shuffle(epoch)
+        order.extend(epoch)
+    steps = []
+    for step in range(split.steps):
+        chunk = order[step * per_step : (step + 1) * per_step]
+        steps.append(
+            [chunk[i : i + split.batch_size] for i in range(0, per_step, split.batch_size)]
+        )
+    return steps
+
+
+def mixed_precision(split: SplitTrainConfig) -> str:
+    """`auto` becomes bf16 where the stages' device type has it (CUDA), none elsewhere."""
+    if split.mixed_precision != "auto":
+        return split.mixed_precision
+    device = detect_device()
+    return "bf16" if device.type == "cuda" and supports_bf16(device) else "none"
+
+
+def save_loss_curve(losses: list[float], path: Path, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_driver(
+    settings: SplitTrainingRunConfig, *, check: Callable[[], None] = lambda: None
+) -> dict[str, float]:
+    """`role=driver`: build the split model for training and train it."""
+    split = settings.split
+    tokenizer = load_tokenizer(settings.model, cache_dir=settings.paths.cache_path)
+    blocks = training_blocks(tokenizer, split)
+    schedule = batch_schedule(len(blocks), split, seed=settings.seed)
+    checkpoints = Path(split.checkpoint_dir or settings.paths.run_path / "checkpoints").resolve()
+    lora = asdict(settings.lora) if split.lora else None
+    if lora is not None:
+        lora = {
+            "r": lora["r"],
+            "lora_alpha": lora["alpha"],
+            "lora_dropout": lora["dropout"],
+            "target_modules": list(lora["target_modules"]),
+        }
+    with (
+        Tracker.from_settings(settings, job="split_training") as tracker,
+        driving(settings, split, check=check),
+    ):
+        sharded = ShardedModel.build(
+            settings.model,
+            split,
+            training=True,
+            mixed_precision=mixed_precision(split),
+            lora=lora,
+            seed=settings.seed,
+        )
+        trainer = DistributedTrainer(sharded, split)
+        if split.resume:
+            manifest = trainer.load(checkpoints)
+            log.info("resumed from step %d (%s)", trainer.step, checkpoints / manifest["folder"])
+        losses: list[float] = []
+        tokens, seconds = 0, 0.0
+        cpu_before = [s["cpu_s"] for s in sharded.stats()]
+        wall_before = time.perf_counter()
+        progress = Progress(
+            TextColumn("split_training"),
+            BarColumn(),
+            TextColumn("step {task.completed}/{task.total} loss {task.fields[loss]}"),
+            TimeRemainingColumn(),
+        )
+        with progress:
+            task = progress.add_task("train", total=split.steps, completed=trainer.step, loss="-")
+            for step in range(trainer.step, split.steps):
+                batches = [blocks[indices] for indices in schedule[step]]
+                result = trainer.train_step(batches)
+                losses.append(result.loss)
+                tokens += result.tokens
+                seconds += result.seconds
+                tracker.log(
+                    {"loss": result.loss, "grad_norm": result.grad_norm, "step_s": result.seconds},
+                    step=trainer.step,
+                )
+                progress.update(task, completed=trainer.step, loss=f"{result.loss:.3f}")
+                every = split.checkpoint_every
+                if (every and trainer.step % every == 0) or trainer.step == split.steps:
+                    trainer.save(checkpoints, extra={"loss": result.loss})
+        wall = time.perf_counter() - wall_before
+        idle = [
+            max(0.0, 1.0 - (s["cpu_s"] - before) / wall)
+            for s, before in zip(sharded.stats(), cpu_before, strict=True)
+        ]
+        metrics: dict[str, float] = {
+            "final_loss": losses[-1] if losses else float("nan"),
+            "first_loss": losses[0] if losses else float("nan"),
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "step_ms": seconds / max(len(losses), 1) * 1e3,
+            "steps": float(trainer.step),
+            "idle_share": statistics.mean(idle),
+            "idle_share_gpipe": bubble_fraction(split.num_stages, split.microbatches),
+        }
+        for rank, share in enumerate(idle, start=1):
+            metrics[f"stage{rank}_idle_share"] = share
+        if losses:
+            save_loss_curve(
+                losses,
+                settings.paths.run_path / "loss_curve.png",
+                title=f"{settings.model.name}: {split.num_stages} stages, m={split.microbatches}",
+            )
+        tracker.summary(metrics)
+        return metrics
+
+
+def run(cfg: DictConfig | SplitTrainingRunConfig) -> dict[str, float]:
+    settings = to_settings(cfg, SplitTrainingRunConfig)
+    apply_num_threads(settings.num_threads)
+    if settings.role == "stage":
+        serve_stage(settings, settings.split)
+        return {}
+    if settings.role == "driver":
+        return run_driver(settings)
+    if settings.role != "local":
+        raise ValueError(f"split_training has roles local, driver, stage; not {settings.role}")
+    load_model(settings.model, cache_dir=settings.paths.cache_path)  # build lab: models once, here
+    if settings.num_threads == 0:  # each stage one core's worth, as if on its own machine
+        settings = replace(settings, num_threads=1)
+    with local_stages(settings, module="split_training", schema="split_training_schema") as (
+        local,
+        check,
+    ):
+        return run_driver(local, check=check)

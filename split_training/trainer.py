@@ -1,0 +1,258 @@
+"""Training across the cut: distributed autograd, DistributedOptimizer, GPipe micro-batches.
+
+`train_step` sends every micro-batch into the pipeline at once: stage k's output for a
+micro-batch is an RRef that stage k+1 fetches directly, so stage k works on micro-batch i+1
+while stage k+1 works on micro-batch i (fill-drain). The last stage returns each micro-batch's
+summed token loss; the driver adds them, divides by the batch's token count, and runs
+`dist_autograd.backward`, which sends gradients back through the same RPCs. One
+`DistributedOptimizer` step then updates every stage's parameters where they live.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.optim import DistributedOptimizer
+from torch.distributed.rpc import RRef
+
+from split_inference.sharded import ShardedModel
+from split_inference.workers import StageLostError, require_driver
+from split_training.config import SplitTrainConfig
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest.json"
+
+
+class StageAdamW(torch.optim.AdamW):
+    """AdamW as each stage's local optimizer.
+
+    A subclass on purpose: DistributedOptimizer swaps the stock AdamW for a TorchScript
+    functional one whose state cannot be saved; this one keeps `state_dict()` (checkpoints).
+    """
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    seconds: float
+    tokens: int
+
+
+def bubble_fraction(num_stages: int, microbatches: int) -> float:
+    """Idle share of each stage in a GPipe fill-drain schedule: (p-1)/(m+p-1)."""
+    return (num_stages - 1) / (microbatches + num_stages - 1)
+
+
+class DistributedTrainer:
+    """Trains a `ShardedModel` built with `training=True`."""
+
+    def __init__(self, sharded: ShardedModel, settings: SplitTrainConfig) -> None:
+        self.sharded = sharded
+        self.settings = settings
+        param_rrefs = [r for refs in sharded.call_all("parameter_rrefs") for r in refs]
+        if not param_rrefs:
+            raise ValueError("the split model has no trainable parameters")
+        quiet = logging.getLogger("torch.distributed.optim.optimizer")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # it warns that StageAdamW is not TorchScript: on purpose
+        try:
+            self.optimizer = DistributedOptimizer(
+                StageAdamW, param_rrefs, lr=settings.lr, weight_decay=settings.weight_decay
+            )
+        finally:
+            quiet.setLevel(level)
+        self.step = 0
+
+    # ------------------------------------------------------------------ one step
+
+    def _losses(self, batch: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+        """Pipelined forward of `batch` (B, T): each micro-batch's summed loss, in order."""
+        sharded, timeout = self.sharded, self.sharded.timeout_s
+        last = len(sharded.stages) - 1
+        futures = []
+        for micro in batch.chunk(microbatches):  # (B/m, T) each
+            positions = torch.arange(micro.shape[1]).expand_as(micro)  # (B/m, T)
+            x: torch.Tensor | RRef = micro
+            for index in range(last):
+                x = sharded.stages[index].remote(timeout=timeout).forward(x, None, positions)
+            futures.append(
+                sharded.stages[last]
+                .rpc_async(timeout=timeout)
+                .forward(x, None, positions, labels=micro)
+            )
+        losses = []
+        for future in futures:
+            try:
+                losses.append(future.wait())
+            except RuntimeError as exc:
+                raise StageLostError(f"a stage failed during the forward pass: {exc}") from None
+        return losses
+
+    def backward(
+        self, context_id: int, batch: torch.Tensor, *, microbatches: int, scale: float
+    ) -> float:
+        """Forward + backward of one batch in `context_id`; returns its mean token loss."""
+        losses = self._losses(batch, microbatches)
+        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        loss = torch.stack(losses).sum() / tokens
+        try:
+            dist_autograd.backward(context_id, [loss * scale])
+        except RuntimeError as exc:
+            raise StageLostError(
+                f"a stage failed during the backward pass: {str(exc).splitlines()[0][:300]}"
+            ) from None
+        return float(loss.detach())
+
+    def clip(self, context_id: int) -> float:
+        """Global gradient norm over every stage; scales them down to `grad_clip` if above."""
+        norm = math.sqrt(sum(self.sharded.call_all("grad_sq_norm", context_id)))
+        limit = self.settings.grad_clip
+        if limit > 0 and norm > limit:
+            self.sharded.call_all("scale_grads", context_id, limit / (norm + 1e-6))
+        return norm
+
+    def train_step(
+        self, batches: list[torch.Tensor], *, microbatches: int | None = None
+    ) -> StepResult:
+        """One optimizer step over `batches` (gradient accumulation: one backward each)."""
+        microbatches = microbatches or self.settings.microbatches
+        started = time.perf_counter()
+        with dist_autograd.context() as context_id:
+            losses = [
+                self.backward(context_id, batch, microbatches=microbatches, scale=1 / len(batches))
+                for batch in batches
+            ]
+            norm = self.clip(context_id)
+            self.optimizer.step(context_id)
+        self.step += 1
+        tokens = sum(b.numel() for b in batches)
+        return StepResult(sum(losses) / len(losses), norm, time.perf_counter() - started, tokens)
+
+    def gradients(
+        self, batches: list[torch.Tensor], *, microbatches: int
+    ) -> dict[str, torch.Tensor]:
+        """Every stage's gradients for `batches` (prefixed `stageK.`), without stepping."""
+        with dist_autograd.context() as context_id:
+            for batch in batches:
+                self.backward(context_id, batch, microbatches=microbatches, scale=1 / len(batches))
+            grads = self.sharded.call_all("gradients", context_id)
+        return {
+            f"stage{k}.{name}": g for k, stage in enumerate(grads, 1) for name, g in stage.items()
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _pairs(self) -> list[tuple[RRef, RRef]]:
+        """(stage RRef, its local optimizer's RRef) per stage, matched by owner."""
+        by_owner = {opt.owner().name: opt for opt in self.optimizer.remote_optimizers}
+        pairs = []
+        for stage in self.sharded.stages:
+            if stage.owner().name not in by_owner:
+                raise ValueError(f"{stage.owner().name} trains nothing, so it has no optimizer")
+            pairs.append((stage, by_owner[stage.owner().name]))
+        return pairs
+
+    def save(self, directory: Path, *, extra: dict[str, Any] | None = None) -> Path:
+        """Every stage writes its weights and optimizer state; then `latest.json` points at them.
+
+        A crash before `latest.json` is replaced leaves the previous checkpoint the latest.
+        """
+        folder = directory / f"step-{self.step:06d}"
+        futures = [
+            rpc.rpc_async(
+                stage.owner(),
+                save_stage,
+                args=(stage, optimizer, str(folder)),
+                timeout=self.sharded.timeout_s,
+            )
+            for stage, optimizer in self._pairs()
+        ]
+        files = [future.wait() for future in futures]
+        manifest = {
+            "step": self.step,
+            "folder": folder.name,
+            "ranges": [list(r) for r in self.sharded.ranges],
+            "files": files,
+            **(extra or {}),
+        }
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / (LATEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        tmp.replace(directory / LATEST)
+        return folder
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        """Restore every stage from the latest checkpoint in `directory`; returns its manifest."""
+        path = directory / LATEST
+        if not path.is_file():
+            raise FileNotFoundError(f"split.resume=true but {path} does not exist")
+        manifest = json.loads(path.read_text())
+        ranges = [tuple(r) for r in manifest["ranges"]]
+        if ranges != list(self.sharded.ranges):
+            raise ValueError(
+                f"the checkpoint was cut as {ranges}, this run as {self.sharded.ranges}: "
+                f"resume with the same split.boundaries / num_stages"
+            )
+        folder = directory / manifest["folder"]
+        futures = [
+            rpc.rpc_async(
+                stage.owner(),
+                load_stage,
+                args=(stage, optimizer, str(folder)),
+                timeout=self.sharded.timeout_s,
+            )
+            for stage, optimizer in self._pairs()
+        ]
+        for future in futures:
+            future.wait()
+        self.step = int(manifest["step"])
+        return manifest
+
+
+# ---------------------------------------------------------------------- run on the stage's host
+
+
+def _stage_files(folder: Path) -> tuple[Path, Path]:
+    name = rpc.get_worker_info().name
+    return folder / f"{name}.safetensors", folder / f"{name}.optim.pt"
+
+
+def save_stage(stage: RRef, optimizer: RRef, folder: str) -> list[str]:
+    """On a stage's host: its trainable weights (safetensors) and optimizer state, atomically."""
+    from safetensors.torch import save_file
+
+    require_driver()
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    weights, optim = _stage_files(target)
+    local = stage.local_value()
+    save_file(
+        local.trainable_state(),
+        str(weights) + ".tmp",
+        metadata={"start": str(local.start), "end": str(local.end)},
+    )
+    Path(str(weights) + ".tmp").replace(weights)
+    torch.save(optimizer.local_value().optim.state_dict(), str(optim) + ".tmp")
+    Path(str(optim) + ".tmp").replace(optim)
+    return [weights.name, optim.name]
+
+
+def load_stage(stage: RRef, optimizer: RRef, folder: str) -> None:
+    from safetensors.torch import load_file
+
+    require_driver()
+    weights, optim = _stage_files(Path(folder))
+    stage.local_value().load_trainable_state(load_file(str(weights)))
+    state = torch.load(optim, weights_only=True)
+    optimizer.local_value().optim.load_state_dict(state)
