@@ -135,6 +135,7 @@ class Stage:
         self.decoder = getattr(model, layout.decoder)
         self.head = getattr(model, layout.head)
         self.caches: dict[int, Any] = {}
+        self._stashed: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()
         self.bytes_received = 0
         self.bytes_sent = 0
@@ -269,6 +270,20 @@ class Stage:
         """Multiply this context's gradients in place (global-norm clipping)."""
         for grad in self._context_gradients(context_id).values():
             grad.mul_(factor)
+
+    def stash_grads(self, context_id: int) -> None:
+        """Keep this context's gradients for a later context (gradient accumulation: distributed
+        autograd runs one backward per context, so each accumulated batch gets its own)."""
+        for name, grad in self._context_gradients(context_id).items():
+            held = self._stashed.get(name)
+            self._stashed[name] = grad.detach().clone() if held is None else held.add_(grad)
+
+    def unstash_grads(self, context_id: int) -> None:
+        """Add the stashed gradients into this context's (the one the optimizer steps on)."""
+        grads = self._context_gradients(context_id)
+        for name, held in self._stashed.items():
+            grads[name].add_(held)
+        self._stashed.clear()
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {

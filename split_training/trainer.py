@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,19 +123,40 @@ class DistributedTrainer:
             self.sharded.call_all("scale_grads", context_id, limit / (norm + 1e-6))
         return norm
 
+    def _accumulate(
+        self, batches: list[torch.Tensor], *, microbatches: int, finish: Callable[[int], Any]
+    ) -> tuple[list[float], Any]:
+        """Forward + backward of each batch, each in a distributed autograd context of its own
+        (a context takes one backward); stages stash the gradients of all but the last batch and
+        add them into the last context, where `finish(context_id)` then sees the sum."""
+        losses = []
+        for index, batch in enumerate(batches):
+            with dist_autograd.context() as context_id:
+                scale = 1 / len(batches)
+                losses.append(
+                    self.backward(context_id, batch, microbatches=microbatches, scale=scale)
+                )
+                if index < len(batches) - 1:
+                    self.sharded.call_all("stash_grads", context_id)
+                    continue
+                if len(batches) > 1:
+                    self.sharded.call_all("unstash_grads", context_id)
+                result = finish(context_id)
+        return losses, result
+
     def train_step(
         self, batches: list[torch.Tensor], *, microbatches: int | None = None
     ) -> StepResult:
         """One optimizer step over `batches` (gradient accumulation: one backward each)."""
         microbatches = microbatches or self.settings.microbatches
         started = time.perf_counter()
-        with dist_autograd.context() as context_id:
-            losses = [
-                self.backward(context_id, batch, microbatches=microbatches, scale=1 / len(batches))
-                for batch in batches
-            ]
+
+        def finish(context_id: int) -> float:
             norm = self.clip(context_id)
             self.optimizer.step(context_id)
+            return norm
+
+        losses, norm = self._accumulate(batches, microbatches=microbatches, finish=finish)
         self.step += 1
         tokens = sum(b.numel() for b in batches)
         return StepResult(sum(losses) / len(losses), norm, time.perf_counter() - started, tokens)
@@ -143,10 +165,11 @@ class DistributedTrainer:
         self, batches: list[torch.Tensor], *, microbatches: int
     ) -> dict[str, torch.Tensor]:
         """Every stage's gradients for `batches` (prefixed `stageK.`), without stepping."""
-        with dist_autograd.context() as context_id:
-            for batch in batches:
-                self.backward(context_id, batch, microbatches=microbatches, scale=1 / len(batches))
-            grads = self.sharded.call_all("gradients", context_id)
+        _, grads = self._accumulate(
+            batches,
+            microbatches=microbatches,
+            finish=lambda context_id: self.sharded.call_all("gradients", context_id),
+        )
         return {
             f"stage{k}.{name}": g for k, stage in enumerate(grads, 1) for name, g in stage.items()
         }

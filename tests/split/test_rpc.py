@@ -1,0 +1,218 @@
+"""A live split: two stage processes over loopback RPC, this process as the driver.
+
+One world serves every test here (starting processes costs seconds): inference first, then
+training on freshly built stages in the same stage processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from split_inference.generation import UnsplitModel, decode
+from split_inference.run import batches
+from split_inference.sharded import ShardedModel
+from split_training.config import SplitTrainConfig
+from split_training.trainer import DistributedTrainer
+
+from .conftest import NUM_LAYERS, model_config, rpc_world
+
+
+@pytest.fixture(scope="module")
+def world(llama_folder: Path, tmp_path_factory: pytest.TempPathFactory):
+    with rpc_world(llama_folder, tmp_path_factory.mktemp("world")) as settings:
+        yield settings
+
+
+@pytest.fixture(scope="module")
+def sharded(world) -> ShardedModel:
+    return ShardedModel.build(world.model, world.split)
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    texts = [
+        "def add(a, b):\n    return",
+        "import os\nimport sys\n\nclass Path",
+        "for i in range(10):",
+        "x = [1, 2",
+    ]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[:count]]
+
+
+def test_split_logits_equal_the_unsplit_model(sharded: ShardedModel, unsplit) -> None:
+    ids = torch.randint(3, unsplit.config.vocab_size, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    got = sharded.forward(ids, mask)
+    with torch.no_grad():
+        positions = mask.cumsum(-1) - 1
+        expected = unsplit(
+            input_ids=ids, attention_mask=mask, position_ids=positions.clamp(min=0)
+        ).logits
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_split_greedy_generation_equals_hf_generate(
+    sharded, unsplit, tokenizer, batch_size: int
+) -> None:
+    for ids, mask in batches(
+        prompts(tokenizer, 2 * batch_size),
+        batch_size=batch_size,
+        pad_token_id=tokenizer.pad_token_id,
+    ):
+        got = decode(sharded, ids, mask, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+        expected = unsplit.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, ids.shape[1] :]
+        assert torch.equal(got.tokens, expected)
+
+
+def test_kv_cache_and_recomputation_agree_and_caches_are_freed(sharded, tokenizer) -> None:
+    ((ids, mask),) = batches(
+        prompts(tokenizer, 2), batch_size=2, pad_token_id=tokenizer.pad_token_id
+    )
+    cached = decode(sharded, ids, mask, max_new_tokens=8, kv_cache=True)
+    recomputed = decode(sharded, ids, mask, max_new_tokens=8, kv_cache=False)
+    assert torch.equal(cached.tokens, recomputed.tokens)
+    assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
+
+
+def test_sampling_follows_the_same_distribution_path(sharded, unsplit, tokenizer) -> None:
+    ((ids, mask),) = batches(
+        prompts(tokenizer, 2), batch_size=2, pad_token_id=tokenizer.pad_token_id
+    )
+    options = {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9}
+    got = decode(sharded, ids, mask, generator=torch.Generator().manual_seed(7), **options)
+    again = decode(sharded, ids, mask, generator=torch.Generator().manual_seed(7), **options)
+    local = decode(
+        UnsplitModel(unsplit), ids, mask, generator=torch.Generator().manual_seed(7), **options
+    )
+    assert torch.equal(got.tokens, again.tokens)
+    assert torch.equal(got.tokens, local.tokens)
+
+
+def test_each_stage_holds_only_its_layers(sharded, unsplit) -> None:
+    layers = sharded.call_all("held_layers")
+    assert layers == [[0, 1], [2, 3]]
+    names = sharded.call_all("parameter_names")
+    assert any("embed_tokens" in n for n in names[0]) and not any("lm_head" in n for n in names[0])
+    assert "lm_head.weight" in names[1] and not any("embed_tokens" in n for n in names[1])
+    params = [s["params"] for s in sharded.stats()]
+    assert sum(params) == sum(p.numel() for p in unsplit.parameters())
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def training_batches(
+    vocab: int, *, steps: int, batch: int = 4, length: int = 16
+) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (batch, length), generator=generator) for _ in range(steps)]
+
+
+def reference_losses(
+    folder: Path, data: list[torch.Tensor], split: SplitTrainConfig
+) -> list[float]:
+    """The same training in one process: whole model, torch AdamW, HF's own loss."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=split.lr, weight_decay=split.weight_decay)
+    losses = []
+    for batch in data:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if split.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), split.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def build_trainer(world, split: SplitTrainConfig, **kwargs) -> DistributedTrainer:
+    sharded = ShardedModel.build(
+        model_config(Path(world.model.pretrained)), split, training=True, **kwargs
+    )
+    return DistributedTrainer(sharded, split)
+
+
+def test_split_training_matches_single_process_training(world, llama_folder, unsplit) -> None:
+    split = SplitTrainConfig(
+        num_stages=2, microbatches=2, batch_size=4, lr=3e-3, grad_clip=0.5, rpc_timeout_s=20
+    )
+    data = training_batches(unsplit.config.vocab_size, steps=2) * 2  # each batch seen twice
+    trainer = build_trainer(world, split)
+    got = [trainer.train_step([batch]).loss for batch in data]
+    expected = reference_losses(llama_folder, data, split)
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-4)
+    assert got[2] < got[0] and got[3] < got[1]  # it does learn
+
+
+def test_pipelining_and_accumulation_do_not_change_the_gradients(world, unsplit) -> None:
+    split = SplitTrainConfig(num_stages=2, microbatches=4, batch_size=4, rpc_timeout_s=20)
+    trainer = build_trainer(world, split)
+    (batch,) = training_batches(unsplit.config.vocab_size, steps=1)
+    plain = trainer.gradients([batch], microbatches=1)
+    piped = trainer.gradients([batch], microbatches=4)
+    accumulated = trainer.gradients([batch[:2], batch[2:]], microbatches=1)
+    assert plain.keys() == piped.keys() == accumulated.keys()
+    assert len(plain) == sum(1 for _ in unsplit.parameters())
+    for name in plain:
+        torch.testing.assert_close(piped[name], plain[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(accumulated[name], plain[name], rtol=1e-4, atol=1e-6)
+
+
+def test_checkpoint_restores_weights_and_optimizer_state(world, unsplit, tmp_path: Path) -> None:
+    split = SplitTrainConfig(num_stages=2, microbatches=2, batch_size=4, lr=3e-3, rpc_timeout_s=20)
+    data = training_batches(unsplit.config.vocab_size, steps=4)
+    trainer = build_trainer(world, split)
+    for batch in data[:2]:
+        trainer.train_step([batch])
+    trainer.save(tmp_path)
+    uninterrupted = [trainer.train_step([batch]).loss for batch in data[2:]]
+    resumed = build_trainer(world, split)  # fresh stages: the pretrained weights again
+    manifest = resumed.load(tmp_path)
+    assert manifest["step"] == 2 and resumed.step == 2
+    again = [resumed.train_step([batch]).loss for batch in data[2:]]
+    assert again == pytest.approx(uninterrupted, rel=1e-6)
+    files = sorted(p.name for p in (tmp_path / "step-000002").iterdir())
+    assert files == [
+        "stage1.optim.pt",
+        "stage1.safetensors",
+        "stage2.optim.pt",
+        "stage2.safetensors",
+    ]
+
+
+def test_lora_mode_trains_only_the_adapters(world, unsplit) -> None:
+    split = SplitTrainConfig(
+        num_stages=2, microbatches=2, batch_size=4, lr=1e-2, lora=True, rpc_timeout_s=20
+    )
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    trainer = build_trainer(world, split, lora=lora)
+    (batch,) = training_batches(unsplit.config.vocab_size, steps=1)
+    grads = trainer.gradients([batch], microbatches=2)
+    assert grads and all("lora_" in name for name in grads)
+    # 2 adapted modules x A and B per layer
+    assert len(grads) == NUM_LAYERS * 2 * 2
+    before = trainer.sharded.call_all("trainable_state")
+    trainer.train_step([batch])
+    after = trainer.sharded.call_all("trainable_state")
+    moved = [
+        name
+        for stage_b, stage_a in zip(before, after, strict=True)
+        for name in stage_b
+        if not torch.equal(stage_b[name], stage_a[name])
+    ]
+    assert moved and all("lora_B" in n or "lora_A" in n for n in moved)
