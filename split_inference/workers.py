@@ -215,6 +215,23 @@ def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
     )
 
 
+def _forget_previous_world() -> None:
+    """Reset torch's per-process RPC counters before joining another world.
+
+    torch numbers the rendezvous keys and its all-gathers (start-up, shutdown barrier) per
+    process and per set of worker names; fresh stage processes count from 0. A driver process
+    that joins a second world (a sweep, a test session) must count from 0 as well, or it waits
+    at start or at shutdown for keys nobody writes. Each world has a store of its own, so the
+    old numbers mean nothing any more.
+    """
+    from torch.distributed.rpc import api as rpc_api
+
+    rpc._init_counter = 0  # type: ignore[attr-defined]
+    with rpc_api._all_gather_dict_lock:
+        rpc_api._all_gather_sequence_id.clear()
+        rpc_api._all_gather_sequence_id_to_states.clear()
+
+
 @contextmanager
 def joined(
     world: World,
@@ -228,9 +245,7 @@ def joined(
     Joining waits for every rank. torch's rendezvous would wait 30 minutes for a missing one
     and cannot be interrupted, so a watchdog ends this process with a clear message after
     `join_timeout_s` instead, or as soon as `check()` raises (a local stage process that
-    died while the driver waited for it). Leaving is graceful (waits for the others) when the
-    block ended normally, immediate when it raised: a failed run must not wait for a peer that
-    is gone.
+    died while the driver waited for it). Leaving is immediate (see the comment there).
     """
     install_safe_unpickler()
     _auth.secret, _auth.driver_proved, _auth.nonce = secret, False, b""
@@ -266,6 +281,7 @@ def joined(
         os._exit(3)
 
     threading.Thread(target=watch, daemon=True, name="rpc-join-watchdog").start()
+    _forget_previous_world()
     try:
         rpc.init_rpc(
             world.name,
@@ -275,17 +291,14 @@ def joined(
         )
     finally:
         assembled.set()
-    graceful = False
     try:
         yield
-        graceful = True
     finally:
-        try:
-            rpc.shutdown(graceful=graceful, timeout=world.timeout_s)
-        except Exception as exc:  # a peer already gone: nothing left to wait for
-            log.warning("RPC shutdown of %s: %s", world.name, exc)
-            if graceful:
-                rpc.shutdown(graceful=False)
+        # Not torch's graceful shutdown: its barrier counts worlds per process in C++ (a second
+        # world in one process waits for keys nobody writes) and it waits for peers that died.
+        # The run's end is agreed explicitly instead: the driver releases every stage and waits
+        # for each to acknowledge (`release_all`) before anyone leaves.
+        rpc.shutdown(graceful=False)
 
 
 # ---------------------------------------------------------------------------- stage serving

@@ -1,0 +1,149 @@
+"""The commands users run, end to end, and what happens when a stage dies or lies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from split_inference.run import run as run_inference
+from split_training.run import run as run_training
+
+from .conftest import rpc_world
+
+
+def test_local_split_inference_end_to_end(
+    compose_config, llama_folder: Path, tmp_path: Path
+) -> None:
+    cfg = compose_config(
+        "split_inference",
+        [
+            f"model.pretrained={llama_folder}",
+            "tracking.wandb=false",
+            "generate.num_prompts=2",
+            "generate.max_new_tokens=6",
+            "generate.prompt_tokens=16",
+        ],
+    )
+    metrics = run_inference(cfg)
+    assert metrics["greedy_match"] == 1.0
+    for key in (
+        "prefill_ms",
+        "token_ms_p50",
+        "token_ms_p95",
+        "tokens_per_s",
+        "unsplit_token_ms_p50",
+    ):
+        assert metrics[key] > 0
+    assert metrics["stage1_peak_rss_mib"] > 0 and metrics["stage2_peak_rss_mib"] > 0
+    # hidden states of one new token per row, in and out of the driver, float32
+    assert metrics["bytes_between_stages_per_token"] > 0
+    assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_local_split_training_checkpoints_and_resumes(
+    compose_config, llama_folder: Path, tmp_path: Path
+) -> None:
+    common = [
+        f"model.pretrained={llama_folder}",
+        "tracking.wandb=false",
+        "split.batch_size=4",
+        "split.microbatches=2",
+        "split.block_size=16",
+        "split.max_train_blocks=64",
+        f"split.checkpoint_dir={tmp_path / 'ckpt'}",
+    ]
+    first = run_training(compose_config("split_training", [*common, "split.steps=2"]))
+    assert first["steps"] == 2
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+    manifest = json.loads((tmp_path / "ckpt" / "latest.json").read_text())
+    assert manifest["step"] == 2
+    second = run_training(
+        compose_config("split_training", [*common, "split.steps=3", "split.resume=true"])
+    )
+    assert second["steps"] == 3
+    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 3
+    assert 0.0 <= second["idle_share"] <= 1.0
+
+
+def test_a_killed_stage_ends_the_run_with_a_clear_error(llama_folder: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "split_inference",
+            f"model.pretrained={llama_folder}",
+            "tracking.wandb=false",
+            "generate.baseline=false",
+            "generate.num_prompts=16",
+            "generate.max_new_tokens=200",
+            "split.rpc_timeout_s=10",
+            f"hydra.run.dir={tmp_path}",
+            f"paths.run_dir={tmp_path}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if "stage layers [2, 4)" in line:
+            break
+    else:
+        pytest.fail("the run never built its stages:\n" + "".join(output[-30:]))
+    time.sleep(2.0)  # let it generate for a while
+    stages = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "role=stage" in " ".join(p.cmdline())
+    ]
+    victim = next(p for p in stages if "split.rank=2" in p.cmdline())
+    killed_at = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    rest, _ = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - killed_at
+    text = "".join(output) + rest
+    assert proc.returncode != 0
+    assert elapsed < 10 + 15  # within the RPC timeout, plus shutting down
+    assert "stage2" in text and (
+        "failed or stopped answering" in text or "exited" in text or "killed" in text
+    )
+    for stage in stages:
+        assert not stage.is_running() or stage.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_stage_with_another_secret_is_refused(llama_folder: Path, tmp_path: Path) -> None:
+    with (
+        pytest.raises(PermissionError, match="could not prove the shared secret"),
+        rpc_world(llama_folder, tmp_path, stage_env={"LAB_SECRET": "theirs"}, driver_secret="ours"),
+    ):
+        pass
+
+
+def test_stages_refuse_a_driver_without_the_secret(llama_folder: Path, tmp_path: Path) -> None:
+    stage_secret = {"LAB_SECRET": "theirs"}
+    with (
+        pytest.raises(PermissionError, match="expects a shared secret"),
+        rpc_world(llama_folder, tmp_path, stage_env=stage_secret),
+    ):
+        pass
+
+
+def test_matching_secrets_let_the_run_go_on(llama_folder: Path, tmp_path: Path) -> None:
+    from split_inference.sharded import ShardedModel
+
+    with rpc_world(
+        llama_folder, tmp_path, stage_env={"LAB_SECRET": "shared"}, driver_secret="shared"
+    ) as settings:
+        sharded = ShardedModel.build(settings.model, settings.split)
+        assert sharded.call_all("held_layers") == [[0, 1], [2, 3]]
