@@ -8,6 +8,7 @@ from lab.config import LabConfig, check_choice, check_fields_positive, register_
 
 BALANCES = ("params", "memory")
 WIRE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRANSPORTS = ("tcp", "auto")
 MAX_STAGES = 16
 
 
@@ -34,6 +35,9 @@ class SplitConfig:
     """Longest wait for every stage and the driver to meet at `cluster.master` at start-up."""
     rpc_threads: int = 16
     """TensorPipe worker threads per process."""
+    transport: str = "tcp"
+    """tcp: TensorPipe's TCP transport, as between real hosts; auto: TensorPipe picks (shared
+    memory between processes of one host)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_stages <= MAX_STAGES:
@@ -47,6 +51,7 @@ class SplitConfig:
             raise ValueError(f"split.boundaries={list(self.boundaries)} must increase strictly")
         check_choice("split.balance", self.balance, BALANCES)
         check_choice("split.wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        check_choice("split.transport", self.transport, TRANSPORTS)
         if not 0 <= self.rank <= self.num_stages:
             raise ValueError(f"split.rank={self.rank} must be in 1..{self.num_stages} for a stage")
         check_fields_positive("split", self, ("rpc_timeout_s", "join_timeout_s", "rpc_threads"))

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from lab.config import Endpoint, LabConfig, to_settings
 from lab.device import apply_num_threads, detect_device
 from lab.launch import free_port, services, settings_role
-from lab.models import load_model, load_tokenizer
+from lab.models import load_model, load_tokenizer, resolve_source
 from lab.tracking import Tracker
 from spec_decoding.run import prompts_from_corpus
 from split_inference.config import SplitConfig, SplitInferenceRunConfig
@@ -52,6 +52,7 @@ def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
         settings.cluster.master,
         split.rpc_timeout_s,
         split.rpc_threads,
+        split.transport,
     )
     with joined(
         world, secret=settings.cluster.resolved_secret(), join_timeout_s=split.join_timeout_s
@@ -68,7 +69,12 @@ def driving(
     if settings.cluster.master.port == 0:
         raise ValueError("the driver needs cluster.master.port (where stages meet it)")
     world = World(
-        0, split.num_stages, settings.cluster.master, split.rpc_timeout_s, split.rpc_threads
+        0,
+        split.num_stages,
+        settings.cluster.master,
+        split.rpc_timeout_s,
+        split.rpc_threads,
+        split.transport,
     )
     secret = settings.cluster.resolved_secret()
     with joined(world, secret=secret, join_timeout_s=split.join_timeout_s, check=check):
@@ -153,26 +159,25 @@ def run_driver(
         "pad_token_id": pad,
         "kv_cache": gen.kv_cache,
     }
-    with (
-        Tracker.from_settings(settings, job="split_inference") as tracker,
-        driving(settings, split, check=check),
-    ):
-        sharded = ShardedModel.build(settings.model, split)
-        split_runs = []
-        for index, (ids, mask) in enumerate(work):
-            generator = torch.Generator().manual_seed(gen.seed + index)
-            split_runs.append(decode(sharded, ids, mask, generator=generator, **options))
-            tracker.log(latency_metrics(split_runs[-1:]), step=index)
-        stage_stats = sharded.stats()
+    with Tracker.from_settings(settings, job="split_inference") as tracker:
+        with driving(settings, split, check=check):
+            sharded = ShardedModel.build(settings.model, split)
+            split_runs = []
+            for index, (ids, mask) in enumerate(work):
+                generator = torch.Generator().manual_seed(gen.seed + index)
+                split_runs.append(decode(sharded, ids, mask, generator=generator, **options))
+                tracker.log(latency_metrics(split_runs[-1:]), step=index)
+            stage_stats = sharded.stats()
+            traffic = sharded.bytes_between_stages()
         metrics = latency_metrics(split_runs)
         new_tokens = sum(g.tokens.numel() for g in split_runs)
-        metrics["bytes_between_stages_per_token"] = sharded.bytes_between_stages / new_tokens
+        metrics["bytes_between_stages_per_token"] = traffic / new_tokens
         for rank, stats in enumerate(stage_stats, start=1):
             metrics[f"stage{rank}_peak_rss_mib"] = stats["peak_rss_mib"]
             metrics[f"stage{rank}_params_m"] = stats["params"] / 1e6
             if "cuda_max_allocated_mib" in stats:
                 metrics[f"stage{rank}_cuda_max_allocated_mib"] = stats["cuda_max_allocated_mib"]
-        if gen.baseline:
+        if gen.baseline:  # after the stages have left: the unsplit model has the machine alone
             unsplit = UnsplitModel(load_model(settings.model, cache_dir=cache_dir))
             base_runs = []
             for index, (ids, mask) in enumerate(work):
@@ -202,7 +207,8 @@ def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:
         return run_driver(settings)
     if settings.role != "local":
         raise ValueError(f"split_inference has roles local, driver, stage; not {settings.role}")
-    load_model(settings.model, cache_dir=settings.paths.cache_path)  # build lab: models once, here
+    # Build lab: models once, here, before the stages ask; the driver loads no weights.
+    resolve_source(settings.model, cache_dir=settings.paths.cache_path)
     with local_stages(settings, module="split_inference", schema="split_inference_schema") as (
         local,
         check,

@@ -23,7 +23,7 @@ from split_inference.config import SplitConfig
 from split_inference.generation import positions_from_mask
 from split_inference.layout import StageCosts, balance_boundaries, stage_ranges
 from split_inference.stage import Stage, describe_model
-from split_inference.workers import StageLostError, free_memory_bytes, stage_name
+from split_inference.workers import StageLostError, free_memory_bytes, stage_alive, stage_name
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ class ShardedModel:
         self.stages = stages
         self.ranges = ranges
         self.timeout_s = timeout_s
-        self.bytes_between_stages = 0
         self._requests = itertools.count()
 
     @classmethod
@@ -99,15 +98,27 @@ class ShardedModel:
         ]
         sharded = cls(stages, ranges=ranges, timeout_s=timeout)
         sharded.call_all("held_layers")  # waits for every stage to have loaded
+        for index in range(len(stages) - 1):
+            sharded.call(index, "link", stages[index + 1], timeout)
         return sharded
 
     # ------------------------------------------------------------------ plumbing
 
     def _lost(self, index: int, exc: Exception) -> StageLostError:
+        """The error for a failed call into stage `index`, naming the stage that is gone (with
+        chained calls the failure may lie further down the pipeline: each stage is probed)."""
+        reason = str(exc).splitlines()[0][:300]
+        for probe in range(len(self.stages)):
+            try:
+                rpc.rpc_sync(stage_name(probe + 1), stage_alive, timeout=min(5.0, self.timeout_s))
+            except RuntimeError:
+                index = probe
+                reason = f"it no longer answers ({reason})"
+                break
         start, end = self.ranges[index]
         return StageLostError(
             f"{stage_name(index + 1)} (layers {start}-{end - 1}) failed or stopped answering "
-            f"within split.rpc_timeout_s={self.timeout_s:g}: {str(exc).splitlines()[0][:300]}"
+            f"within split.rpc_timeout_s={self.timeout_s:g}: {reason}"
         )
 
     def call(self, index: int, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -147,22 +158,23 @@ class ShardedModel:
         labels: torch.Tensor | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """Through every stage in order; returns the last stage's output."""
-        for index in range(len(self.stages)):
-            last = index == len(self.stages) - 1
-            x = self.call(
-                index,
-                "forward",
-                x,
-                attention_mask,
-                position_ids,
-                request=request,
-                labels=labels if last else None,
-                last_only=last_only,
-            )
-            if not last:
-                self.bytes_between_stages += 2 * x.numel() * x.element_size()  # in and out
-        return x
+        """Through every stage in order, each handing its output straight to the next (one
+        message per hop, none relayed by the driver); returns the last stage's output."""
+        return self.call(
+            0,
+            "forward",
+            x,
+            attention_mask,
+            position_ids,
+            request=request,
+            labels=labels,
+            last_only=last_only,
+            chain=True,
+        )
+
+    def bytes_between_stages(self) -> int:
+        """Activation bytes the stages have sent to the next stage so far."""
+        return int(sum(s["bytes_sent"] for s in self.stats()[:-1]))
 
     # ------------------------------------------------------------------ model API
 

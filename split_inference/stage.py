@@ -136,6 +136,8 @@ class Stage:
         self.head = getattr(model, layout.head)
         self.caches: dict[int, Any] = {}
         self._stashed: dict[str, torch.Tensor] = {}
+        self.next: RRef | None = None
+        self.next_timeout_s = 60.0
         self.lock = threading.Lock()
         self.bytes_received = 0
         self.bytes_sent = 0
@@ -162,6 +164,7 @@ class Stage:
         request: int | None = None,
         labels: torch.Tensor | None = None,
         last_only: bool = False,
+        chain: bool = False,
     ) -> torch.Tensor:
         """Run this stage on token ids (first stage) or hidden states (the others).
 
@@ -169,6 +172,8 @@ class Stage:
         (B, 1, V with `last_only`), or with `labels` the summed token loss (a scalar). With
         `request`, keys and values are kept for that request's next call. `x` may be an RRef
         to the previous stage's output (pipelined training): it is fetched straight from there.
+        With `chain`, the output goes on to the next stage (see `link`) and what comes back is
+        the last stage's: activations travel stage to stage, not through the driver.
         """
         if not isinstance(x, torch.Tensor):  # an RRef (torch hands us its C++ PyRRef)
             x = x.to_here()
@@ -201,7 +206,21 @@ class Stage:
                 logits = self.head(hidden)  # (B, T, V)
                 result = logits.float().cpu() if labels is None else self._loss(logits, labels)
         self.bytes_sent += result.numel() * result.element_size()
+        if chain and self.next is not None:  # outside the lock: this stage is free again
+            return self.next.rpc_sync(timeout=self.next_timeout_s).forward(
+                result,
+                attention_mask,
+                position_ids,
+                request=request,
+                labels=labels,
+                last_only=last_only,
+                chain=True,
+            )
         return result
+
+    def link(self, next_stage: RRef, timeout_s: float) -> None:
+        """Where `forward(..., chain=True)` sends this stage's output."""
+        self.next, self.next_timeout_s = next_stage, timeout_s
 
     @staticmethod
     def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from lab.config import to_settings
 from lab.corpus import load_corpus, token_blocks
 from lab.device import apply_num_threads, detect_device, supports_bf16
-from lab.models import load_model, load_tokenizer
+from lab.models import load_tokenizer, resolve_source
 from lab.tracking import Tracker
 from split_inference.run import driving, local_stages, serve_stage
 from split_inference.sharded import ShardedModel
@@ -177,7 +177,8 @@ def run(cfg: DictConfig | SplitTrainingRunConfig) -> dict[str, float]:
         return run_driver(settings)
     if settings.role != "local":
         raise ValueError(f"split_training has roles local, driver, stage; not {settings.role}")
-    load_model(settings.model, cache_dir=settings.paths.cache_path)  # build lab: models once, here
+    # Build lab: models once, here, before the stages ask; the driver loads no weights.
+    resolve_source(settings.model, cache_dir=settings.paths.cache_path)
     if settings.num_threads == 0:  # each stage one core's worth, as if on its own machine
         settings = replace(settings, num_threads=1)
     with local_stages(settings, module="split_training", schema="split_training_schema") as (

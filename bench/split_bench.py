@@ -1,0 +1,263 @@
+"""Split inference and training: what the cut costs and what pipelining buys, in one run.
+
+Same random-init Llama models (the lab tokenizer), same prompts, on this machine:
+
+1. per-token decode latency, 2-stage split over loopback vs the unsplit model (same driver
+   process, same decode loop, same prompts) - target: split at most 1.3x;
+2. split with a KV cache in every stage vs recomputing the prefix every step, generating up to
+   256 tokens - target: the cache at least 5x faster;
+3. peak memory (RSS) of each stage process vs one process running the unsplit model, on a model
+   whose weights dominate memory - target: each stage at most 0.65x;
+4. training throughput with 4 pipelined micro-batches vs none, each stage process on one thread
+   as if it were its own machine - target: at least 1.3x.
+
+Prints a table, writes bench/results/split_bench.json, and ends with the split/unsplit
+per-token latency ratio. `--quick` shrinks every part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from lab.config import CONF_DIR, ModelConfig
+from lab.models import load_model
+
+RESULTS = Path(__file__).resolve().parent / "results" / "split_bench.json"
+RUNS = Path("outputs/bench/split")
+CACHE = Path("~/.cache/distributed-llm-lab").expanduser()
+
+
+def random_llama(
+    folder: Path, *, hidden: int, layers: int, context: int, tokenizer_from: Path
+) -> Path:
+    """A random-init Llama saved as an HF folder (built once per shape, then reused)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if (folder / "model.safetensors").is_file():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64 or 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=context,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    print(
+        f"built {folder.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params",
+        file=sys.stderr,
+    )
+    return folder
+
+
+def run_module(module: str, name: str, overrides: list[str]) -> dict[str, float]:
+    """`python -m <module> <overrides>`'s `run`, in this process (its stages are processes)."""
+    if module == "split_inference":
+        import split_inference.config  # noqa: F401
+        from split_inference.run import run
+    else:
+        import split_training.config  # noqa: F401
+        from split_training.run import run
+    run_dir = (RUNS / name).resolve()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name=module,
+            overrides=[
+                f"paths.run_dir={run_dir}",
+                "tracking.wandb=false",
+                "tracking.console=false",
+                *overrides,
+            ],
+        )
+    started = time.perf_counter()
+    metrics = run(cfg)
+    print(f"{name}: {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    return metrics
+
+
+def unsplit_peak_rss_mib(folder: Path, new_tokens: int) -> float:
+    """Peak RSS of a fresh process that loads the whole model and generates (the baseline)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--unsplit-peak", str(folder), "--tokens", str(new_tokens)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _unsplit_peak_main(folder: Path, new_tokens: int) -> None:
+    from split_inference.generation import UnsplitModel, decode
+
+    model = load_model(ModelConfig(name="unsplit", pretrained=str(folder)), cache_dir=CACHE)
+    ids = torch.randint(3, model.config.vocab_size, (1, 32))
+    decode(UnsplitModel(model), ids, torch.ones_like(ids), max_new_tokens=new_tokens)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller models, fewer tokens")
+    parser.add_argument("--models", type=Path, default=CACHE / "bench_models")
+    parser.add_argument("--unsplit-peak", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.unsplit_peak:
+        _unsplit_peak_main(args.unsplit_peak, args.tokens)
+        return
+
+    from lab.models import resolve_source
+
+    tokenizer_from = Path(resolve_source(ModelConfig(), cache_dir=CACHE))
+    medium = random_llama(
+        args.models / ("llama-256x4" if args.quick else "llama-512x8"),
+        hidden=256 if args.quick else 512,
+        layers=4 if args.quick else 8,
+        context=512,
+        tokenizer_from=tokenizer_from,
+    )
+    big = random_llama(
+        args.models / ("llama-512x8" if args.quick else "llama-1024x24"),
+        hidden=512 if args.quick else 1024,
+        layers=8 if args.quick else 24,
+        context=512,
+        tokenizer_from=tokenizer_from,
+    )
+    rows: dict[str, dict[str, Any]] = {}
+
+    # 1. Per-token latency, split vs unsplit, in one run (the driver times both).
+    latency = run_module(
+        "split_inference",
+        "latency",
+        [
+            f"model.pretrained={medium}",
+            "generate.num_prompts=4",
+            "generate.batch_size=1",
+            f"generate.max_new_tokens={16 if args.quick else 64}",
+        ],
+    )
+    rows["decode latency"] = {
+        "ours": latency["token_ms_p50"],
+        "baseline": latency["unsplit_token_ms_p50"],
+        "unit": "ms/token (p50)",
+        "ratio": latency["latency_ratio"],
+        "target": "<= 1.3",
+        "same_tokens": latency["greedy_match"] == 1.0,
+    }
+
+    # 2. KV cache vs recomputing the prefix, up to 256 tokens of sequence.
+    new = 64 if args.quick else 224
+    cache_runs = {
+        kv: run_module(
+            "split_inference",
+            f"kv_{kv}",
+            [
+                f"model.pretrained={medium}",
+                "generate.num_prompts=1",
+                "generate.batch_size=1",
+                "generate.baseline=false",
+                f"generate.max_new_tokens={new}",
+                f"generate.kv_cache={str(kv).lower()}",
+            ],
+        )
+        for kv in (True, False)
+    }
+    rows[f"KV cache vs recompute ({32 + new} tokens)"] = {
+        "ours": cache_runs[True]["tokens_per_s"],
+        "baseline": cache_runs[False]["tokens_per_s"],
+        "unit": "tokens/s",
+        "ratio": cache_runs[True]["tokens_per_s"] / cache_runs[False]["tokens_per_s"],
+        "target": ">= 5",
+    }
+
+    # 3. Peak memory per stage vs one unsplit process.
+    memory = run_module(
+        "split_inference",
+        "memory",
+        [
+            f"model.pretrained={big}",
+            "generate.num_prompts=1",
+            "generate.batch_size=1",
+            "generate.baseline=false",
+            "generate.max_new_tokens=4",
+        ],
+    )
+    unsplit_mib = unsplit_peak_rss_mib(big, 4)
+    for rank in (1, 2):
+        stage_mib = memory[f"stage{rank}_peak_rss_mib"]
+        rows[f"peak RSS, stage {rank} / unsplit"] = {
+            "ours": stage_mib,
+            "baseline": unsplit_mib,
+            "unit": "MiB",
+            "ratio": stage_mib / unsplit_mib,
+            "target": "<= 0.65",
+        }
+
+    # 4. Training throughput, 4 pipelined micro-batches vs 1, one thread per stage.
+    training = {
+        m: run_module(
+            "split_training",
+            f"train_m{m}",
+            [
+                f"model.pretrained={medium}",
+                "num_threads=1",
+                f"split.microbatches={m}",
+                "split.batch_size=8",
+                f"split.block_size={64 if args.quick else 128}",
+                f"split.steps={3 if args.quick else 8}",
+                "split.checkpoint_every=0",
+                "split.max_train_blocks=256",
+            ],
+        )
+        for m in (1, 4)
+    }
+    rows["training, m=4 vs m=1"] = {
+        "ours": training[4]["tokens_per_s"],
+        "baseline": training[1]["tokens_per_s"],
+        "unit": "tokens/s",
+        "ratio": training[4]["tokens_per_s"] / training[1]["tokens_per_s"],
+        "target": ">= 1.3",
+        "idle_share_m4": training[4]["idle_share"],
+        "idle_share_gpipe_m4": training[4]["idle_share_gpipe"],
+        "idle_share_m1": training[1]["idle_share"],
+    }
+
+    print(f"{'measure':<36}{'ours':>10}{'baseline':>10}{'ratio':>8}  {'target':<8} unit")
+    for label, row in rows.items():
+        print(
+            f"{label:<36}{row['ours']:>10.1f}{row['baseline']:>10.1f}{row['ratio']:>8.2f}"
+            f"  {row['target']:<8} {row['unit']}"
+        )
+    t4 = rows["training, m=4 vs m=1"]
+    print(
+        f"stage idle share with m=4: {t4['idle_share_m4']:.2f} measured vs "
+        f"{t4['idle_share_gpipe_m4']:.2f} GPipe's (p-1)/(m+p-1); m=1: {t4['idle_share_m1']:.2f}"
+    )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"rows": rows, "quick": args.quick}, indent=2))
+    print(f"split/unsplit per-token latency: {rows['decode latency']['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
