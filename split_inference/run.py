@@ -128,8 +128,14 @@ def batches(
     return out
 
 
+LAST_STEPS = 8
+"""`token_ms_last` is the median over each generation's last this-many steps (the longest
+sequences: where recomputing the prefix costs most)."""
+
+
 def latency_metrics(generations: list[Generation], prefix: str = "") -> dict[str, float]:
     steps = [s for g in generations for s in g.step_s]
+    last = [s for g in generations for s in g.step_s[-LAST_STEPS:]]
     tokens = sum(g.tokens.numel() for g in generations)
     seconds = sum(g.prefill_s + sum(g.step_s) for g in generations)
     q = statistics.quantiles(steps, n=20) if len(steps) >= 2 else steps * 19
@@ -137,6 +143,7 @@ def latency_metrics(generations: list[Generation], prefix: str = "") -> dict[str
         f"{prefix}prefill_ms": statistics.mean(g.prefill_s for g in generations) * 1e3,
         f"{prefix}token_ms_p50": statistics.median(steps) * 1e3 if steps else 0.0,
         f"{prefix}token_ms_p95": q[18] * 1e3 if steps else 0.0,
+        f"{prefix}token_ms_last": statistics.median(last) * 1e3 if last else 0.0,
         f"{prefix}tokens_per_s": tokens / seconds,
     }
 
