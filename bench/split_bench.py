@@ -74,12 +74,12 @@ def random_llama(
 
 def run_module(module: str, name: str, overrides: list[str]) -> dict[str, float]:
     """`python -m <module> <overrides>`'s `run`, in this process (its stages are processes)."""
-    if module == "split_inference":
-        import split_inference.config  # noqa: F401
-        from split_inference.run import run
-    else:
-        import split_training.config  # noqa: F401
-        from split_training.run import run
+    import split_inference.config  # registers the schema (also used below)
+    import split_inference.run
+    import split_training.config  # registers the schema
+    import split_training.run
+
+    run = split_inference.run.run if module == "split_inference" else split_training.run.run
     run_dir = (RUNS / name).resolve()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(

@@ -89,7 +89,7 @@ def rpc_world(
     module: str = "split_inference",
     stage_env: dict[str, str] | None = None,
     driver_secret: str | None = None,
-    extra: list[str] = (),
+    extra: tuple[str, ...] = (),
 ) -> Iterator[SplitInferenceRunConfig]:
     """Stage processes (`python -m <module> role=stage`) plus this process as the driver."""
     port = free_port()

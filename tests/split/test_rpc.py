@@ -90,7 +90,7 @@ def test_sampling_follows_the_same_distribution_path(sharded, unsplit, tokenizer
     ((ids, mask),) = batches(
         prompts(tokenizer, 2), batch_size=2, pad_token_id=tokenizer.pad_token_id
     )
-    options = {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9}
+    options: dict = {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9}
     got = decode(sharded, ids, mask, generator=torch.Generator().manual_seed(7), **options)
     again = decode(sharded, ids, mask, generator=torch.Generator().manual_seed(7), **options)
     local = decode(
@@ -108,6 +108,19 @@ def test_each_stage_holds_only_its_layers(sharded, unsplit) -> None:
     assert "lm_head.weight" in names[1] and not any("embed_tokens" in n for n in names[1])
     params = [s["params"] for s in sharded.stats()]
     assert sum(params) == sum(p.numel() for p in unsplit.parameters())
+
+
+def test_bfloat16_on_the_wire_halves_the_bytes_and_stays_close(world, unsplit) -> None:
+    from dataclasses import replace
+
+    narrow = ShardedModel.build(world.model, replace(world.split, wire_dtype="bfloat16"))
+    wide = ShardedModel.build(world.model, world.split)
+    ids = torch.randint(3, unsplit.config.vocab_size, (1, 16))
+    with torch.no_grad():
+        expected = unsplit(input_ids=ids).logits
+    torch.testing.assert_close(narrow.forward(ids), expected, rtol=0.05, atol=0.05)
+    wide.forward(ids)
+    assert narrow.bytes_between_stages() * 2 == wide.bytes_between_stages()
 
 
 # ---------------------------------------------------------------------------- training

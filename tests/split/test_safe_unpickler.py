@@ -45,10 +45,11 @@ def test_an_arbitrary_class_is_refused() -> None:
 def test_what_split_runs_send_still_goes_through() -> None:
     """Tensors (via the RPC pickler's tensor table), plain data and exceptions."""
     install_safe_unpickler()
-    message = {"x": torch.arange(6).view(2, 3), "kwargs": {"request": 3, "last_only": True}}
-    data, tensors = rpc_internal.serialize(message)
-    back = rpc_internal.deserialize(data, tensors)
-    assert torch.equal(back["x"], message["x"]) and back["kwargs"] == message["kwargs"]
+    x = torch.arange(6).view(2, 3)
+    kwargs = {"request": 3, "last_only": True}
+    data, tensors = rpc_internal.serialize({"x": x, "kwargs": kwargs})
+    back: dict = rpc_internal.deserialize(data, tensors)
+    assert torch.equal(back["x"], x) and back["kwargs"] == kwargs
     assert isinstance(safe_loads(pickle.dumps(ValueError("bad"))), ValueError)
     with pytest.raises(UnsafeMessageError, match=r"posix\.system"):
         rpc_internal.deserialize(*rpc_internal.serialize(RunsCommand()))
