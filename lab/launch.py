@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TextIO
 
@@ -196,32 +196,53 @@ def _stop(running: Sequence[_Running], *, grace_s: float) -> None:
         proc.finish_output()
 
 
-@contextlib.contextmanager
-def services(
-    roles: Sequence[Role], *, grace_s: float = 5.0, out: TextIO | None = None
-) -> Iterator[Callable[[], None]]:
-    """Start `roles` (servers) in the background for the length of a `with` block.
+class ServiceGroup:
+    """The background roles of a `services` block. Calling it checks them (RoleFailedError for
+    any that has exited); `wait_exited` waits for roles told to leave to have left."""
 
-    Yields `check()`, which raises RoleFailedError if any of them has exited. On leaving the
-    block, whatever happened inside it, every process group is stopped and reaped.
-    """
-    lock = threading.Lock()
-    running: list[_Running] = []
+    def __init__(self) -> None:
+        self.running: list[_Running] = []
 
-    def check() -> None:
-        for proc in running:
+    def __call__(self) -> None:
+        for proc in self.running:
             code = proc.process.poll()
             if code is not None and not proc.stopped_by_us:
                 proc.finish_output()
                 raise RoleFailedError(proc.role.name, code, proc.tail)
 
+    def wait_exited(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every role to exit on its own; True if they all did.
+
+        From here on an exit is expected, not a failure."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.running:
+            proc.stopped_by_us = True
+            try:
+                proc.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+
+@contextlib.contextmanager
+def services(
+    roles: Sequence[Role], *, grace_s: float = 5.0, out: TextIO | None = None
+) -> Iterator[ServiceGroup]:
+    """Start `roles` (servers) in the background for the length of a `with` block.
+
+    Yields a `ServiceGroup`: call it to check the roles (RoleFailedError if any has exited).
+    On leaving the block, whatever happened inside it, every process group is stopped and
+    reaped.
+    """
+    lock = threading.Lock()
+    group = ServiceGroup()
     try:
         with _sigterm_as_interrupt():
             for role in roles:
-                running.append(_Running(role, out=out or sys.stdout, out_lock=lock))
-            yield check
+                group.running.append(_Running(role, out=out or sys.stdout, out_lock=lock))
+            yield group
     finally:
-        _stop(running, grace_s=grace_s)
+        _stop(group.running, grace_s=grace_s)
 
 
 def settings_role(

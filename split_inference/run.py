@@ -14,12 +14,12 @@ from omegaconf import DictConfig
 
 from lab.config import Endpoint, LabConfig, to_settings
 from lab.device import apply_num_threads, detect_device
-from lab.launch import free_port, services, settings_role
+from lab.launch import ServiceGroup, free_port, services, settings_role
 from lab.models import load_model, load_tokenizer, resolve_source
 from lab.tracking import Tracker
 from spec_decoding.run import prompts_from_corpus
 from split_inference.config import SplitConfig, SplitInferenceRunConfig
-from split_inference.generation import Generation, UnsplitModel, decode
+from split_inference.generation import Generation, StepModel, UnsplitModel, decode
 from split_inference.sharded import ShardedModel
 from split_inference.stage import StageHost, set_stage_host
 from split_inference.workers import (
@@ -86,10 +86,8 @@ def driving(
 
 
 @contextmanager
-def local_stages(
-    settings: Any, *, module: str, schema: str
-) -> Iterator[tuple[Any, Callable[[], None]]]:
-    """Start `num_stages` stage processes on loopback; yields (driver settings, check)."""
+def local_stages(settings: Any, *, module: str, schema: str) -> Iterator[tuple[Any, ServiceGroup]]:
+    """Start `num_stages` stage processes on loopback; yields (driver settings, the stages)."""
     split = settings.split
     master = Endpoint(settings.cluster.master.host, free_port(settings.cluster.master.host))
     local = replace(settings, cluster=replace(settings.cluster, master=master))
@@ -128,6 +126,12 @@ def batches(
     return out
 
 
+def warm_up(model: StepModel, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A short untimed generation: first calls pay for lazy initialisation, on both sides."""
+    ids, mask = batch
+    decode(model, ids[:1], mask[:1], max_new_tokens=3)
+
+
 LAST_STEPS = 8
 """`token_ms_last` is the median over each generation's last this-many steps (the longest
 sequences: where recomputing the prefix costs most)."""
@@ -149,7 +153,10 @@ def latency_metrics(generations: list[Generation], prefix: str = "") -> dict[str
 
 
 def run_driver(
-    settings: SplitInferenceRunConfig, *, check: Callable[[], None] = lambda: None
+    settings: SplitInferenceRunConfig,
+    *,
+    check: Callable[[], None] = lambda: None,
+    settle: Callable[[], object] = lambda: None,
 ) -> dict[str, float]:
     """`role=driver`: cut the model across the stages, generate, measure."""
     split, gen = settings.split, settings.generate
@@ -169,6 +176,7 @@ def run_driver(
     with Tracker.from_settings(settings, job="split_inference") as tracker:
         with driving(settings, split, check=check):
             sharded = ShardedModel.build(settings.model, split)
+            warm_up(sharded, work[0])
             split_runs = []
             for index, (ids, mask) in enumerate(work):
                 generator = torch.Generator().manual_seed(gen.seed + index)
@@ -185,7 +193,9 @@ def run_driver(
             if "cuda_max_allocated_mib" in stats:
                 metrics[f"stage{rank}_cuda_max_allocated_mib"] = stats["cuda_max_allocated_mib"]
         if gen.baseline:  # after the stages have left: the unsplit model has the machine alone
+            settle()
             unsplit = UnsplitModel(load_model(settings.model, cache_dir=cache_dir))
+            warm_up(unsplit, work[0])
             base_runs = []
             for index, (ids, mask) in enumerate(work):
                 generator = torch.Generator().manual_seed(gen.seed + index)
@@ -216,8 +226,6 @@ def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:
         raise ValueError(f"split_inference has roles local, driver, stage; not {settings.role}")
     # Build lab: models once, here, before the stages ask; the driver loads no weights.
     resolve_source(settings.model, cache_dir=settings.paths.cache_path)
-    with local_stages(settings, module="split_inference", schema="split_inference_schema") as (
-        local,
-        check,
-    ):
-        return run_driver(local, check=check)
+    schema = "split_inference_schema"
+    with local_stages(settings, module="split_inference", schema=schema) as (local, stages):
+        return run_driver(local, check=stages, settle=lambda: stages.wait_exited(30.0))
