@@ -132,3 +132,22 @@ def product_error(state: State, updates: Sequence[Update]) -> float:
     num = sum(float((got[p] - target[p]).pow(2).sum()) for p in target)
     den = sum(float(target[p].pow(2).sum()) for p in target)
     return (num / den) ** 0.5 if den else 0.0
+
+
+def staleness_weight(staleness: int, *, mixing: float, exponent: float) -> float:
+    """Weight of an update `staleness` global versions old (FedAsync: mixing * (1+s)^-a)."""
+    if staleness < 0:
+        raise ValueError(f"staleness={staleness} must be >= 0")
+    return mixing * (1.0 + staleness) ** -exponent
+
+
+def mix(
+    global_state: dict[str, torch.Tensor], update: dict[str, torch.Tensor], *, weight: float
+) -> dict[str, torch.Tensor]:
+    """(1 - weight) * global + weight * update, tensor by tensor, in the global's dtype."""
+    if update.keys() != global_state.keys():
+        raise ValueError("update and global adapter name different tensors")
+    return {
+        name: ((1.0 - weight) * g.float() + weight * update[name].float()).to(g.dtype)
+        for name, g in global_state.items()
+    }

@@ -14,6 +14,7 @@ from lab.config import (
 )
 
 STRATEGIES = ("fedavg", "fedprox", "ffa", "svd")
+MODES = ("sync", "async")
 
 
 @dataclass
@@ -43,6 +44,17 @@ class FedConfig:
     """none | topk | topk_int8: clients send the top-k of their update (delta from the global
     adapter), keeping the rest as error feedback for later rounds; int8 also quantizes it."""
     topk_fraction: float = 0.05
+    mode: str = "sync"
+    """sync: rounds wait for the sampled clients; async: every update is applied as it arrives
+    (mixed into the global adapter, weighted down by staleness) and its client is sent the new
+    global adapter at once; a "round" is then min_fit_clients applied updates."""
+    max_staleness: int = 4
+    """async: refuse an update trained from a global adapter more than this many updates old."""
+    async_mixing: float = 0.5
+    """async: weight of a fresh (staleness 0) update when mixed into the global adapter."""
+    staleness_exponent: float = 0.5
+    """async: an update s versions old is mixed with weight async_mixing * (1 + s)^-exponent
+    (FedAsync's polynomial staleness function)."""
     resume: bool = False
     """Continue from the last completed round's checkpoint in the run directory."""
     centralized_baseline: bool = True
@@ -52,6 +64,16 @@ class FedConfig:
     def __post_init__(self) -> None:
         check_choice("fed.strategy", self.strategy, STRATEGIES)
         check_choice("fed.compression", self.compression, COMPRESSIONS)
+        check_choice("fed.mode", self.mode, MODES)
+        if self.mode == "async" and self.strategy == "svd":
+            raise ValueError(
+                "fed.strategy=svd aggregates a round's updates together; fed.mode=async mixes "
+                "them one at a time: use fedavg, fedprox or ffa"
+            )
+        if self.max_staleness < 0 or self.staleness_exponent < 0:
+            raise ValueError("fed.max_staleness and fed.staleness_exponent must be >= 0")
+        if not 0 < self.async_mixing <= 1:
+            raise ValueError(f"fed.async_mixing={self.async_mixing} must be in (0, 1]")
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"fed.topk_fraction={self.topk_fraction} must be in (0, 1]")
         check_fields_positive(

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from fed_learn.aggregate import mix, staleness_weight
 from fed_learn.compression import decompress
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
@@ -146,7 +147,32 @@ class Coordinator:
 
     # ------------------------------------------------------------ rounds
 
+    def _send_task(
+        self, client: ClientHandle, version: int, global_state: dict[str, torch.Tensor]
+    ) -> bool:
+        """Ask `client` to train from `global_state` (tagged `version`); False if unreachable."""
+        task = {
+            "round": version,
+            "strategy": self.fed.strategy,
+            "local_epochs": self.fed.local_epochs,
+            "local_steps": self.fed.local_steps,
+            "batch_size": self.fed.batch_size,
+            "lr": self.fed.lr,
+            "compression": self.fed.compression,
+            "topk_fraction": self.fed.topk_fraction,
+            **self.strategy.client_options(),
+        }
+        try:
+            client.conn.send_msg(FedMsg.TASK, task)
+            client.conn.send_tensors(FedMsg.GLOBAL, global_state)
+        except NetprotoError as exc:
+            log.warning("version %d: cannot reach client %d: %s", version, client.client_id, exc)
+            return False
+        return True
+
     def run_rounds(self, tracker: Tracker) -> dict[str, float]:
+        if self.fed.mode == "async":
+            return self.run_async(tracker)
         start = self.resume() if self.fed.resume else 0
         rng = random.Random(self.settings.seed)
         history: list[dict[str, float]] = []
@@ -166,25 +192,8 @@ class Coordinator:
             global_state = adapter_state(self.model)
             sent_before = {c.client_id: c.conn.bytes_sent for c in sampled}
             received_before = {c.client_id: c.conn.bytes_received for c in sampled}
-            task = {
-                "round": self.round,
-                "strategy": self.fed.strategy,
-                "local_epochs": self.fed.local_epochs,
-                "local_steps": self.fed.local_steps,
-                "batch_size": self.fed.batch_size,
-                "lr": self.fed.lr,
-                "compression": self.fed.compression,
-                "topk_fraction": self.fed.topk_fraction,
-                **self.strategy.client_options(),
-            }
             for client in sampled:
-                try:
-                    client.conn.send_msg(FedMsg.TASK, task)
-                    client.conn.send_tensors(FedMsg.GLOBAL, global_state)
-                except NetprotoError as exc:
-                    log.warning(
-                        "round %d: cannot reach client %d: %s", self.round, client.client_id, exc
-                    )
+                self._send_task(client, self.round, global_state)
             updates, failures, results = self._collect(sampled, global_state)
             aggregate_started = time.perf_counter()
             if len(updates) >= self.fed.min_fit_clients:
@@ -248,6 +257,162 @@ class Coordinator:
                 sum(h["bytes_up"] for h in history) / len(history) if history else 0.0
             ),
         }
+
+    def run_async(self, tracker: Tracker) -> dict[str, float]:
+        """Apply each update as it arrives, mixed in with a staleness-discounted weight.
+
+        Every alive client always has work: the moment its update is applied (or refused as
+        too stale) it gets the new global adapter. No round waits for a straggler. Each
+        `min_fit_clients` applied updates count as a round: evaluated, logged, checkpointed.
+        """
+        fed = self.fed
+        start = self.resume() if fed.resume else 0
+        initial_loss = evaluate(self.model, self.val_blocks)
+        tracker.log({"val_loss": initial_loss}, step=start)
+        self.wait_for_clients(
+            fed.min_fit_clients,
+            hoped=fed.num_clients,
+            grace_s=min(FIRST_ROUND_GRACE_S, fed.wait_clients_s),
+        )
+        version = 0
+        versions = {version: adapter_state(self.model)}  # what clients may be training from
+        busy: dict[int, int] = {}  # client_id -> version it trains from
+        history: list[dict[str, float]] = []
+        applied, refused = 0, 0
+        staleness: list[int] = []
+        bytes_before = self._traffic()
+        round_started = time.perf_counter()
+        coordinator_s = 0.0
+        last_arrival = time.monotonic()
+        self.round = start
+        progress = tqdm(total=fed.rounds - start, desc="async rounds", unit="round", leave=False)
+        while self.round < fed.rounds:
+            for client in self.alive_clients():  # idle (new or just reported): give it work
+                if client.client_id not in busy and self._send_task(
+                    client, version, versions[version]
+                ):
+                    busy[client.client_id] = version
+            arrived = False
+            with self._lock:
+                clients = list(self.clients.values())
+            for client in clients:
+                if client.client_id not in busy:
+                    continue
+                try:
+                    item = client.results.get_nowait()
+                except queue.Empty:
+                    continue
+                arrived = True
+                base = busy.pop(client.client_id)
+                if item is None:  # the client is gone
+                    continue
+                result, update = item
+                work_started = time.perf_counter()
+                stale = version - int(result.get("round", -1))
+                if result.get("round") != base or stale > fed.max_staleness:
+                    refused += 1
+                    log.info(
+                        "refused client %d's update: %d versions old (fed.max_staleness=%d)",
+                        client.client_id,
+                        stale,
+                        fed.max_staleness,
+                    )
+                    continue
+                try:
+                    full = self._expand(update, versions[base])
+                except (KeyError, ValueError) as exc:
+                    log.warning("client %d sent a malformed update (%s)", client.client_id, exc)
+                    refused += 1
+                    continue
+                weight = staleness_weight(
+                    stale, mixing=fed.async_mixing, exponent=fed.staleness_exponent
+                )
+                load_adapter_state(self.model, mix(versions[version], full, weight=weight))
+                version += 1
+                versions[version] = adapter_state(self.model)
+                for old in [v for v in versions if v < version - fed.max_staleness]:
+                    del versions[old]
+                applied += 1
+                staleness.append(stale)
+                coordinator_s += time.perf_counter() - work_started
+                if applied % fed.min_fit_clients:
+                    continue
+                eval_started = time.perf_counter()
+                val_loss = evaluate(self.model, self.val_blocks)
+                coordinator_s += time.perf_counter() - eval_started
+                round_s = time.perf_counter() - round_started
+                traffic = self._traffic()
+                metrics = {
+                    "val_loss": val_loss,
+                    "val_perplexity": math.exp(min(val_loss, 50.0)),
+                    "clients": float(fed.min_fit_clients),
+                    "applied": float(applied),
+                    "refused": float(refused),
+                    "mean_staleness": sum(staleness[-fed.min_fit_clients :]) / fed.min_fit_clients,
+                    "max_staleness_applied": float(max(staleness)),
+                    "bytes_down": float(traffic[0] - bytes_before[0]),
+                    "bytes_up": float(traffic[1] - bytes_before[1]),
+                    "round_s": round_s,
+                    "coordinator_share": coordinator_s / round_s,
+                }
+                history.append(metrics)
+                tracker.log(metrics, step=self.round + 1)
+                self.checkpoint(metrics, outcome=f"async: {applied} updates applied")
+                log.info(
+                    "async round %d/%d: val loss %.4f (applied %d, refused %d, staleness %s)",
+                    self.round + 1,
+                    fed.rounds,
+                    val_loss,
+                    applied,
+                    refused,
+                    staleness[-fed.min_fit_clients :],
+                )
+                self.round += 1
+                progress.update(1)
+                bytes_before, round_started, coordinator_s = traffic, time.perf_counter(), 0.0
+                if self.round >= fed.rounds:
+                    break
+            if arrived:
+                last_arrival = time.monotonic()
+            elif time.monotonic() - last_arrival > fed.round_timeout_s:
+                raise NotEnoughClientsError(
+                    f"no update arrived for fed.round_timeout_s={fed.round_timeout_s:.0f}s "
+                    f"({len(self.alive_clients())} clients alive)"
+                )
+            else:
+                time.sleep(0.02)
+        progress.close()
+        # Clients still training get to hand in (and have discarded) what they are working on,
+        # so that every client ends cleanly on FINISH rather than on a closed connection.
+        deadline = time.monotonic() + fed.round_timeout_s
+        for client_id in busy:
+            with contextlib.suppress(queue.Empty):
+                self.clients[client_id].results.get(timeout=max(0.0, deadline - time.monotonic()))
+        for client in self.alive_clients():
+            with contextlib.suppress(NetprotoError):
+                client.conn.send(FedMsg.FINISH)
+        final = history[-1] if history else {"val_loss": initial_loss}
+        return {
+            "initial_val_loss": initial_loss,
+            "final_val_loss": final["val_loss"],
+            "rounds": float(len(history)),
+            "applied": float(applied),
+            "refused": float(refused),
+            "max_staleness_applied": float(max(staleness, default=0)),
+            "mean_clients_per_round": float(fed.min_fit_clients) if history else 0.0,
+            "bytes_up_per_round": (
+                sum(h["bytes_up"] for h in history) / len(history) if history else 0.0
+            ),
+        }
+
+    def _traffic(self) -> tuple[int, int]:
+        """(bytes sent to, bytes received from) every client so far."""
+        with self._lock:
+            clients = list(self.clients.values())
+        return (
+            sum(c.conn.bytes_sent for c in clients),
+            sum(c.conn.bytes_received for c in clients),
+        )
 
     def _collect(
         self, sampled: list[ClientHandle], global_state: dict[str, torch.Tensor]

@@ -80,3 +80,26 @@ def test_svd_at_the_summed_rank_equals_the_average_of_products() -> None:
     assert product_error(merged, clients) < 1e-6
     truncated = svd_average(clients, rank=2)
     assert 0 < product_error(truncated, clients) < product_error(fedavg(clients), clients)
+
+
+def test_staleness_weight_discounts_older_updates() -> None:
+    from fed_learn.aggregate import staleness_weight
+
+    fresh = staleness_weight(0, mixing=0.5, exponent=0.5)
+    assert fresh == 0.5
+    assert staleness_weight(3, mixing=0.5, exponent=0.5) == pytest.approx(0.5 / 2.0)
+    assert staleness_weight(3, mixing=0.5, exponent=0.0) == fresh  # exponent 0: no discount
+    with pytest.raises(ValueError, match="staleness"):
+        staleness_weight(-1, mixing=0.5, exponent=0.5)
+
+
+def test_mix_moves_the_global_adapter_towards_the_update_by_the_weight() -> None:
+    from fed_learn.aggregate import mix
+
+    global_state = {"a": torch.zeros(2, 2), "b": torch.ones(3)}
+    update = {"a": torch.full((2, 2), 4.0), "b": torch.full((3,), 3.0)}
+    mixed = mix(global_state, update, weight=0.25)
+    assert torch.equal(mixed["a"], torch.full((2, 2), 1.0))
+    assert torch.equal(mixed["b"], torch.full((3,), 1.5))
+    with pytest.raises(ValueError, match="different tensors"):
+        mix(global_state, {"a": update["a"]}, weight=0.5)
