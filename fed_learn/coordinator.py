@@ -242,9 +242,7 @@ class Coordinator:
                 len(updates),
                 val_loss,
             )
-        for client in self.alive_clients():
-            with contextlib.suppress(NetprotoError):
-                client.conn.send(FedMsg.FINISH)
+        self._finish_clients()
         final = history[-1] if history else {"val_loss": initial_loss}
         return {
             "initial_val_loss": initial_loss,
@@ -388,9 +386,7 @@ class Coordinator:
         for client_id in busy:
             with contextlib.suppress(queue.Empty):
                 self.clients[client_id].results.get(timeout=max(0.0, deadline - time.monotonic()))
-        for client in self.alive_clients():
-            with contextlib.suppress(NetprotoError):
-                client.conn.send(FedMsg.FINISH)
+        self._finish_clients()
         final = history[-1] if history else {"val_loss": initial_loss}
         return {
             "initial_val_loss": initial_loss,
@@ -404,6 +400,12 @@ class Coordinator:
                 sum(h["bytes_up"] for h in history) / len(history) if history else 0.0
             ),
         }
+
+    def _finish_clients(self) -> None:
+        """Tell every live client that training is over (it then exits)."""
+        for client in self.alive_clients():
+            with contextlib.suppress(NetprotoError):
+                client.conn.send(FedMsg.FINISH)
 
     def _traffic(self) -> tuple[int, int]:
         """(bytes sent to, bytes received from) every client so far."""

@@ -29,8 +29,10 @@ NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 
 
-def _mac(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, label + first + second, hashlib.sha256).digest()
+def mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of `label` followed by `parts` (the label keeps one proof from passing for
+    another role's)."""
+    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
 
 
 def client_handshake(conn: Connection, secret: bytes) -> None:
@@ -46,9 +48,9 @@ def client_handshake(conn: Connection, secret: bytes) -> None:
     if len(reply) != NONCE_BYTES + MAC_BYTES:
         raise AuthenticationError("server's handshake reply has the wrong length")
     nonce_s, server_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
-    if not hmac.compare_digest(server_mac, _mac(secret, b"srv", nonce_c, nonce_s)):
+    if not hmac.compare_digest(server_mac, mac(secret, b"srv", nonce_c, nonce_s)):
         raise AuthenticationError("server does not know the shared secret")
-    conn.send(MsgType.AUTH_PROOF, _mac(secret, b"cli", nonce_s, nonce_c))
+    conn.send(MsgType.AUTH_PROOF, mac(secret, b"cli", nonce_s, nonce_c))
     try:
         conn.recv(expect=MsgType.AUTH_OK)
     except RemoteError as exc:
@@ -71,12 +73,12 @@ def server_handshake(conn: Connection, secret: bytes) -> None:
     if len(nonce_c) != NONCE_BYTES:
         raise AuthenticationError("peer's challenge has the wrong length")
     nonce_s = secrets.token_bytes(NONCE_BYTES)
-    conn.send(MsgType.AUTH_RESPONSE, nonce_s + _mac(secret, b"srv", nonce_c, nonce_s))
+    conn.send(MsgType.AUTH_RESPONSE, nonce_s + mac(secret, b"srv", nonce_c, nonce_s))
     try:
         proof = conn.recv(expect=MsgType.AUTH_PROOF).payload
     except PeerProtocolError as exc:
         raise AuthenticationError(f"peer broke the handshake: {exc}") from None
-    if not hmac.compare_digest(proof, _mac(secret, b"cli", nonce_s, nonce_c)):
+    if not hmac.compare_digest(proof, mac(secret, b"cli", nonce_s, nonce_c)):
         conn.send_error("auth_failed", "wrong shared secret")
         raise AuthenticationError("peer does not know the shared secret")
     conn.send(MsgType.AUTH_OK, None)

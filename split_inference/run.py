@@ -46,38 +46,25 @@ def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
     if settings.cluster.master.port == 0:
         raise ValueError("role=stage needs cluster.master.port (the driver's rendezvous port)")
     set_stage_host(StageHost(cache_dir=settings.paths.cache_path, device=detect_device()))
-    world = World(
-        split.rank,
-        split.num_stages,
-        settings.cluster.master,
-        split.rpc_timeout_s,
-        split.rpc_threads,
-        split.transport,
-    )
-    with joined(
-        world, secret=settings.cluster.resolved_secret(), join_timeout_s=split.join_timeout_s
-    ):
+    world = World(split.rank, settings.cluster.master, split)
+    with joined(world, secret=settings.cluster.resolved_secret()):
         print(f"{world.name} joined the run", flush=True)
         serve_until_released(ping_s=PING_S, timeout_s=split.rpc_timeout_s)
 
 
 @contextmanager
 def driving(
-    settings: LabConfig, split: SplitConfig, *, check: Callable[[], None]
+    settings: LabConfig, split: SplitConfig, *, stages: ServiceGroup | None = None
 ) -> Iterator[None]:
-    """Join as the driver (rank 0), authenticate every stage, and release them all at the end."""
+    """Join as the driver (rank 0), authenticate every stage, and release them all at the end.
+
+    `stages`: the local stage processes, if this run started them (a dead one ends the wait).
+    """
     if settings.cluster.master.port == 0:
         raise ValueError("the driver needs cluster.master.port (where stages meet it)")
-    world = World(
-        0,
-        split.num_stages,
-        settings.cluster.master,
-        split.rpc_timeout_s,
-        split.rpc_threads,
-        split.transport,
-    )
+    world = World(0, settings.cluster.master, split)
     secret = settings.cluster.resolved_secret()
-    with joined(world, secret=secret, join_timeout_s=split.join_timeout_s, check=check):
+    with joined(world, secret=secret, check=stages or (lambda: None)):
         try:
             authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
             yield
@@ -155,8 +142,7 @@ def latency_metrics(generations: list[Generation], prefix: str = "") -> dict[str
 def run_driver(
     settings: SplitInferenceRunConfig,
     *,
-    check: Callable[[], None] = lambda: None,
-    settle: Callable[[], object] = lambda: None,
+    stages: ServiceGroup | None = None,
 ) -> dict[str, float]:
     """`role=driver`: cut the model across the stages, generate, measure."""
     split, gen = settings.split, settings.generate
@@ -174,7 +160,7 @@ def run_driver(
         "kv_cache": gen.kv_cache,
     }
     with Tracker.from_settings(settings, job="split_inference") as tracker:
-        with driving(settings, split, check=check):
+        with driving(settings, split, stages=stages):
             sharded = ShardedModel.build(settings.model, split)
             warm_up(sharded, work[0])
             split_runs = []
@@ -183,7 +169,7 @@ def run_driver(
                 split_runs.append(decode(sharded, ids, mask, generator=generator, **options))
                 tracker.log(latency_metrics(split_runs[-1:]), step=index)
             stage_stats = sharded.stats()
-            traffic = sharded.bytes_between_stages()
+            traffic = sharded.bytes_between_stages(stage_stats)
         metrics = latency_metrics(split_runs)
         new_tokens = sum(g.tokens.numel() for g in split_runs)
         metrics["bytes_between_stages_per_token"] = traffic / new_tokens
@@ -193,7 +179,8 @@ def run_driver(
             if "cuda_max_allocated_mib" in stats:
                 metrics[f"stage{rank}_cuda_max_allocated_mib"] = stats["cuda_max_allocated_mib"]
         if gen.baseline:  # after the stages have left: the unsplit model has the machine alone
-            settle()
+            if stages is not None:
+                stages.wait_exited(30.0)
             unsplit = UnsplitModel(load_model(settings.model, cache_dir=cache_dir))
             warm_up(unsplit, work[0])
             base_runs = []
@@ -214,8 +201,15 @@ def run_driver(
         return metrics
 
 
-def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:
-    settings = to_settings(cfg, SplitInferenceRunConfig)
+DriverFn = Callable[..., dict[str, float]]
+
+
+def run_roles(
+    settings: Any, *, module: str, run_driver: DriverFn, local_num_threads: int = 0
+) -> dict[str, float]:
+    """The roles of a split module: `stage`, `driver`, or `local` (its stages as processes on
+    loopback, this process the driver). `local_num_threads` (when num_threads is 0) is what
+    the local stage processes get."""
     apply_num_threads(settings.num_threads)
     if settings.role == "stage":
         serve_stage(settings, settings.split)
@@ -223,9 +217,15 @@ def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:
     if settings.role == "driver":
         return run_driver(settings)
     if settings.role != "local":
-        raise ValueError(f"split_inference has roles local, driver, stage; not {settings.role}")
+        raise ValueError(f"{module} has roles local, driver, stage; not {settings.role}")
     # Build lab: models once, here, before the stages ask; the driver loads no weights.
     resolve_source(settings.model, cache_dir=settings.paths.cache_path)
-    schema = "split_inference_schema"
-    with local_stages(settings, module="split_inference", schema=schema) as (local, stages):
-        return run_driver(local, check=stages, settle=lambda: stages.wait_exited(30.0))
+    if settings.num_threads == 0 and local_num_threads:
+        settings = replace(settings, num_threads=local_num_threads)
+    with local_stages(settings, module=module, schema=f"{module}_schema") as (local, stages):
+        return run_driver(local, stages=stages)
+
+
+def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:
+    settings = to_settings(cfg, SplitInferenceRunConfig)
+    return run_roles(settings, module="split_inference", run_driver=run_driver)

@@ -172,9 +172,10 @@ class ShardedModel:
             chain=True,
         )
 
-    def bytes_between_stages(self) -> int:
-        """Activation bytes the stages have sent to the next stage so far."""
-        return int(sum(s["bytes_sent"] for s in self.stats()[:-1]))
+    def bytes_between_stages(self, stats: list[dict[str, float]] | None = None) -> int:
+        """Activation bytes the stages have sent to the next stage so far (from `stats()`,
+        fetched here unless the caller has them already)."""
+        return int(sum(s["bytes_sent"] for s in (stats or self.stats())[:-1]))
 
     # ------------------------------------------------------------------ model API
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.rpc import RRef
 
-from lab.config import ModelConfig
+from lab.config import ModelConfig, PathsConfig
 from lab.device import detect_device, resolve_dtype, supports_bf16
 from lab.models import hub_offline, resolve_source
 from split_inference.layout import build_stage_model, stage_costs
@@ -51,9 +51,7 @@ def set_stage_host(host: StageHost) -> None:
 
 def stage_host() -> StageHost:
     if _host is None:  # a driver-only process, or a test building a stage in-process
-        return StageHost(
-            cache_dir=Path("~/.cache/distributed-llm-lab").expanduser(), device=detect_device()
-        )
+        return StageHost(cache_dir=PathsConfig().cache_path, device=detect_device())
     return _host
 
 
@@ -132,6 +130,7 @@ class Stage:
                 param.requires_grad_("lora_" in name)
         self.model = model.train(training)
         self.training = training
+        self.layout = layout
         self.decoder = getattr(model, layout.decoder)
         self.head = getattr(model, layout.head)
         self.caches: dict[int, Any] = {}
@@ -244,7 +243,7 @@ class Stage:
 
     def held_layers(self) -> list[int]:
         """Global indices of the decoder layers whose weights this process holds."""
-        layers = getattr(self.decoder, "layers", None) or self.decoder.h
+        layers = getattr(self.decoder, self.layout.layers)
         return list(range(self.start, self.start + len(layers)))
 
     def parameter_names(self) -> list[str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import hashlib
 import hmac
 import io
 import logging
@@ -38,6 +37,8 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import internal as rpc_internal
 
 from lab.config import Endpoint
+from netproto.auth import NONCE_BYTES, mac
+from split_inference.config import SplitConfig
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,6 @@ def safe_loads(data: bytes) -> Any:
 
 # ---------------------------------------------------------------------------- authentication
 
-_NONCE_BYTES = 32
-
 
 @dataclass
 class _AuthState:
@@ -133,19 +132,15 @@ _auth = _AuthState()
 _auth_lock = threading.Lock()
 
 
-def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, label + b"".join(parts), hashlib.sha256).digest()
-
-
 def stage_prove(driver_nonce: bytes) -> tuple[bytes, bytes]:
     """Stage side, step 1: our MAC over the driver's nonce, and a nonce for the driver to sign."""
     with _auth_lock:
         secret = _auth.secret
         if secret is None:
             return b"", b""
-        _auth.nonce = secrets.token_bytes(_NONCE_BYTES)
+        _auth.nonce = secrets.token_bytes(NONCE_BYTES)
         name = rpc.get_worker_info().name.encode()
-        return _mac(secret, b"stage", name, driver_nonce, _auth.nonce), _auth.nonce
+        return mac(secret, b"stage", name, driver_nonce, _auth.nonce), _auth.nonce
 
 
 def stage_accept_driver(proof: bytes) -> bool:
@@ -155,7 +150,7 @@ def stage_accept_driver(proof: bytes) -> bool:
         if secret is None:
             _auth.driver_proved = True
             return True
-        ok = bool(nonce) and hmac.compare_digest(proof, _mac(secret, b"driver", nonce))
+        ok = bool(nonce) and hmac.compare_digest(proof, mac(secret, b"driver", nonce))
         _auth.nonce = b""  # one use
         _auth.driver_proved = _auth.driver_proved or ok
         return ok
@@ -171,18 +166,18 @@ def authenticate_stages(secret: bytes | None, num_stages: int, *, timeout_s: flo
     """Driver side: mutual challenge-response with every stage; raises if one fails."""
     for rank in range(1, num_stages + 1):
         name = stage_name(rank)
-        nonce = secrets.token_bytes(_NONCE_BYTES)
-        mac, stage_nonce = rpc.rpc_sync(name, stage_prove, args=(nonce,), timeout=timeout_s)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        stage_mac, stage_nonce = rpc.rpc_sync(name, stage_prove, args=(nonce,), timeout=timeout_s)
         if secret is not None:
-            expected = _mac(secret, b"stage", name.encode(), nonce, stage_nonce)
-            if not mac or not hmac.compare_digest(mac, expected):
+            expected = mac(secret, b"stage", name.encode(), nonce, stage_nonce)
+            if not stage_mac or not hmac.compare_digest(stage_mac, expected):
                 raise PermissionError(
                     f"{name} could not prove the shared secret (cluster.secret / LAB_SECRET "
                     f"differ, or it has none): stopping before sending it anything"
                 )
-            proof = _mac(secret, b"driver", stage_nonce)
+            proof = mac(secret, b"driver", stage_nonce)
         else:
-            if mac:
+            if stage_mac:
                 raise PermissionError(f"{name} expects a shared secret and this driver has none")
             proof = b""
         if not rpc.rpc_sync(name, stage_accept_driver, args=(proof,), timeout=timeout_s):
@@ -194,29 +189,30 @@ def authenticate_stages(secret: bytes | None, num_stages: int, *, timeout_s: flo
 
 @dataclass(frozen=True)
 class World:
-    """The RPC world this process is part of."""
+    """The RPC world this process is part of: its rank, where the world meets, how it talks."""
 
     rank: int
-    num_stages: int
     master: Endpoint
-    timeout_s: float
-    threads: int
-    transport: str = "tcp"
+    split: SplitConfig
 
     @property
     def name(self) -> str:
         return DRIVER if self.rank == 0 else stage_name(self.rank)
 
+    @property
+    def num_stages(self) -> int:
+        return self.split.num_stages
+
 
 def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
     return rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=world.threads,
-        rpc_timeout=world.timeout_s,
+        num_worker_threads=world.split.rpc_threads,
+        rpc_timeout=world.split.rpc_timeout_s,
         init_method=f"tcp://{world.master.host}:{world.master.port}",
         # TensorPipe's `uv` (TCP) transport, which is what crosses real hosts. Its default
         # on one host is shared memory, whose pollers cost more CPU than they save on a small
         # box: per-token latency of a 2-stage split over loopback halved with `uv` (2 cores).
-        _transports=None if world.transport == "auto" else ["uv"],
+        _transports=None if world.split.transport == "auto" else ["uv"],
     )
 
 
@@ -242,14 +238,13 @@ def joined(
     world: World,
     *,
     secret: bytes | None,
-    join_timeout_s: float,
     check: Callable[[], None] = lambda: None,
 ) -> Iterator[None]:
     """Be part of the RPC world for the length of the block; always leave it.
 
     Joining waits for every rank. torch's rendezvous would wait 30 minutes for a missing one
     and cannot be interrupted, so a watchdog ends this process with a clear message after
-    `join_timeout_s` instead, or as soon as `check()` raises (a local stage process that
+    `split.join_timeout_s` instead, or as soon as `check()` raises (a local stage process that
     died while the driver waited for it). Leaving is immediate (see the comment there).
     """
     install_safe_unpickler()
@@ -265,6 +260,7 @@ def joined(
     assembled = threading.Event()
 
     def watch() -> None:  # pragma: no cover - ends the process
+        join_timeout_s = world.split.join_timeout_s
         deadline = time.monotonic() + join_timeout_s
         while not assembled.wait(1.0):
             try:

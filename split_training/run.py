@@ -6,8 +6,7 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -16,10 +15,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from lab.config import to_settings
 from lab.corpus import load_corpus, token_blocks
-from lab.device import apply_num_threads, detect_device, supports_bf16
-from lab.models import load_tokenizer, resolve_source
+from lab.device import detect_device, supports_bf16
+from lab.launch import ServiceGroup
+from lab.models import load_tokenizer
 from lab.tracking import Tracker
-from split_inference.run import driving, local_stages, serve_stage
+from split_inference.run import driving, run_roles
 from split_inference.sharded import ShardedModel
 from split_training.config import SplitTrainConfig, SplitTrainingRunConfig
 from split_training.trainer import DistributedTrainer, bubble_fraction
@@ -83,7 +83,7 @@ def save_loss_curve(losses: list[float], path: Path, *, title: str) -> None:
 
 
 def run_driver(
-    settings: SplitTrainingRunConfig, *, check: Callable[[], None] = lambda: None
+    settings: SplitTrainingRunConfig, *, stages: ServiceGroup | None = None
 ) -> dict[str, float]:
     """`role=driver`: build the split model for training and train it."""
     split = settings.split
@@ -101,7 +101,7 @@ def run_driver(
         }
     with (
         Tracker.from_settings(settings, job="split_training") as tracker,
-        driving(settings, split, check=check),
+        driving(settings, split, stages=stages),
     ):
         sharded = ShardedModel.build(
             settings.model,
@@ -169,20 +169,5 @@ def run_driver(
 
 def run(cfg: DictConfig | SplitTrainingRunConfig) -> dict[str, float]:
     settings = to_settings(cfg, SplitTrainingRunConfig)
-    apply_num_threads(settings.num_threads)
-    if settings.role == "stage":
-        serve_stage(settings, settings.split)
-        return {}
-    if settings.role == "driver":
-        return run_driver(settings)
-    if settings.role != "local":
-        raise ValueError(f"split_training has roles local, driver, stage; not {settings.role}")
-    # Build lab: models once, here, before the stages ask; the driver loads no weights.
-    resolve_source(settings.model, cache_dir=settings.paths.cache_path)
-    if settings.num_threads == 0:  # each stage one core's worth, as if on its own machine
-        settings = replace(settings, num_threads=1)
-    with local_stages(settings, module="split_training", schema="split_training_schema") as (
-        local,
-        check,
-    ):
-        return run_driver(local, check=check)
+    # Locally each stage gets one core's worth, as if on its own machine.
+    return run_roles(settings, module="split_training", run_driver=run_driver, local_num_threads=1)

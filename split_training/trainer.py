@@ -186,22 +186,26 @@ class DistributedTrainer:
             pairs.append((stage, by_owner[stage.owner().name]))
         return pairs
 
+    def _on_every_stage(self, function: Callable[[RRef, RRef, str], Any], folder: Path) -> list:
+        """`function(stage, its optimizer, folder)` on every stage's own host, at once."""
+        futures = [
+            rpc.rpc_async(
+                stage.owner(),
+                function,
+                args=(stage, optimizer, str(folder)),
+                timeout=self.sharded.timeout_s,
+            )
+            for stage, optimizer in self._pairs()
+        ]
+        return [future.wait() for future in futures]
+
     def save(self, directory: Path, *, extra: dict[str, Any] | None = None) -> Path:
         """Every stage writes its weights and optimizer state; then `latest.json` points at them.
 
         A crash before `latest.json` is replaced leaves the previous checkpoint the latest.
         """
         folder = directory / f"step-{self.step:06d}"
-        futures = [
-            rpc.rpc_async(
-                stage.owner(),
-                save_stage,
-                args=(stage, optimizer, str(folder)),
-                timeout=self.sharded.timeout_s,
-            )
-            for stage, optimizer in self._pairs()
-        ]
-        files = [future.wait() for future in futures]
+        files = self._on_every_stage(save_stage, folder)
         manifest = {
             "step": self.step,
             "folder": folder.name,
@@ -227,18 +231,7 @@ class DistributedTrainer:
                 f"the checkpoint was cut as {ranges}, this run as {self.sharded.ranges}: "
                 f"resume with the same split.boundaries / num_stages"
             )
-        folder = directory / manifest["folder"]
-        futures = [
-            rpc.rpc_async(
-                stage.owner(),
-                load_stage,
-                args=(stage, optimizer, str(folder)),
-                timeout=self.sharded.timeout_s,
-            )
-            for stage, optimizer in self._pairs()
-        ]
-        for future in futures:
-            future.wait()
+        self._on_every_stage(load_stage, directory / manifest["folder"])
         self.step = int(manifest["step"])
         return manifest
 

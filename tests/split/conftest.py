@@ -104,5 +104,8 @@ def rpc_world(
         split=SplitConfig(num_stages=num_stages, rpc_timeout_s=20, join_timeout_s=120),
         cluster=ClusterConfig(master=Endpoint("127.0.0.1", port), secret=driver_secret),
     )
-    with services(roles, out=sys.stderr) as check, driving(settings, settings.split, check=check):
+    with (
+        services(roles, out=sys.stderr) as stages,
+        driving(settings, settings.split, stages=stages),
+    ):
         yield settings
