@@ -34,15 +34,20 @@ class LoRAClient:
         self.name = name
         self.seed = seed
         self.feedback = ErrorFeedback()
+        self.rounds = 0
+        """Rounds taken part in, over every session with the coordinator."""
 
-    def run(self, conn: Connection, *, heartbeat_s: float) -> int:
-        """Join, then train whenever asked until FINISH; returns the rounds taken part in."""
+    def run(self, conn: Connection, *, heartbeat_s: float, timeout_s: float | None = None) -> int:
+        """Join, then train whenever asked until FINISH; returns the rounds taken part in.
+
+        While waiting for work the coordinator answers this client's heartbeats; `timeout_s`
+        of silence from it raises NetTimeout (a coordinator whose host vanished sends no FIN).
+        """
         stop = threading.Event()
         beat = threading.Thread(
             target=self._heartbeat, args=(conn, heartbeat_s, stop), daemon=True, name="heartbeat"
         )
         beat.start()
-        rounds = 0
         try:
             welcome = conn.request(
                 FedMsg.JOIN,
@@ -53,15 +58,15 @@ class LoRAClient:
                 "joined as client %d with %d examples", welcome["client_id"], len(self.train_blocks)
             )
             while True:
-                message = conn.recv(expect={FedMsg.TASK, FedMsg.FINISH}, timeout_s=None)
+                message = conn.recv(expect={FedMsg.TASK, FedMsg.FINISH}, timeout_s=timeout_s)
                 if message.type == FedMsg.FINISH:
-                    return rounds
+                    return self.rounds
                 task = message.payload
-                global_state = conn.recv_tensors(FedMsg.GLOBAL, timeout_s=None)
+                global_state = conn.recv_tensors(FedMsg.GLOBAL, timeout_s=timeout_s)
                 result, update = self.train_round(task, global_state)
                 conn.send_msg(FedMsg.RESULT, result)
                 conn.send_tensors(FedMsg.UPDATE, update)
-                rounds += 1
+                self.rounds += 1
         finally:
             stop.set()
 

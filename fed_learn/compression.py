@@ -3,9 +3,13 @@
 A client sends its update (delta from the global adapter) as the k largest-magnitude entries
 of each tensor; what it did not send is kept as a residual and added to its next update
 (error feedback, Seide et al. 2014; Stich et al. 2018), so nothing is lost, only delayed.
-`topk_int8` also quantizes the kept values to int8 with one float32 scale per tensor.
-On the wire a compressed tensor `w` is three tensors: `w.idx` (int32 flat indices), `w.val`
-(float32 or int8) and, for int8, `w.scale` (float32 scalar).
+`topk_int8` also quantizes each tensor's kept values to int8 with one float32 scale per tensor.
+
+On the wire a compressed update is packed into three tensors, whatever the number of adapter
+tensors (a LoRA adapter has two per wrapped module, and per-tensor headers would cost as much
+as the values they carry): `idx` (int32 indices into the adapter's tensors laid end to end in
+sorted-name order), `val` (float32, or int8) and, for int8, `scale` (float32, one per tensor
+in the same order). The receiver knows the adapter's layout and checks every index against it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Mapping
 import torch
 
 COMPRESSIONS = ("none", "topk", "topk_int8")
+MAX_PACKED = 2**31 - 1
+"""Indices are int32: adapters up to 2^31 - 1 entries."""
 
 
 def topk(delta: torch.Tensor, *, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,37 +48,61 @@ def compress(
         raise ValueError(f"compression={method!r}: choose one of {list(COMPRESSIONS)}")
     if method == "none":
         return dict(update)
-    wire: dict[str, torch.Tensor] = {}
-    for name, delta in update.items():
-        indices, values = topk(delta, fraction=fraction)
-        wire[f"{name}.idx"] = indices
+    indices, values, scales = [], [], []
+    offset = 0
+    for name in sorted(update):
+        delta = update[name]
+        kept, vals = topk(delta, fraction=fraction)
+        indices.append(kept.long() + offset)
         if method == "topk_int8":
-            wire[f"{name}.val"], wire[f"{name}.scale"] = quantize_int8(values)
-        else:
-            wire[f"{name}.val"] = values
+            vals, scale = quantize_int8(vals)
+            scales.append(scale)
+        values.append(vals)
+        offset += delta.numel()
+    if offset > MAX_PACKED:
+        raise ValueError(f"an update of {offset} entries is too big for int32 indices")
+    wire = {"idx": torch.cat(indices).to(torch.int32), "val": torch.cat(values)}
+    if method == "topk_int8":
+        wire["scale"] = torch.stack(scales)
     return wire
 
 
 def decompress(
     wire: Mapping[str, torch.Tensor], *, method: str, shapes: Mapping[str, torch.Size]
 ) -> dict[str, torch.Tensor]:
-    """The dense update from wire tensors; `shapes` (the global adapter's) bounds every index."""
+    """The dense update from wire tensors; `shapes` (the global adapter's) bounds every index.
+
+    ValueError for anything that does not fit the layout: missing or extra tensors, indices
+    out of range or unpaired with values, a scale count that is not one per tensor.
+    """
     if method == "none":
         return {name: wire[name] for name in shapes}
-    dense: dict[str, torch.Tensor] = {}
-    for name, shape in shapes.items():
-        indices = wire[f"{name}.idx"].long()
-        values = wire[f"{name}.val"].float()
-        if method == "topk_int8":
-            values = values * wire[f"{name}.scale"].float()
-        flat = torch.zeros(torch.Size(shape).numel(), dtype=torch.float32)
-        if indices.numel() != values.numel() or (
-            indices.numel() and (indices.min() < 0 or indices.max() >= flat.numel())
-        ):
-            raise ValueError(f"{name}: compressed indices out of range or unpaired")
-        flat[indices] = values
-        dense[name] = flat.view(shape)
-    return dense
+    names = sorted(shapes)
+    sizes = [torch.Size(shapes[name]).numel() for name in names]
+    expected = {"idx", "val", "scale"} if method == "topk_int8" else {"idx", "val"}
+    if set(wire) != expected:
+        raise ValueError(f"a {method} update has tensors {sorted(expected)}, not {sorted(wire)}")
+    indices, values = wire["idx"], wire["val"]
+    if indices.dim() != 1 or values.dim() != 1 or indices.numel() != values.numel():
+        raise ValueError("compressed indices and values must be 1-D and paired")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"compressed indices must be int32, not {indices.dtype}")
+    indices = indices.long()
+    total = sum(sizes)
+    if indices.numel() and (indices.min() < 0 or indices.max() >= total):
+        raise ValueError(f"compressed indices out of range for an adapter of {total} entries")
+    values = values.float()
+    if method == "topk_int8":
+        scale = wire["scale"].float().reshape(-1)
+        if scale.numel() != len(names):
+            raise ValueError(f"{scale.numel()} int8 scales for {len(names)} adapter tensors")
+        ends = torch.tensor(sizes).cumsum(0)
+        values = values * scale[torch.searchsorted(ends, indices, right=True)]
+    flat = torch.zeros(total, dtype=torch.float32)
+    flat[indices] = values
+    return {
+        name: part.view(shapes[name]) for name, part in zip(names, flat.split(sizes), strict=True)
+    }
 
 
 class ErrorFeedback:

@@ -36,6 +36,11 @@ class FedConfig:
     lr: float = 3e-3
     prox_mu: float = 0.01
     max_examples_per_client: int = 256
+    data_dir: str = ""
+    """role=client: fine-tune on the text files under this folder (this machine's private
+    data). Empty: the lab's stand-in, client_index's shard of the stdlib test suite."""
+    data_glob: str = "**/*"
+    """Which files under data_dir (binary files are skipped)."""
     eval_blocks: int = 32
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 30.0

@@ -180,7 +180,6 @@ class Coordinator:
         tracker.log({"val_loss": initial_loss}, step=start)
         for round_index in range(start, self.fed.rounds):
             self.round = round_index  # sessions read it: a client joining now starts next round
-            started = time.perf_counter()
             first = round_index == start  # give the whole roster a moment to join
             alive = self.wait_for_clients(
                 self.fed.min_fit_clients,
@@ -189,11 +188,16 @@ class Coordinator:
             )
             size = max(self.fed.min_fit_clients, math.ceil(self.fed.fraction_fit * len(alive)))
             sampled = sorted(rng.sample(alive, min(size, len(alive))), key=lambda c: c.client_id)
+            # The round's clock starts here, not while waiting for clients to join; the
+            # coordinator's own share is sending the adapter, aggregating, evaluating and
+            # checkpointing, against the clients' local training it waits for.
+            started = time.perf_counter()
             global_state = adapter_state(self.model)
             sent_before = {c.client_id: c.conn.bytes_sent for c in sampled}
             received_before = {c.client_id: c.conn.bytes_received for c in sampled}
             for client in sampled:
                 self._send_task(client, self.round, global_state)
+            coordinator_s = time.perf_counter() - started
             updates, failures, results = self._collect(sampled, global_state)
             aggregate_started = time.perf_counter()
             if len(updates) >= self.fed.min_fit_clients:
@@ -210,8 +214,6 @@ class Coordinator:
                     self.fed.min_fit_clients,
                 )
             val_loss = evaluate(self.model, self.val_blocks)
-            coordinator_s = time.perf_counter() - aggregate_started
-            round_s = time.perf_counter() - started
             metrics = {
                 "val_loss": val_loss,
                 "val_perplexity": math.exp(min(val_loss, 50.0)),
@@ -228,12 +230,14 @@ class Coordinator:
                     if results
                     else float("nan")
                 ),
-                "round_s": round_s,
-                "coordinator_share": coordinator_s / round_s,
             }
+            self.checkpoint(metrics, outcome=outcome)
+            coordinator_s += time.perf_counter() - aggregate_started
+            round_s = time.perf_counter() - started
+            metrics["round_s"] = round_s
+            metrics["coordinator_share"] = coordinator_s / round_s
             history.append(metrics)
             tracker.log(metrics, step=self.round + 1)
-            self.checkpoint(metrics, outcome=outcome)
             log.info(
                 "round %d/%d: %s from %d clients, val loss %.4f",
                 self.round + 1,
@@ -253,6 +257,17 @@ class Coordinator:
             ),
             "bytes_up_per_round": (
                 sum(h["bytes_up"] for h in history) / len(history) if history else 0.0
+            ),
+            "bytes_up_per_client_round": (
+                sum(h["bytes_up"] for h in history) / sum(h["clients"] for h in history)
+                if history and any(h["clients"] for h in history)
+                else 0.0
+            ),
+            "coordinator_share": (
+                sum(h["coordinator_share"] * h["round_s"] for h in history)
+                / sum(h["round_s"] for h in history)
+                if history
+                else 0.0
             ),
         }
 
@@ -286,10 +301,12 @@ class Coordinator:
         progress = tqdm(total=fed.rounds - start, desc="async rounds", unit="round", leave=False)
         while self.round < fed.rounds:
             for client in self.alive_clients():  # idle (new or just reported): give it work
-                if client.client_id not in busy and self._send_task(
-                    client, version, versions[version]
-                ):
+                if client.client_id in busy:
+                    continue
+                send_started = time.perf_counter()
+                if self._send_task(client, version, versions[version]):
                     busy[client.client_id] = version
+                coordinator_s += time.perf_counter() - send_started
             arrived = False
             with self._lock:
                 clients = list(self.clients.values())
@@ -338,7 +355,6 @@ class Coordinator:
                 eval_started = time.perf_counter()
                 val_loss = evaluate(self.model, self.val_blocks)
                 coordinator_s += time.perf_counter() - eval_started
-                round_s = time.perf_counter() - round_started
                 traffic = self._traffic()
                 metrics = {
                     "val_loss": val_loss,
@@ -350,12 +366,15 @@ class Coordinator:
                     "max_staleness_applied": float(max(staleness)),
                     "bytes_down": float(traffic[0] - bytes_before[0]),
                     "bytes_up": float(traffic[1] - bytes_before[1]),
-                    "round_s": round_s,
-                    "coordinator_share": coordinator_s / round_s,
                 }
+                checkpoint_started = time.perf_counter()
+                self.checkpoint(metrics, outcome=f"async: {applied} updates applied")
+                coordinator_s += time.perf_counter() - checkpoint_started
+                round_s = time.perf_counter() - round_started
+                metrics["round_s"] = round_s
+                metrics["coordinator_share"] = coordinator_s / round_s
                 history.append(metrics)
                 tracker.log(metrics, step=self.round + 1)
-                self.checkpoint(metrics, outcome=f"async: {applied} updates applied")
                 log.info(
                     "async round %d/%d: val loss %.4f (applied %d, refused %d, staleness %s)",
                     self.round + 1,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.config import LoRASettings, ModelConfig
-from lab.corpus import client_shards, load_corpus, token_blocks
+from lab.corpus import Document, client_shards, load_finetune_corpus, shuffled, token_blocks
 from lab.models import load_model
 
 log = logging.getLogger(__name__)
@@ -68,24 +68,72 @@ def block_size(model: Any) -> int:
 
 
 def client_data(
-    tokenizer: Any, *, index: int, num_clients: int, seed: int, block: int, max_examples: int
+    tokenizer: Any,
+    *,
+    index: int,
+    num_clients: int,
+    seed: int,
+    block: int,
+    max_examples: int,
+    data_dir: str = "",
+    data_glob: str = "**/*",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation) blocks of client `index`'s own shard (90/10 split)."""
-    if not 0 <= index < num_clients:
-        raise ValueError(f"client_index={index} must be in 0..{num_clients - 1}")
-    shard = client_shards(load_corpus().train, num_clients, seed=seed)[index]
-    blocks = token_blocks(
-        [d.text for d in shard], tokenizer, block_size=block, max_blocks=max_examples
-    )
+    """(train, validation) blocks of this client's own data (90/10 split).
+
+    With `data_dir`, the text files under it (the client's private data; `data_glob` picks
+    them). Without, the lab's stand-in: client `index`'s share of the stdlib test suite, whole
+    test packages at a time (`lab.corpus.load_finetune_corpus`), text the lab's base models
+    were not pretrained on.
+    """
+    if data_dir:
+        texts = [d.text for d in shuffled(folder_documents(data_dir, data_glob), seed=seed)]
+    else:
+        if not 0 <= index < num_clients:
+            raise ValueError(f"client_index={index} must be in 0..{num_clients - 1}")
+        shard = client_shards(load_finetune_corpus().train, num_clients, seed=seed)[index]
+        texts = [d.text for d in shuffled(shard, seed=seed + index)]
+    blocks = token_blocks(texts, tokenizer, block_size=block, max_blocks=max_examples)
+    if len(blocks) < 2:
+        raise ValueError(
+            f"{len(blocks)} block of {block} tokens is too little data to train and validate on"
+        )
     num_val = max(1, len(blocks) // 10)
     return blocks[num_val:], blocks[:num_val]
 
 
+MAX_DOCUMENT_BYTES = 50 * 2**20
+
+
+def folder_documents(folder: str, pattern: str = "**/*") -> list[Document]:
+    """The text files under `folder` matching `pattern`, in path order; binary files (a NUL
+    byte in their first 8 KiB) and files over 50 MiB are skipped."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"fed.data_dir={folder}: no such folder")
+    docs = []
+    for path in sorted(root.glob(pattern)):
+        if not path.is_file() or path.stat().st_size > MAX_DOCUMENT_BYTES:
+            continue
+        raw = path.read_bytes()
+        if b"\0" in raw[:8192]:
+            continue
+        rel = path.relative_to(root).as_posix()
+        docs.append(
+            Document(path=rel, package=rel.split("/")[0], text=raw.decode(errors="replace"))
+        )
+    if not docs:
+        raise FileNotFoundError(f"no text files match fed.data_glob={pattern!r} under {root}")
+    return docs
+
+
 def validation_blocks(tokenizer: Any, *, block: int, count: int) -> torch.Tensor:
-    """Held-out text nobody trains on: the corpus's validation files."""
-    return token_blocks(
-        [d.text for d in load_corpus().validation], tokenizer, block_size=block, max_blocks=count
-    )
+    """Held-out text of the clients' domain that no client holds (files kept out of every
+    shard), for the coordinator's evaluation: `count` blocks evenly spaced over all of it, so
+    that every held-out file has its say, not only the first few."""
+    docs = load_finetune_corpus().validation
+    blocks = token_blocks([d.text for d in docs], tokenizer, block_size=block)
+    picks = torch.linspace(0, len(blocks) - 1, min(count, len(blocks))).round().long()
+    return blocks[picks]
 
 
 def train_local(

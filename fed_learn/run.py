@@ -19,6 +19,7 @@ from lab.launch import free_port, launch, settings_role
 from lab.models import load_tokenizer
 from lab.pretrain import evaluate
 from lab.tracking import METRICS_FILE, Tracker
+from netproto import ConnectionClosed, NetTimeout
 from netproto.cluster import connect_when_ready, emulated_link, serve
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         seed=settings.seed,
         block=block_size(model),
         max_examples=settings.fed.max_examples_per_client,
+        data_dir=settings.fed.data_dir,
+        data_glob=settings.fed.data_glob,
     )
     address = (settings.cluster.coordinator.host, settings.cluster.coordinator.port)
     client = LoRAClient(
@@ -64,14 +67,44 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         name=settings.client_name or f"client{settings.client_index}",
     )
     with emulated_link(settings.cluster, address) as dial:  # cluster.link.*: a LAN/WAN here
-        conn = connect_when_ready(  # the coordinator may still be loading its model
-            settings.cluster,
-            dial,
-            wait_s=settings.cluster.connect_timeout_s + settings.fed.wait_clients_s,
-        )
-        with conn:
-            rounds = client.run(conn, heartbeat_s=settings.fed.heartbeat_s)
+        rounds = take_part(client, settings, dial)
     return {"rounds": float(rounds), "num_examples": float(len(train))}
+
+
+def take_part(client: LoRAClient, settings: FedLearnRunConfig, address: tuple[str, int]) -> int:
+    """Serve the coordinator until it says FINISH; returns the rounds taken part in.
+
+    A coordinator that is lost (crashed, its host gone silent past fed.heartbeat_timeout_s)
+    is dialed again for fed.wait_clients_s: restarted with fed.resume=true, it picks up at the
+    next round with the same clients, their local data and error-feedback residuals intact.
+    """
+    fed = settings.fed
+    wait_s = settings.cluster.connect_timeout_s + fed.wait_clients_s
+    host, port = address
+    while True:
+        try:  # the coordinator may still be loading its model, or restarting
+            conn = connect_when_ready(settings.cluster, address, wait_s=wait_s)
+        except (ConnectionClosed, NetTimeout) as exc:
+            raise CoordinatorLostError(
+                f"no coordinator at {host}:{port} for {wait_s:.0f}s "
+                f"(cluster.connect_timeout_s + fed.wait_clients_s): {exc}"
+            ) from exc
+        with conn:
+            try:
+                return client.run(
+                    conn, heartbeat_s=fed.heartbeat_s, timeout_s=fed.heartbeat_timeout_s
+                )
+            except (ConnectionClosed, NetTimeout) as exc:
+                log.warning(
+                    "lost the coordinator after %d rounds (%s); dialing it again for up to %.0fs",
+                    client.rounds,
+                    exc,
+                    wait_s,
+                )
+
+
+class CoordinatorLostError(RuntimeError):
+    """The coordinator could not be reached (again) within the configured wait."""
 
 
 def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
@@ -88,6 +121,11 @@ def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
         return run_client(settings)
     if settings.role != "local":
         raise ValueError(f"fed_learn has roles local, coordinator, client; not {settings.role}")
+    if settings.fed.data_dir:
+        raise ValueError(
+            "fed.data_dir is a real client's own data (role=client); a local run deals each "
+            "client its own shard of the lab's corpus"
+        )
     # Local: the coordinator and every client as their own processes on loopback.
     from lab.models import load_model
 

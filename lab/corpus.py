@@ -12,6 +12,7 @@ import hashlib
 import random
 import sys
 import sysconfig
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,6 +132,55 @@ def load_corpus(
         validation=sorted(validation, key=lambda d: d.path),
         source=f"Python {version} stdlib at {root}",
     )
+
+
+FINETUNE_DIR = "test"
+"""The stdlib's own test suite: excluded from pretraining (EXCLUDED_DIRS), so it is text the
+lab's models have never seen, in a style of its own (unittest classes, assert calls)."""
+
+
+def load_finetune_corpus(*, val_fraction: float = 0.1, root: Path | None = None) -> Corpus:
+    """Fine-tuning text the lab's pretrained models never saw: the stdlib's test suite.
+
+    Files are split by a hash of their path into train (dealt to clients by `client_shards`,
+    one test package per client at a time: non-IID) and validation (held out from every client:
+    the coordinator's evaluation text). Documents' `package` is the test package
+    (`test_asyncio`) or module (`test_os`). Where the test suite is not installed (Debian ships
+    it separately, as libpython3.X-testsuite) the pretraining corpus stands in, with a warning:
+    fine-tuning on text the base was trained on has little to gain.
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
+    tests = (root or stdlib_root()) / FINETUNE_DIR
+    if not tests.is_dir():
+        warnings.warn(
+            f"the standard library's test suite is not installed ({tests}): fine-tuning on the "
+            "pretraining corpus instead, which the lab's models have already seen",
+            stacklevel=2,
+        )
+        return load_corpus(val_fraction=val_fraction, root=root)
+    train: list[Document] = []
+    validation: list[Document] = []
+    for path in sorted(tests.rglob("*.py")):
+        rel = path.relative_to(tests)
+        if "__pycache__" in rel.parts or path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():  # empty __init__.py files: nothing to learn
+            continue
+        doc = Document(path=rel.as_posix(), package=_package_of(rel.as_posix()), text=text)
+        is_val = _path_fraction(doc.path, "finetune") < val_fraction
+        (validation if is_val else train).append(doc)
+    version = ".".join(map(str, sys.version_info[:3]))
+    return Corpus(train=train, validation=validation, source=f"Python {version} tests at {tests}")
+
+
+def shuffled(docs: Sequence[Document], *, seed: int) -> list[Document]:
+    """Documents in a seeded order, so that a budget of blocks samples many files, not the
+    first few in path order."""
+    order = list(docs)
+    random.Random(seed).shuffle(order)
+    return order
 
 
 def client_shards(

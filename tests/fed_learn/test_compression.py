@@ -57,7 +57,39 @@ def test_topk_int8_sends_many_times_fewer_bytes() -> None:
     assert dense / sparse > 10
 
 
-def test_decompress_refuses_indices_out_of_range() -> None:
-    wire = {"a.idx": torch.tensor([0, 99], dtype=torch.int32), "a.val": torch.ones(2)}
-    with pytest.raises(ValueError, match="out of range"):
-        decompress(wire, method="topk", shapes={"a": torch.Size([4])})
+def test_int8_scales_apply_to_their_own_tensor() -> None:
+    update = {"b": torch.tensor([0.0, 100.0, 0.0]), "a": torch.tensor([0.01, 0.0, -0.02, 0.0])}
+    wire = compress(update, method="topk_int8", fraction=0.5)
+    assert set(wire) == {"idx", "val", "scale"} and wire["scale"].numel() == 2
+    sent = decompress(wire, method="topk_int8", shapes={k: v.shape for k, v in update.items()})
+    torch.testing.assert_close(sent["a"], update["a"], atol=1e-4, rtol=0)  # not b's scale
+    torch.testing.assert_close(sent["b"], torch.tensor([0.0, 100.0, 0.0]))
+
+
+SHAPES = {"a": torch.Size([4]), "b": torch.Size([2])}
+
+
+@pytest.mark.parametrize(
+    ("wire", "match"),
+    [
+        ({"idx": torch.tensor([0, 6], dtype=torch.int32), "val": torch.ones(2)}, "out of range"),
+        ({"idx": torch.tensor([-1], dtype=torch.int32), "val": torch.ones(1)}, "out of range"),
+        ({"idx": torch.tensor([0, 1], dtype=torch.int32), "val": torch.ones(3)}, "paired"),
+        ({"idx": torch.tensor([0], dtype=torch.int64), "val": torch.ones(1)}, "int32"),
+        ({"idx": torch.tensor([0], dtype=torch.int32)}, "tensors"),
+        ({"a.idx": torch.tensor([0], dtype=torch.int32), "a.val": torch.ones(1)}, "tensors"),
+    ],
+)
+def test_decompress_refuses_updates_that_do_not_fit_the_adapter(wire, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        decompress(wire, method="topk", shapes=SHAPES)
+
+
+def test_decompress_refuses_a_scale_per_tensor_mismatch() -> None:
+    wire = {
+        "idx": torch.tensor([0], dtype=torch.int32),
+        "val": torch.ones(1, dtype=torch.int8),
+        "scale": torch.ones(3),
+    }
+    with pytest.raises(ValueError, match="scales for 2"):
+        decompress(wire, method="topk_int8", shapes=SHAPES)

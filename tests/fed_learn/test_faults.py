@@ -152,6 +152,6 @@ def test_topk_int8_updates_cost_many_times_fewer_bytes(federation, tmp_path, lab
         metrics = run_rounds(coordinator, run_dir)
         assert metrics["mean_clients_per_round"] == 2
         bytes_up[method] = metrics["bytes_up_per_round"]
-    # The debug adapter is so small that tensor names and headers weigh as much as its values;
-    # on tiny_target the same setting sends 14.3x fewer bytes (README, fed_learn section).
-    assert bytes_up["none"] / bytes_up["topk_int8"] > 5
+    # 2% of the entries at 5 bytes each (int32 index + int8 value) against 4 bytes for every
+    # entry: 40x on the values alone, less what headers, heartbeats and results cost.
+    assert bytes_up["none"] / bytes_up["topk_int8"] > 10

@@ -1,0 +1,226 @@
+"""Federated LoRA: what crosses the network and what federation costs in quality, in one run.
+
+Three local federations (`python -m fed_learn`'s set-up: a coordinator and 3 client processes
+on loopback, tiny_target base, non-IID shards of the stdlib test suite the base never saw),
+identical but for `fed.compression`, then:
+
+1. bytes a client sends per round: the full model's weights (the netproto frame they would
+   take, encoded for real) vs the LoRA adapter (measured on the sockets) - target: the adapter
+   at most 1/100; the same ratio is computed for TinyLlama-1.1B's shapes (PEFT on a meta-device
+   model: no weights needed) since a 1 M-parameter model is mostly what LoRA wraps;
+2. topk and topk_int8 updates vs plain adapters: bytes and final validation loss - target:
+   topk_int8 at least 10x fewer bytes with the final loss within 2%;
+3. federated vs centralized (the same model trained on all clients' data pooled, same steps):
+   final validation loss - target: within 5%;
+4. the coordinator's own time (sending, aggregating, evaluating, checkpointing) as a share of
+   the round - target: under 5%.
+
+Prints a table, writes bench/results/fed_learn_bench.json, and ends with federated /
+centralized final validation loss. `--quick` runs the debug models for 2 short rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+
+from lab.config import CONF_DIR
+
+RESULTS = Path(__file__).resolve().parent / "results" / "fed_learn_bench.json"
+RUNS = Path("outputs/bench/fed_learn")
+
+TINYLLAMA: dict[str, Any] = {  # TinyLlama/TinyLlama-1.1B-Chat-v1.0's config.json (the shapes only)
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+}
+
+
+def settings(name: str, overrides: list[str]) -> Any:
+    """`conf/fed_learn.yaml` with `overrides`, as Hydra composes it, run in RUNS/name."""
+    from fed_learn.config import FedLearnRunConfig
+    from lab.config import to_settings
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="fed_learn",
+            overrides=[
+                f"paths.run_dir={(RUNS / name).resolve()}",
+                "tracking.wandb=false",
+                "tracking.console=false",
+                *overrides,
+            ],
+        )
+    return to_settings(cfg, FedLearnRunConfig)
+
+
+def federate(name: str, overrides: list[str]) -> dict[str, float]:
+    """`python -m fed_learn <overrides>`'s `run`, in this process (its roles are processes)."""
+    from fed_learn.run import run
+
+    started = time.perf_counter()
+    metrics = run(settings(name, overrides))
+    print(f"{name}: {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    return metrics
+
+
+def frame_bytes(tensors: dict[str, Any]) -> int:
+    """Size of the netproto UPDATE frame that would carry `tensors` (encoded, not sent)."""
+    from fed_learn.protocol import FedMsg
+    from netproto import REGISTRY
+    from netproto.wire import Limits, Message, encode
+
+    buffers = encode(
+        Message(FedMsg.UPDATE, tensors, 0, 0),
+        limits=Limits(max_frame_bytes=2**62),
+        registry=REGISTRY,
+    )
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+def tiny_full_weights_bytes(overrides: list[str]) -> tuple[int, int]:
+    """(full-weights frame bytes, adapter parameter count) for the bench's base model."""
+    from fed_learn.lora import adapter_state, peft_model
+
+    config = settings("sizes", overrides)
+    model = peft_model(config.model, config.lora, cache_dir=config.paths.cache_path)
+    full = {k: v for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+    return frame_bytes(full), sum(t.numel() for t in adapter_state(model).values())
+
+
+def tinyllama_ratio(overrides: list[str]) -> dict[str, float]:
+    """Adapter / full parameters for TinyLlama-1.1B's shapes with the bench's LoRA settings."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    lora = settings("sizes", overrides).lora
+    with torch.device("meta"):  # shapes only: no weights are allocated or downloaded
+        base = LlamaForCausalLM(LlamaConfig(**TINYLLAMA))
+    full = sum(p.numel() for p in base.parameters())
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            target_modules=list(lora.target_modules),
+            task_type="CAUSAL_LM",
+        ),
+    )
+    adapter = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    return {"full_params": float(full), "adapter_params": float(adapter)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="debug models, 2 short rounds")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--topk-fraction", type=float, default=0.05)
+    args = parser.parse_args()
+
+    common = [
+        f"fed.rounds={2 if args.quick else args.rounds}",
+        "fed.num_clients=3",
+        f"fed.topk_fraction={args.topk_fraction}",
+    ]
+    if args.quick:
+        common += ["model.lab_preset=debug", "fed.local_steps=10", "fed.max_examples_per_client=64"]
+    runs = {
+        method: federate(
+            method,
+            [
+                *common,
+                f"fed.compression={method}",
+                f"fed.centralized_baseline={str(method == 'none').lower()}",
+            ],
+        )
+        for method in ("none", "topk", "topk_int8")
+    }
+    plain = runs["none"]
+    full_bytes, tiny_adapter_params = tiny_full_weights_bytes(common)
+    rows: dict[str, dict[str, Any]] = {}
+    rows["adapter / full weights, tiny_target (sent)"] = {
+        "ours": plain["bytes_up_per_client_round"],
+        "baseline": float(full_bytes),
+        "unit": "bytes up per client per round",
+        "ratio": plain["bytes_up_per_client_round"] / full_bytes,
+        "target": "<= 0.01",
+    }
+    big = tinyllama_ratio(common)
+    rows["adapter / full weights, TinyLlama-1.1B shapes"] = {
+        "ours": big["adapter_params"],
+        "baseline": big["full_params"],
+        "unit": "parameters (computed)",
+        "ratio": big["adapter_params"] / big["full_params"],
+        "target": "<= 0.01",
+    }
+    for method in ("topk", "topk_int8"):
+        run = runs[method]
+        rows[f"{method}: plain adapter / {method} bytes"] = {
+            "ours": run["bytes_up_per_client_round"],
+            "baseline": plain["bytes_up_per_client_round"],
+            "unit": "bytes up per client per round",
+            "ratio": plain["bytes_up_per_client_round"] / run["bytes_up_per_client_round"],
+            "target": ">= 10" if method == "topk_int8" else "",
+        }
+        rows[f"{method}: final val loss / plain's"] = {
+            "ours": run["final_val_loss"],
+            "baseline": plain["final_val_loss"],
+            "unit": "validation loss",
+            "ratio": run["final_val_loss"] / plain["final_val_loss"],
+            "target": "<= 1.02" if method == "topk_int8" else "",
+        }
+    rows["federated / centralized final val loss"] = {
+        "ours": plain["final_val_loss"],
+        "baseline": plain["centralized_val_loss"],
+        "unit": "validation loss",
+        "ratio": plain["federated_over_centralized"],
+        "target": "<= 1.05",
+    }
+    worst = max(runs, key=lambda m: runs[m]["coordinator_share"])
+    rows[f"coordinator share of the round (worst: {worst})"] = {
+        "ours": runs[worst]["coordinator_share"],
+        "baseline": 1.0,
+        "unit": "share",
+        "ratio": runs[worst]["coordinator_share"],
+        "target": "< 0.05",
+    }
+
+    print(f"{'measure':<52}{'ours':>12}{'baseline':>14}{'ratio':>9}  {'target':<8} unit")
+    for label, row in rows.items():
+        print(
+            f"{label:<52}{row['ours']:>12.4g}{row['baseline']:>14.4g}{row['ratio']:>9.4f}"
+            f"  {row['target']:<8} {row['unit']}"
+        )
+    print(
+        "validation loss before training {:.4f}; after {} rounds: none {:.4f}, topk {:.4f}, "
+        "topk_int8 {:.4f}, centralized {:.4f}".format(
+            plain["initial_val_loss"],
+            int(plain["rounds"]),
+            plain["final_val_loss"],
+            runs["topk"]["final_val_loss"],
+            runs["topk_int8"]["final_val_loss"],
+            plain["centralized_val_loss"],
+        )
+    )
+    print(f"tiny_target adapter: {tiny_adapter_params} parameters")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps({"rows": rows, "runs": runs, "quick": args.quick, "args": vars(args)}, indent=2)
+    )
+    print(
+        f"federated / centralized final validation loss: {plain['federated_over_centralized']:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
