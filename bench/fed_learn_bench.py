@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,7 @@ def federate(name: str, overrides: list[str]) -> dict[str, float]:
     """`python -m fed_learn <overrides>`'s `run`, in this process (its roles are processes)."""
     from fed_learn.run import run
 
+    shutil.rmtree(RUNS / name, ignore_errors=True)  # metrics.jsonl appends: one run per folder
     started = time.perf_counter()
     metrics = run(settings(name, overrides))
     print(f"{name}: {time.perf_counter() - started:.0f}s", file=sys.stderr)

@@ -74,6 +74,7 @@ class Coordinator:
         self.round = 0
         self._lock = threading.Lock()
         self._joined = threading.Condition(self._lock)
+        self._finished = threading.Event()
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
 
     # ------------------------------------------------------------ sessions (one per client)
@@ -113,7 +114,10 @@ class Coordinator:
         finally:
             client.alive = False
             client.results.put(None)  # wakes a round waiting for this client
-            log.warning("client %d (%s) is gone", client.client_id, client.name)
+            if self._finished.is_set():
+                log.info("client %d (%s) left", client.client_id, client.name)
+            else:
+                log.warning("client %d (%s) is gone", client.client_id, client.name)
 
     def alive_clients(self) -> list[ClientHandle]:
         with self._lock:
@@ -422,6 +426,7 @@ class Coordinator:
 
     def _finish_clients(self) -> None:
         """Tell every live client that training is over (it then exits)."""
+        self._finished.set()
         for client in self.alive_clients():
             with contextlib.suppress(NetprotoError):
                 client.conn.send(FedMsg.FINISH)

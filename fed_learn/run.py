@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
 
 from fed_learn.client import LoRAClient
 from fed_learn.config import FedLearnRunConfig
@@ -154,7 +157,10 @@ def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
         for i in range(settings.fed.num_clients)
     ]
     launch(roles)
-    metrics = _summary(local.paths.run_path / "coordinator" / METRICS_FILE)
+    metrics_file = local.paths.run_path / "coordinator" / METRICS_FILE
+    metrics = _summary(metrics_file)
+    if settings.tracking.console:
+        Console().print(round_table(metrics_file))
     if settings.fed.centralized_baseline:
         metrics["centralized_val_loss"] = centralized_baseline(local)
         metrics["federated_over_centralized"] = (
@@ -199,6 +205,34 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
     )
     val = validation_blocks(tokenizer, block=block_size(model), count=fed.eval_blocks)
     return evaluate(model, val)
+
+
+def round_table(metrics_file: Path) -> Table:
+    """The coordinator's rounds as a table: loss, clients, bytes each way, time."""
+    lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    table = Table(title="fed_learn: rounds", title_justify="left")
+    for column in ("round", "val loss", "ppl", "clients", "failed", "kB up", "kB down"):
+        table.add_column(column, justify="right")
+    table.add_column("s", justify="right")
+    table.add_column("coord.", justify="right")  # the coordinator's own share of the round
+    for line in lines:
+        if line.get("kind") != "metrics":
+            continue
+        if "clients" not in line:  # the evaluation before round 1 (or before resuming)
+            table.add_row(str(line["step"]), f"{line['val_loss']:.4f}", *[""] * 7)
+            continue
+        table.add_row(
+            str(line["step"]),
+            f"{line['val_loss']:.4f}",
+            f"{line['val_perplexity']:.2f}",
+            f"{line['clients']:.0f}",
+            f"{line.get('failures', line.get('refused', 0)):.0f}",
+            f"{line['bytes_up'] / 1e3:,.1f}",
+            f"{line['bytes_down'] / 1e3:,.1f}",
+            f"{line['round_s']:.1f}",
+            f"{line['coordinator_share']:.1%}",
+        )
+    return table
 
 
 def _summary(metrics_file) -> dict[str, float]:

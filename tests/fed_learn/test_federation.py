@@ -7,14 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from safetensors.torch import load_file
 
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.lora import adapter_state, peft_model
 from fed_learn.protocol import FedMsg
-from fed_learn.run import run
+from fed_learn.run import round_table, run
 from lab.config import ClusterConfig, Endpoint, ModelConfig, to_settings
+from lab.tracking import METRICS_FILE
 from netproto import Connection, RemoteError
 from netproto.cluster import serve
 
@@ -42,6 +44,14 @@ def test_two_clients_lower_the_global_validation_loss(
     assert metrics["federated_over_centralized"] == pytest.approx(
         metrics["final_val_loss"] / metrics["centralized_val_loss"]
     )
+
+    # The summary a user reads: the evaluation before training, then one row per round.
+    console = Console(width=200, record=True)
+    console.print(round_table(tmp_path / "coordinator" / METRICS_FILE))
+    table = console.export_text()
+    assert f"{metrics['initial_val_loss']:.4f}" in table
+    assert f"{metrics['final_val_loss']:.4f}" in table
+    assert round_table(tmp_path / "coordinator" / METRICS_FILE).row_count == 3
 
     # Every round left a PEFT checkpoint that PEFT itself loads.
     from peft import PeftModel
