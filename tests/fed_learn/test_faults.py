@@ -18,7 +18,9 @@ from fed_learn.client import LoRAClient
 from fed_learn.config import FedConfig, FedLearnRunConfig
 from fed_learn.coordinator import Coordinator, NotEnoughClientsError
 from fed_learn.lora import adapter_state, block_size, client_data, peft_model
+from fed_learn.run import CoordinatorLostError, take_part
 from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
+from lab.launch import free_port
 from lab.models import load_tokenizer
 from lab.tracking import METRICS_FILE, Tracker
 from netproto import Connection, ConnectionClosed
@@ -162,3 +164,14 @@ def test_topk_int8_updates_cost_many_times_fewer_bytes(federation, tmp_path, lab
     # 2% of the entries at 5 bytes each (int32 index + int8 value) against 4 bytes for every
     # entry: 40x on the values alone, less what headers, heartbeats and results cost.
     assert bytes_up["none"] / bytes_up["topk_int8"] > 10
+
+
+def test_a_client_without_a_coordinator_gives_up_with_a_clear_error(tmp_path, lab_cache) -> None:
+    settings = settings_for(tmp_path, lab_cache, wait_clients_s=0.5)
+    settings = replace(settings, cluster=replace(settings.cluster, connect_timeout_s=0.5))
+    client = LoRAClient(None, torch.zeros(4, 8), torch.zeros(1, 8), name="lonely")
+    port = free_port("127.0.0.1")  # nobody listens there
+    started = time.monotonic()
+    with pytest.raises(CoordinatorLostError, match=f"no coordinator at 127.0.0.1:{port}"):
+        take_part(client, settings, ("127.0.0.1", port))
+    assert time.monotonic() - started < 10
