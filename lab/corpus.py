@@ -2,8 +2,10 @@
 
 Documents are `.py` files. The train/validation split is decided per file by a hash of its path,
 so it is the same on every machine with the same Python version and does not shift when a
-budget trims the corpus. Federated shards group files by package (`email`, `asyncio`, ...), so
-clients see different kinds of code (non-IID) in unequal amounts, like real edge devices.
+budget trims the corpus. Pretraining reads `load_corpus`; fine-tuning reads
+`load_finetune_corpus`, the stdlib's test suite, which pretraining never sees. Federated shards
+group files by package (`test_email`, `test_asyncio`, ...), so clients see different kinds of
+code (non-IID) in unequal amounts, like real edge devices.
 """
 
 from __future__ import annotations
