@@ -86,7 +86,7 @@ def client_data(
     were not pretrained on.
     """
     if data_dir:
-        texts = [d.text for d in shuffled(folder_documents(data_dir, data_glob), seed=seed)]
+        texts = [d.text for d in shuffled(folder_documents(data_dir, pattern=data_glob), seed=seed)]
     else:
         if not 0 <= index < num_clients:
             raise ValueError(f"client_index={index} must be in 0..{num_clients - 1}")
@@ -104,7 +104,7 @@ def client_data(
 MAX_DOCUMENT_BYTES = 50 * 2**20
 
 
-def folder_documents(folder: str, pattern: str = "**/*") -> list[Document]:
+def folder_documents(folder: str, *, pattern: str = "**/*") -> list[Document]:
     """The text files under `folder` matching `pattern`, in path order; binary files (a NUL
     byte in their first 8 KiB) and files over 50 MiB are skipped."""
     root = Path(folder).expanduser()

@@ -70,11 +70,11 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         name=settings.client_name or f"client{settings.client_index}",
     )
     with emulated_link(settings.cluster, address) as dial:  # cluster.link.*: a LAN/WAN here
-        rounds = take_part(client, settings, dial)
+        rounds = take_part(client, settings=settings, address=dial)
     return {"rounds": float(rounds), "num_examples": float(len(train))}
 
 
-def take_part(client: LoRAClient, settings: FedLearnRunConfig, address: tuple[str, int]) -> int:
+def take_part(client: LoRAClient, *, settings: FedLearnRunConfig, address: tuple[str, int]) -> int:
     """Serve the coordinator until it says FINISH; returns the rounds taken part in.
 
     A coordinator that is lost (crashed, its host gone silent past fed.heartbeat_timeout_s)

@@ -63,4 +63,4 @@ def test_a_missing_or_empty_folder_is_a_clear_error(tokenizer, tmp_path: Path) -
     with pytest.raises(FileNotFoundError, match="no such folder"):
         folder_documents(str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="no text files"):
-        folder_documents(str(tmp_path), "*.py")
+        folder_documents(str(tmp_path), pattern="*.py")

@@ -173,5 +173,5 @@ def test_a_client_without_a_coordinator_gives_up_with_a_clear_error(tmp_path, la
     port = free_port("127.0.0.1")  # nobody listens there
     started = time.monotonic()
     with pytest.raises(CoordinatorLostError, match=f"no coordinator at 127.0.0.1:{port}"):
-        take_part(client, settings, ("127.0.0.1", port))
+        take_part(client, settings=settings, address=("127.0.0.1", port))
     assert time.monotonic() - started < 10
