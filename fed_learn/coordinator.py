@@ -256,23 +256,7 @@ class Coordinator:
             "initial_val_loss": initial_loss,
             "final_val_loss": final["val_loss"],
             "rounds": float(self.fed.rounds - start),
-            "mean_clients_per_round": (
-                sum(h["clients"] for h in history) / len(history) if history else 0.0
-            ),
-            "bytes_up_per_round": (
-                sum(h["bytes_up"] for h in history) / len(history) if history else 0.0
-            ),
-            "bytes_up_per_client_round": (
-                sum(h["bytes_up"] for h in history) / sum(h["clients"] for h in history)
-                if history and any(h["clients"] for h in history)
-                else 0.0
-            ),
-            "coordinator_share": (
-                sum(h["coordinator_share"] * h["round_s"] for h in history)
-                / sum(h["round_s"] for h in history)
-                if history
-                else 0.0
-            ),
+            **round_averages(history),
         }
 
     def run_async(self, tracker: Tracker) -> dict[str, float]:
@@ -418,10 +402,7 @@ class Coordinator:
             "applied": float(applied),
             "refused": float(refused),
             "max_staleness_applied": float(max(staleness, default=0)),
-            "mean_clients_per_round": float(fed.min_fit_clients) if history else 0.0,
-            "bytes_up_per_round": (
-                sum(h["bytes_up"] for h in history) / len(history) if history else 0.0
-            ),
+            **round_averages(history),
         }
 
     def _finish_clients(self) -> None:
@@ -533,3 +514,28 @@ class Coordinator:
         load_adapter_state(self.model, load_file(str(folder / "adapter_model.safetensors")))
         log.info("resumed from %s (round %d)", folder, pointer["round"])
         return int(pointer["round"])
+
+
+def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
+    """What a run's rounds averaged: clients, bytes up, and the coordinator's share of the
+    time (weighted by each round's length, so short rounds do not dominate)."""
+    if not history:
+        return {
+            "mean_clients_per_round": 0.0,
+            "bytes_up_per_round": 0.0,
+            "bytes_up_per_client_round": 0.0,
+            "coordinator_share": 0.0,
+        }
+    clients = sum(h["clients"] for h in history)
+    bytes_up = sum(h["bytes_up"] for h in history)
+    seconds = sum(h["round_s"] for h in history)
+    return {
+        "mean_clients_per_round": clients / len(history),
+        "bytes_up_per_round": bytes_up / len(history),
+        "bytes_up_per_client_round": bytes_up / clients if clients else 0.0,
+        "coordinator_share": (
+            sum(h["coordinator_share"] * h["round_s"] for h in history) / seconds
+            if seconds
+            else 0.0
+        ),
+    }

@@ -103,3 +103,17 @@ def test_mix_moves_the_global_adapter_towards_the_update_by_the_weight() -> None
     assert torch.equal(mixed["b"], torch.full((3,), 1.5))
     with pytest.raises(ValueError, match="different tensors"):
         mix(global_state, {"a": update["a"]}, weight=0.5)
+
+
+def test_round_averages_weigh_the_coordinator_share_by_round_length() -> None:
+    from fed_learn.coordinator import round_averages
+
+    history = [
+        {"clients": 3.0, "bytes_up": 900.0, "round_s": 9.0, "coordinator_share": 0.1},
+        {"clients": 1.0, "bytes_up": 100.0, "round_s": 1.0, "coordinator_share": 0.5},
+    ]
+    averages = round_averages(history)
+    assert averages["coordinator_share"] == pytest.approx((0.9 + 0.5) / 10)  # not 0.3
+    assert averages["bytes_up_per_client_round"] == 250.0
+    assert averages["mean_clients_per_round"] == 2.0
+    assert round_averages([])["coordinator_share"] == 0.0

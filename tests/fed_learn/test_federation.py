@@ -91,6 +91,8 @@ def test_async_mode_applies_updates_as_they_arrive_and_refuses_stale_ones(
     assert metrics["refused"] >= 1
     assert metrics["max_staleness_applied"] == 0
     assert metrics["final_val_loss"] < metrics["initial_val_loss"]
+    assert 0 < metrics["coordinator_share"] < 1
+    assert 0 < metrics["bytes_up_per_client_round"] < 1e6  # adapters only
 
 
 def test_a_client_without_the_secret_is_refused(
