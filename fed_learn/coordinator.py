@@ -197,8 +197,7 @@ class Coordinator:
             # checkpointing, against the clients' local training it waits for.
             started = time.perf_counter()
             global_state = adapter_state(self.model)
-            sent_before = {c.client_id: c.conn.bytes_sent for c in sampled}
-            received_before = {c.client_id: c.conn.bytes_received for c in sampled}
+            traffic_before = self._traffic(sampled)
             for client in sampled:
                 self._send_task(client, self.round, global_state)
             coordinator_s = time.perf_counter() - started
@@ -218,29 +217,25 @@ class Coordinator:
                     self.fed.min_fit_clients,
                 )
             val_loss = evaluate(self.model, self.val_blocks)
+            traffic = self._traffic(sampled)
             metrics = {
                 "val_loss": val_loss,
-                "val_perplexity": math.exp(min(val_loss, 50.0)),
                 "clients": float(len(updates)),
                 "failures": float(len(failures)),
-                "bytes_down": float(
-                    sum(c.conn.bytes_sent - sent_before[c.client_id] for c in sampled)
-                ),
-                "bytes_up": float(
-                    sum(c.conn.bytes_received - received_before[c.client_id] for c in sampled)
-                ),
+                "bytes_down": float(traffic[0] - traffic_before[0]),
+                "bytes_up": float(traffic[1] - traffic_before[1]),
                 "client_train_loss": (
                     sum(r["train_loss"] for r in results) / len(results)
                     if results
                     else float("nan")
                 ),
             }
-            self.checkpoint(metrics, outcome=outcome)
             coordinator_s += time.perf_counter() - aggregate_started
-            round_s = time.perf_counter() - started
-            metrics["round_s"] = round_s
-            metrics["coordinator_share"] = coordinator_s / round_s
-            history.append(metrics)
+            history.append(
+                self._close_round(
+                    metrics, outcome=outcome, started=started, coordinator_s=coordinator_s
+                )
+            )
             tracker.log(metrics, step=self.round + 1)
             log.info(
                 "round %d/%d: %s from %d clients, val loss %.4f",
@@ -346,7 +341,6 @@ class Coordinator:
                 traffic = self._traffic()
                 metrics = {
                     "val_loss": val_loss,
-                    "val_perplexity": math.exp(min(val_loss, 50.0)),
                     "clients": float(fed.min_fit_clients),
                     "applied": float(applied),
                     "refused": float(refused),
@@ -355,13 +349,14 @@ class Coordinator:
                     "bytes_down": float(traffic[0] - bytes_before[0]),
                     "bytes_up": float(traffic[1] - bytes_before[1]),
                 }
-                checkpoint_started = time.perf_counter()
-                self.checkpoint(metrics, outcome=f"async: {applied} updates applied")
-                coordinator_s += time.perf_counter() - checkpoint_started
-                round_s = time.perf_counter() - round_started
-                metrics["round_s"] = round_s
-                metrics["coordinator_share"] = coordinator_s / round_s
-                history.append(metrics)
+                history.append(
+                    self._close_round(
+                        metrics,
+                        outcome=f"async: {applied} updates applied",
+                        started=round_started,
+                        coordinator_s=coordinator_s,
+                    )
+                )
                 tracker.log(metrics, step=self.round + 1)
                 log.info(
                     "async round %d/%d: val loss %.4f (applied %d, refused %d, staleness %s)",
@@ -412,10 +407,25 @@ class Coordinator:
             with contextlib.suppress(NetprotoError):
                 client.conn.send(FedMsg.FINISH)
 
-    def _traffic(self) -> tuple[int, int]:
-        """(bytes sent to, bytes received from) every client so far."""
-        with self._lock:
-            clients = list(self.clients.values())
+    def _close_round(
+        self, metrics: dict[str, float], *, outcome: str, started: float, coordinator_s: float
+    ) -> dict[str, float]:
+        """Checkpoint round `self.round` and complete its metrics: perplexity, the round's
+        length since `started`, and the coordinator's own share of it (`coordinator_s` of
+        its work so far, plus the checkpoint). Returns `metrics`."""
+        metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
+        checkpoint_started = time.perf_counter()
+        self.checkpoint(metrics, outcome=outcome)
+        coordinator_s += time.perf_counter() - checkpoint_started
+        metrics["round_s"] = time.perf_counter() - started
+        metrics["coordinator_share"] = coordinator_s / metrics["round_s"]
+        return metrics
+
+    def _traffic(self, clients: list[ClientHandle] | None = None) -> tuple[int, int]:
+        """(bytes sent to, bytes received from) `clients` (default: every client) so far."""
+        if clients is None:
+            with self._lock:
+                clients = list(self.clients.values())
         return (
             sum(c.conn.bytes_sent for c in clients),
             sum(c.conn.bytes_received for c in clients),
