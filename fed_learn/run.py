@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
-from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -21,7 +20,7 @@ from lab.device import apply_num_threads, share_of_cores
 from lab.launch import free_port, launch, settings_role
 from lab.models import load_tokenizer
 from lab.pretrain import evaluate
-from lab.tracking import METRICS_FILE, Tracker
+from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import ConnectionClosed, NetTimeout
 from netproto.cluster import connect_when_ready, emulated_link, serve
 
@@ -157,10 +156,10 @@ def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
         for i in range(settings.fed.num_clients)
     ]
     launch(roles)
-    metrics_file = local.paths.run_path / "coordinator" / METRICS_FILE
-    metrics = _summary(metrics_file)
+    records = read_records(local.paths.run_path / "coordinator" / METRICS_FILE)
+    metrics = _summary(records)
     if settings.tracking.console:
-        Console().print(round_table(metrics_file))
+        Console().print(round_table(records))
     if settings.fed.centralized_baseline:
         metrics["centralized_val_loss"] = centralized_baseline(local)
         metrics["federated_over_centralized"] = (
@@ -207,15 +206,15 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
     return evaluate(model, val)
 
 
-def round_table(metrics_file: Path) -> Table:
-    """The coordinator's rounds as a table: loss, clients, bytes each way, time."""
-    lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+def round_table(records: list[dict[str, Any]]) -> Table:
+    """The coordinator's rounds (its metrics.jsonl records) as a table: loss, clients, bytes
+    each way, time."""
     table = Table(title="fed_learn: rounds", title_justify="left")
     for column in ("round", "val loss", "ppl", "clients", "failed", "kB up", "kB down"):
         table.add_column(column, justify="right")
     table.add_column("s", justify="right")
     table.add_column("coord.", justify="right")  # the coordinator's own share of the round
-    for line in lines:
+    for line in records:
         if line.get("kind") != "metrics":
             continue
         if "clients" not in line:  # the evaluation before round 1 (or before resuming)
@@ -235,7 +234,6 @@ def round_table(metrics_file: Path) -> Table:
     return table
 
 
-def _summary(metrics_file) -> dict[str, float]:
-    lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    summary = [line for line in lines if line["kind"] == "summary"][-1]
+def _summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    summary = [line for line in records if line["kind"] == "summary"][-1]
     return {k: float(v) for k, v in summary.items() if k not in ("kind", "time_s")}

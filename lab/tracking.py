@@ -32,6 +32,11 @@ METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "resolved_config.yaml"
 
 
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records a Tracker wrote to `path` (a metrics.jsonl), in order."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def wandb_configured() -> bool:
     """Whether this machine can log to W&B online (API key in the env or in ~/.netrc)."""
     if os.environ.get("WANDB_API_KEY"):

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from lab.launch import free_port
-from lab.tracking import METRICS_FILE
+from lab.tracking import METRICS_FILE, read_records
 
 ROUNDS = 4
 
@@ -89,7 +89,7 @@ def test_killed_coordinator_resumes_at_the_next_round_from_its_checkpoint(
         saved_bytes = (folder / "adapter_model.safetensors").read_bytes()
         saved_loss = json.loads((folder / "fed_state.json").read_text())["metrics"]["val_loss"]
         metrics_file = run_dir / METRICS_FILE
-        before_restart = len(metrics_file.read_text().splitlines())
+        before_restart = len(read_records(metrics_file))
 
         restarted = fed_process("coordinator", run_dir, lab_cache, port, "fed.resume=true")
         out, _ = restarted.communicate(timeout=240)
@@ -105,7 +105,7 @@ def test_killed_coordinator_resumes_at_the_next_round_from_its_checkpoint(
                 proc.communicate()
 
     assert f"(round {k})" in out  # "resumed from .../round_000k (round k)"
-    lines = [json.loads(x) for x in metrics_file.read_text().splitlines()[before_restart:]]
+    lines = read_records(metrics_file)[before_restart:]
     steps = [line for line in lines if line.get("kind") == "metrics"]
     # The restart's first evaluation, before any training, is of the adapter it loaded: the
     # checkpoint's own validation loss, on the same held-out text.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +21,7 @@ from fed_learn.run import CoordinatorLostError, take_part
 from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
 from lab.launch import free_port
 from lab.models import load_tokenizer
-from lab.tracking import METRICS_FILE, Tracker
+from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import Connection, ConnectionClosed
 from netproto.cluster import connect, serve
 
@@ -117,11 +116,7 @@ def test_a_client_dying_mid_round_leaves_the_round_to_the_others(
     metrics = run_rounds(coordinator, tmp_path)
     assert metrics["mean_clients_per_round"] == 2
     # (Not the roster's alive flags: after FINISH the other two leave as well.)
-    rounds = [
-        json.loads(line)
-        for line in (tmp_path / METRICS_FILE).read_text().splitlines()
-        if '"clients"' in line
-    ]
+    rounds = [r for r in read_records(tmp_path / METRICS_FILE) if "clients" in r]
     assert [(r["clients"], r["failures"]) for r in rounds] == [(2, 1)]
 
 

@@ -16,7 +16,7 @@ from fed_learn.lora import adapter_state, peft_model
 from fed_learn.protocol import FedMsg
 from fed_learn.run import round_table, run
 from lab.config import ClusterConfig, Endpoint, ModelConfig, to_settings
-from lab.tracking import METRICS_FILE
+from lab.tracking import METRICS_FILE, read_records
 from netproto import Connection, RemoteError
 from netproto.cluster import serve
 
@@ -47,11 +47,12 @@ def test_two_clients_lower_the_global_validation_loss(
 
     # The summary a user reads: the evaluation before training, then one row per round.
     console = Console(width=200, record=True)
-    console.print(round_table(tmp_path / "coordinator" / METRICS_FILE))
+    records = read_records(tmp_path / "coordinator" / METRICS_FILE)
+    console.print(round_table(records))
     table = console.export_text()
     assert f"{metrics['initial_val_loss']:.4f}" in table
     assert f"{metrics['final_val_loss']:.4f}" in table
-    assert round_table(tmp_path / "coordinator" / METRICS_FILE).row_count == 3
+    assert round_table(records).row_count == 3
 
     # Every round left a PEFT checkpoint that PEFT itself loads.
     from peft import PeftModel
