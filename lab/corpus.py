@@ -75,6 +75,11 @@ def _package_of(rel_path: str) -> str:
     return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
 
 
+def _read_document(root: Path, rel_path: str) -> Document:
+    text = (root / rel_path).read_text(encoding="utf-8", errors="replace")
+    return Document(path=rel_path, package=_package_of(rel_path), text=text)
+
+
 def list_sources(root: Path | None = None) -> list[str]:
     """Relative paths of the stdlib's `.py` files used as corpus, sorted."""
     root = root or stdlib_root()
@@ -120,14 +125,13 @@ def load_corpus(
             continue
         if not is_val and max_train_chars is not None and train_chars >= max_train_chars:
             continue
-        text = (root / rel).read_text(encoding="utf-8", errors="replace")
-        doc = Document(path=rel, package=_package_of(rel), text=text)
+        doc = _read_document(root, rel)
         if is_val:
             validation.append(doc)
-            val_chars += len(text)
+            val_chars += len(doc.text)
         else:
             train.append(doc)
-            train_chars += len(text)
+            train_chars += len(doc.text)
     version = ".".join(map(str, sys.version_info[:3]))
     return Corpus(
         train=sorted(train, key=lambda d: d.path),
@@ -163,15 +167,11 @@ def load_finetune_corpus(*, val_fraction: float = 0.1, root: Path | None = None)
         return load_corpus(val_fraction=val_fraction, root=root)
     train: list[Document] = []
     validation: list[Document] = []
-    for path in sorted(tests.rglob("*.py")):
-        rel = path.relative_to(tests)
-        if "__pycache__" in rel.parts or path.stat().st_size > MAX_FILE_BYTES:
+    for rel in list_sources(tests):
+        doc = _read_document(tests, rel)
+        if not doc.text.strip():  # empty __init__.py files: nothing to learn
             continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if not text.strip():  # empty __init__.py files: nothing to learn
-            continue
-        doc = Document(path=rel.as_posix(), package=_package_of(rel.as_posix()), text=text)
-        is_val = _path_fraction(doc.path, "finetune") < val_fraction
+        is_val = _path_fraction(rel, "finetune") < val_fraction
         (validation if is_val else train).append(doc)
     version = ".".join(map(str, sys.version_info[:3]))
     return Corpus(train=train, validation=validation, source=f"Python {version} tests at {tests}")
