@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -348,6 +349,21 @@ class Connection:
             if timeout_s is not _UNSET and not self._closed:
                 with contextlib.suppress(OSError):
                     self._sock.settimeout(self._read_timeout_s)
+
+    def readable(self, timeout_s: float = 0.0) -> bool:
+        """Whether a message has begun to arrive (or the peer closed), waiting up to `timeout_s`.
+
+        Lets one thread interleave work with receiving: `recv` after True does not wait for
+        the peer to decide to send, only for the rest of a frame already on its way.
+        """
+        if self._closed:
+            return True  # recv says why
+        if self._rend > self._rpos:
+            return True
+        if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+            return True
+        ready, _, _ = select.select([self._sock], [], [], timeout_s)
+        return bool(ready)
 
     def _recv_frame(self) -> Message:
         if self._closed:

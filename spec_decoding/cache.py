@@ -49,15 +49,22 @@ class CachedDecoder:
         self.cached.extend(feed)
         return out.logits[0].float()  # (fed, V)
 
-    def commit(self, tokens: list[int]) -> None:
-        """Append `tokens` to the committed sequence and drop cache entries that disagree.
+    def commit(self, tokens: list[int], *, cache_last: bool = False) -> None:
+        """Append `tokens` to the committed sequence and drop cache entries that disagree."""
+        self.rewind([*self.tokens, *tokens], cache_last=cache_last)
 
-        The cache keeps the longest common prefix of what it holds and the committed sequence,
-        but never the last committed token, so the next `extend` always has one to feed.
+    def rewind(self, sequence: list[int], *, cache_last: bool = False) -> None:
+        """Make `sequence` the committed one, keeping the cache of its longest common prefix.
+
+        The cache never keeps the last committed token unless `cache_last`, so the next
+        `extend` has one to feed and returns the prediction after it. With `cache_last` (the
+        caller already holds that prediction) the cache may cover the whole sequence.
         """
-        self.tokens.extend(tokens)
+        if not sequence:
+            raise ValueError("the committed sequence must hold at least one token")
+        self.tokens = list(sequence)
         valid = 0
-        limit = min(len(self.cached), len(self.tokens) - 1)
+        limit = min(len(self.cached), len(self.tokens) - (0 if cache_last else 1))
         while valid < limit and self.cached[valid] == self.tokens[valid]:
             valid += 1
         if valid < len(self.cached):

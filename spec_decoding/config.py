@@ -14,8 +14,11 @@ MAX_GAMMA = 32
 class SpecConfig:
     gamma: str = "auto"
     """Draft length: a number of tokens, or `auto` (the expected-speedup model picks it)."""
-    max_gamma: int = 8
-    """Largest draft length `auto` may choose."""
+    max_gamma: int = 16
+    """Largest draft length (or window) `auto` may choose."""
+    pipeline: bool = True
+    """Keep drafting while the verifier checks (tokens stream; gamma = how many may await its
+    word). False: the classic rounds, where the drafter waits for each verdict."""
     temperature: float = 0.0
     """0: greedy (output identical to the target's own greedy decoding); > 0: sampling."""
     top_p: float = 1.0

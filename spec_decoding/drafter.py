@@ -30,13 +30,53 @@ class RoundStats:
 
 
 @dataclass
+class CheckStats:
+    """One PROGRESS of a pipelined generation: the verifier's word on what it had received."""
+
+    accepted: int
+    rejected: bool
+    fed: int
+    """Tokens the verifier's forward pass ran (0: the first guess failed, no forward needed)."""
+    verify_s: float
+    rtt_s: float | None
+    """Round trip of the last token checked, less the time it waited at the verifier; None
+    when the verdict arrived while the drafter was busy drafting (its arrival time unknown)."""
+    window: int
+
+
+@dataclass
 class Generation:
     """One prompt's speculative generation and how it went."""
 
     tokens: list[int]
     seconds: float
     rounds: list[RoundStats] = field(default_factory=list)
+    """DRAFT rounds (`pipeline=False`)."""
+    checks: list[CheckStats] = field(default_factory=list)
+    """PROGRESS messages (`pipeline=True`)."""
+    drafted: int = 0
+    draft_s: float = 0.0
+    """Pipelined: tokens drafted (kept or not) and the drafter's seconds spent on them."""
     prefill_ms: float = 0.0
+    open_rtt_s: float = 0.0
+    """OPEN's round trip less the verifier's prefill."""
+    open_s: float = 0.0
+    """Setting up: OPEN's round trip and the drafter's own prefill."""
+
+
+@dataclass
+class _Flight:
+    """A pipelined generation's tokens: confirmed, and sent but not yet confirmed."""
+
+    confirmed: list[int]
+    inflight: list[int] = field(default_factory=list)
+    sent_at: list[float] = field(default_factory=list)
+    epoch: int = 0
+
+    def finished(self, max_new_tokens: int, eos_token_id: int | None) -> bool:
+        return len(self.confirmed) >= max_new_tokens or (
+            eos_token_id is not None and eos_token_id in self.confirmed
+        )
 
 
 class Drafter:
@@ -44,15 +84,21 @@ class Drafter:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         tokenizer: Any,
         conn: Connection,
         *,
         gamma: GammaController,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        pipeline: bool = False,
     ) -> None:
+        """`model`: a Hugging Face causal LM. `pipeline`: keep drafting while the verifier
+        checks (STREAM); else DRAFT rounds."""
         self.model = model
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.pipeline = pipeline
+        gamma.pipelined = pipeline  # the window model or the rounds model picks gamma
         self.conn = conn
         self.gamma = gamma
         self.temperature = temperature
@@ -65,6 +111,16 @@ class Drafter:
             return self.conn.request(msg_type, payload, expect=expect).payload
         except (ConnectionClosed, NetTimeout, PeerProtocolError) as exc:
             raise VerifierLostError(f"lost the verifier at {self.conn.peer}: {exc}") from None
+
+    def _next_token(
+        self, decoder: CachedDecoder, generator: torch.Generator
+    ) -> tuple[int, torch.Tensor | None]:
+        """Draft one token after the decoder's sequence; with sampling, also its distribution."""
+        logits = decoder.extend([])[-1]  # (V,)
+        if self.temperature == 0:
+            return int(logits.argmax()), None
+        q = probs_from_logits(logits, temperature=self.temperature, top_p=self.top_p)
+        return int(torch.multinomial(q, 1, generator=generator).item()), q
 
     def _propose(
         self, decoder: CachedDecoder, gamma: int, generator: torch.Generator
@@ -85,6 +141,17 @@ class Drafter:
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> Generation:
         started = time.perf_counter()
+        if self.pipeline:
+            result = self._generate_pipelined(prompt, max_new_tokens=max_new_tokens, seed=seed)
+        else:
+            result = self._generate_rounds(prompt, max_new_tokens=max_new_tokens, seed=seed)
+        self.conn.send(SpecMsg.CLOSE)
+        result.tokens = result.tokens[:max_new_tokens]
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _open(self, prompt: list[int], seed: int) -> tuple[CachedDecoder, Generation]:
+        started = time.perf_counter()
         opened = self._request(
             SpecMsg.OPEN,
             {
@@ -96,10 +163,21 @@ class Drafter:
             },
             expect=SpecMsg.OPENED,
         )
+        prefill_ms = float(opened["prefill_ms"])
+        open_rtt_s = max(0.0, time.perf_counter() - started - prefill_ms / 1e3)
         decoder = CachedDecoder(self.model, prompt)
         decoder.prefill()
+        return decoder, Generation(
+            tokens=[],
+            seconds=0.0,
+            prefill_ms=prefill_ms,
+            open_rtt_s=open_rtt_s,
+            open_s=time.perf_counter() - started,
+        )
+
+    def _generate_rounds(self, prompt: list[int], *, max_new_tokens: int, seed: int) -> Generation:
+        decoder, result = self._open(prompt, seed)
         generator = torch.Generator().manual_seed(seed + 1)
-        result = Generation(tokens=[], seconds=0.0, prefill_ms=float(opened["prefill_ms"]))
         while len(result.tokens) < max_new_tokens:
             round_started = time.perf_counter()
             gamma = min(self.gamma.next_gamma(), max_new_tokens - len(result.tokens) - 1)
@@ -109,7 +187,7 @@ class Drafter:
             if q is not None:
                 payload["q"] = q
             verdict = self._request(SpecMsg.DRAFT, payload, expect=SpecMsg.VERDICT)
-            accepted, token = int(verdict["accepted"]), int(verdict["token"])
+            accepted, token = int(verdict["accepted"]), self._token(verdict["token"])
             if not 0 <= accepted <= len(draft):
                 raise ValueError(f"verifier accepted {accepted} of {len(draft)} drafted tokens")
             new = [*draft[:accepted], token]
@@ -133,10 +211,114 @@ class Drafter:
                 result.tokens.extend(new[: new.index(self.eos_token_id) + 1])
                 break
             result.tokens.extend(new)
-        self.conn.send(SpecMsg.CLOSE)
-        result.tokens = result.tokens[:max_new_tokens]
-        result.seconds = time.perf_counter() - started
         return result
+
+    def _generate_pipelined(
+        self, prompt: list[int], *, max_new_tokens: int, seed: int
+    ) -> Generation:
+        """Draft without waiting: stream each token, take in verdicts between steps.
+
+        `flight.inflight` holds the tokens sent in this epoch and not yet confirmed; the decoder
+        follows prompt + confirmed + inflight. A rejection rewinds it to the confirmed tokens
+        plus the verifier's correction and starts the next epoch.
+        """
+        decoder, result = self._open(prompt, seed)
+        self.gamma.observe_rtt(result.open_rtt_s)  # until verdicts give cleaner samples
+        generator = torch.Generator().manual_seed(seed + 1)
+        flight = _Flight(confirmed=result.tokens)
+        window = self.gamma.next_gamma()
+        busy_since = time.perf_counter()  # the drafter's own time, waits excluded
+        while not flight.finished(max_new_tokens, self.eos_token_id):
+            may_draft = (
+                len(flight.inflight) < window
+                and len(flight.confirmed) + len(flight.inflight) < max_new_tokens
+                and not (flight.inflight and flight.inflight[-1] == self.eos_token_id)
+            )
+            if not may_draft or self.conn.readable():
+                # a verdict we wait for dates its round trip; one found between steps does not
+                waited = not may_draft and not self.conn.readable()
+                progress = self._request_progress(flight.epoch)
+                received = time.perf_counter()
+                if waited:
+                    busy_since = received
+                stats = self._take_progress(progress, flight, received, waited, window)
+                result.checks.append(stats)
+                if stats.rejected:
+                    decoder.rewind([*prompt, *flight.confirmed])
+                window = self.gamma.next_gamma()
+                continue
+            token, q = self._next_token(decoder, generator)
+            decoder.commit([token])
+            payload = {
+                "tokens": torch.tensor([token], dtype=torch.int32),
+                "epoch": torch.tensor([flight.epoch], dtype=torch.int64),
+            }
+            if q is not None:
+                payload["q"] = q[None]
+            self.conn.send(SpecMsg.STREAM, payload)
+            flight.inflight.append(token)
+            now = time.perf_counter()
+            flight.sent_at.append(now)
+            # a step's cost includes taking in the verdicts that came since the last one
+            step_s, busy_since = now - busy_since, now
+            result.drafted += 1
+            result.draft_s += step_s
+            self.gamma.observe_draft(step_s)
+        if self.eos_token_id is not None and self.eos_token_id in flight.confirmed:
+            del flight.confirmed[flight.confirmed.index(self.eos_token_id) + 1 :]
+        return result
+
+    def _take_progress(
+        self, progress: dict[str, Any], flight: _Flight, received: float, waited: bool, window: int
+    ) -> CheckStats:
+        """Apply one PROGRESS to the tokens in flight; feed its measurements to `gamma`."""
+        accepted = progress.get("accepted")
+        token = None if progress.get("token") is None else self._token(progress["token"])
+        limit = len(flight.inflight) - (0 if token is None else 1)
+        if not isinstance(accepted, int) or not (0 if token else 1) <= accepted <= limit:
+            raise ValueError(
+                f"verifier accepted {accepted!r} of {len(flight.inflight)} tokens in flight"
+            )
+        checked = accepted if token is None else accepted + 1
+        held_ms = progress.get("held_ms")
+        stats = CheckStats(
+            accepted=accepted,
+            rejected=token is not None,
+            fed=int(progress["fed"]),
+            verify_s=float(progress["verify_ms"]) / 1e3,
+            rtt_s=max(0.0, received - flight.sent_at[checked - 1] - float(held_ms) / 1e3)
+            if waited and held_ms is not None
+            else None,
+            window=window,
+        )
+        self.gamma.observe_checks(accepted=accepted, rejected=stats.rejected)
+        if stats.fed:
+            self.gamma.observe_verify(stats.fed, stats.verify_s)
+        if stats.rtt_s is not None:
+            self.gamma.observe_rtt(stats.rtt_s)
+        flight.confirmed.extend(flight.inflight[:accepted])
+        if token is None:
+            del flight.inflight[:accepted], flight.sent_at[:accepted]
+        else:
+            flight.confirmed.append(token)
+            flight.inflight, flight.sent_at = [], []
+            flight.epoch += 1
+        return stats
+
+    def _token(self, value: Any) -> int:
+        """A token id from the verifier, checked before it reaches the draft model."""
+        if not isinstance(value, int) or not 0 <= value < self.vocab_size:
+            raise ValueError(f"verifier sent token {value!r}, outside 0..{self.vocab_size - 1}")
+        return value
+
+    def _request_progress(self, epoch: int) -> dict[str, Any]:
+        try:
+            progress = self.conn.recv(expect=SpecMsg.PROGRESS).payload
+        except (ConnectionClosed, NetTimeout, PeerProtocolError) as exc:
+            raise VerifierLostError(f"lost the verifier at {self.conn.peer}: {exc}") from None
+        if progress.get("epoch") != epoch:
+            raise ValueError(f"verifier answered for epoch {progress.get('epoch')}, not {epoch}")
+        return progress
 
     def baseline(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> dict[str, Any]:
         """Target-only generation on the verifier (timed there, no network in the figure)."""

@@ -6,6 +6,14 @@ costs g draft steps, one verification of g + 1 tokens, and one network round tri
 T(g) = g * t_draft + t_verify(g + 1) + t_rtt. `auto` picks the g in 1..max_gamma with the most
 tokens per second E / T, from running estimates of a, t_draft, t_verify (linear in the tokens
 verified) and t_rtt, so it adapts when the link or the acceptance rate changes.
+
+Pipelined (`spec.pipeline`), the drafter keeps drafting while the verifier checks, so a round's
+draft time mostly hides behind the verifier's and the link's. `PipelineModel` follows one
+epoch (from a rejection to the next) through the same measured costs: when each drafted token
+reaches the verifier, which arrive together and share a forward pass, and when a wrong one is
+found; the expected tokens per second then follow from the acceptance rate (a renewal-reward
+average over where the first wrong token falls). There `gamma` is the window: how many drafted
+tokens may await the verifier's word at once.
 """
 
 from __future__ import annotations
@@ -47,34 +55,140 @@ class CostModel:
         return max(range(1, max_gamma + 1), key=self.tokens_per_second)
 
 
-class GammaController:
-    """Running estimates of the cost model, and the draft length to use next."""
+@dataclass
+class PipelineModel:
+    alpha: float
+    draft_s: float
+    """One drafter step: drafting a token and sending it."""
+    verify_base_s: float
+    verify_per_token_s: float
+    one_way_s: float
+    """Half the measured round trip, the verifier's time excluded."""
+    horizon: int = 96
 
-    def __init__(self, *, fixed: int | None, max_gamma: int, window: int = 32) -> None:
+    def _verify_s(self, fed: int) -> float:
+        return self.verify_base_s + self.verify_per_token_s * fed
+
+    def detection_times(self, window: int) -> list[float]:
+        """Seconds from the start of an epoch until the j-th drafted token's verdict is known.
+
+        An epoch starts when the verifier sends a correction. The verifier then runs the
+        correction through the target (so the next first guess is checked without a forward);
+        the drafter hears of it one way later and, on average, half a step after that starts
+        drafting. Each drafted token reaches the verifier one way later; the verifier checks the
+        first of what has arrived against the prediction it holds and runs the rest, with the
+        first, through one forward pass. The drafter drafts token n only once token n - window
+        is confirmed.
+        """
+        h, d, horizon = self.one_way_s, self.draft_s, self.horizon
+        done: list[float] = []  # when the drafter has drafted and sent token n
+        confirmed: list[float] = []  # when the drafter learns token n passed
+        detect = [0.0] * horizon
+
+        def arrival(n: int) -> float:
+            while len(done) <= n:
+                m = len(done)
+                start = done[-1] if done else h + d / 2
+                if m >= window:
+                    start = max(start, confirmed[m - window])
+                done.append(start + d)
+            return done[n] + h
+
+        free = self._verify_s(1)  # the correction's own forward pass
+        i = 0
+        while i < horizon:
+            start = max(free, arrival(i))
+            last = i
+            while last + 1 < horizon and last + 1 - window < i and arrival(last + 1) <= start:
+                last += 1
+            end = start + self._verify_s(last - i + 1)
+            detect[i] = start
+            for n in range(i + 1, last + 1):
+                detect[n] = end
+            confirmed.extend([end + h] * (last - i + 1))
+            free, i = end, last + 1
+        return detect
+
+    def tokens_per_second(self, window: int) -> float:
+        """Expected tokens per second: E[tokens per epoch] / E[seconds per epoch]."""
+        detect = self.detection_times(window)
+        tokens = seconds = 0.0
+        for j, at in enumerate(detect):  # the first wrong guess is token j
+            chance = self.alpha**j * (1 - self.alpha)
+            tokens += chance * (j + 1)
+            seconds += chance * at
+        rest = self.alpha ** len(detect)  # all right up to the horizon
+        tokens += rest * len(detect)
+        seconds += rest * detect[-1]
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def best_window(self, max_window: int) -> int:
+        return max(range(1, max_window + 1), key=self.tokens_per_second)
+
+
+class GammaController:
+    """Running estimates of the cost model, and the draft length (or window) to use next."""
+
+    def __init__(
+        self,
+        *,
+        fixed: int | None,
+        max_gamma: int,
+        window: int = 32,
+        pipelined: bool = False,
+        refresh_every: int = 8,
+    ) -> None:
         self.fixed = fixed
         self.max_gamma = max_gamma
-        self._accepted: deque[int] = deque(maxlen=window)  # per round: tokens accepted
-        self._trials: deque[int] = deque(maxlen=window)  # per round: acceptance tests made
+        self.pipelined = pipelined
+        self._accepted: deque[int] = deque(maxlen=window)  # per verdict: tokens accepted
+        self._trials: deque[int] = deque(maxlen=window)  # per verdict: acceptance tests made
         self._draft: deque[float] = deque(maxlen=window)  # seconds per draft step
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
         self._rtt: deque[float] = deque(maxlen=window)
+        self._refresh_every = refresh_every
+        self._since_choice = 0
+        self._choice: int | None = None
 
     def next_gamma(self) -> int:
+        """Rounds: the next draft's length. Pipelined: the window."""
         if self.fixed is not None:
             return self.fixed
-        if not self._verify:
+        if not self._verify or not self._rtt:
             return min(4, self.max_gamma)
-        return self.model().best_gamma(self.max_gamma)
+        if self._choice is None or self._since_choice >= self._refresh_every:
+            self._choice = (
+                self.pipeline_model().best_window(self.max_gamma)
+                if self.pipelined
+                else self.model().best_gamma(self.max_gamma)
+            )
+            self._since_choice = 0
+        return self._choice
 
     def update(
         self, *, drafted: int, accepted: int, draft_s: float, verify_s: float, round_s: float
     ) -> None:
-        self._accepted.append(accepted)
-        self._trials.append(accepted + (1 if accepted < drafted else 0))
+        """One DRAFT round's measurements."""
+        self.observe_checks(accepted=accepted, rejected=accepted < drafted)
         if drafted:
-            self._draft.append(draft_s / drafted)
-        self._verify.append((drafted + 1, verify_s))
-        self._rtt.append(max(0.0, round_s - draft_s - verify_s))
+            self.observe_draft(draft_s / drafted)
+        self.observe_verify(drafted + 1, verify_s)
+        self.observe_rtt(max(0.0, round_s - draft_s - verify_s))
+
+    def observe_checks(self, *, accepted: int, rejected: bool) -> None:
+        self._accepted.append(accepted)
+        self._trials.append(accepted + (1 if rejected else 0))
+        self._since_choice += 1
+
+    def observe_draft(self, step_s: float) -> None:
+        self._draft.append(step_s)
+
+    def observe_verify(self, fed: int, seconds: float) -> None:
+        """A forward pass over `fed` tokens (checks that needed none are not observed)."""
+        self._verify.append((fed, seconds))
+
+    def observe_rtt(self, seconds: float) -> None:
+        self._rtt.append(seconds)
 
     def model(self) -> CostModel:
         trials = sum(self._trials)
@@ -94,4 +208,14 @@ class GammaController:
             verify_base_s=base,
             verify_per_token_s=slope,
             rtt_s=rtt,
+        )
+
+    def pipeline_model(self) -> PipelineModel:
+        costs = self.model()
+        return PipelineModel(
+            alpha=costs.alpha,
+            draft_s=costs.draft_s,
+            verify_base_s=costs.verify_base_s,
+            verify_per_token_s=costs.verify_per_token_s,
+            one_way_s=costs.rtt_s / 2,
         )

@@ -9,6 +9,21 @@
                                           "seed"}            -> BASELINE_DONE {"tokens", "seconds"}
     drafter -> verifier  CLOSE     EMPTY (frees the session; so does closing the connection)
 
+Pipelined sessions (`spec.pipeline`) stream instead of DRAFT/VERDICT rounds:
+
+    drafter -> verifier  STREAM    TENSORS {"tokens": int32 (k,), "epoch": int64 (1,),
+                                            ["q": float32 (k, V)]}      (no reply of its own)
+    verifier -> drafter  PROGRESS  JSON  {"epoch", "accepted", ["token"], "fed", "verify_ms",
+                                          "held_ms"}
+
+The drafter sends each token as soon as it has drafted it, on top of everything it sent before
+in the same epoch, and keeps drafting while the verifier checks (at most `gamma` tokens
+unconfirmed). The verifier checks what has arrived, in order: `accepted` of them passed; with
+`token`, the next one failed and `token` (the target's choice) replaces it, which starts epoch
+`epoch + 1`. STREAM messages of an older epoch are dropped unread: they were drafted on a
+rejected prefix. `fed` is the tokens the forward pass ran (0: checked against the prediction
+already held), `held_ms` how long the last token checked waited at the verifier.
+
 One session per connection: the verifier's KV cache for it lives and dies with the connection.
 `q`, the draft's probabilities for its tokens, is sent only when sampling (temperature > 0).
 """
@@ -28,6 +43,8 @@ class SpecMsg(IntEnum):
     BASELINE = 0x0205
     BASELINE_DONE = 0x0206
     CLOSE = 0x0207
+    STREAM = 0x0208
+    PROGRESS = 0x0209
 
 
 REGISTRY.register(
@@ -42,5 +59,7 @@ REGISTRY.register(
         SpecMsg.BASELINE: PayloadKind.JSON,
         SpecMsg.BASELINE_DONE: PayloadKind.JSON,
         SpecMsg.CLOSE: PayloadKind.EMPTY,
+        SpecMsg.STREAM: PayloadKind.TENSORS,
+        SpecMsg.PROGRESS: PayloadKind.JSON,
     },
 )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 from lab.config import Endpoint, to_settings
@@ -25,7 +26,7 @@ from netproto import ConnectionClosed, NetTimeout
 from netproto.cluster import connect_when_ready, emulated_link, serve
 from spec_decoding.config import SpecDecodingRunConfig
 from spec_decoding.drafter import Drafter, Generation, VerifierLostError
-from spec_decoding.gamma import GammaController, expected_tokens
+from spec_decoding.gamma import GammaController, PipelineModel, expected_tokens
 from spec_decoding.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -102,36 +103,17 @@ def summarize(
     generations: list[Generation], baselines: list[dict[str, Any]], *, greedy: bool
 ) -> dict[str, float]:
     """Headline metrics of a run: measured speedup next to what the model of it predicts."""
-    rounds = [r for g in generations for r in g.rounds]
-    drafted = sum(r.drafted for r in rounds)
-    accepted = sum(r.accepted for r in rounds)
-    trials = sum(r.accepted + (r.accepted < r.drafted) for r in rounds)
     new_tokens = sum(len(g.tokens) for g in generations)
     seconds = sum(g.seconds for g in generations)
-    metrics: dict[str, float] = {
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accepted_per_round": accepted / len(rounds),
-        "mean_gamma": drafted / len(rounds),
-        "tokens_per_s": new_tokens / seconds,
-        "rtt_ms": statistics.median(max(0.0, r.round_s - r.draft_s - r.verify_s) for r in rounds)
-        * 1e3,
-        "draft_ms_per_token": sum(r.draft_s for r in rounds) / max(drafted, 1) * 1e3,
-        "verify_ms_per_round": statistics.mean(r.verify_s for r in rounds) * 1e3,
-        "rounds": float(len(rounds)),
-        "new_tokens": float(new_tokens),
-    }
+    if any(g.checks for g in generations):
+        metrics, predicted_rate = _pipelined_metrics(generations)
+    else:
+        metrics, predicted_rate = _round_metrics(generations)
+    metrics.update({"tokens_per_s": new_tokens / seconds, "new_tokens": float(new_tokens)})
     if baselines:
         target_tokens = sum(len(b["tokens"]) for b in baselines)
         target_rate = target_tokens / sum(b["seconds"] for b in baselines)
-        alpha = min(accepted / trials, 0.999) if trials else 0.0
-        draft_s = sum(r.draft_s for r in rounds) / max(drafted, 1)
-        # The cost model of `gamma.py`, fed with this run's measured rate and costs.
-        predicted_tokens = sum(expected_tokens(alpha, r.drafted) for r in rounds)
-        predicted_seconds = sum(
-            r.drafted * draft_s + r.verify_s + max(0.0, r.round_s - r.draft_s - r.verify_s)
-            for r in rounds
-        )
-        predicted_speedup = predicted_tokens / predicted_seconds / target_rate
+        predicted_speedup = predicted_rate / target_rate
         metrics.update(
             {
                 "target_tokens_per_s": target_rate,
@@ -147,6 +129,73 @@ def summarize(
                 float(g.tokens == b["tokens"]) for g, b in zip(generations, baselines, strict=True)
             )
     return metrics
+
+
+def _round_metrics(generations: list[Generation]) -> tuple[dict[str, float], float]:
+    """DRAFT rounds, and the tokens/s the rounds model predicts from their measured costs."""
+    rounds = [r for g in generations for r in g.rounds]
+    drafted = sum(r.drafted for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    trials = sum(r.accepted + (r.accepted < r.drafted) for r in rounds)
+    alpha = min(accepted / trials, 0.999) if trials else 0.0
+    draft_s = sum(r.draft_s for r in rounds) / max(drafted, 1)
+    # The cost model of `gamma.py`, fed with this run's measured rate and costs.
+    predicted_tokens = sum(expected_tokens(alpha, r.drafted) for r in rounds)
+    predicted_seconds = sum(
+        r.drafted * draft_s + r.verify_s + max(0.0, r.round_s - r.draft_s - r.verify_s)
+        for r in rounds
+    )
+    metrics = {
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_per_round": accepted / len(rounds),
+        "mean_gamma": drafted / len(rounds),
+        "rtt_ms": statistics.median(max(0.0, r.round_s - r.draft_s - r.verify_s) for r in rounds)
+        * 1e3,
+        "draft_ms_per_token": draft_s * 1e3,
+        "verify_ms_per_round": statistics.mean(r.verify_s for r in rounds) * 1e3,
+        "rounds": float(len(rounds)),
+    }
+    return metrics, predicted_tokens / predicted_seconds
+
+
+def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float], float]:
+    """Pipelined: a 'round' is one verifier step (one PROGRESS); gamma is the window."""
+    checks = [c for g in generations for c in g.checks]
+    accepted = sum(c.accepted for c in checks)
+    checked = accepted + sum(c.rejected for c in checks)
+    drafted = sum(g.drafted for g in generations)
+    draft_s = sum(g.draft_s for g in generations) / max(drafted, 1)
+    forwards = [(c.fed, c.verify_s) for c in checks if c.fed]
+    if len({fed for fed, _ in forwards}) > 1:
+        slope, base = np.polyfit([f for f, _ in forwards], [s for _, s in forwards], 1)
+        slope, base = max(float(slope), 0.0), max(float(base), 0.0)
+    else:
+        slope, base = 0.0, statistics.mean(s for _, s in forwards) if forwards else 0.0
+    rtts = [c.rtt_s for c in checks if c.rtt_s is not None]
+    rtt_s = statistics.median(rtts or [g.open_rtt_s for g in generations])
+    window = round(statistics.median(c.window for c in checks))
+    model = PipelineModel(
+        alpha=min(accepted / checked, 0.999) if checked else 0.0,
+        draft_s=draft_s,
+        verify_base_s=base,
+        verify_per_token_s=slope,
+        one_way_s=rtt_s / 2,
+    )
+    # the model's steady rate for the tokens, plus the sessions' set-up as measured
+    tokens = sum(len(g.tokens) for g in generations)
+    predicted_s = tokens / model.tokens_per_second(window) + sum(g.open_s for g in generations)
+    metrics = {
+        "acceptance_rate": accepted / checked if checked else 0.0,
+        "mean_accepted_per_round": accepted / len(checks),
+        "mean_gamma": statistics.mean(c.window for c in checks),
+        "rtt_ms": rtt_s * 1e3,
+        "draft_ms_per_token": draft_s * 1e3,
+        "verify_ms_per_round": statistics.mean(c.verify_s for c in checks) * 1e3,
+        "rounds": float(len(checks)),
+        "forward_share": len(forwards) / len(checks),
+        "drafted_per_token": drafted / max(1, tokens),
+    }
+    return metrics, tokens / predicted_s
 
 
 def run_drafter(
@@ -184,6 +233,7 @@ def run_drafter(
                 conn,
                 temperature=spec.temperature,
                 top_p=spec.top_p,
+                pipeline=spec.pipeline,
                 gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
             )
             generations, baselines = [], []

@@ -81,40 +81,63 @@ class Verifier:
         session: _Session | None = None
         try:
             while True:
-                message = conn.recv(expect=set(SpecMsg))
-                try:
-                    if message.type == SpecMsg.OPEN:
-                        session = _Session.open(self, message.payload)
-                        conn.send_msg(
-                            SpecMsg.OPENED,
-                            {"vocab_size": self.vocab_size, "prefill_ms": session.prefill_ms},
-                            request_id=message.request_id,
-                        )
-                    elif message.type == SpecMsg.DRAFT:
-                        if session is None:
-                            raise BadRequest("DRAFT before OPEN: no session")
-                        conn.send_msg(
-                            SpecMsg.VERDICT,
-                            session.verify(message.payload),
-                            request_id=message.request_id,
-                        )
-                    elif message.type == SpecMsg.BASELINE:
-                        conn.send_msg(
-                            SpecMsg.BASELINE_DONE,
-                            self.baseline(message.payload),
-                            request_id=message.request_id,
-                        )
-                    elif message.type == SpecMsg.CLOSE:
-                        session = None
-                    else:
-                        raise BadRequest(f"unexpected message {message.type:#06x}")
-                except BadRequest as exc:
-                    conn.send_error("bad_request", str(exc), request_id=message.request_id)
-                    raise PeerProtocolError(f"bad request from {conn.peer}: {exc}") from None
+                if session is not None and session.has_work():
+                    # pipelined: take in whatever has arrived, then check it in one forward
+                    started = time.perf_counter()
+                    while session is not None and conn.readable():
+                        session = self._dispatch(conn, session, waited=False)
+                    if session is not None and session.has_work():
+                        progress = session.step(started)
+                        if progress is not None:
+                            conn.send_msg(SpecMsg.PROGRESS, progress)
+                    continue
+                # idle: a message that is already here came while we computed
+                session = self._dispatch(conn, session, waited=not conn.readable())
         finally:
             session = None  # the cache goes with the session
             with self._lock:
                 self.active_sessions -= 1
+
+    def _dispatch(
+        self, conn: Connection, session: _Session | None, *, waited: bool
+    ) -> _Session | None:
+        """Handle one message; returns the session as it stands after it.
+
+        `waited`: we were idle, waiting for it, so it arrived just now (not while we computed).
+        """
+        message = conn.recv(expect=set(SpecMsg) - {SpecMsg.PROGRESS, SpecMsg.VERDICT})
+        try:
+            if message.type == SpecMsg.OPEN:
+                session = _Session.open(self, message.payload)
+                conn.send_msg(
+                    SpecMsg.OPENED,
+                    {"vocab_size": self.vocab_size, "prefill_ms": session.prefill_ms},
+                    request_id=message.request_id,
+                )
+            elif message.type == SpecMsg.DRAFT:
+                if session is None:
+                    raise BadRequest("DRAFT before OPEN: no session")
+                conn.send_msg(
+                    SpecMsg.VERDICT, session.verify(message.payload), request_id=message.request_id
+                )
+            elif message.type == SpecMsg.STREAM:
+                if session is None:
+                    raise BadRequest("STREAM before OPEN: no session")
+                session.stream(message.payload, waited=waited)
+            elif message.type == SpecMsg.BASELINE:
+                conn.send_msg(
+                    SpecMsg.BASELINE_DONE,
+                    self.baseline(message.payload),
+                    request_id=message.request_id,
+                )
+            elif message.type == SpecMsg.CLOSE:
+                session = None
+            else:
+                raise BadRequest(f"unexpected message {message.type:#06x}")
+        except BadRequest as exc:
+            conn.send_error("bad_request", str(exc), request_id=message.request_id)
+            raise PeerProtocolError(f"bad request from {conn.peer}: {exc}") from None
+        return session
 
     @torch.inference_mode()  # as our own decoding runs: a like-for-like baseline
     def baseline(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +171,11 @@ class Verifier:
 
 
 class _Session:
-    """One drafter's generation: its committed tokens, KV cache and random stream."""
+    """One drafter's generation: its committed tokens, KV cache and random stream.
+
+    A session is driven by DRAFT rounds (each answered with a VERDICT) or, pipelined, by STREAM
+    messages that `step` checks as they come; it takes whichever the drafter sends first.
+    """
 
     def __init__(
         self, verifier: Verifier, prompt: list[int], temperature: float, top_p: float, seed: int
@@ -161,6 +188,16 @@ class _Session:
         started = time.perf_counter()
         self.decoder.prefill()
         self.prefill_ms = (time.perf_counter() - started) * 1e3
+        self.pipelined: bool | None = None
+        """Unknown until the first DRAFT (rounds) or STREAM (pipelined)."""
+        self.epoch = 0
+        self.pending: list[int] = []
+        """Streamed tokens of this epoch not checked yet, in order."""
+        self._pending_q: list[torch.Tensor] = []
+        self._arrived: list[float | None] = []
+        """When each pending token arrived, where known."""
+        self._next_logits: torch.Tensor | None = None
+        """(V,) the target's logits after the committed sequence, once computed."""
 
     @classmethod
     def open(cls, verifier: Verifier, body: dict[str, Any]) -> _Session:
@@ -175,26 +212,126 @@ class _Session:
         _check_tokens(prompt, verifier.vocab_size, "prompt")
         return cls(verifier, prompt, *_sampling_params(body))
 
-    def verify(self, payload: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def _set_mode(self, pipelined: bool) -> None:
+        if self.pipelined is None:
+            self.pipelined = pipelined
+        elif self.pipelined != pipelined:
+            raise BadRequest("a session takes DRAFT rounds or a STREAM, not both")
+
+    def _draft_tokens(self, payload: dict[str, torch.Tensor], what: str) -> list[int]:
         tokens = payload.get("tokens")
         if tokens is None or tokens.dim() != 1 or tokens.dtype != torch.int32:
-            raise BadRequest("DRAFT needs an int32 vector `tokens`")
+            raise BadRequest(f"{what} needs an int32 vector `tokens`")
         if tokens.numel() > MAX_GAMMA:
             raise BadRequest(f"a draft holds at most {MAX_GAMMA} tokens")
-        draft = _check_tokens(tokens.tolist(), self.verifier.vocab_size, "draft")
+        return _check_tokens(tokens.tolist(), self.verifier.vocab_size, what)
+
+    def _draft_q(self, payload: dict[str, torch.Tensor], count: int) -> torch.Tensor | None:
+        if self.temperature == 0:
+            return None
+        q = payload.get("q")
+        if q is None or tuple(q.shape) != (count, self.verifier.vocab_size):
+            raise BadRequest("sampling needs `q` of shape (k, vocab_size)")
+        return q.float()
+
+    def _verdict(
+        self, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, *, bonus: bool
+    ) -> tuple[int, int | None]:
+        """`logits`: the target's rows before each drafted token (and after the last)."""
+        if not draft and not bonus:
+            return 0, None  # nothing to check (q is None then even when sampling)
+        if self.temperature == 0:
+            return greedy_verdict(logits, draft, bonus=bonus)
+        assert q is not None
+        p = probs_from_logits(logits, temperature=self.temperature, top_p=self.top_p)
+        return speculative_verdict(p, q, draft, generator=self.generator, bonus=bonus)
+
+    def verify(self, payload: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """One DRAFT round: check it whole, answer with the accepted count and the next token."""
+        self._set_mode(pipelined=False)
+        draft = self._draft_tokens(payload, "DRAFT")
+        q = self._draft_q(payload, len(draft))
         started = time.perf_counter()
         logits = self.decoder.extend(draft)[-(len(draft) + 1) :]  # (k + 1, V)
-        if self.temperature == 0:
-            accepted, token = greedy_verdict(logits, draft)
-        else:
-            q = payload.get("q")
-            if q is None or tuple(q.shape) != (len(draft), logits.size(-1)):
-                raise BadRequest("sampling needs `q` of shape (k, vocab_size)")
-            p = probs_from_logits(logits, temperature=self.temperature, top_p=self.top_p)
-            accepted, token = speculative_verdict(p, q.float(), draft, generator=self.generator)
+        accepted, token = self._verdict(logits, draft, q, bonus=True)
+        assert token is not None
         self.decoder.commit([*draft[:accepted], token])
         return {
             "accepted": accepted,
             "token": token,
             "verify_ms": (time.perf_counter() - started) * 1e3,
         }
+
+    def stream(self, payload: dict[str, torch.Tensor], *, waited: bool = True) -> None:
+        """Queue streamed tokens for `step`; drop them if drafted on a rejected prefix.
+
+        `waited`: they arrived while the verifier was idle, so it knows when they arrived.
+        """
+        self._set_mode(pipelined=True)
+        epoch = payload.get("epoch")
+        if epoch is None or epoch.numel() != 1 or epoch.dtype != torch.int64:
+            raise BadRequest("STREAM needs an int64 `epoch`")
+        if int(epoch) > self.epoch:
+            raise BadRequest(f"STREAM for epoch {int(epoch)}; this session is at {self.epoch}")
+        tokens = self._draft_tokens(payload, "STREAM")
+        q = self._draft_q(payload, len(tokens))
+        if int(epoch) < self.epoch:
+            return  # drafted on a prefix this session has since rejected
+        if len(self.pending) + len(tokens) > MAX_GAMMA:
+            raise BadRequest(f"more than {MAX_GAMMA} streamed tokens waiting to be checked")
+        self.pending.extend(tokens)
+        if q is not None:
+            self._pending_q.extend(q)
+        self._arrived.extend([time.perf_counter() if waited else None] * len(tokens))
+
+    def has_work(self) -> bool:
+        """Pipelined: tokens to check, or the committed sequence's next prediction to compute."""
+        return bool(self.pipelined) and (bool(self.pending) or self._next_logits is None)
+
+    def step(self, started: float | None = None) -> dict[str, Any] | None:
+        """Check the pending tokens with at most one forward pass; the PROGRESS to send.
+
+        The first pending token is checked against the prediction already held, without a
+        forward: a wrong first guess costs the target nothing. Without pending tokens (just
+        after a rejection, before the drafter has heard of it) the step computes the
+        prediction after the correction, so the next first guess is checked at once.
+        `started`: when the verifier began taking in the messages this step checks, so that
+        `verify_ms` counts their handling too.
+        """
+        started = time.perf_counter() if started is None else started
+        batch = self.pending[:MAX_GAMMA]
+        q = torch.stack(self._pending_q[: len(batch)]) if self._pending_q else None
+        fed, accepted, token = 0, 0, None
+        if self._next_logits is not None:  # check the first token for free
+            accepted, token = self._verdict(
+                self._next_logits[None], batch[:1], None if q is None else q[:1], bonus=False
+            )
+            rest, rest_q = batch[1:], None if q is None else q[1:]
+        else:
+            rest, rest_q = batch, q
+        if token is None:
+            # feeds the committed token the cache lacks (after a rejection) and the batch
+            logits = self.decoder.extend(batch)
+            fed = logits.size(0)
+            more, token = self._verdict(logits[-(len(rest) + 1) :], rest, rest_q, bonus=False)
+            accepted += more
+            self._next_logits = logits[-1] if token is None else None
+        if not batch:
+            return None  # only computed the prediction after the committed sequence
+        arrived = self._arrived[min(accepted, len(batch) - 1)]  # the last token checked
+        progress: dict[str, Any] = {"epoch": self.epoch, "accepted": accepted, "fed": fed}
+        if token is None:
+            self.decoder.commit(batch, cache_last=True)
+            del self.pending[: len(batch)], self._pending_q[: len(batch)]
+            del self._arrived[: len(batch)]
+        else:
+            self.decoder.commit([*batch[:accepted], token])
+            self._next_logits = None
+            self.epoch += 1
+            self.pending, self._pending_q, self._arrived = [], [], []
+            progress["token"] = token
+        now = time.perf_counter()
+        progress["verify_ms"] = (now - started) * 1e3
+        if arrived is not None:
+            progress["held_ms"] = (now - arrived) * 1e3
+        return progress

@@ -64,7 +64,12 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
     conns: list[Connection] = []
 
     def _make(
-        model, *, gamma: int | None = 3, temperature: float = 0.0, top_p: float = 1.0
+        model,
+        *,
+        gamma: int | None = 3,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        pipeline: bool = False,
     ) -> Drafter:
         conn = Connection.connect(*verifier_server.address)
         conns.append(conn)
@@ -75,6 +80,7 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
             gamma=GammaController(fixed=gamma, max_gamma=8),
             temperature=temperature,
             top_p=top_p,
+            pipeline=pipeline,
         )
 
     yield _make

@@ -21,29 +21,45 @@ def target_greedy(target, tokenizer, prompt_ids: list[int], max_new_tokens: int)
     return out[0, len(prompt_ids) :].tolist()
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
 @pytest.mark.parametrize("draft_name", ["unrelated", "same", "noisy"])
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 def test_greedy_output_equals_target_greedy(
-    make_drafter, drafts, target, tokenizer, draft_name: str, gamma: int
+    make_drafter, drafts, target, tokenizer, draft_name: str, gamma: int, pipeline: bool
 ) -> None:
-    drafter = make_drafter(drafts[draft_name], gamma=gamma)
+    drafter = make_drafter(drafts[draft_name], gamma=gamma, pipeline=pipeline)
     for prompt in PROMPTS:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         result = drafter.generate(ids, max_new_tokens=24)
         assert result.tokens == target_greedy(target, tokenizer, ids, 24)
-    accepted = sum(r.accepted for r in result.rounds)
-    drafted = sum(r.drafted for r in result.rounds)
-    if draft_name == "same":
-        assert accepted == drafted  # a perfect draft is always accepted
-    if draft_name == "unrelated":
-        assert accepted < drafted
+    if pipeline:
+        accepted = sum(c.accepted for c in result.checks)
+        rejected = sum(c.rejected for c in result.checks)
+        assert all(c.window == gamma for c in result.checks)
+        if draft_name == "same":  # a perfect draft: never corrected, every check a forward
+            assert rejected == 0 and accepted == 24
+            assert all(c.fed > 0 for c in result.checks)
+        if draft_name == "unrelated":
+            assert rejected > 0
+            # a first guess that is wrong costs the verifier no forward pass
+            assert any(c.rejected and c.fed == 0 for c in result.checks)
+    else:
+        accepted = sum(r.accepted for r in result.rounds)
+        drafted = sum(r.drafted for r in result.rounds)
+        if draft_name == "same":
+            assert accepted == drafted  # a perfect draft is always accepted
+        if draft_name == "unrelated":
+            assert accepted < drafted
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
 def test_auto_gamma_also_matches_and_stays_in_bounds(
-    make_drafter, drafts, target, tokenizer
+    make_drafter, drafts, target, tokenizer, pipeline: bool
 ) -> None:
-    drafter = make_drafter(drafts["noisy"], gamma=None)
+    drafter = make_drafter(drafts["noisy"], gamma=None, pipeline=pipeline)
     ids = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
     result = drafter.generate(ids, max_new_tokens=40)
     assert result.tokens == target_greedy(target, tokenizer, ids, 40)
     assert all(0 <= r.drafted <= 8 for r in result.rounds)
+    assert all(1 <= c.window <= 8 for c in result.checks)
+    assert bool(result.checks) == pipeline
