@@ -160,6 +160,7 @@ class Drafter:
                 "top_p": self.top_p,
                 "seed": seed,
                 "vocab_hash": self.vocab_hash,
+                "pipeline": self.pipeline,
             },
             expect=SpecMsg.OPENED,
         )
@@ -224,7 +225,7 @@ class Drafter:
         """
         decoder, result = self._open(prompt, seed)
         self.gamma.observe_rtt(result.open_rtt_s)  # until verdicts give cleaner samples
-        generator = torch.Generator().manual_seed(seed + 1)
+        generator = torch.Generator()
         flight = _Flight(confirmed=result.tokens)
         window = self.gamma.next_gamma()
         busy_since = time.perf_counter()  # the drafter's own time, waits excluded
@@ -247,6 +248,9 @@ class Drafter:
                     decoder.rewind([*prompt, *flight.confirmed])
                 window = self.gamma.next_gamma()
                 continue
+            # Seeded by position, not drawn from one stream: how many tokens the drafter drafts
+            # past a rejection depends on timing, and must not change which ones it samples.
+            generator.manual_seed((seed + 1) * 1_000_003 + len(decoder.tokens))
             token, q = self._next_token(decoder, generator)
             decoder.commit([token])
             payload = {
@@ -255,7 +259,10 @@ class Drafter:
             }
             if q is not None:
                 payload["q"] = q[None]
-            self.conn.send(SpecMsg.STREAM, payload)
+            try:
+                self.conn.send(SpecMsg.STREAM, payload)
+            except (ConnectionClosed, NetTimeout) as exc:
+                raise VerifierLostError(f"lost the verifier at {self.conn.peer}: {exc}") from None
             flight.inflight.append(token)
             now = time.perf_counter()
             flight.sent_at.append(now)

@@ -210,7 +210,13 @@ class _Session:
         if not 1 <= len(prompt) <= MAX_PROMPT_TOKENS:
             raise BadRequest(f"prompt must hold 1..{MAX_PROMPT_TOKENS} tokens")
         _check_tokens(prompt, verifier.vocab_size, "prompt")
-        return cls(verifier, prompt, *_sampling_params(body))
+        pipeline = body.get("pipeline", False)
+        if not isinstance(pipeline, bool):
+            raise BadRequest("pipeline must be true or false")
+        session = cls(verifier, prompt, *_sampling_params(body))
+        if pipeline:  # the prediction after the prompt is computed before the first token
+            session._set_mode(pipelined=True)
+        return session
 
     def _set_mode(self, pipelined: bool) -> None:
         if self.pipelined is None:

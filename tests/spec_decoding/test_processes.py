@@ -62,16 +62,17 @@ class KillAfter(GammaController):
         super().__init__(fixed=2, max_gamma=8)
         self.proc, self.rounds = proc, rounds
 
-    def update(self, **kwargs) -> None:
-        super().update(**kwargs)
+    def observe_checks(self, **kwargs) -> None:  # every verdict, in either mode
+        super().observe_checks(**kwargs)
         self.rounds -= 1
         if self.rounds == 0:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
 def test_killed_verifier_gives_the_drafter_a_clear_error(
-    tiny_models: Path, lab_cache: Path, tmp_path: Path
+    tiny_models: Path, lab_cache: Path, tmp_path: Path, pipeline: bool
 ) -> None:
     proc, port = start_verifier(lab_cache, tmp_path)
     try:
@@ -79,7 +80,9 @@ def test_killed_verifier_gives_the_drafter_a_clear_error(
         model = load_model(draft_cfg, cache_dir=lab_cache)
         tokenizer = load_tokenizer(draft_cfg, cache_dir=lab_cache)
         conn = Connection.connect("127.0.0.1", port, read_timeout_s=10)
-        drafter = Drafter(model, tokenizer, conn, gamma=KillAfter(proc, rounds=3))
+        drafter = Drafter(
+            model, tokenizer, conn, gamma=KillAfter(proc, rounds=3), pipeline=pipeline
+        )
         started = time.monotonic()
         with pytest.raises(VerifierLostError, match=f"lost the verifier at 127.0.0.1:{port}"):
             drafter.generate([5, 6, 7, 8], max_new_tokens=500)

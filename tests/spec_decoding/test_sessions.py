@@ -33,19 +33,24 @@ def test_rollback_leaves_the_same_state_as_recomputation(target) -> None:
     assert decoder.cached == [*prompt, 7, 13, 30]
 
 
-def test_concurrent_sessions_give_their_solo_outputs(make_drafter, drafts, tokenizer) -> None:
+@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
+def test_concurrent_sessions_give_their_solo_outputs(
+    make_drafter, drafts, tokenizer, pipeline: bool
+) -> None:
     prompts = [
         tokenizer(t, add_special_tokens=False)["input_ids"]
         for t in ("def run(self):\n", "import json\n")
     ]
     solo = [
-        make_drafter(drafts["noisy"], temperature=0.8).generate(p, max_new_tokens=20, seed=i).tokens
+        make_drafter(drafts["noisy"], temperature=0.8, pipeline=pipeline)
+        .generate(p, max_new_tokens=20, seed=i)
+        .tokens
         for i, p in enumerate(prompts)
     ]
     together: list[list[int]] = [[], []]
 
     def worker(index: int) -> None:
-        drafter = make_drafter(drafts["noisy"], temperature=0.8)
+        drafter = make_drafter(drafts["noisy"], temperature=0.8, pipeline=pipeline)
         together[index] = drafter.generate(prompts[index], max_new_tokens=20, seed=index).tokens
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
@@ -143,3 +148,80 @@ def test_bad_spec_settings_name_the_key(compose_config, override: str, needle: s
     with pytest.raises(ValueError) as info:
         to_settings(compose_config("spec_decoding", [override]), SpecDecodingRunConfig)
     assert needle in str(info.value)
+
+
+def stream(conn: Connection, tokens: list[int], epoch: int) -> None:
+    conn.send(
+        SpecMsg.STREAM,
+        {
+            "tokens": torch.tensor(tokens, dtype=torch.int32),
+            "epoch": torch.tensor([epoch], dtype=torch.int64),
+        },
+    )
+
+
+def test_stream_of_a_rejected_epoch_is_dropped(verifier_server, target, tokenizer) -> None:
+    """After a correction, tokens drafted on the old prefix get no verdict of their own."""
+    prompt = [5, 17, 42, 8]
+    with torch.no_grad():
+        choice = int(target(input_ids=torch.tensor([prompt])).logits[0, -1].argmax())
+    wrong = (choice + 1) % len(tokenizer)
+    with Connection.connect(*verifier_server.address) as conn:
+        conn.request(
+            SpecMsg.OPEN, open_body(tokenizer, prompt=prompt, pipeline=True), expect=SpecMsg.OPENED
+        )
+        stream(conn, [wrong], epoch=0)
+        first = conn.recv_msg(SpecMsg.PROGRESS)
+        assert (first["epoch"], first["accepted"], first["token"]) == (0, 0, choice)
+        assert first["fed"] == 0  # checked against the prediction it held: no forward pass
+        stream(conn, [wrong, wrong], epoch=0)  # drafted before the drafter heard: stale
+        with torch.no_grad():
+            after = target(input_ids=torch.tensor([[*prompt, choice]])).logits[0, -1]
+        stream(conn, [int(after.argmax())], epoch=1)
+        second = conn.recv_msg(SpecMsg.PROGRESS)
+        assert (second["epoch"], second["accepted"], "token" in second) == (1, 1, False)
+
+
+@pytest.mark.parametrize(
+    ("messages", "error"),
+    [
+        ([("stream", 1)], "STREAM for epoch 1"),
+        ([("stream", 0), ("draft", 0)], "DRAFT rounds or a STREAM"),
+        ([("draft", 0), ("stream", 0)], "DRAFT rounds or a STREAM"),
+    ],
+)
+def test_bad_stream_closes_that_session_only(
+    verifier_server, tokenizer, messages: list[tuple[str, int]], error: str
+) -> None:
+    address = verifier_server.address
+    with Connection.connect(*address) as good, Connection.connect(*address) as bad:
+        good.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
+        bad.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
+        with pytest.raises(RemoteError, match=error):
+            for kind, epoch in messages:
+                if kind == "draft":
+                    bad.request(
+                        SpecMsg.DRAFT,
+                        {"tokens": torch.tensor([4], dtype=torch.int32)},
+                        expect=SpecMsg.VERDICT,
+                    )
+                else:
+                    stream(bad, [4], epoch)
+            bad.recv(expect=SpecMsg.PROGRESS, timeout_s=10)
+            bad.recv(expect=SpecMsg.PROGRESS, timeout_s=10)
+        stream(good, [4], epoch=0)
+        assert good.recv_msg(SpecMsg.PROGRESS)["epoch"] == 0
+
+
+def test_unchecked_stream_is_bounded(verifier_server, tokenizer) -> None:
+    """A drafter streaming faster than any window allows is refused, not buffered."""
+    from spec_decoding.verifier import BadRequest, _Session
+
+    session = _Session.open(verifier_server.verifier, open_body(tokenizer, pipeline=True))
+    payload = {
+        "tokens": torch.tensor([4] * 32, dtype=torch.int32),
+        "epoch": torch.tensor([0], dtype=torch.int64),
+    }
+    session.stream(payload)
+    with pytest.raises(BadRequest, match="more than 32 streamed tokens"):
+        session.stream(payload)
