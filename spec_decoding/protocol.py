@@ -1,7 +1,8 @@
 """spec_decoding's netproto messages (range 0x0200-0x02FF).
 
     drafter -> verifier  OPEN      JSON  {"prompt": [ids], "temperature", "top_p", "seed",
-                                          "vocab_hash", ["pipeline"]}      -> OPENED {"vocab_size", "prefill_ms"}
+                                          "vocab_hash", ["pipeline"]}
+                                                             -> OPENED {"vocab_size", "prefill_ms"}
     drafter -> verifier  DRAFT     TENSORS {"tokens": int32 (k,), ["q": float32 (k, V)]}
                                                              -> VERDICT {"accepted", "token",
                                                                          "verify_ms"}
