@@ -6,8 +6,11 @@ One run, the same held-out prompts and the same tiny_target / tiny_draft pair (g
 method must produce the same tokens, which is checked):
   1. target-only greedy with Hugging Face `generate`, in this process;
   2. Hugging Face assisted generation (`generate(assistant_model=draft)`), in this process;
-  3. ours: the verifier in its own process, the drafter here, over loopback;
-  4. ours through the link emulator at 2, 10 and 50 ms one-way delay, fixed gammas vs `auto`.
+  3. ours: the verifier in its own process, the drafter here, over loopback, both in rounds
+     (draft, then wait for the verdict) and pipelined (keep drafting while the verifier checks,
+     the default), each with `gamma=auto`; with the speedup our cost model predicts for each;
+  4. ours pipelined through the link emulator at 2, 10 and 50 ms one-way delay, fixed windows
+     vs `auto`, and rounds with `auto` next to them.
 Every process uses one thread, as if each were its own small machine. Prints a table, writes
 bench/results/spec_decoding_bench.json, and ends with our loopback speedup over target-only.
 """
@@ -25,10 +28,11 @@ import torch
 
 from lab.config import ModelConfig
 from lab.models import load_model, load_tokenizer
-from netproto import Connection, LinkEmulator
+from netproto import Connection, LinkEmulatorProcess
+from spec_decoding.config import SpecConfig
 from spec_decoding.drafter import Drafter
 from spec_decoding.gamma import GammaController
-from spec_decoding.run import prompts_from_corpus, start_verifier_process
+from spec_decoding.run import prompts_from_corpus, start_verifier_process, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results" / "spec_decoding_bench.json"
 CACHE = Path.home() / ".cache" / "distributed-llm-lab"
@@ -36,8 +40,8 @@ CACHE = Path.home() / ".cache" / "distributed-llm-lab"
 
 def hf_generate(
     model: Any, prompts: list[list[int]], max_new: int, tokenizer: Any, **kwargs: Any
-) -> tuple[list[list[int]], float]:
-    outputs, seconds = [], 0.0
+) -> tuple[list[list[int]], list[float]]:
+    outputs, seconds = [], []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=model.device)
         started = time.perf_counter()
@@ -51,7 +55,7 @@ def hf_generate(
                 pad_token_id=tokenizer.pad_token_id,
                 **kwargs,
             )
-        seconds += time.perf_counter() - started
+        seconds.append(time.perf_counter() - started)
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs, seconds
 
@@ -63,22 +67,33 @@ def ours(
     prompts: list[list[int]],
     max_new: int,
     gamma: int | None,
+    *,
+    pipeline: bool,
+    baselines: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     with Connection.connect(*address, read_timeout_s=120) as conn:
-        drafter = Drafter(draft, tokenizer, conn, gamma=GammaController(fixed=gamma, max_gamma=8))
-        outputs, seconds, rounds = [], 0.0, []
-        for index, prompt in enumerate(prompts):
-            generation = drafter.generate(prompt, max_new_tokens=max_new, seed=index)
-            outputs.append(generation.tokens)
-            seconds += generation.seconds
-            rounds += generation.rounds
-    drafted = sum(r.drafted for r in rounds)
-    return {
-        "outputs": outputs,
-        "seconds": seconds,
-        "acceptance": sum(r.accepted for r in rounds) / max(drafted, 1),
-        "mean_gamma": drafted / len(rounds),
+        drafter = Drafter(
+            draft,
+            tokenizer,
+            conn,
+            gamma=GammaController(fixed=gamma, max_gamma=SpecConfig().max_gamma),
+            pipeline=pipeline,
+        )
+        generations = [
+            drafter.generate(prompt, max_new_tokens=max_new, seed=index)
+            for index, prompt in enumerate(prompts)
+        ]
+    metrics = summarize(generations, baselines or [], greedy=True)
+    row = {
+        "outputs": [g.tokens for g in generations],
+        "seconds": sum(g.seconds for g in generations),
+        "acceptance": metrics["acceptance_rate"],
+        "mean_gamma": metrics["mean_gamma"],
     }
+    if baselines:
+        row["predicted_speedup"] = metrics["predicted_speedup"]
+        row["measured_over_predicted"] = metrics["measured_over_predicted"]
+    return row
 
 
 def main() -> None:
@@ -95,7 +110,7 @@ def main() -> None:
     torch.set_num_threads(1)
     num_prompts, max_new = (2, 32) if args.quick else (4, 64)
     delays = (10,) if args.quick else (2, 10, 50)
-    gammas = (1, 2, 4) if args.quick else (1, 2, 3, 4, 6)
+    gammas = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
 
     target_cfg = ModelConfig(name="target", pretrained=args.target)
     draft_cfg = ModelConfig(name="draft", pretrained=args.draft)
@@ -107,11 +122,14 @@ def main() -> None:
     hf_generate(target, prompts[:1], 8, tokenizer)  # warm-up
     reference, target_s = hf_generate(target, prompts, max_new, tokenizer)
     assisted, assisted_s = hf_generate(target, prompts, max_new, tokenizer, assistant_model=draft)
+    baselines = [
+        {"tokens": out, "seconds": sec} for out, sec in zip(reference, target_s, strict=True)
+    ]
     tokens = sum(len(o) for o in reference)
     rows: dict[str, dict[str, Any]] = {
-        "target-only (HF generate)": {"tokens_per_s": tokens / target_s},
+        "target-only (HF generate)": {"tokens_per_s": tokens / sum(target_s)},
         "HF assisted generation": {
-            "tokens_per_s": tokens / assisted_s,
+            "tokens_per_s": tokens / sum(assisted_s),
             "same_tokens": assisted == reference,
         },
     }
@@ -124,52 +142,76 @@ def main() -> None:
             "hydra.run.dir=outputs/bench/spec_verifier",
         ]
     )
+
+    def record(label: str, result: dict[str, Any]) -> None:
+        rows[label] = {
+            "tokens_per_s": tokens / result.pop("seconds"),
+            "same_tokens": result.pop("outputs") == reference,
+            **result,
+        }
+        print(f"{label}: {rows[label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+
     try:
         address = ("127.0.0.1", port)
-        ours(address, draft, tokenizer, prompts[:1], 8, None)  # warm-up
-        loopback = ours(address, draft, tokenizer, prompts, max_new, None)
-        rows["ours, loopback, auto"] = {
-            "tokens_per_s": tokens / loopback["seconds"],
-            "acceptance": loopback["acceptance"],
-            "mean_gamma": loopback["mean_gamma"],
-            "same_tokens": loopback["outputs"] == reference,
-        }
+        for pipeline in (False, True):  # warm-up
+            ours(address, draft, tokenizer, prompts[:1], 8, None, pipeline=pipeline)
+        for pipeline, mode in ((False, "rounds"), (True, "pipelined")):
+            record(
+                f"ours, loopback, {mode}, auto",
+                ours(
+                    address,
+                    draft,
+                    tokenizer,
+                    prompts,
+                    max_new,
+                    None,
+                    pipeline=pipeline,
+                    baselines=baselines,
+                ),
+            )
         for delay in delays:
-            with LinkEmulator(address, delay_ms=delay) as link:
+            with LinkEmulatorProcess(address, delay_ms=delay) as link:
+                run = (link.address, draft, tokenizer, prompts, max_new)
                 for gamma in (*gammas, None):
-                    result = ours(link.address, draft, tokenizer, prompts, max_new, gamma)
-                    label = f"ours, {delay} ms, gamma={'auto' if gamma is None else gamma}"
-                    rows[label] = {
-                        "tokens_per_s": tokens / result["seconds"],
-                        "acceptance": result["acceptance"],
-                        "mean_gamma": result["mean_gamma"],
-                        "same_tokens": result["outputs"] == reference,
-                    }
-                    print(f"{label}: {rows[label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+                    name = "auto" if gamma is None else gamma
+                    record(
+                        f"ours, {delay} ms, pipelined, gamma={name}",
+                        ours(*run, gamma, pipeline=True),
+                    )
+                record(f"ours, {delay} ms, rounds, gamma=auto", ours(*run, None, pipeline=False))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
     base = rows["target-only (HF generate)"]["tokens_per_s"]
-    print(f"{'method':<32}{'tokens/s':>10}{'vs target':>11}{'accept':>8}{'gamma':>7}  same")
+    print(f"{'method':<40}{'tokens/s':>10}{'vs target':>11}{'accept':>8}{'gamma':>7}  same")
     nan = float("nan")
     for label, row in rows.items():
         row["speedup"] = row["tokens_per_s"] / base
         print(
-            f"{label:<32}{row['tokens_per_s']:>10.1f}{row['speedup']:>10.2f}x"
+            f"{label:<40}{row['tokens_per_s']:>10.1f}{row['speedup']:>10.2f}x"
             f"{row.get('acceptance', nan):>8.2f}{row.get('mean_gamma', nan):>7.2f}"
             f"  {row.get('same_tokens', True)}"
         )
+    for mode in ("rounds", "pipelined"):
+        row = rows[f"ours, loopback, {mode}, auto"]
+        print(
+            f"{mode}: measured / predicted speedup {row['measured_over_predicted']:.2f} "
+            f"(predicted {row['predicted_speedup']:.2f}x)"
+        )
     auto_vs_best = {}
     for delay in delays:
-        fixed = [rows[f"ours, {delay} ms, gamma={g}"]["tokens_per_s"] for g in gammas]
-        auto_vs_best[delay] = rows[f"ours, {delay} ms, gamma=auto"]["tokens_per_s"] / max(fixed)
-        print(f"auto / best fixed gamma at {delay} ms: {auto_vs_best[delay]:.2f}")
-    ours_speedup = rows["ours, loopback, auto"]["speedup"]
-    vs_assisted = (
-        rows["ours, loopback, auto"]["tokens_per_s"]
-        / rows["HF assisted generation"]["tokens_per_s"]
-    )
+        fixed = [rows[f"ours, {delay} ms, pipelined, gamma={g}"]["tokens_per_s"] for g in gammas]
+        auto = rows[f"ours, {delay} ms, pipelined, gamma=auto"]["tokens_per_s"]
+        auto_vs_best[delay] = auto / max(fixed)
+        rounds = rows[f"ours, {delay} ms, rounds, gamma=auto"]["tokens_per_s"]
+        print(
+            f"{delay} ms: auto / best fixed window {auto_vs_best[delay]:.2f}; "
+            f"pipelined / rounds {auto / rounds:.2f}"
+        )
+    headline = rows["ours, loopback, pipelined, auto"]
+    ours_speedup = headline["speedup"]
+    vs_assisted = headline["tokens_per_s"] / rows["HF assisted generation"]["tokens_per_s"]
     print(f"ours / HF assisted generation (loopback): {vs_assisted:.2f}x")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(

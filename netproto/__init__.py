@@ -17,7 +17,7 @@ from netproto.errors import (
     ProtocolError,
     RemoteError,
 )
-from netproto.link import LinkEmulator
+from netproto.link import LinkEmulator, LinkEmulatorProcess
 from netproto.server import Server
 from netproto.wire import (
     REGISTRY,
@@ -41,6 +41,7 @@ __all__ = [
     "FrameDecoder",
     "Limits",
     "LinkEmulator",
+    "LinkEmulatorProcess",
     "LocalProtocolError",
     "Message",
     "MsgType",

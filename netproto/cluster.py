@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from lab.config import ClusterConfig, Endpoint
 from netproto.connection import Connection, client_ssl_context, server_ssl_context
 from netproto.errors import ConnectionClosed, NetTimeout
-from netproto.link import LinkEmulator
+from netproto.link import LinkEmulatorProcess
 from netproto.server import Handler, Server
 from netproto.wire import Limits
 
@@ -66,7 +66,8 @@ def emulated_link(cluster: ClusterConfig, address: tuple[str, int]) -> Iterator[
     if not (link.delay_ms or link.bandwidth_mbps):
         yield address
         return
-    with LinkEmulator(
+    # its own process: a drafter or client busy computing would hold back its threads
+    with LinkEmulatorProcess(
         address, delay_ms=link.delay_ms, bandwidth_mbps=link.bandwidth_mbps
     ) as emulator:
         yield emulator.address

@@ -6,14 +6,21 @@ Each direction is shaped on its own, like a real full-duplex link: a chunk that 
 t leaves at max(t, when the link is free) + size / bandwidth (serialization), and is delivered
 one-way `delay_ms` after it left. Queues are bounded, so a fast sender is slowed down by TCP
 backpressure exactly as on a real bottleneck.
+
+`LinkEmulatorProcess` runs the same proxy in a process of its own (`netproto.link.main`):
+its threads then never wait for the GIL of a process that is busy computing, which would add
+up to the interpreter's switch interval (5 ms) to a message's trip.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -162,3 +169,107 @@ class LinkEmulator:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
+
+
+class LinkEmulatorProcess:
+    """A LinkEmulator in its own process; the same arguments, `.address` and context manager.
+
+    The child exits when this object stops it or when this process dies (its stdin closes).
+    """
+
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        *,
+        delay_ms: float = 0.0,
+        bandwidth_mbps: float = 0.0,
+        listen_host: str = "127.0.0.1",
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        if delay_ms < 0 or bandwidth_mbps < 0:
+            raise ValueError("delay_ms and bandwidth_mbps must be >= 0")
+        self._args = [
+            f"--upstream={upstream[0]}:{upstream[1]}",
+            f"--delay-ms={delay_ms}",
+            f"--bandwidth-mbps={bandwidth_mbps}",
+            f"--listen-host={listen_host}",
+        ]
+        self._start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[str] | None = None
+        self._address: tuple[str, int] | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._address is None:
+            raise RuntimeError("link emulator not started")
+        return self._address
+
+    def start(self) -> LinkEmulatorProcess:
+        self._proc = subprocess.Popen(
+            # not `-m netproto.link`: the package imports this module before runpy runs it
+            [sys.executable, "-c", "from netproto.link import main; main()", *self._args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        ready = threading.Event()
+        line: list[str] = []
+
+        def read_first_line() -> None:
+            assert self._proc is not None and self._proc.stdout is not None
+            line.append(self._proc.stdout.readline())
+            ready.set()
+
+        threading.Thread(target=read_first_line, daemon=True).start()
+        if not ready.wait(self._start_timeout_s) or not line[0].startswith("listening "):
+            self.stop()
+            raise RuntimeError(f"the link emulator process did not start: {line[:1]!r}")
+        _, host, port = line[0].split()
+        self._address = (host, int(port))
+        return self
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc, self._address = None, None
+
+    def __enter__(self) -> LinkEmulatorProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`--upstream HOST:PORT [--delay-ms D] [--bandwidth-mbps B]`: the proxy as a program.
+
+    Prints `listening HOST PORT` once it accepts, and runs until its stdin closes.
+    """
+    parser = argparse.ArgumentParser(description="a TCP proxy adding delay and a bandwidth cap")
+    parser.add_argument("--upstream", required=True, help="HOST:PORT of the server")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay")
+    parser.add_argument("--bandwidth-mbps", type=float, default=0.0, help="0: no cap")
+    parser.add_argument("--listen-host", default="127.0.0.1")
+    parser.add_argument("--listen-port", type=int, default=0)
+    args = parser.parse_args(argv)
+    host, _, port = args.upstream.rpartition(":")
+    if not host or not port.isdigit():
+        parser.error(f"--upstream {args.upstream!r} is not HOST:PORT")
+    with LinkEmulator(
+        (host, int(port)),
+        delay_ms=args.delay_ms,
+        bandwidth_mbps=args.bandwidth_mbps,
+        listen_host=args.listen_host,
+        listen_port=args.listen_port,
+    ) as link:
+        print("listening", *link.address, flush=True)
+        sys.stdin.read()  # until the parent closes it, or dies

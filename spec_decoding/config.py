@@ -14,7 +14,7 @@ MAX_GAMMA = 32
 class SpecConfig:
     gamma: str = "auto"
     """Draft length: a number of tokens, or `auto` (the expected-speedup model picks it)."""
-    max_gamma: int = 16
+    max_gamma: int = 32
     """Largest draft length (or window) `auto` may choose."""
     pipeline: bool = True
     """Keep drafting while the verifier checks (tokens stream; gamma = how many may await its

@@ -146,7 +146,8 @@ def _round_metrics(generations: list[Generation]) -> tuple[dict[str, float], flo
         for r in rounds
     )
     metrics = {
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        # of the drafted tokens the verifier checked (none after a rejected one), those it took
+        "acceptance_rate": accepted / trials if trials else 0.0,
         "mean_accepted_per_round": accepted / len(rounds),
         "mean_gamma": drafted / len(rounds),
         "rtt_ms": statistics.median(max(0.0, r.round_s - r.draft_s - r.verify_s) for r in rounds)
@@ -154,6 +155,7 @@ def _round_metrics(generations: list[Generation]) -> tuple[dict[str, float], flo
         "draft_ms_per_token": draft_s * 1e3,
         "verify_ms_per_round": statistics.mean(r.verify_s for r in rounds) * 1e3,
         "rounds": float(len(rounds)),
+        "drafted_per_token": drafted / max(1, sum(len(g.tokens) for g in generations)),
     }
     return metrics, predicted_tokens / predicted_seconds
 

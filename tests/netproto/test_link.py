@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
-from netproto import Connection, LinkEmulator, MsgType
+from netproto import Connection, LinkEmulator, LinkEmulatorProcess, MsgType
 
 
 def median_round_trip_s(address: tuple[str, int], samples: int = 5) -> float:
@@ -20,13 +21,32 @@ def median_round_trip_s(address: tuple[str, int], samples: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def test_delay_is_added_each_way(start_server) -> None:
+@pytest.mark.parametrize("emulator", [LinkEmulator, LinkEmulatorProcess])
+def test_delay_is_added_each_way(start_server, emulator) -> None:
     server = start_server()
     direct = median_round_trip_s(server.address)
-    with LinkEmulator(server.address, delay_ms=40) as link:
+    with emulator(server.address, delay_ms=40) as link:
         shaped = median_round_trip_s(link.address)
     assert shaped >= 0.080  # 40 ms there + 40 ms back
     assert shaped - direct >= 0.079
+    assert shaped < 0.2  # and not much more
+
+
+def test_link_process_goes_when_stopped(start_server) -> None:
+    link = LinkEmulatorProcess(start_server().address, delay_ms=1).start()
+    proc = link._proc
+    assert proc is not None and proc.poll() is None
+    link.stop()
+    assert proc.poll() is not None
+    with pytest.raises(RuntimeError, match="not started"):
+        _ = link.address
+
+
+def test_link_process_refuses_a_bad_upstream() -> None:
+    from netproto.link import main
+
+    with pytest.raises(SystemExit):
+        main(["--upstream", "no-port-here"])
 
 
 def test_bandwidth_cap_slows_bulk_transfer(start_server) -> None:

@@ -18,10 +18,12 @@ from spec_decoding.gamma import GammaController
 from spec_decoding.run import run, start_verifier_process
 
 
-def test_local_run_end_to_end(compose_config, tiny_models: Path) -> None:
+@pytest.mark.parametrize("pipeline", ["true", "false"], ids=["pipelined", "rounds"])
+def test_local_run_end_to_end(compose_config, tiny_models: Path, pipeline: str) -> None:
     cfg = compose_config(
         "spec_decoding",
         [
+            f"spec.pipeline={pipeline}",
             "target.lab_preset=debug",
             "draft.lab_preset=debug",
             "tracking.wandb=false",
@@ -34,6 +36,8 @@ def test_local_run_end_to_end(compose_config, tiny_models: Path) -> None:
     assert metrics["greedy_match"] == 1.0
     assert metrics["new_tokens"] == 24
     assert 0.0 <= metrics["acceptance_rate"] <= 1.0
+    assert metrics["drafted_per_token"] > 0
+    assert ("forward_share" in metrics) == (pipeline == "true")
     for key in (
         "tokens_per_s",
         "target_tokens_per_s",
