@@ -141,6 +141,7 @@ class Drafter:
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> Generation:
         started = time.perf_counter()
+        self.gamma.new_text()
         if self.pipeline:
             result = self._generate_pipelined(prompt, max_new_tokens=max_new_tokens, seed=seed)
         else:

@@ -183,6 +183,16 @@ class GammaController:
             self._since_choice = 0
         return self._choice
 
+    def new_text(self) -> None:
+        """Forget the acceptance history, keep the costs: a new prompt is new text.
+
+        The tiny models fall into loops a draft predicts perfectly; carried over to the next
+        prompt, such a streak has `auto` draft the longest drafts into text it has not seen.
+        """
+        self._accepted.clear()
+        self._trials.clear()
+        self._choice = None
+
     def update(
         self, *, drafted: int, accepted: int, draft_s: float, verify_s: float, round_s: float
     ) -> None:
@@ -209,8 +219,8 @@ class GammaController:
         self._rtt.append(seconds)
 
     def model(self) -> CostModel:
-        trials = sum(self._trials)
-        alpha = sum(self._accepted) / trials if trials else 0.5
+        # Laplace's rule: no streak makes the estimate 1, no run of misses makes it 0
+        alpha = (sum(self._accepted) + 1) / (sum(self._trials) + 2)
         draft_s = float(np.median(self._draft)) if self._draft else 0.0
         tokens = np.array([n for n, _ in self._verify], dtype=float)
         seconds = np.array([s for _, s in self._verify], dtype=float)

@@ -74,7 +74,18 @@ def test_pipelined_controller_picks_the_window_from_its_measurements() -> None:
         controller.observe_verify(4, 2.6e-3)
         controller.observe_rtt(20e-3)
     model = controller.pipeline_model()
-    assert model.alpha == pytest.approx(0.75)
+    assert model.alpha == pytest.approx((16 * 3 + 1) / (16 * 4 + 2))  # Laplace's rule
     assert model.verify_per_token_s == pytest.approx(2e-4)
     assert model.one_way_s == pytest.approx(10e-3)
     assert controller.next_gamma() == model.best_window(32) > 4
+
+
+def test_a_streak_on_one_prompt_does_not_set_the_next_prompts_draft_length() -> None:
+    controller = GammaController(fixed=None, max_gamma=32)
+    for _ in range(32):  # a loop the draft predicts perfectly: longer drafts pay
+        controller.update(drafted=8, accepted=8, draft_s=8e-3, verify_s=2.5e-3, round_s=11e-3)
+    assert controller.next_gamma() > 16
+    controller.new_text()
+    for _ in range(4):
+        controller.update(drafted=4, accepted=1, draft_s=4e-3, verify_s=2.3e-3, round_s=6.5e-3)
+    assert controller.next_gamma() <= 4
