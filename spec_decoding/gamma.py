@@ -19,6 +19,7 @@ tokens may await the verifier's word at once.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -132,16 +133,23 @@ class PipelineModel:
         seconds += rest * detect[-1]
         return tokens / seconds if seconds > 0 else 0.0
 
-    def best_window(self, max_window: int) -> int:
-        """The best of 1..8, then every 2nd up to 16, every 4th up to 32, ... (the rate is
-        flat near wide optima; each candidate costs a pass over an epoch)."""
+    def best_window(self, max_window: int, *, tolerance: float = 0.02) -> int:
+        """The widest window whose rate is within `tolerance` of the best.
+
+        Past the width the link needs, the rate is flat: the extra tokens are drafted while the
+        drafter would otherwise wait. The model's steps are exact and real ones vary, so of
+        windows the model finds equal, the widest absorbs that variation best. Candidates: 1..8,
+        then every 2nd up to 16, every 4th up to 32, ... (each costs a pass over an epoch).
+        """
         candidates, step, window = [], 1, 1
         while window <= max_window:
             candidates.append(window)
             if window >= 8 * step:
                 step *= 2
             window += step
-        return max(candidates, key=self.tokens_per_second)
+        rates = {window: self.tokens_per_second(window) for window in candidates}
+        best = max(rates.values())
+        return max(window for window, rate in rates.items() if rate >= (1 - tolerance) * best)
 
 
 class GammaController:
@@ -155,17 +163,24 @@ class GammaController:
         window: int = 32,
         pipelined: bool = False,
         refresh_every: int = 16,
+        refresh_s: float = 0.1,
     ) -> None:
+        """Pipelined, choosing a window costs about a millisecond, so it is redone after
+        `refresh_every` verdicts or `refresh_s` seconds; the rounds model is redone each round."""
         self.fixed = fixed
         self.max_gamma = max_gamma
         self.pipelined = pipelined
-        self._accepted: deque[int] = deque(maxlen=window)  # per verdict: tokens accepted
-        self._trials: deque[int] = deque(maxlen=window)  # per verdict: acceptance tests made
+        self._accepted: deque[float] = deque(maxlen=window)  # per verdict: tokens accepted
+        self._trials: deque[float] = deque(maxlen=window)  # per verdict: acceptance tests made
+        self._total_accepted = 0
+        self._total_trials = 0
         self._draft: deque[float] = deque(maxlen=window)  # seconds per draft step
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
         self._rtt: deque[float] = deque(maxlen=window)
         self._refresh_every = refresh_every
+        self._refresh_s = refresh_s
         self._since_choice = 0
+        self._chosen_at = 0.0
         self._choice: int | None = None
 
     def next_gamma(self) -> int:
@@ -174,23 +189,30 @@ class GammaController:
             return self.fixed
         if not self._verify or not self._rtt:
             return min(4, self.max_gamma)
-        if self._choice is None or self._since_choice >= self._refresh_every:
-            self._choice = (
-                self.pipeline_model().best_window(self.max_gamma)
-                if self.pipelined
-                else self.model().best_gamma(self.max_gamma)
-            )
-            self._since_choice = 0
+        if not self.pipelined:
+            return self.model().best_gamma(self.max_gamma)
+        now = time.monotonic()
+        if (
+            self._choice is None
+            or self._since_choice >= self._refresh_every
+            or now - self._chosen_at >= self._refresh_s
+        ):
+            self._choice = self.pipeline_model().best_window(self.max_gamma)
+            self._since_choice, self._chosen_at = 0, now
         return self._choice
 
-    def new_text(self) -> None:
-        """Forget the acceptance history, keep the costs: a new prompt is new text.
+    def new_text(self, weight: float = 8.0) -> None:
+        """A new prompt is new text: its acceptance starts from the run's long-run rate, worth
+        `weight` checks, instead of the last prompt's recent history. Costs are kept.
 
         The tiny models fall into loops a draft predicts perfectly; carried over to the next
         prompt, such a streak has `auto` draft the longest drafts into text it has not seen.
         """
         self._accepted.clear()
         self._trials.clear()
+        if self._total_trials:
+            self._accepted.append(weight * self._total_accepted / self._total_trials)
+            self._trials.append(weight)
         self._choice = None
 
     def update(
@@ -204,8 +226,11 @@ class GammaController:
         self.observe_rtt(max(0.0, round_s - draft_s - verify_s))
 
     def observe_checks(self, *, accepted: int, rejected: bool) -> None:
+        trials = accepted + (1 if rejected else 0)
         self._accepted.append(accepted)
-        self._trials.append(accepted + (1 if rejected else 0))
+        self._trials.append(trials)
+        self._total_accepted += accepted
+        self._total_trials += trials
         self._since_choice += 1
 
     def observe_draft(self, step_s: float) -> None:

@@ -50,18 +50,31 @@ def test_a_useless_draft_gives_one_token_per_epoch() -> None:
 
 
 def test_a_longer_link_wants_a_wider_window() -> None:
-    def best(one_way_s: float) -> int:
-        return PipelineModel(
-            alpha=0.8,
-            draft_s=1e-3,
-            verify_base_s=2e-3,
-            verify_per_token_s=2e-4,
-            one_way_s=one_way_s,
-        ).best_window(32)
+    """With a verifier that pays for every token it runs, a near one wants a narrow window
+    (tokens past a wrong one cost it time); a far one needs a wide window all the same."""
 
-    near, far = best(1e-4), best(10e-3)
-    assert far > near
+    def model(one_way_s: float) -> PipelineModel:
+        return PipelineModel(
+            alpha=0.6,
+            draft_s=1e-3,
+            verify_base_s=1e-3,
+            verify_per_token_s=2e-3,
+            one_way_s=one_way_s,
+        )
+
+    near, far = model(1e-4).best_window(32), model(10e-3).best_window(32)
+    assert near <= 4
+    assert model(1e-4).tokens_per_second(near) > 1.1 * model(1e-4).tokens_per_second(32)
     assert far >= 16  # 20 ms of round trip hold twenty 1 ms draft steps
+
+
+def test_of_equal_windows_the_widest_is_chosen() -> None:
+    """A cheap verifier on a near link: every window past a few is as good as the next."""
+    model = PipelineModel(
+        alpha=0.89, draft_s=1e-3, verify_base_s=2e-3, verify_per_token_s=3e-4, one_way_s=2e-4
+    )
+    assert model.tokens_per_second(8) == pytest.approx(model.tokens_per_second(32), rel=0.01)
+    assert model.best_window(32) == 32
 
 
 def test_pipelined_controller_picks_the_window_from_its_measurements() -> None:
