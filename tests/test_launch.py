@@ -125,7 +125,14 @@ launch([Role("a", [sys.executable, "-c", {SLEEPER!r}]),
 def test_killing_the_launcher_leaves_no_orphans(sig: signal.Signals) -> None:
     if sig == signal.SIGKILL and not sys.platform.startswith("linux"):
         pytest.skip("PR_SET_PDEATHSIG is Linux-only")
-    parent = subprocess.Popen([PY, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    # A shell's background job (`make test &`) starts with SIGINT ignored, and Python keeps
+    # ignoring it: give the launcher the default a terminal's Ctrl-C would meet.
+    parent = subprocess.Popen(
+        [PY, "-c", LAUNCHER],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert parent.stdout is not None
     pids: list[int] = []
     while len(pids) < 2:
