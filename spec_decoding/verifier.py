@@ -235,6 +235,8 @@ class _Session:
     def _draft_q(self, payload: dict[str, torch.Tensor], count: int) -> torch.Tensor | None:
         if self.temperature == 0:
             return None
+        if count == 0:  # an empty draft (one token left): the verifier samples it alone
+            return torch.empty(0, self.verifier.vocab_size)
         q = payload.get("q")
         if q is None or tuple(q.shape) != (count, self.verifier.vocab_size):
             raise BadRequest("sampling needs `q` of shape (k, vocab_size)")

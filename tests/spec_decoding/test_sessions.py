@@ -225,3 +225,47 @@ def test_unchecked_stream_is_bounded(verifier_server, tokenizer) -> None:
     session.stream(payload)
     with pytest.raises(BadRequest, match="more than 32 streamed tokens"):
         session.stream(payload)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
+def test_sampling_gives_the_targets_joint_distribution(
+    make_drafter, drafts, target, tokenizer, pipeline: bool
+) -> None:
+    """End to end, over the wire: the first two tokens of many seeded generations follow the
+    target's own p(x1) p(x2 | x1), though the draft's law is far from it. (Two tokens also
+    make rounds send an empty draft when one token is left.)"""
+    from scipy.stats import chisquare
+
+    # a random-init target is nearly flat (logit std 0.15): a low temperature gives it peaks
+    temperature, prompt, runs = 0.05, [5, 17, 42, 8], 600
+
+    def joint_law(model) -> dict[tuple[int, int], float]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+            p1 = torch.softmax(logits / temperature, -1)
+            nexts = model(input_ids=torch.tensor([[*prompt, x] for x in range(len(p1))]))
+            p2 = torch.softmax(nexts.logits[:, -1] / temperature, -1)
+        joint = p1[:, None] * p2  # (V, V)
+        return {(a, b): float(joint[a, b]) for a, b in torch.nonzero(joint > 0).tolist()}
+
+    law, draft_law = joint_law(target), joint_law(drafts["noisy"])
+    bins = [pair for pair, chance in law.items() if runs * chance >= 5]
+    expected = [runs * law[pair] for pair in bins]
+    expected.append(runs - sum(expected))
+    # the test can tell: sampling the draft's own law instead would be far off
+    drift = sum(
+        (runs * draft_law.get(pair, 0.0) - e) ** 2 / e
+        for pair, e in zip(bins, expected[:-1], strict=True)
+    )
+    assert len(bins) >= 4 and drift > 10 * len(bins)
+    drafter = make_drafter(drafts["noisy"], gamma=4, temperature=temperature, pipeline=pipeline)
+    counts = dict.fromkeys(bins, 0)
+    other = 0
+    for seed in range(runs):
+        pair = tuple(drafter.generate(prompt, max_new_tokens=2, seed=seed).tokens)
+        if pair in counts:
+            counts[pair] += 1  # type: ignore[index]
+        else:
+            other += 1
+    observed = [*counts.values(), other]
+    assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
