@@ -264,7 +264,7 @@ def test_sampling_gives_the_targets_joint_distribution(
     for seed in range(runs):
         pair = tuple(drafter.generate(prompt, max_new_tokens=2, seed=seed).tokens)
         if pair in counts:
-            counts[pair] += 1  # type: ignore[index]
+            counts[pair] += 1
         else:
             other += 1
     observed = [*counts.values(), other]
