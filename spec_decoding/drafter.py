@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,17 +108,22 @@ class Drafter:
         self.eos_token_id = tokenizer.eos_token_id
         self.vocab_hash = vocab_hash(tokenizer)
 
-    def _request(self, msg_type: int, payload: Any, *, expect: int) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _verifier_lost(self) -> Iterator[None]:
+        """Turns the connection failing into VerifierLostError, naming the verifier."""
         try:
-            return self.conn.request(msg_type, payload, expect=expect).payload
+            yield
         except (ConnectionClosed, NetTimeout, PeerProtocolError) as exc:
             raise VerifierLostError(f"lost the verifier at {self.conn.peer}: {exc}") from None
 
-    def _next_token(
-        self, decoder: CachedDecoder, generator: torch.Generator
+    def _request(self, msg_type: int, payload: Any, *, expect: int) -> dict[str, Any]:
+        with self._verifier_lost():
+            return self.conn.request(msg_type, payload, expect=expect).payload
+
+    def _pick(
+        self, logits: torch.Tensor, generator: torch.Generator
     ) -> tuple[int, torch.Tensor | None]:
-        """Draft one token after the decoder's sequence; with sampling, also its distribution."""
-        logits = decoder.extend([])[-1]  # (V,)
+        """The draft's token from its logits (V,); with sampling, also the distribution q."""
         if self.temperature == 0:
             return int(logits.argmax()), None
         q = probs_from_logits(logits, temperature=self.temperature, top_p=self.top_p)
@@ -129,14 +136,10 @@ class Drafter:
         draft: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(gamma):
-            logits = decoder.extend(draft[-1:])[-1]  # (V,)
-            if self.temperature == 0:
-                token = int(logits.argmax())
-            else:
-                q = probs_from_logits(logits, temperature=self.temperature, top_p=self.top_p)
-                token = int(torch.multinomial(q, 1, generator=generator).item())
-                rows.append(q)
+            token, q = self._pick(decoder.extend(draft[-1:])[-1], generator)
             draft.append(token)
+            if q is not None:
+                rows.append(q)
         return draft, (torch.stack(rows) if rows else None)  # q: (gamma, V)
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> Generation:
@@ -252,7 +255,7 @@ class Drafter:
             # Seeded by position, not drawn from one stream: how many tokens the drafter drafts
             # past a rejection depends on timing, and must not change which ones it samples.
             generator.manual_seed((seed + 1) * 1_000_003 + len(decoder.tokens))
-            token, q = self._next_token(decoder, generator)
+            token, q = self._pick(decoder.extend([])[-1], generator)
             decoder.commit([token])
             payload = {
                 "tokens": torch.tensor([token], dtype=torch.int32),
@@ -260,10 +263,8 @@ class Drafter:
             }
             if q is not None:
                 payload["q"] = q[None]
-            try:
+            with self._verifier_lost():
                 self.conn.send(SpecMsg.STREAM, payload)
-            except (ConnectionClosed, NetTimeout) as exc:
-                raise VerifierLostError(f"lost the verifier at {self.conn.peer}: {exc}") from None
             flight.inflight.append(token)
             now = time.perf_counter()
             flight.sent_at.append(now)
@@ -320,10 +321,8 @@ class Drafter:
         return value
 
     def _request_progress(self, epoch: int) -> dict[str, Any]:
-        try:
+        with self._verifier_lost():
             progress = self.conn.recv(expect=SpecMsg.PROGRESS).payload
-        except (ConnectionClosed, NetTimeout, PeerProtocolError) as exc:
-            raise VerifierLostError(f"lost the verifier at {self.conn.peer}: {exc}") from None
         if progress.get("epoch") != epoch:
             raise ValueError(f"verifier answered for epoch {progress.get('epoch')}, not {epoch}")
         return progress
