@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,18 @@ class CostModel:
 
     def best_gamma(self, max_gamma: int) -> int:
         return max(range(1, max_gamma + 1), key=self.tokens_per_second)
+
+
+def fit_verify_costs(forwards: Iterable[tuple[int, float]]) -> tuple[float, float]:
+    """(base, per-token) seconds of a forward pass, fitted to (tokens fed, seconds) pairs;
+    with only one size seen, its mean time and no per-token cost. Neither is negative."""
+    pairs = list(forwards)
+    tokens = np.array([n for n, _ in pairs], dtype=float)
+    seconds = np.array([s for _, s in pairs], dtype=float)
+    if len(set(tokens.tolist())) > 1:
+        slope, base = np.polyfit(tokens, seconds, 1)
+        return max(float(base), 0.0), max(float(slope), 0.0)
+    return (float(seconds.mean()) if len(seconds) else 0.0), 0.0
 
 
 @dataclass
@@ -247,13 +260,7 @@ class GammaController:
         # Laplace's rule: no streak makes the estimate 1, no run of misses makes it 0
         alpha = (sum(self._accepted) + 1) / (sum(self._trials) + 2)
         draft_s = float(np.median(self._draft)) if self._draft else 0.0
-        tokens = np.array([n for n, _ in self._verify], dtype=float)
-        seconds = np.array([s for _, s in self._verify], dtype=float)
-        if len(set(tokens.tolist())) > 1:
-            slope, base = np.polyfit(tokens, seconds, 1)
-            slope, base = max(float(slope), 0.0), max(float(base), 0.0)
-        else:
-            slope, base = 0.0, float(seconds.mean()) if len(seconds) else 0.0
+        base, slope = fit_verify_costs(self._verify)
         rtt = float(np.median(self._rtt)) if self._rtt else 0.0
         return CostModel(
             alpha=min(alpha, 0.999),

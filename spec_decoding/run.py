@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 from omegaconf import DictConfig
 
 from lab.config import Endpoint, to_settings
@@ -26,7 +25,12 @@ from netproto import ConnectionClosed, NetTimeout
 from netproto.cluster import connect_when_ready, emulated_link, serve
 from spec_decoding.config import SpecDecodingRunConfig
 from spec_decoding.drafter import Drafter, Generation, VerifierLostError
-from spec_decoding.gamma import GammaController, PipelineModel, expected_tokens
+from spec_decoding.gamma import (
+    GammaController,
+    PipelineModel,
+    expected_tokens,
+    fit_verify_costs,
+)
 from spec_decoding.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -168,11 +172,7 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
     drafted = sum(g.drafted for g in generations)
     draft_s = sum(g.draft_s for g in generations) / max(drafted, 1)
     forwards = [(c.fed, c.verify_s) for c in checks if c.fed]
-    if len({fed for fed, _ in forwards}) > 1:
-        slope, base = np.polyfit([f for f, _ in forwards], [s for _, s in forwards], 1)
-        slope, base = max(float(slope), 0.0), max(float(base), 0.0)
-    else:
-        slope, base = 0.0, statistics.mean(s for _, s in forwards) if forwards else 0.0
+    base, slope = fit_verify_costs(forwards)
     rtts = [c.rtt_s for c in checks if c.rtt_s is not None]
     rtt_s = statistics.median(rtts or [g.open_rtt_s for g in generations])
     window = round(statistics.median(c.window for c in checks))
