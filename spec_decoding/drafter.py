@@ -284,7 +284,8 @@ class Drafter:
         accepted = progress.get("accepted")
         token = None if progress.get("token") is None else self._token(progress["token"])
         limit = len(flight.inflight) - (0 if token is None else 1)
-        if not isinstance(accepted, int) or not (0 if token else 1) <= accepted <= limit:
+        least = 1 if token is None else 0  # a verdict without a correction passed something
+        if not isinstance(accepted, int) or not least <= accepted <= limit:
             raise ValueError(
                 f"verifier accepted {accepted!r} of {len(flight.inflight)} tokens in flight"
             )

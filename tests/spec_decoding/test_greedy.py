@@ -63,3 +63,17 @@ def test_auto_gamma_also_matches_and_stays_in_bounds(
     assert all(0 <= r.drafted <= 8 for r in result.rounds)
     assert all(1 <= c.window <= 8 for c in result.checks)
     assert bool(result.checks) == pipeline
+
+
+def test_a_correction_to_token_0_is_taken_like_any_other(make_drafter, drafts) -> None:
+    """Token id 0 is a token: a verdict replacing the first guess with it is valid."""
+    from spec_decoding.drafter import _Flight
+
+    drafter = make_drafter(drafts["noisy"], pipeline=True)
+    flight = _Flight(confirmed=[], inflight=[7, 8], sent_at=[0.0, 0.0])
+    progress = {"epoch": 0, "accepted": 0, "token": 0, "fed": 0, "verify_ms": 0.1}
+    stats = drafter._take_progress(progress, flight, received=0.0, waited=False, window=4)
+    assert stats.rejected and (flight.confirmed, flight.inflight, flight.epoch) == ([0], [], 1)
+    bad = {**progress, "token": None}  # no correction and nothing passed: not a verdict
+    with pytest.raises(ValueError, match="accepted 0 of"):
+        drafter._take_progress(bad, _Flight(confirmed=[], inflight=[7]), 0.0, False, 4)
