@@ -18,7 +18,7 @@ from fed_learn.lora import block_size, client_data, peft_model, train_local, val
 from lab.config import Endpoint, to_settings
 from lab.device import apply_num_threads, share_of_cores
 from lab.launch import free_port, launch, settings_role
-from lab.models import load_tokenizer
+from lab.models import count_4bit_layers, load_tokenizer
 from lab.pretrain import evaluate
 from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import ConnectionClosed, NetTimeout
@@ -40,6 +40,7 @@ def run_coordinator(settings: FedLearnRunConfig) -> dict[str, float]:
         log.info("coordinator ready on %s:%d", *server.address)
         with Tracker.from_settings(settings, job="fed_learn") as tracker:
             metrics = coordinator.run_rounds(tracker)
+            metrics["base_4bit_layers"] = float(count_4bit_layers(model))
             tracker.summary(metrics)
             return metrics
     finally:

@@ -6,9 +6,7 @@ so one config runs unchanged on a laptop, a gaming PC and a cloud GPU.
 
 from __future__ import annotations
 
-import functools
 import logging
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -67,54 +65,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@functools.cache
-def bnb_4bit_support(device_type: str) -> tuple[bool, str]:
-    """Whether bitsandbytes 4-bit (NF4) layers run on this device type, and why not if not.
-
-    Probed for real: a small Linear4bit is quantized and run once on the device, because
-    bitsandbytes' backend coverage (CUDA, CPU, MPS, ...) changes from release to release.
-    """
-    try:
-        import bitsandbytes as bnb
-    except Exception as exc:  # ImportError, or a broken native library
-        return False, f"bitsandbytes cannot be imported ({type(exc).__name__}: {exc})"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            reference = torch.nn.Linear(64, 64, bias=False)
-            layer = bnb.nn.Linear4bit(
-                64, 64, bias=False, quant_type="nf4", compute_dtype=torch.float32
-            )
-            layer.load_state_dict(reference.state_dict())
-            layer = layer.to(device_type)
-            x = torch.randn(2, 64, device=device_type)
-            error = (layer(x).float().cpu() - reference(x.cpu())).abs().max().item()
-    except Exception as exc:
-        return (
-            False,
-            f"bitsandbytes {bnb.__version__} has no working 4-bit kernels for "
-            f"{device_type} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})",
-        )
-    if not error < 1.0:  # NF4 on N(0, 1/64)-scale weights errs by ~0.1; NaN or garbage fails here
-        return False, f"bitsandbytes 4-bit gives wrong results on {device_type} (error {error})"
-    return True, f"bitsandbytes {bnb.__version__} 4-bit works on {device_type}"
-
-
-def quantization_usable(quantization: str, device: torch.device) -> bool:
-    """Whether `quantization` can be honoured on `device`; warns clearly when it cannot."""
-    if quantization == "none":
-        return False
-    ok, reason = bnb_4bit_support(device.type)
-    if not ok:
-        warnings.warn(
-            f"model.quantization={quantization} was asked for but {reason}; loading "
-            f"the model in full precision instead",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return ok
-
-
 @dataclass(frozen=True)
 class DeviceReport:
     """What a process found about its hardware: printed at start-up and logged with metrics."""
@@ -122,7 +72,6 @@ class DeviceReport:
     device: str
     dtype: str
     bf16: bool
-    bnb_4bit: bool
     name: str
     total_memory_bytes: int | None
 
@@ -139,7 +88,6 @@ class DeviceReport:
             device=str(device),
             dtype=str(default_dtype(device)).removeprefix("torch."),
             bf16=supports_bf16(device),
-            bnb_4bit=bnb_4bit_support(device.type)[0],
             name=name,
             total_memory_bytes=total,
         )

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
 
 from lab.config import ModelConfig
-from lab.device import detect_device, quantization_usable, resolve_dtype
+from lab.device import detect_device, resolve_dtype
+from lab.quantization import configure_4bit_model, quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -100,26 +102,32 @@ def load_model(
 ):
     """The model of `cfg` on `device` (detected when None), in its configured dtype.
 
-    `model.quantization=4bit` loads NF4 weights through bitsandbytes where this machine runs
-    them (see `lab.device.bnb_4bit_support`); elsewhere it warns and loads full precision.
+    `model.quantization=4bit` loads NF4 weights through bitsandbytes for every linear layer
+    whose shape runs correctly here (probed: see `lab.quantization`), the others in full
+    precision; where no layer does, it warns once and loads full precision.
     `for_training=True` leaves the model in train mode; inference models come back in eval mode.
     """
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     device = device or detect_device()
     dtype = resolve_dtype(cfg.dtype, device)
     source = resolve_source(cfg, cache_dir=cache_dir)
     kwargs: dict = {"dtype": dtype}
-    if quantization_usable(cfg.quantization, device):
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
+    precision = ""
+    if cfg.quantization == "4bit":
+        bnb_config, precision = quantization_config(
+            _from_pretrained(AutoConfig, source, cfg),
+            device=device,
+            compute_dtype=dtype,
+            for_training=for_training,
         )
-        kwargs["device_map"] = {"": device}
+        if bnb_config is not None:
+            kwargs["quantization_config"] = bnb_config
+            kwargs["device_map"] = {"": device}
     model = _from_pretrained(AutoModelForCausalLM, source, cfg, **kwargs)
-    if "quantization_config" not in kwargs:
+    if "quantization_config" in kwargs:
+        configure_4bit_model(model, for_training=for_training)
+    else:
         model.to(device)
     model.train(for_training)
     log.info(
@@ -128,6 +136,14 @@ def load_model(
         source,
         device,
         dtype,
-        " with 4-bit weights" if "quantization_config" in kwargs else "",
+        f", {precision}" if precision else "",
     )
     return model
+
+
+def count_4bit_layers(model: torch.nn.Module) -> int:
+    """How many of `model`'s layers hold bitsandbytes 4-bit weights (0 in full precision)."""
+    bnb = sys.modules.get("bitsandbytes")  # not imported: nothing can be 4-bit
+    if bnb is None:
+        return 0
+    return sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())

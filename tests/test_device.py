@@ -10,7 +10,6 @@ from lab.device import (
     DeviceReport,
     default_dtype,
     detect_device,
-    quantization_usable,
     resolve_dtype,
 )
 
@@ -51,25 +50,3 @@ def test_named_dtypes_resolve_and_unknown_ones_fail() -> None:
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="float64"):
         resolve_dtype("float64", cpu)
-
-
-def test_4bit_asked_for_where_unsupported_warns_and_falls_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(
-        device_mod,
-        "bnb_4bit_support",
-        lambda device_type: (False, "bitsandbytes has no kernels for cpu"),
-    )
-    with pytest.warns(
-        RuntimeWarning,
-        match="model.quantization=4bit was asked for but bitsandbytes has no kernels for cpu",
-    ):
-        assert quantization_usable("4bit", torch.device("cpu")) is False
-    assert quantization_usable("none", torch.device("cpu")) is False
-
-
-def test_bnb_probe_answers_with_a_reason() -> None:
-    ok, reason = device_mod.bnb_4bit_support("cpu")
-    assert isinstance(ok, bool)
-    assert ("works on cpu" in reason) == ok

@@ -73,6 +73,19 @@ def test_two_clients_lower_the_global_validation_loss(
     assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # trained
 
 
+def test_qlora_round_on_4bit_base_weights_completes_and_reports_its_4bit_layers(
+    compose_config, tiny_models: Path
+) -> None:
+    """`python -m fed_learn model.quantization=4bit fed.rounds=1` on CPU: every client trains,
+    evaluates and trains again on NF4 base weights; the coordinator says how many layers."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes cannot be imported here")
+    overrides = [*QUICK, "model.quantization=4bit", "fed.rounds=1", "fed.local_steps=10"]
+    metrics = run(compose_config("fed_learn", overrides))
+    assert metrics["base_4bit_layers"] == 7 * 2  # the debug target's 2 blocks, 7 projections each
+    assert metrics["mean_clients_per_round"] == 2
+    assert metrics["final_val_loss"] < metrics["initial_val_loss"]
+
+
 def test_async_mode_applies_updates_as_they_arrive_and_refuses_stale_ones(
     compose_config, tiny_models: Path
 ) -> None:

@@ -1,0 +1,236 @@
+"""bitsandbytes 4-bit (NF4) loading that never crashes: each of the model's own shapes is probed.
+
+bitsandbytes picks its kernels by device, CPU features and weight shape, and the same release
+that runs a 64x64 layer can fail on a 32-wide or 344-wide one (its AVX-512-bf16 CPU path
+repacks weights in blocks of 32 rows and 64 columns). So before a model loads in 4-bit, every
+distinct shape of the linear layers transformers would quantize is built as a real
+`Linear4bit`, set up exactly as the loaded model's will be, and run through the phases the
+model will go through: train (forward and backward), eval, train again for a model that trains;
+eval twice for one that only infers. Layers whose shape fails stay in full precision
+(`llm_int8_skip_modules`); when none passes, the whole model loads in full precision with one
+warning that says why.
+
+The CPU repacking is switched off in models that train: after an eval forward it sends every
+call, training ones too, through a kernel without autograd, so the layers below a LoRA adapter
+would silently stop receiving gradients. Inference-only models keep it (it is bitsandbytes'
+fast bf16 path), on the shapes where the probe saw it work.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_RELATIVE_ERROR = 0.5
+"""A probe's output (and input gradient) may differ from full precision by at most this share
+of its norm: NF4 errs by about 0.1 on random weights; garbage, zeros or NaN fail."""
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    in_features: int
+    out_features: int
+    bias: bool
+
+    def __str__(self) -> str:
+        return f"{self.in_features}->{self.out_features}{'+bias' if self.bias else ''}"
+
+
+@dataclass(frozen=True)
+class Plan4bit:
+    """Which linear layers of one model load as 4-bit on this device, and why the others don't."""
+
+    quantize: tuple[str, ...]
+    """Module names that load as bitsandbytes Linear4bit."""
+    keep: tuple[str, ...]
+    """Module names transformers would quantize but whose shape failed the probe here."""
+    failures: dict[str, str]
+    """Failed shape (`in->out`) -> what went wrong."""
+    default_skips: tuple[str, ...] = ()
+    """What transformers leaves unquantized by itself (the LM head, ...)."""
+
+    @property
+    def skip_modules(self) -> list[str] | None:
+        """`llm_int8_skip_modules`: None keeps transformers' defaults; naming any replaces them."""
+        return [*self.default_skips, *self.keep] if self.keep else None
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.quantize)
+
+    def describe(self) -> str:
+        if not self.failures:
+            return f"all {len(self.quantize)} linear layers in 4-bit"
+        shapes = "; ".join(f"{shape}: {why}" for shape, why in self.failures.items())
+        return (
+            f"{len(self.quantize)} of {len(self.quantize) + len(self.keep)} linear layers in "
+            f"4-bit, {len(self.keep)} kept in full precision (shapes that failed here: {shapes})"
+        )
+
+
+def bnb_importable() -> tuple[bool, str]:
+    """Whether bitsandbytes imports here (its native library can be missing or broken)."""
+    try:
+        import bitsandbytes as bnb
+    except Exception as exc:  # ImportError, or a broken native library
+        return False, f"bitsandbytes cannot be imported ({type(exc).__name__}: {exc})"
+    return True, f"bitsandbytes {bnb.__version__}"
+
+
+def configure_4bit_layer(layer: torch.nn.Module, *, for_training: bool) -> None:
+    """Set a Linear4bit up as the lab runs it: no CPU weight repacking in a model that trains."""
+    if for_training and hasattr(layer, "support_avx512bf16_for_cpu"):
+        setattr(layer, "support_avx512bf16_for_cpu", False)  # noqa: B010 (an untyped attribute)
+
+
+def configure_4bit_model(model: torch.nn.Module, *, for_training: bool) -> int:
+    """`configure_4bit_layer` on every Linear4bit of `model`; returns how many it has."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        configure_4bit_layer(layer, for_training=for_training)
+    return len(layers)
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.detach().float().cpu(), expected.detach().float().cpu()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-12))
+
+
+@functools.cache
+def probe_shape(
+    shape: LinearShape, *, device: str, compute_dtype: torch.dtype, for_training: bool
+) -> str | None:
+    """None if a Linear4bit of `shape` runs correctly on `device` through the model's phases,
+    else what went wrong (one line). Cached per process: a shape is probed once."""
+    import bitsandbytes as bnb
+
+    phases = ("train", "eval", "train") if for_training else ("eval", "eval")
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.nn.Linear(shape.in_features, shape.out_features, bias=shape.bias)
+    x = torch.randn(3, shape.in_features, generator=generator)
+    phase = "quantize"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            layer = bnb.nn.Linear4bit(
+                shape.in_features,
+                shape.out_features,
+                bias=shape.bias,
+                quant_type="nf4",
+                compress_statistics=True,
+                compute_dtype=compute_dtype,
+            )
+            layer.load_state_dict(reference.state_dict())
+            layer = layer.to(device)  # quantizes
+            configure_4bit_layer(layer, for_training=for_training)
+            for phase in phases:
+                layer.train(phase == "train")
+                if phase == "eval":
+                    with torch.no_grad():
+                        error = _relative_error(layer(x.to(device)), reference(x))
+                else:
+                    probe_in = x.detach().to(device).requires_grad_(True)
+                    out = layer(probe_in)
+                    if out.grad_fn is not None:
+                        out.float().square().sum().backward()
+                    if probe_in.grad is None:
+                        return f"{phase}: no gradient reaches the layer's input"
+                    ref_in = x.detach().clone().requires_grad_(True)
+                    reference(ref_in).square().sum().backward()
+                    assert ref_in.grad is not None
+                    error = max(
+                        _relative_error(out, reference(x)),
+                        _relative_error(probe_in.grad, ref_in.grad),
+                    )
+                if not error <= MAX_RELATIVE_ERROR:
+                    return f"{phase}: relative error {error:.3g}"
+    except Exception as exc:
+        first_line = (str(exc).splitlines() or [""])[0][:120]
+        return f"{phase}: {type(exc).__name__}: {first_line}"
+    return None
+
+
+def quantizable_linears(config: Any) -> tuple[dict[str, LinearShape], list[str]]:
+    """The linear layers transformers' bitsandbytes integration would quantize in a model of
+    `config`, and its own skip list (output embeddings, tied weights, the last module, fp32
+    modules), which a BitsAndBytesConfig that names any skip must repeat. Read off a
+    meta-device copy of the model, so nothing is allocated."""
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    skip = get_keys_to_not_convert(skeleton) + list(skeleton._keep_in_fp32_modules or [])
+    linears = {
+        name: LinearShape(module.in_features, module.out_features, module.bias is not None)
+        for name, module in skeleton.named_modules()
+        if isinstance(module, torch.nn.Linear) and should_convert_module(name, skip)
+    }
+    return linears, skip
+
+
+def plan_4bit(
+    config: Any, *, device: torch.device, compute_dtype: torch.dtype, for_training: bool
+) -> Plan4bit:
+    """Probe every distinct linear shape of a model of `config` and split its layers in two."""
+    linears, default_skips = quantizable_linears(config)
+    failures: dict[str, str] = {}
+    for shape in sorted(set(linears.values()), key=str):
+        why = probe_shape(
+            shape, device=device.type, compute_dtype=compute_dtype, for_training=for_training
+        )
+        if why is not None:
+            failures[str(shape)] = why
+    quantize = tuple(name for name, shape in linears.items() if str(shape) not in failures)
+    keep = tuple(name for name, shape in linears.items() if str(shape) in failures)
+    return Plan4bit(
+        quantize=quantize, keep=keep, failures=failures, default_skips=tuple(default_skips)
+    )
+
+
+def quantization_config(
+    config: Any, *, device: torch.device, compute_dtype: torch.dtype, for_training: bool
+) -> tuple[Any | None, str]:
+    """A BitsAndBytesConfig that quantizes only the layers that work here, or None (with one
+    RuntimeWarning saying why) when nothing does; plus a line for the log."""
+    from transformers import BitsAndBytesConfig
+
+    ok, why = bnb_importable()
+    plan = None
+    if ok:
+        plan = plan_4bit(
+            config, device=device, compute_dtype=compute_dtype, for_training=for_training
+        )
+        if not plan.usable:
+            shapes = "; ".join(f"{s}: {w}" for s, w in plan.failures.items())
+            why = f"no linear layer of this model runs in 4-bit on {device.type} ({shapes})"
+            if not plan.failures:
+                why = "this model has no linear layer bitsandbytes would quantize"
+    if plan is None or not plan.usable:
+        warnings.warn(
+            f"model.quantization=4bit was asked for but {why}; loading the model in full "
+            "precision instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None, "full precision (4-bit unavailable here)"
+    bnb_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=plan.skip_modules,
+    )
+    return bnb_config, plan.describe()
