@@ -5,17 +5,18 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-slow lint format bench clean
+.PHONY: help venv run test test-slow lint format bench lock clean
 
 help: ## List every target with its one-line description
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned, so no dependency can pull a multi-GB CUDA build instead.
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt "torch==2.13.0"
+	# every other package at the version the README's figures were measured with
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
 venv: $(STAMP) ## Create .venv and install the project (editable) with its dev tools
@@ -41,6 +42,11 @@ format: $(STAMP) ## Rewrite code in the project's style (ruff format + autofixes
 
 bench: $(STAMP) ## Run every benchmark in bench/ (tables to stdout, JSON to bench/results/)
 	@set -e; for script in bench/*_bench.py; do echo "== $$script"; $(PY) $$script; done
+
+lock: $(STAMP) ## Rewrite constraints.txt from what .venv has now (after a deliberate upgrade)
+	@{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable \
+	   | sed -E 's/^torch==([0-9.]+)\+cpu$$/torch==\1/'; } > constraints.txt.new
+	@mv constraints.txt.new constraints.txt && echo "constraints.txt: $$(grep -c == constraints.txt) pins"
 
 clean: ## Remove caches, run outputs and the virtualenv (not the tiny-model cache)
 	rm -rf $(VENV) outputs multirun wandb .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
