@@ -202,15 +202,28 @@ class TrackingConfig:
         check_choice("tracking.wandb_mode", self.wandb_mode, WANDB_MODES)
 
 
+DEFAULT_CACHE_DIR = "~/.cache/distributed-llm-lab"
+CACHE_ENV = "LAB_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """Where built artifacts live when `paths.cache_dir` is empty: $LAB_CACHE, else
+    ~/.cache/distributed-llm-lab."""
+    return Path(os.path.expanduser(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR))
+
+
 @dataclass
 class PathsConfig:
     run_dir: str = "outputs/run"
     """This run's directory (Hydra's output dir): metrics, plots, checkpoints."""
-    cache_dir: str = "~/.cache/distributed-llm-lab"
-    """Built artifacts shared between runs: the tiny models (set $LAB_CACHE to move it)."""
+    cache_dir: str = ""
+    """Built artifacts shared between runs (the tiny models); empty: $LAB_CACHE, else
+    ~/.cache/distributed-llm-lab."""
 
     @property
     def cache_path(self) -> Path:
+        if not self.cache_dir:
+            return default_cache_dir()
         return Path(os.path.expanduser(self.cache_dir))
 
     @property

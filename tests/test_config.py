@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lab.config import CONF_DIR, ClusterConfig, LabConfig, to_settings
-from lab.pretrain import PretrainRunConfig
+from lab.config import CONF_DIR, ClusterConfig, LabConfig, ModelConfig, PathsConfig, to_settings
+from lab.pretrain import PretrainConfig, PretrainRunConfig, load_preset
 
-from .conftest import PRIMARY_CONFIGS
+from .conftest import PRIMARY_CONFIGS, import_schemas
 
 GROUP_OPTIONS = [
     (group.name, path.stem)
@@ -148,3 +154,110 @@ def test_experiment_sections_name_their_bad_keys(
     with pytest.raises(ValueError) as info:
         to_settings(compose_config(name, [override]), LabConfig)
     assert needle in str(info.value)
+
+
+# --- one source of truth for every default -------------------------------------------------
+# The schema dataclasses hold every default; a YAML file holds only what differs from its
+# schema. Otherwise which value wins depends on how the code is entered (Hydra, load_preset,
+# or a dataclass built in Python), as it once did for the pretraining presets.
+
+HYDRA_ONLY = {"paths.run_dir": "${hydra:runtime.output_dir}"}
+"""The one key a YAML may set to what only Hydra knows; the schema cannot hold it."""
+
+GROUP_SCHEMAS = {"cluster": ClusterConfig, "model": ModelConfig, "pretrain": PretrainConfig}
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(_leaves(value, f"{prefix}{key}." if isinstance(value, dict) else prefix + key))
+    return flat
+
+
+def _schema_of(path: Path) -> type:
+    if path.parent != CONF_DIR:
+        return GROUP_SCHEMAS[path.parent.name]
+    if path.stem == "config":  # the base every entry point includes
+        return LabConfig
+    import_schemas()
+    schema = OmegaConf.get_type(ConfigStore.instance().repo[f"{path.stem}_schema.yaml"].node)
+    assert schema is not None
+    return schema
+
+
+def _compose_bare(name: str, overrides: list[str] | None = None) -> Any:
+    """Compose as `python -m` would with no overrides; the Hydra-only key set aside."""
+    import_schemas()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=name, overrides=overrides or [])
+    for key in HYDRA_ONLY:
+        OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.structured(PathsConfig), "run_dir"))
+    return OmegaConf.to_object(cfg)
+
+
+YAML_FILES = sorted(CONF_DIR.rglob("*.yaml"))
+
+
+def test_yaml_files_found() -> None:
+    assert len(YAML_FILES) >= 14  # 6 entry points + cluster, model and pretrain options
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(CONF_DIR)))
+def test_yaml_holds_only_what_differs_from_its_schema(path: Path) -> None:
+    raw = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    assert isinstance(raw, dict)
+    raw.pop("defaults", None)
+    raw.pop("hydra", None)
+    schema = OmegaConf.to_container(OmegaConf.structured(_schema_of(path)))
+    defaults = _leaves(schema)
+    restated = {
+        key: value
+        for key, value in _leaves(raw).items()
+        if key in defaults and value == defaults[key] and key not in HYDRA_ONLY
+    }
+    assert not restated, (
+        f"{path.relative_to(CONF_DIR)} restates its schema's defaults {restated}: delete them "
+        "from the YAML (the schema dataclass is the one place a default lives)"
+    )
+    for key, value in _leaves(raw).items():
+        if key in HYDRA_ONLY:
+            assert value == HYDRA_ONLY[key]
+
+
+@pytest.mark.parametrize("name", PRIMARY_CONFIGS)
+def test_hydra_and_the_schema_agree_on_every_default(name: str) -> None:
+    """`python -m <module>` with no overrides runs exactly the schema's defaults."""
+    settings = _compose_bare(name)
+    expected = type(settings)()
+    drift = {
+        key: (value, _leaves(asdict(expected)).get(key))
+        for key, value in _leaves(asdict(settings)).items()
+        if value != _leaves(asdict(expected)).get(key)
+    }
+    assert not drift, f"conf/{name}.yaml and its schema disagree (yaml, schema): {drift}"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "pretrain").glob("*.yaml")))
+def test_a_preset_is_the_same_through_hydra_and_through_load_preset(preset: str) -> None:
+    """Models are built from `load_preset` when a run asks for `lab:` models, and from Hydra by
+    `python -m lab.pretrain`: both must train the same models (same cache folder)."""
+    through_hydra = _compose_bare("pretrain", [f"pretrain={preset}"]).pretrain
+    assert through_hydra == load_preset(preset)
+    assert through_hydra.fingerprint() == load_preset(preset).fingerprint()
+
+
+def test_drift_between_a_yaml_and_its_schema_is_caught(tmp_path: Path) -> None:
+    """The check above fails when a YAML sets a default of its own (as default.yaml once did)."""
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "pretrain" / "default.yaml").write_text("context_length: 256\n")
+    import_schemas()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="pretrain", overrides=["paths.run_dir=x"])
+    composed = to_settings(cfg, PretrainRunConfig)
+    assert composed.pretrain != PretrainConfig()
+    assert composed.pretrain.context_length == 256 != PretrainConfig().context_length
