@@ -22,7 +22,6 @@ centralized final validation loss. `--quick` runs the debug models for 2 short r
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -32,6 +31,7 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 
 from lab.config import CONF_DIR
+from lab.machine import announce_machine, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fed_learn_bench.json"
 RUNS = Path("outputs/bench/fed_learn")
@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--topk-fraction", type=float, default=0.05)
     args = parser.parse_args()
+    machine = announce_machine()
 
     common = [
         f"fed.rounds={2 if args.quick else args.rounds}",
@@ -215,9 +216,10 @@ def main() -> None:
         )
     )
     print(f"tiny_target adapter: {tiny_adapter_params} parameters")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps({"rows": rows, "runs": runs, "quick": args.quick, "args": vars(args)}, indent=2)
+    write_results(
+        RESULTS,
+        {"rows": rows, "runs": runs, "quick": args.quick, "args": vars(args)},
+        machine=machine,
     )
     print(
         f"federated / centralized final validation loss: {plain['federated_over_centralized']:.3f}"

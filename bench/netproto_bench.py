@@ -15,7 +15,6 @@ throughput as a fraction of the raw socket's.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import random
 import socket
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lab.machine import announce_machine, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "netproto_bench.json"
 BULK_SIZES_MIB = (4, 64)
@@ -237,6 +238,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples (smoke run)")
     args = parser.parse_args()
+    machine = announce_machine()
     repeats = {4: 10, 64: 4} if args.quick else {4: 40, 64: 12}
     rtt_repeats = 20 if args.quick else 100
     tensors = {mib: torch.randn(mib * 2**20 // 4) for mib in BULK_SIZES_MIB}
@@ -304,16 +306,14 @@ def main() -> None:
     print()
     for key, value in ratios.items():
         print(f"{key:<22}{value:>8.2f}x   target {targets[key]}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "table": table,
-                "ratios": ratios,
-                "samples": {"bulk": repeats, "rtt": rtt_repeats, "rtt_batch": RTT_BATCH},
-            },
-            indent=2,
-        )
+    write_results(
+        RESULTS,
+        {
+            "table": table,
+            "ratios": ratios,
+            "samples": {"bulk": repeats, "rtt": rtt_repeats, "rtt_batch": RTT_BATCH},
+        },
+        machine=machine,
     )
     bulk_vs_raw = min(ratios[f"bulk_{mib}mib_vs_raw"] for mib in BULK_SIZES_MIB)
     print(f"netproto bulk throughput / raw socket: {bulk_vs_raw:.2f}x")

@@ -18,7 +18,6 @@ bench/results/spec_decoding_bench.json, and ends with our loopback speedup over 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,8 @@ from typing import Any
 
 import torch
 
-from lab.config import ModelConfig
+from lab.config import ModelConfig, default_cache_dir
+from lab.machine import announce_machine, write_results
 from lab.models import load_model, load_tokenizer
 from netproto import Connection, LinkEmulatorProcess
 from spec_decoding.config import SpecConfig
@@ -35,7 +35,6 @@ from spec_decoding.gamma import GammaController
 from spec_decoding.run import prompts_from_corpus, start_verifier_process, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results" / "spec_decoding_bench.json"
-CACHE = Path.home() / ".cache" / "distributed-llm-lab"
 
 
 def hf_generate(
@@ -99,7 +98,7 @@ def ours(
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts and delays")
-    parser.add_argument("--cache-dir", type=Path, default=CACHE)
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     parser.add_argument(
         "--target",
         default="lab:tiny_target",
@@ -107,6 +106,7 @@ def main() -> None:
     )
     parser.add_argument("--draft", default="lab:tiny_draft", help="same, for the draft model")
     args = parser.parse_args()
+    machine = announce_machine()
     torch.set_num_threads(1)
     num_prompts, max_new = (2, 32) if args.quick else (4, 64)
     delays = (10,) if args.quick else (2, 10, 50)
@@ -213,17 +213,15 @@ def main() -> None:
     ours_speedup = headline["speedup"]
     vs_assisted = headline["tokens_per_s"] / rows["HF assisted generation"]["tokens_per_s"]
     print(f"ours / HF assisted generation (loopback): {vs_assisted:.2f}x")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "rows": rows,
-                "auto_vs_best_fixed": auto_vs_best,
-                "prompts": num_prompts,
-                "max_new_tokens": max_new,
-            },
-            indent=2,
-        )
+    write_results(
+        RESULTS,
+        {
+            "rows": rows,
+            "auto_vs_best_fixed": auto_vs_best,
+            "prompts": num_prompts,
+            "max_new_tokens": max_new,
+        },
+        machine=machine,
     )
     print(f"our speedup over target-only (loopback): {ours_speedup:.2f}x")
 

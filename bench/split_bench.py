@@ -19,7 +19,6 @@ per-token latency ratio. `--quick` shrinks every part.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import subprocess
 import sys
@@ -30,12 +29,13 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-from lab.config import CONF_DIR, ModelConfig
+from lab.config import CONF_DIR, ModelConfig, default_cache_dir
+from lab.machine import announce_machine, write_results
 from lab.models import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "split_bench.json"
 RUNS = Path("outputs/bench/split")
-CACHE = Path("~/.cache/distributed-llm-lab").expanduser()
+CACHE = default_cache_dir()
 
 
 def random_llama(
@@ -127,6 +127,7 @@ def main() -> None:
     if args.unsplit_peak:
         _unsplit_peak_main(args.unsplit_peak, args.tokens)
         return
+    machine = announce_machine()
 
     from lab.models import resolve_source
 
@@ -263,7 +264,7 @@ def main() -> None:
         f"{t4['idle_share_gpipe_m4']:.2f} GPipe's (p-1)/(m+p-1); m=1: {t4['idle_share_m1']:.2f}"
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows, "quick": args.quick}, indent=2))
+    write_results(RESULTS, {"rows": rows, "quick": args.quick}, machine=machine)
     print(f"split/unsplit per-token latency: {rows['decode latency']['ratio']:.2f}x")
 
 

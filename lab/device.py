@@ -7,7 +7,6 @@ so one config runs unchanged on a laptop, a gaming PC and a cloud GPU.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -65,34 +64,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass(frozen=True)
-class DeviceReport:
-    """What a process found about its hardware: printed at start-up and logged with metrics."""
-
-    device: str
-    dtype: str
-    bf16: bool
-    name: str
-    total_memory_bytes: int | None
-
-    @classmethod
-    def probe(cls, device: torch.device | None = None) -> DeviceReport:
-        device = device or detect_device()
-        name, total = "cpu", None
-        if device.type == "cuda":
-            props = torch.cuda.get_device_properties(device)
-            name, total = props.name, int(props.total_memory)
-        elif device.type == "mps":
-            name = "Apple MPS"
-        return cls(
-            device=str(device),
-            dtype=str(default_dtype(device)).removeprefix("torch."),
-            bf16=supports_bf16(device),
-            name=name,
-            total_memory_bytes=total,
-        )
-
-
 def apply_num_threads(num_threads: int) -> None:
     """Set torch's intra-op threads for this process (0 leaves torch's default)."""
     if num_threads > 0:
@@ -101,7 +72,6 @@ def apply_num_threads(num_threads: int) -> None:
 
 def share_of_cores(num_processes: int) -> int:
     """Threads per process when `num_processes` share this machine's cores."""
-    import os
+    from lab.machine import usable_cores
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // num_processes)
+    return max(1, usable_cores() // num_processes)

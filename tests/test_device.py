@@ -7,7 +7,6 @@ import torch
 
 import lab.device as device_mod
 from lab.device import (
-    DeviceReport,
     default_dtype,
     detect_device,
     resolve_dtype,
@@ -21,7 +20,6 @@ def test_cpu_only_machine_detects_cpu_and_float32() -> None:
     device = detect_device()
     assert device.type == "cpu"
     assert default_dtype(device) == torch.float32
-    assert DeviceReport.probe(device).device == "cpu"
 
 
 def test_cuda_is_preferred_when_present(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,3 +48,32 @@ def test_named_dtypes_resolve_and_unknown_ones_fail() -> None:
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="float64"):
         resolve_dtype("float64", cpu)
+
+
+def test_machine_header_names_cpu_cores_versions_and_does_not_import_bitsandbytes() -> None:
+    """Every bench prints it first; asking for it must not load bitsandbytes' native code."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from lab.machine import Machine\n"
+        "m = Machine.probe()\n"
+        "print(m.describe())\n"
+        "assert 'bitsandbytes' not in sys.modules, 'the header imported bitsandbytes'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    header = result.stdout
+    assert header.startswith("machine: ")
+    assert f"torch {torch.__version__}" in header
+    assert "transformers " in header and "bitsandbytes " in header
+    assert "cores" in header
+
+
+def test_machine_header_reports_4bit_only_when_asked() -> None:
+    from lab.machine import Machine
+
+    assert Machine.probe().bnb_4bit is None
+    assert "bitsandbytes" in (Machine.probe(quantization=True).bnb_4bit or "")
