@@ -10,8 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lab.config import default_cache_dir
 from lab.pretrain import META_FILE, ensure_tiny_models, load_preset, models_dir
 
 
@@ -82,11 +84,46 @@ def test_concurrent_builders_train_once_and_agree(tmp_path: Path) -> None:
     assert len(leftovers) == 1  # no staging folder left behind
 
 
+def test_same_preset_seed_and_threads_build_identical_weights(tmp_path: Path) -> None:
+    """`pretrain=debug` built twice, each in a fresh process into an empty cache, with the
+    thread count pinned: every tensor and the tokenizer are identical (the metadata files,
+    which hold build timings, are not compared)."""
+    from safetensors.torch import load_file
+
+    code = (
+        "import sys; from dataclasses import replace; from lab.pretrain import *; "
+        "print(ensure_tiny_models(replace(load_preset('debug'), num_threads=2), sys.argv[1]))"
+    )
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    folders = []
+    for cache in ("cache_a", "cache_b"):
+        result = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / cache)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        folders.append(Path(result.stdout.splitlines()[-1]))
+    first, second = folders
+    assert first != second and first.name == second.name  # same settings, separate caches
+    for name in ("tiny_target", "tiny_draft"):
+        a = load_file(str(first / name / "model.safetensors"))
+        b = load_file(str(second / name / "model.safetensors"))
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{name}: {key} differs between two builds"
+        assert (first / name / "tokenizer.json").read_bytes() == (
+            second / name / "tokenizer.json"
+        ).read_bytes()
+
+
 @pytest.mark.slow
 def test_default_target_is_clearly_better_than_its_draft(tmp_path: Path) -> None:
     folder = ensure_tiny_models(
         load_preset("default"),
-        Path(os.environ.get("LAB_CACHE", Path.home() / ".cache" / "distributed-llm-lab")),
+        default_cache_dir(),
     )
     metrics = json.loads((folder / "tiny_target" / META_FILE).read_text())["metrics"]
     assert metrics["target_val_loss"] < metrics["draft_val_loss"] - 0.1
