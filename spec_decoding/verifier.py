@@ -214,8 +214,9 @@ class _Session:
         if not isinstance(pipeline, bool):
             raise BadRequest("pipeline must be true or false")
         session = cls(verifier, prompt, *_sampling_params(body))
-        if pipeline:  # the prediction after the prompt is computed before the first token
-            session._set_mode(pipelined=True)
+        if pipeline:  # the prediction after the prompt is held before OPENED goes out, so
+            session._set_mode(pipelined=True)  # the first token is always checked for free
+            session.step()
         return session
 
     def _set_mode(self, pipelined: bool) -> None:

@@ -167,10 +167,11 @@ def test_stream_of_a_rejected_epoch_is_dropped(verifier_server, target, tokenize
         choice = int(target(input_ids=torch.tensor([prompt])).logits[0, -1].argmax())
     wrong = (choice + 1) % len(tokenizer)
     with Connection.connect(*verifier_server.address) as conn:
-        conn.request(
-            SpecMsg.OPEN, open_body(tokenizer, prompt=prompt, pipeline=True), expect=SpecMsg.OPENED
-        )
+        # the first token right behind OPEN, unanswered: the verifier still holds the
+        # prompt's prediction before it reads the token (it computes it before OPENED)
+        conn.send_msg(SpecMsg.OPEN, open_body(tokenizer, prompt=prompt, pipeline=True))
         stream(conn, [wrong], epoch=0)
+        conn.recv_msg(SpecMsg.OPENED)
         first = conn.recv_msg(SpecMsg.PROGRESS)
         assert (first["epoch"], first["accepted"], first["token"]) == (0, 0, choice)
         assert first["fed"] == 0  # checked against the prediction it held: no forward pass
