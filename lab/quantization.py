@@ -75,6 +75,23 @@ class Plan4bit:
         )
 
 
+class _NoHubKernelAdvice(logging.Filter):
+    """On AVX-512-bf16 CPUs bitsandbytes tries the `kernels` package (code fetched from the
+    hub at run time, which the lab never does), warns, and uses its own native kernel. The
+    warning's advice to install it would send a user to the hub: say what happens instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "gemm_4bit_forward from kernels-community" not in record.getMessage():
+            return True
+        log.info("bitsandbytes uses its own CPU 4-bit kernel (no hub `kernels` package)")
+        return False
+
+
+# Installed on import, not only before our own first import of bitsandbytes: PEFT imports it
+# too, whenever it is installed, in runs that never asked for 4-bit.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoHubKernelAdvice())
+
+
 def bnb_importable() -> tuple[bool, str]:
     """Whether bitsandbytes imports here (its native library can be missing or broken)."""
     try:
