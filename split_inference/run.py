@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -211,6 +212,13 @@ def run_roles(
     loopback, this process the driver). `local_num_threads` (when num_threads is 0) is what
     the local stage processes get."""
     apply_num_threads(settings.num_threads)
+    if settings.model.quantization != "none" and settings.role in ("local", "driver"):
+        warnings.warn(
+            f"model.quantization={settings.model.quantization} is not applied by {module}: each "
+            "stage loads its share of the weights in full precision (model.dtype)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if settings.role == "stage":
         serve_stage(settings, settings.split)
         return {}

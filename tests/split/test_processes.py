@@ -147,3 +147,16 @@ def test_matching_secrets_let_the_run_go_on(llama_folder: Path, tmp_path: Path) 
     ) as settings:
         sharded = ShardedModel.build(settings.model, settings.split)
         assert sharded.call_all("held_layers") == [[0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("module", ["split_inference", "split_training"])
+def test_4bit_asked_of_a_split_run_is_said_not_to_apply(compose_config, module: str) -> None:
+    """Stages load their share in full precision: a 4-bit request is not ignored silently."""
+    from lab.config import LabConfig, to_settings
+    from split_inference.run import run_roles
+
+    settings = to_settings(
+        compose_config(module, ["model.quantization=4bit", "role=driver"]), LabConfig
+    )
+    with pytest.warns(RuntimeWarning, match=rf"model.quantization=4bit is not applied by {module}"):
+        assert run_roles(settings, module=module, run_driver=lambda s: {"ran": 1.0}) == {"ran": 1.0}
