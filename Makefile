@@ -43,10 +43,12 @@ format: $(STAMP) ## Rewrite code in the project's style (ruff format + autofixes
 bench: $(STAMP) ## Run every benchmark in bench/ (tables to stdout, JSON to bench/results/)
 	@set -e; for script in bench/*_bench.py; do echo "== $$script"; $(PY) $$script; done
 
-lock: $(STAMP) ## Rewrite constraints.txt from what .venv has now (after a deliberate upgrade)
+lock: ## Rewrite constraints.txt from what .venv has now (after a deliberate upgrade)
+	@test -x $(PY) || { echo "no $(VENV) yet: run make venv first"; exit 1; }
 	@{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable \
-	   | sed -E 's/^torch==([0-9.]+)\+cpu$$/torch==\1/'; } > constraints.txt.new
-	@mv constraints.txt.new constraints.txt && echo "constraints.txt: $$(grep -c == constraints.txt) pins"
+	   | grep -v ' @ ' | sed -E 's/^(torch==[0-9.]+)\+[a-z0-9.]+$$/\1/'; } > constraints.txt.new
+	@mv constraints.txt.new constraints.txt && touch $(STAMP)
+	@echo "constraints.txt: $$(grep -c == constraints.txt) pins"
 
 clean: ## Remove caches, run outputs and the virtualenv (not the tiny-model cache)
 	rm -rf $(VENV) outputs multirun wandb .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info

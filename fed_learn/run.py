@@ -132,7 +132,8 @@ def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
     # Local: the coordinator and every client as their own processes on loopback.
     from lab.models import load_model
 
-    load_model(settings.model, cache_dir=settings.paths.cache_path)  # build tiny models once
+    # build tiny models (or fetch a hub model) once, here; only the roles quantize
+    load_model(replace(settings.model, quantization="none"), cache_dir=settings.paths.cache_path)
     host = settings.cluster.coordinator.host
     local = replace(
         settings, cluster=replace(settings.cluster, coordinator=Endpoint(host, free_port(host)))

@@ -17,7 +17,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("torch", "transformers", "tokenizers", "peft", "bitsandbytes", "numpy", "hydra-core")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "peft",
+    "bitsandbytes",
+    "numpy",
+    "hydra-core",
+    "grpcio",  # netproto's bench measures gRPC
+)
 """Whose versions a figure depends on."""
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16", "neon", "asimd")
@@ -87,7 +96,8 @@ class Machine:
     device_name: str
     packages: dict[str, str] = field(default_factory=dict)
     bnb_4bit: str | None = None
-    """Only when 4-bit was asked for: what bitsandbytes does on this device."""
+    """Only when 4-bit was asked for: which bitsandbytes imports here (None: not asked, so
+    bitsandbytes was not imported)."""
 
     @classmethod
     def probe(cls, *, quantization: bool = False) -> Machine:
@@ -150,4 +160,5 @@ def announce_machine(*, quantization: bool = False) -> Machine:
 def write_results(path: Path, results: dict[str, Any], *, machine: Machine) -> None:
     """A bench's JSON results, with the machine that produced them stored beside them."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine.as_dict(), **results}, indent=2, default=str))
+    header = {"command": " ".join(["python", *sys.argv]), "machine": machine.as_dict()}
+    path.write_text(json.dumps({**header, **results}, indent=2, default=str))

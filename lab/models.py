@@ -113,21 +113,27 @@ def load_model(
     dtype = resolve_dtype(cfg.dtype, device)
     source = resolve_source(cfg, cache_dir=cache_dir)
     kwargs: dict = {"dtype": dtype}
-    precision = ""
+    precision, plan = "", None
     if cfg.quantization == "4bit":
-        bnb_config, precision = quantization_config(
-            _from_pretrained(AutoConfig, source, cfg),
-            device=device,
-            compute_dtype=dtype,
-            for_training=for_training,
-        )
-        if bnb_config is not None:
-            kwargs["quantization_config"] = bnb_config
+        hf_config = _from_pretrained(AutoConfig, source, cfg)
+        if getattr(hf_config, "quantization_config", None):  # saved quantized: load as saved
+            precision = "a checkpoint quantized when saved (its own quantization config)"
             kwargs["device_map"] = {"": device}
+        else:
+            bnb_config, plan, precision = quantization_config(
+                hf_config,
+                device=device,
+                compute_dtype=dtype,
+                for_training=for_training,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+            if bnb_config is not None:
+                kwargs["quantization_config"] = bnb_config
+                kwargs["device_map"] = {"": device}
     model = _from_pretrained(AutoModelForCausalLM, source, cfg, **kwargs)
-    if "quantization_config" in kwargs:
-        configure_4bit_model(model, for_training=for_training)
-    else:
+    if plan is not None:
+        configure_4bit_model(model, for_training=for_training, plan=plan)
+    elif "device_map" not in kwargs:
         model.to(device)
     model.train(for_training)
     log.info(

@@ -289,7 +289,7 @@ def run(cfg: DictConfig | SpecDecodingRunConfig) -> dict[str, float]:
     if settings.role != "local":
         raise ValueError(f"spec_decoding has roles local, verifier, drafter; not {settings.role}")
     # Local: build the models here once, then the verifier as its own process on loopback.
-    load_model(settings.target, cache_dir=settings.paths.cache_path)
+    load_model(replace(settings.target, quantization="none"), cache_dir=settings.paths.cache_path)
     port = free_port(verifier.host)
     local = replace(
         settings, cluster=replace(settings.cluster, verifier=Endpoint(verifier.host, port))

@@ -182,7 +182,9 @@ def run_driver(
         if gen.baseline:  # after the stages have left: the unsplit model has the machine alone
             if stages is not None:
                 stages.wait_exited(30.0)
-            unsplit = UnsplitModel(load_model(settings.model, cache_dir=cache_dir))
+            # like for like: the stages hold full-precision weights whatever model.quantization
+            full = replace(settings.model, quantization="none")
+            unsplit = UnsplitModel(load_model(full, cache_dir=cache_dir))
             warm_up(unsplit, work[0])
             base_runs = []
             for index, (ids, mask) in enumerate(work):
@@ -215,7 +217,7 @@ def run_roles(
     if settings.model.quantization != "none" and settings.role in ("local", "driver"):
         warnings.warn(
             f"model.quantization={settings.model.quantization} is not applied by {module}: each "
-            "stage loads its share of the weights in full precision (model.dtype)",
+            "stage, and the unsplit baseline, loads the weights in full precision (model.dtype)",
             RuntimeWarning,
             stacklevel=2,
         )
