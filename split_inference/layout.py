@@ -211,15 +211,20 @@ def checkpoint_files(
         return folder, {name: single for name in f.keys()}  # noqa: SIM118 - not a dict
 
 
+def full_model_name(name: str, *, layout: Layout, start: int) -> str:
+    """The whole model's name for a stage's tensor (its layer indices shifted by `start`)."""
+    parts = name.split(".")
+    if parts[:2] == [layout.decoder, layout.layers]:
+        parts[2] = str(int(parts[2]) + start)
+    return ".".join(parts)
+
+
 def _checkpoint_name(
     name: str, *, layout: Layout, start: int, files: dict[str, Path], config: Any
 ) -> str:
     """The checkpoint's tensor name for a stage parameter (layer indices shifted by `start`)."""
     parts = name.split(".")
-    prefix = [layout.decoder, layout.layers]
-    if parts[:2] == prefix:
-        parts[2] = str(int(parts[2]) + start)
-    full = ".".join(parts)
+    full = full_model_name(name, layout=layout, start=start)
     candidates = [full, full.removeprefix(layout.decoder + ".")]
     if parts[0] == layout.head and getattr(config, "tie_word_embeddings", False):
         embed = f"{layout.decoder}.{layout.embeddings[0]}.weight"

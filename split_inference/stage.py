@@ -24,7 +24,7 @@ from torch.distributed.rpc import RRef
 from lab.config import ModelConfig, PathsConfig
 from lab.device import detect_device, resolve_dtype, supports_bf16
 from lab.models import hub_offline, resolve_source
-from split_inference.layout import build_stage_model, stage_costs
+from split_inference.layout import build_stage_model, full_model_name, stage_costs
 from split_inference.workers import peak_memory, require_driver
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ class Stage:
         self.device = host.device
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         started = time.perf_counter()
+        self.source = source
+        self.lora = lora is not None
         model, layout, full_config = build_stage_model(
             source,
             start=start,
@@ -117,10 +119,15 @@ class Stage:
         self.start, self.end = start, end
         self.first = start == 0
         self.last = end == full_config.num_hidden_layers
+        self.tied = bool(getattr(full_config, "tie_word_embeddings", False))
+        """The model ties its input embedding and LM head: the first stage holds the matrix,
+        the last a copy; training keeps the two equal (see `tied_grad`)."""
         self.wire_dtype = self.dtype if wire_dtype == "auto" else getattr(torch, wire_dtype)
         self.autocast = mixed_precision == "bf16" and supports_bf16(self.device)
         if mixed_precision == "bf16" and not self.autocast:
             log.warning("%s has no bf16 support: training in %s", self.device, self.dtype)
+        if lora is not None and self.tied:
+            _refuse_adapting_a_tied_matrix(lora, layout)
         if lora is not None:
             from peft import LoraConfig, inject_adapter_in_model
 
@@ -133,6 +140,8 @@ class Stage:
         self.layout = layout
         self.decoder = getattr(model, layout.decoder)
         self.head = getattr(model, layout.head)
+        if self.tied and self.first and self.last:  # one stage holds both ends: one matrix
+            self.head.weight = getattr(self.decoder, layout.embeddings[0]).weight
         self.caches: dict[int, Any] = {}
         self._stashed: dict[str, torch.Tensor] = {}
         self.next: RRef | None = None
@@ -270,9 +279,7 @@ class Stage:
     # ------------------------------------------------------------------ training
 
     def _context_gradients(self, context_id: int) -> dict[str, torch.Tensor]:
-        import torch.distributed.autograd as dist_autograd
-
-        grads = dist_autograd.get_gradients(context_id)
+        grads = dist_autograd_gradients(context_id)
         return {name: grads[p] for name, p in self.model.named_parameters() if p in grads}
 
     def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
@@ -280,9 +287,88 @@ class Stage:
         return {name: g.detach().cpu() for name, g in self._context_gradients(context_id).items()}
 
     def grad_sq_norm(self, context_id: int) -> float:
+        """Squared norm of this stage's gradients; a tied LM head held as a copy on the last
+        stage is left out (after `set_tied_grad` it equals the embedding's, counted on the
+        first stage), so the global norm counts the shared matrix once."""
+        copy = self._tied_copy()
+        params = dict(self.model.named_parameters())
         return float(
-            sum(g.float().pow(2).sum() for g in self._context_gradients(context_id).values())
+            sum(
+                g.float().pow(2).sum()
+                for name, g in self._context_gradients(context_id).items()
+                if params[name] is not copy
+            )
         )
+
+    # ------------------------------------------------------------------ tied embeddings
+
+    def _tied_ends(self) -> list[torch.nn.Parameter]:
+        """The ends of a tied embedding / LM-head matrix this stage holds and trains."""
+        if not self.tied:
+            return []
+        ends = []
+        if self.first:
+            ends.append(getattr(self.decoder, self.layout.embeddings[0]).weight)
+        if self.last and not self.first:
+            ends.append(self.head.weight)
+        return [p for p in ends if p.requires_grad]
+
+    def _tied_copy(self) -> torch.nn.Parameter | None:
+        """The last stage's copy of a tied matrix (None where this stage holds no copy)."""
+        ends = self._tied_ends()
+        return ends[0] if ends and self.last and not self.first else None
+
+    def tied_grad(self, context_id: int) -> torch.Tensor | None:
+        """This stage's gradient for its end of a tied matrix (None if it holds none)."""
+        grads = dist_autograd_gradients(context_id)
+        held = [grads[p] for p in self._tied_ends() if p in grads]
+        return held[0].detach().cpu() if held else None
+
+    def set_tied_grad(self, context_id: int, total: torch.Tensor) -> None:
+        """Make this stage's end of a tied matrix take the summed gradient of both ends, so
+        that both copies take the identical optimizer update."""
+        grads = dist_autograd_gradients(context_id)
+        for param in self._tied_ends():
+            if param in grads:
+                grads[param].copy_(total.to(grads[param].device, grads[param].dtype))
+
+    def tied_weight(self) -> torch.Tensor | None:
+        """This stage's copy of a tied matrix, on CPU (None if it holds none)."""
+        ends = self._tied_ends()
+        return ends[0].detach().cpu() if ends else None
+
+    def set_tied_weight(self, weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            for param in self._tied_ends():
+                param.copy_(weight)
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor of this stage under the whole model's names (CPU), for writing the
+        whole fine-tuned model as one Hugging Face folder; a tied head's copy left out."""
+        if self.lora:
+            raise ValueError(
+                "a split.lora=true run trains adapters: its checkpoints hold them; exporting a "
+                "whole model from a LoRA run is not supported"
+            )
+        copy = self._tied_copy()
+        return {
+            full_model_name(name, layout=self.layout, start=self.start): p.detach().cpu()
+            for name, p in self.model.named_parameters()
+            if p is not copy
+        }
+
+    def model_files(self) -> dict[str, bytes]:
+        """The model's config and tokenizer files (not its weights), for an export."""
+        folder = Path(self.source)
+        if not folder.is_dir():
+            return {}
+        return {
+            path.name: path.read_bytes()
+            for path in sorted(folder.iterdir())
+            if path.is_file()
+            and path.suffix in (".json", ".txt", ".model", ".jinja")
+            and not path.name.endswith(".index.json")
+        }
 
     def scale_grads(self, context_id: int, factor: float) -> None:
         """Multiply this context's gradients in place (global-norm clipping)."""
@@ -304,15 +390,20 @@ class Stage:
         self._stashed.clear()
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores of this stage: its trained tensors, a tied LM head's copy
+        left out (the first stage stores the matrix once)."""
+        copy = self._tied_copy()
         return {
             name: p.detach().cpu().contiguous()
             for name, p in self.model.named_parameters()
-            if p.requires_grad
+            if p.requires_grad and p is not copy
         }
 
     def load_trainable_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore `trainable_state`; a tied copy is restored by the driver afterwards."""
+        copy = self._tied_copy()
         params = dict(self.model.named_parameters())
-        expected = {name for name, p in params.items() if p.requires_grad}
+        expected = {name for name, p in params.items() if p.requires_grad and p is not copy}
         if set(tensors) != expected:
             missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
             raise ValueError(
@@ -322,3 +413,24 @@ class Stage:
         with torch.no_grad():
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
+
+
+def dist_autograd_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """Parameter -> accumulated gradient in a distributed autograd context, in this process."""
+    import torch.distributed.autograd as dist_autograd
+
+    return dist_autograd.get_gradients(context_id)
+
+
+def _refuse_adapting_a_tied_matrix(lora: dict[str, Any], layout: Any) -> None:
+    """LoRA on a tied embedding or LM head would put two different adapters on one matrix."""
+    ends = {layout.head, *layout.embeddings[:1]}
+    targets = lora.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    adapted = sorted(t for t in targets if t.split(".")[-1] in ends)
+    if adapted:
+        raise ValueError(
+            f"lora.target_modules={adapted} adapts a tied embedding / LM head; across stages "
+            "each end would get an adapter of its own and the tie would break: leave them out "
+            "(LoRA trains the other layers; the tied matrix stays frozen)"
+        )

@@ -41,6 +41,10 @@ class SplitTrainConfig(SplitConfig):
     checkpoint_dir: str | None = None
     """Where checkpoints go; default `<run dir>/checkpoints`. Each stage writes its own files
     under this path on its own host."""
+    export: bool = False
+    """At the end, write the whole trained model as one Hugging Face folder, `<run dir>/model`
+    (`from_pretrained` loads it; a tied embedding / LM head is saved once and loads tied).
+    Not with `lora=true`."""
     resume: bool = False
     """Continue from the latest checkpoint in checkpoint_dir (same data order: the losses are
     those of an uninterrupted run)."""
@@ -60,6 +64,11 @@ class SplitTrainConfig(SplitConfig):
         if self.weight_decay < 0 or self.grad_clip < 0 or self.checkpoint_every < 0:
             raise ValueError("split.weight_decay, grad_clip and checkpoint_every must be >= 0")
         check_choice("split.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        if self.export and self.lora:
+            raise ValueError(
+                "split.export=true writes the whole model; with split.lora=true the run trains "
+                "adapters only (its checkpoints hold them): use one or the other"
+            )
 
 
 @dataclass

@@ -157,6 +157,9 @@ def run_driver(
         }
         for rank, share in enumerate(idle, start=1):
             metrics[f"stage{rank}_idle_share"] = share
+        if split.export:
+            exported = trainer.export(settings.paths.run_path / "model")
+            log.info("the whole trained model, as one Hugging Face folder: %s", exported)
         if losses:
             save_loss_curve(
                 losses,

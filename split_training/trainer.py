@@ -74,6 +74,24 @@ class DistributedTrainer:
         finally:
             quiet.setLevel(level)
         self.step = 0
+        self._check_tie()
+
+    def _check_tie(self) -> None:
+        """Refuse to train a tied model whose two ends the stages did not load equal: the run
+        could not keep the tie, and would silently train a different, untied model."""
+        last = len(self.sharded.stages) - 1
+        if last == 0:
+            return
+        first_end = self.sharded.call(0, "tied_weight")
+        last_end = self.sharded.call(last, "tied_weight")
+        if first_end is None and last_end is None:
+            return  # not tied, or the matrix is frozen (LoRA)
+        if first_end is None or last_end is None or not torch.equal(first_end, last_end):
+            raise ValueError(
+                "this model ties its input embedding and LM head, but the first and last "
+                "stages did not load equal copies of it, so the split run cannot keep the "
+                "tie; refusing to train an untied model instead"
+            )
 
     # ------------------------------------------------------------------ one step
 
@@ -115,6 +133,18 @@ class DistributedTrainer:
             ) from None
         return float(loss.detach())
 
+    def sync_tied_grads(self, context_id: int) -> None:
+        """A tied embedding / LM head lives on the first and the last stage: give both copies
+        the sum of their gradients, as the one matrix of the unsplit model gets, so that
+        both take the identical optimizer step and stay equal bit for bit."""
+        ends = sorted({0, len(self.sharded.stages) - 1})
+        grads = [self.sharded.call(index, "tied_grad", context_id) for index in ends]
+        if len(ends) < 2 or any(grad is None for grad in grads):
+            return  # no tie, one stage holding both ends, or the matrix is frozen (LoRA)
+        total = grads[0] + grads[1]
+        for index in ends:
+            self.sharded.call(index, "set_tied_grad", context_id, total)
+
     def clip(self, context_id: int) -> float:
         """Global gradient norm over every stage; scales them down to `grad_clip` if above."""
         norm = math.sqrt(sum(self.sharded.call_all("grad_sq_norm", context_id)))
@@ -141,6 +171,7 @@ class DistributedTrainer:
                     continue
                 if len(batches) > 1:
                     self.sharded.call_all("unstash_grads", context_id)
+                self.sync_tied_grads(context_id)
                 result = finish(context_id)
         return losses, result
 
@@ -232,8 +263,37 @@ class DistributedTrainer:
                 f"resume with the same split.boundaries / num_stages"
             )
         self._on_every_stage(load_stage, directory / manifest["folder"])
+        weight = self.sharded.call(0, "tied_weight")  # stored once, on the first stage
+        if weight is not None and len(self.sharded.stages) > 1:
+            self.sharded.call(len(self.sharded.stages) - 1, "set_tied_weight", weight)
         self.step = int(manifest["step"])
         return manifest
+
+    def export(self, folder: Path) -> Path:
+        """Write the whole model as it stands as one Hugging Face folder (config, tokenizer,
+        model.safetensors) that `from_pretrained` loads; a tied matrix is saved once and
+        loads tied."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        state: dict[str, torch.Tensor] = {}
+        for part in self.sharded.call_all("export_state"):
+            state.update(part)
+        files = self.sharded.call(0, "model_files")
+        if "config.json" not in files:
+            raise ValueError("the first stage's model folder has no config.json to export with")
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(state, strict=False, assign=True)
+        model.tie_weights()  # the head takes the embedding's tensor where the config ties them
+        missing = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+        if missing:
+            raise ValueError(f"the stages hold no tensors for {missing[:4]}")
+        model.save_pretrained(folder)
+        return folder
 
 
 # ---------------------------------------------------------------------- run on the stage's host

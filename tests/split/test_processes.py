@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from split_inference.run import run as run_inference
 from split_training.run import run as run_training
@@ -66,11 +67,22 @@ def test_local_split_training_checkpoints_and_resumes(
     manifest = json.loads((tmp_path / "ckpt" / "latest.json").read_text())
     assert manifest["step"] == 2
     second = run_training(
-        compose_config("split_training", [*common, "split.steps=3", "split.resume=true"])
+        compose_config(
+            "split_training", [*common, "split.steps=3", "split.resume=true", "split.export=true"]
+        )
     )
     assert second["steps"] == 3
     assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 3
     assert 0.0 <= second["idle_share"] <= 1.0
+    # split.export=true: the whole trained model as one folder that transformers loads
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    saved = load_file(str(tmp_path / "ckpt" / "step-000003" / "stage1.safetensors"))
+    torch.testing.assert_close(
+        exported.model.embed_tokens.weight, saved["model.embed_tokens.weight"], rtol=0, atol=0
+    )
 
 
 def test_a_killed_stage_ends_the_run_with_a_clear_error(llama_folder: Path, tmp_path: Path) -> None:
