@@ -104,7 +104,7 @@ class Stage:
         self.device = host.device
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         started = time.perf_counter()
-        self.source = source
+        self.source, self.revision = source, cfg.revision
         self.lora = lora is not None
         model, layout, full_config = build_stage_model(
             source,
@@ -324,6 +324,19 @@ class Stage:
         held = [grads[p] for p in self._tied_ends() if p in grads]
         return held[0].detach().cpu() if held else None
 
+    def sum_tied_grad(self, context_id: int, other: RRef, timeout_s: float) -> bool:
+        """On the first stage: add the last stage's gradient for its copy of a tied matrix to
+        this stage's, and give both ends the sum (one transfer each way, stage to stage).
+        Returns whether there was a trained tie to sync."""
+        own = self.tied_grad(context_id)
+        theirs = other.rpc_sync(timeout=timeout_s).tied_grad(context_id)
+        if own is None or theirs is None:
+            return False  # no tie, or the matrix is frozen (LoRA)
+        total = own + theirs
+        self.set_tied_grad(context_id, total)
+        other.rpc_sync(timeout=timeout_s).set_tied_grad(context_id, total)
+        return True
+
     def set_tied_grad(self, context_id: int, total: torch.Tensor) -> None:
         """Make this stage's end of a tied matrix take the summed gradient of both ends, so
         that both copies take the identical optimizer update."""
@@ -358,10 +371,20 @@ class Stage:
         }
 
     def model_files(self) -> dict[str, bytes]:
-        """The model's config and tokenizer files (not its weights), for an export."""
+        """The model's config and tokenizer files (not its weights), for an export; from the
+        local Hugging Face cache (or the hub) when the model was named by hub id."""
         folder = Path(self.source)
         if not folder.is_dir():
-            return {}
+            from huggingface_hub import snapshot_download
+
+            folder = Path(
+                snapshot_download(
+                    self.source,
+                    revision=self.revision,
+                    allow_patterns=["*.json", "*.txt", "*.model", "*.jinja"],
+                    local_files_only=hub_offline(),
+                )
+            )
         return {
             path.name: path.read_bytes()
             for path in sorted(folder.iterdir())

@@ -112,6 +112,11 @@ def run_driver(
             seed=settings.seed,
         )
         trainer = DistributedTrainer(sharded, split)
+        if split.export and "config.json" not in sharded.call(0, "model_files"):
+            raise ValueError(  # found out now, not after the whole run
+                f"split.export=true, but {settings.model.pretrained!r} has no config.json "
+                "the first stage can read"
+            )
         if split.resume:
             manifest = trainer.load(checkpoints)
             log.info("resumed from step %d (%s)", trainer.step, checkpoints / manifest["folder"])

@@ -136,14 +136,13 @@ class DistributedTrainer:
     def sync_tied_grads(self, context_id: int) -> None:
         """A tied embedding / LM head lives on the first and the last stage: give both copies
         the sum of their gradients, as the one matrix of the unsplit model gets, so that
-        both take the identical optimizer step and stay equal bit for bit."""
-        ends = sorted({0, len(self.sharded.stages) - 1})
-        grads = [self.sharded.call(index, "tied_grad", context_id) for index in ends]
-        if len(ends) < 2 or any(grad is None for grad in grads):
-            return  # no tie, one stage holding both ends, or the matrix is frozen (LoRA)
-        total = grads[0] + grads[1]
-        for index in ends:
-            self.sharded.call(index, "set_tied_grad", context_id, total)
+        both take the identical optimizer step and stay equal bit for bit. The two stages
+        exchange the gradient directly; one stage holding both ends has nothing to sync."""
+        last = len(self.sharded.stages) - 1
+        if last > 0:
+            self.sharded.call(
+                0, "sum_tied_grad", context_id, self.sharded.stages[last], self.sharded.timeout_s
+            )
 
     def clip(self, context_id: int) -> float:
         """Global gradient norm over every stage; scales them down to `grad_clip` if above."""
