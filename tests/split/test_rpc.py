@@ -133,24 +133,25 @@ def training_batches(
     return [torch.randint(3, vocab, (batch, length), generator=generator) for _ in range(steps)]
 
 
-def reference_losses(
+def reference_training(
     folder: Path, data: list[torch.Tensor], split: SplitTrainConfig
-) -> list[float]:
-    """The same training in one process: whole model, torch AdamW, HF's own loss."""
+) -> tuple[list[float], list[float]]:
+    """The same training in one process: whole model, torch AdamW, HF's own loss. Returns the
+    losses and each step's global gradient norm before clipping (`clip_grad_norm_`)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=split.lr, weight_decay=split.weight_decay)
-    losses = []
+    losses, norms = [], []
     for batch in data:
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
-        if split.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), split.grad_clip)
+        limit = split.grad_clip or float("inf")  # 0: off, the norm is still measured
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), limit)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, norms
 
 
 def build_trainer(world, split: SplitTrainConfig, **kwargs) -> DistributedTrainer:
@@ -167,7 +168,7 @@ def test_split_training_matches_single_process_training(world, llama_folder, uns
     data = training_batches(unsplit.config.vocab_size, steps=2) * 2  # each batch seen twice
     trainer = build_trainer(world, split)
     got = [trainer.train_step([batch]).loss for batch in data]
-    expected = reference_losses(llama_folder, data, split)
+    expected, _ = reference_training(llama_folder, data, split)
     assert got == pytest.approx(expected, rel=1e-4, abs=1e-4)
     assert got[2] < got[0] and got[3] < got[1]  # it does learn
 

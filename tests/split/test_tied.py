@@ -21,7 +21,7 @@ from split_training.config import SplitTrainConfig
 from split_training.trainer import DistributedTrainer
 
 from .conftest import model_config, rpc_world
-from .test_rpc import training_batches
+from .test_rpc import reference_training, training_batches
 
 STEPS = 4
 SPLIT_SETTINGS: dict[str, Any] = {
@@ -35,26 +35,6 @@ SPLIT_SETTINGS: dict[str, Any] = {
 """Micro-batches 2, clipping on: what the tied runs below all use."""
 
 __all__ = ["SPLIT_SETTINGS", "probe_ids", "training_batches"]
-
-
-def reference(
-    folder: Path, data: list[torch.Tensor], split: SplitTrainConfig
-) -> tuple[list[float], list[float]]:
-    """The same training in one process (the matrix is one Parameter there): losses and the
-    global gradient norm `clip_grad_norm_` measured before clipping, step by step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=split.lr, weight_decay=split.weight_decay)
-    losses, norms = [], []
-    for batch in data:
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), split.grad_clip)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
 
 
 def probe_ids(vocab: int) -> torch.Tensor:
@@ -173,7 +153,7 @@ def test_tied_model_trains_as_one_matrix_across_stages_and_exports_tied(
     split = SplitTrainConfig(num_stages=num_stages, **SPLIT_SETTINGS)
     assert all(norm > split.grad_clip for norm in record["grad_norm"])  # clipping bit
     vocab = len(record["embedding"])
-    expected, norms = reference(folder, training_batches(vocab, steps=STEPS), split)
+    expected, norms = reference_training(folder, training_batches(vocab, steps=STEPS), split)
     assert record["loss"] == pytest.approx(expected, rel=1e-4, abs=1e-4)
     # the global norm counts the shared matrix once, as clip_grad_norm_ does in one process
     # (losses alone barely move with the clip factor: AdamW is nearly scale-invariant)
@@ -198,7 +178,7 @@ def test_without_the_sync_the_copies_drift_and_the_losses_differ(world, tied_fol
     got = [trainer.train_step([batch]).loss for batch in data]
     embedding, head = _copies(trainer)
     assert not torch.equal(embedding, head)
-    expected, _ = reference(folder, data, trainer.settings)
+    expected, _ = reference_training(folder, data, trainer.settings)
     assert got[0] == pytest.approx(expected[0], rel=1e-4, abs=1e-4)  # the same start
     assert got != pytest.approx(expected, rel=1e-4, abs=1e-4), (got, expected)
 
