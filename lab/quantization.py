@@ -171,6 +171,7 @@ def probe_shape(
                 )
                 layer.load_state_dict(reference.state_dict())
                 layer = layer.to(device)  # quantizes
+                reference = reference.to(device)  # full precision, where the probe computes
                 configure_4bit_layer(layer, repack=repack)
                 for phase in phases:
                     layer.train(phase == "train")
@@ -187,12 +188,12 @@ def probe_shape(
 def _probe_phase(
     layer: torch.nn.Module, reference: torch.nn.Linear, phase: str, *, rows: int, device: str
 ) -> str | None:
-    x = torch.randn(rows, reference.in_features)
+    x = torch.randn(rows, reference.in_features).to(device)
     if phase == "eval":
         with torch.no_grad():
-            error = _relative_error(layer(x.to(device)), reference(x))
+            error = _relative_error(layer(x), reference(x))
     else:
-        probe_in = x.to(device, copy=True).requires_grad_(True)
+        probe_in = x.clone().requires_grad_(True)
         out = layer(probe_in)
         if out.grad_fn is not None:
             out.float().square().sum().backward()
