@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from lab.config import LabConfig, ModelConfig, check_fields_positive, register_schema
 
@@ -62,6 +62,21 @@ class SpecDecodingRunConfig(LabConfig):
         default_factory=lambda: ModelConfig(name="tiny_draft", pretrained="lab:tiny_draft")
     )
     spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unread = {
+            name: value
+            for name, value in asdict(self.model).items()
+            if value != getattr(ModelConfig(), name)
+        }
+        if unread:  # `model` comes from the shared base config; this experiment has two
+            key, value = next(iter(unread.items()))
+            raise ValueError(
+                f"spec_decoding reads target.* and draft.*, not model.*: model.{key}={value!r} "
+                f"would be ignored; set target.{key} (the verifier's model) or draft.{key} "
+                "(the drafter's) instead"
+            )
 
 
 register_schema("spec_decoding_schema", SpecDecodingRunConfig)

@@ -47,10 +47,11 @@ def compose_config(tmp_path: Path, lab_cache: Path) -> Callable[..., DictConfig]
     import_schemas()
 
     def _compose(name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+        models = ["model"] if name != "spec_decoding" else ["target", "draft"]  # what it reads
         base = [
             f"paths.run_dir={tmp_path}",
             f"paths.cache_dir={lab_cache}",
-            "model.lab_preset=debug",
+            *(f"{model}.lab_preset=debug" for model in models),
             "tracking.console=false",
         ]
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

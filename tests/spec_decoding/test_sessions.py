@@ -268,3 +268,19 @@ def test_sampling_gives_the_targets_joint_distribution(
             other += 1
     observed = [*counts.values(), other]
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("model.pretrained=/nonexistent", "pretrained"), ("model.quantization=4bit", "quantization")],
+)
+def test_model_keys_spec_decoding_does_not_read_are_refused(
+    compose_config, override: str, key: str
+) -> None:
+    """It has a target and a draft: a `model.*` override would be recorded and ignored."""
+    from lab.config import to_settings
+    from spec_decoding.config import SpecDecodingRunConfig
+
+    with pytest.raises(ValueError) as info:
+        to_settings(compose_config("spec_decoding", [override]), SpecDecodingRunConfig)
+    assert f"set target.{key} (the verifier's model) or draft.{key}" in str(info.value)
