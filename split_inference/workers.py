@@ -5,10 +5,11 @@ host runs the rendezvous store on `cluster.master`. torch.distributed.rpc (Tenso
 Python calls as pickles and has no authentication of its own, so this module adds both guards
 the project asks for:
 
-- Every process unpickles RPC messages with an allow-list (`SafeUnpickler`): only the functions
-  and classes split_inference / split_training call, tensors and RRefs, plain builtins and
-  exception types. Anything else (`os.system`, `builtins.eval`, ...) is refused before it is
-  looked up, so a peer cannot make a stage run arbitrary code.
+- Every process unpickles RPC messages with an allow-list (`SafeUnpickler`): exact (module,
+  name) pairs of the functions and classes split runs call, tensors and RRefs, plain builtins
+  and exception types; nothing named is called while unpickling and no state is set on what the
+  message did not build. Anything else (`os.system`, `builtins.eval`, a dotted name under an
+  allowed module, ...) is refused before it is looked up.
 - With a shared secret (`cluster.secret` / LAB_SECRET), the driver and each stage prove it to
   each other (HMAC-SHA256 challenge-response, both ways) before any model is built; a stage
   serves nothing but the handshake until the driver has proved itself, and the driver aborts
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed.rpc as rpc
@@ -59,21 +60,34 @@ class UnsafeMessageError(pickle.UnpicklingError):
 
 # ---------------------------------------------------------------------------- safe unpickling
 
-_ALLOWED_MODULE_PREFIXES = ("split_inference.", "split_training.")
-_ALLOWED_GLOBALS = {
-    # torch's RPC pickler (tensors and RRefs are rebuilt by its receivers, see `_receiver`),
-    # the start-up / shutdown all-gather, and remote exceptions.
-    ("torch.distributed.rpc.internal", "_InternalRPCPickler"),
-    ("torch.distributed.rpc.internal", "RemoteException"),
+_REFERENCES = {
+    # What a split run's RPC messages name, exactly: the functions and classes it calls on a
+    # peer (inside a PythonUDF), each one by its module and qualified name. Naming is not
+    # calling: none of these runs while a message is unpickled.
+    ("split_inference.stage", "Stage"),
+    ("split_inference.stage", "describe_model"),
+    ("split_inference.workers", "driver_alive"),
+    ("split_inference.workers", "free_memory_bytes"),
+    ("split_inference.workers", "release_stage"),
+    ("split_inference.workers", "stage_accept_driver"),
+    ("split_inference.workers", "stage_alive"),
+    ("split_inference.workers", "stage_prove"),
+    ("split_training.trainer", "StageAdamW"),
+    ("split_training.trainer", "load_stage"),
+    ("split_training.trainer", "save_stage"),
+    # torch's RPC internals: RRef method calls, the start-up / shutdown all-gather, and
+    # DistributedOptimizer creating and stepping each stage's local optimizer.
+    ("torch.distributed.rpc.rref_proxy", "_local_invoke"),
+    ("torch.distributed.rpc.api", "_rref_typeof_on_owner"),
     ("torch.distributed.rpc.api", "_gather_to_leader"),
     ("torch.distributed.rpc.api", "_broadcast_to_followers"),
-    # Python calls and RRef method calls.
-    ("torch.distributed.rpc.internal", "PythonUDF"),
-    ("torch.distributed.rpc.api", "_rref_typeof_on_owner"),
-    ("torch.distributed.rpc.rref_proxy", "_local_invoke"),
-    # DistributedOptimizer: create each stage's local optimizer, step it.
     ("torch.distributed.optim.optimizer", "_new_local_optimizer"),
     ("torch.distributed.optim.optimizer", "_local_optimizer_step"),
+    # The two records a message is built from (called while unpickling: see _may_call) and the
+    # RPC pickler itself, whose receivers rebuild tensors and RRefs (see `_receiver`).
+    ("torch.distributed.rpc.internal", "PythonUDF"),
+    ("torch.distributed.rpc.internal", "RemoteException"),
+    ("torch.distributed.rpc.internal", "_InternalRPCPickler"),
 }
 _SAFE_BUILTINS = {
     "dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes",
@@ -91,10 +105,57 @@ def _receiver(owner: Any, name: str) -> Any:
     raise UnsafeMessageError(f"RPC message refused: it asks for attribute {name!r}")
 
 
-class SafeUnpickler(pickle.Unpickler):
-    """`pickle.Unpickler` that resolves only allow-listed globals (see the module docstring)."""
+def _may_call(func: Any) -> bool:
+    """What a message may call while it is unpickled: the records it is built from, the RPC
+    pickler's receivers, plain builtin types and exception types. Nothing with effects."""
+    if func in (rpc_internal.PythonUDF, rpc_internal.RemoteException):
+        return True
+    pickler = rpc_internal._InternalRPCPickler
+    if any(func == getattr(pickler, name, None) for name in _RECEIVERS):
+        return True
+    if isinstance(func, type) and func.__module__ == "builtins":
+        return func.__name__ in _SAFE_BUILTINS or issubclass(func, BaseException)
+    return False
+
+
+_PyUnpickler: Any = pickle._Unpickler
+"""The pure-Python unpickler: its opcodes can be overridden one by one (the C one's cannot)."""
+
+
+class SafeUnpickler(_PyUnpickler):
+    """An unpickler that resolves only allow-listed globals, calls only harmless constructors
+    and sets state only on objects it built itself from this message.
+
+    - `find_class`: exact (module, qualified name) pairs from `_REFERENCES`, builtin value types
+      and exception types; no dotted names (protocol 4 would walk `module.a.b` to anything the
+      module imported), no other module.
+    - REDUCE / NEWOBJ / NEWOBJ_EX: only `_may_call` callables (a message cannot run
+      `save_stage` or build a `Stage` while being unpickled; the call it carries runs later,
+      after the RPC layer's own checks).
+    - BUILD: only on an object this message built, never on a class, function or module
+      global (the stage's auth state, `hmac.compare_digest`, ...).
+    - INST / OBJ (protocols 0-1 instance building): refused.
+
+    It is the pure-Python unpickler (`pickle._Unpickler`), whose opcodes can be overridden one
+    by one; RPC messages are small (tensors travel beside the pickle, not in it).
+    """
+
+    dispatch: ClassVar[dict[int, Callable[..., None]]] = dict(_PyUnpickler.dispatch)
+
+    def __init__(self, file: Any, **kwargs: Any) -> None:
+        super().__init__(file, **kwargs)
+        self._built: set[int] = set()
+        self._keep: list[Any] = []  # so that no id in _built is reused by another object
 
     def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3 and self.fix_imports:  # Python 2 names, as protocols 0-2 write them
+            import _compat_pickle
+
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        if "." in name:
+            raise UnsafeMessageError(f"RPC message refused: it names {module}.{name}")
         if module == "builtins":
             if name == "getattr":  # classmethods are pickled as getattr(cls, name)
                 return _receiver
@@ -103,9 +164,54 @@ class SafeUnpickler(pickle.Unpickler):
                 return value
             if isinstance(value, type) and issubclass(value, BaseException):
                 return value  # remote exceptions are re-raised by type
-        elif module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
+        elif (module, name) in _REFERENCES:
             return super().find_class(module, name)
         raise UnsafeMessageError(f"RPC message refused: it names {module}.{name}")
+
+    def _made(self, obj: Any) -> Any:
+        self._built.add(id(obj))
+        self._keep.append(obj)
+        return obj
+
+    def _load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if func is not _receiver and not _may_call(func):
+            raise UnsafeMessageError(f"RPC message refused: it calls {func!r}")
+        self.stack[-1] = self._made(func(*args))
+
+    def _load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack[-1]
+        if not _may_call(cls):
+            raise UnsafeMessageError(f"RPC message refused: it builds {cls!r}")
+        self.stack[-1] = self._made(cls.__new__(cls, *args))
+
+    def _load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack[-1]
+        if not _may_call(cls):
+            raise UnsafeMessageError(f"RPC message refused: it builds {cls!r}")
+        self.stack[-1] = self._made(cls.__new__(cls, *args, **kwargs))
+
+    def _load_build(self) -> None:
+        if id(self.stack[-2]) not in self._built:
+            raise UnsafeMessageError(
+                f"RPC message refused: it sets state on {type(self.stack[-2]).__name__}, "
+                "which it did not build"
+            )
+        super().load_build()
+
+    def _refuse_instance(self) -> None:
+        raise UnsafeMessageError("RPC message refused: it uses INST/OBJ instance building")
+
+    dispatch[pickle.REDUCE[0]] = _load_reduce
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.BUILD[0]] = _load_build
+    dispatch[pickle.INST[0]] = _refuse_instance
+    dispatch[pickle.OBJ[0]] = _refuse_instance
 
 
 def install_safe_unpickler() -> None:
