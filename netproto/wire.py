@@ -552,8 +552,8 @@ def decode_payload(header: Header, payload: torch.Tensor | Buffer, *, limits: Li
                 return torch.empty(0, dtype=torch.int32)
             return torch.frombuffer(bytearray(data), dtype=torch.int32)
         try:
-            value = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            value = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
             raise PeerProtocolError(f"{what}: bad JSON ({exc})") from None
         if not isinstance(value, dict):
             raise PeerProtocolError(
@@ -590,6 +590,11 @@ def decode_payload(header: Header, payload: torch.Tensor | Buffer, *, limits: Li
     if reader.remaining:
         raise PeerProtocolError(f"{what}: {reader.remaining} bytes after the last tensor")
     return tensors
+
+
+def _no_constant(name: str) -> Any:
+    """JSON has no NaN or Infinity: the encoder refuses them (allow_nan=False), so does this."""
+    raise ValueError(f"{name} is not JSON")
 
 
 def new_payload_buffer(length: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -24,8 +25,13 @@ from spec_decoding.sampling import greedy_verdict, probs_from_logits, speculativ
 
 log = logging.getLogger(__name__)
 
-MAX_PROMPT_TOKENS = 8192
+MAX_SESSION_TOKENS = 8192
+"""Most tokens a session (prompt and everything generated) or a BASELINE may span."""
 MAX_BASELINE_TOKENS = 4096
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+"""Sampling temperatures a session may ask for (0 is greedy): below, logits / t overflow."""
+MAX_SEED = 2**63 - 1
+Q_SUM_TOLERANCE = 1e-3
 
 
 def vocab_hash(tokenizer: Any) -> str:
@@ -39,9 +45,26 @@ class BadRequest(ValueError):
 
 
 def _check_tokens(tokens: list[Any], vocab_size: int, what: str) -> list[int]:
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens):
+    if not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
         raise BadRequest(f"{what} holds token ids outside 0..{vocab_size - 1}")
     return tokens
+
+
+def _prompt(body: dict[str, Any], verifier: Verifier, *, room: int) -> list[int]:
+    """The request's prompt: a list of token ids, leaving `room` tokens of the session cap."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list):
+        raise BadRequest("prompt must be a list of token ids")
+    if not prompt or len(prompt) + room > verifier.max_tokens:
+        raise BadRequest(
+            f"a prompt of {len(prompt)} tokens with {room} more to come does not fit a "
+            f"session of 1..{verifier.max_tokens} tokens"
+        )
+    return _check_tokens(prompt, verifier.vocab_size, "prompt")
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
 
 
 def _sampling_params(body: dict[str, Any]) -> tuple[float, float, int]:
@@ -50,12 +73,16 @@ def _sampling_params(body: dict[str, Any]) -> tuple[float, float, int]:
         body.get("top_p", 1.0),
         body.get("seed", 0),
     )
-    if not isinstance(temperature, int | float) or temperature < 0:
-        raise BadRequest("temperature must be a number >= 0")
-    if not isinstance(top_p, int | float) or not 0 < top_p <= 1:
+    if not _number(temperature) or not (
+        temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE
+    ):
+        raise BadRequest(
+            f"temperature must be 0 (greedy) or in {MIN_TEMPERATURE}..{MAX_TEMPERATURE}"
+        )
+    if not _number(top_p) or not 0 < top_p <= 1:
         raise BadRequest("top_p must be in (0, 1]")
-    if not isinstance(seed, int):
-        raise BadRequest("seed must be an integer")
+    if type(seed) is not int or not 0 <= seed <= MAX_SEED:
+        raise BadRequest(f"seed must be an integer in 0..{MAX_SEED}")
     return float(temperature), float(top_p), seed
 
 
@@ -69,6 +96,7 @@ class Verifier:
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
         self.vocab_hash = vocab_hash(tokenizer)
+        self.max_tokens = MAX_SESSION_TOKENS
         self.sessions_opened = 0
         self.active_sessions = 0
         self._lock = threading.Lock()
@@ -142,12 +170,10 @@ class Verifier:
     @torch.inference_mode()  # as our own decoding runs: a like-for-like baseline
     def baseline(self, body: dict[str, Any]) -> dict[str, Any]:
         """Target-only generation with Hugging Face `generate`, timed here (no network)."""
-        prompt = _check_tokens(list(body.get("prompt", [])), self.vocab_size, "prompt")
         max_new = body.get("max_new_tokens")
-        if not prompt or not isinstance(max_new, int) or not 1 <= max_new <= MAX_BASELINE_TOKENS:
-            raise BadRequest(
-                f"BASELINE needs a prompt and max_new_tokens in 1..{MAX_BASELINE_TOKENS}"
-            )
+        if type(max_new) is not int or not 1 <= max_new <= MAX_BASELINE_TOKENS:
+            raise BadRequest(f"BASELINE needs max_new_tokens in 1..{MAX_BASELINE_TOKENS}")
+        prompt = _prompt(body, self, room=max_new)
         temperature, top_p, seed = _sampling_params(body)
         torch.manual_seed(seed)
         device = next(self.model.parameters()).device
@@ -206,10 +232,7 @@ class _Session:
                 "the draft model's tokenizer differs from the target's; "
                 "speculative decoding needs both to share one vocabulary"
             )
-        prompt = list(body.get("prompt", []))
-        if not 1 <= len(prompt) <= MAX_PROMPT_TOKENS:
-            raise BadRequest(f"prompt must hold 1..{MAX_PROMPT_TOKENS} tokens")
-        _check_tokens(prompt, verifier.vocab_size, "prompt")
+        prompt = _prompt(body, verifier, room=1)
         pipeline = body.get("pipeline", False)
         if not isinstance(pipeline, bool):
             raise BadRequest("pipeline must be true or false")
@@ -233,15 +256,33 @@ class _Session:
             raise BadRequest(f"a draft holds at most {MAX_GAMMA} tokens")
         return _check_tokens(tokens.tolist(), self.verifier.vocab_size, what)
 
-    def _draft_q(self, payload: dict[str, torch.Tensor], count: int) -> torch.Tensor | None:
+    def _draft_q(self, payload: dict[str, torch.Tensor], draft: list[int]) -> torch.Tensor | None:
+        """The drafter's distributions for its tokens: (k, V) rows of probabilities, each
+        giving its own drafted token a positive probability (q <= 0 would accept anything)."""
         if self.temperature == 0:
             return None
-        if count == 0:  # an empty draft (one token left): the verifier samples it alone
+        if not draft:  # an empty draft (one token left): the verifier samples it alone
             return torch.empty(0, self.verifier.vocab_size)
         q = payload.get("q")
-        if q is None or tuple(q.shape) != (count, self.verifier.vocab_size):
+        if q is None or tuple(q.shape) != (len(draft), self.verifier.vocab_size):
             raise BadRequest("sampling needs `q` of shape (k, vocab_size)")
-        return q.float()
+        if not q.dtype.is_floating_point:
+            raise BadRequest("`q` must hold floating-point probabilities")
+        q = q.float()
+        if not torch.isfinite(q).all() or (q < 0).any():
+            raise BadRequest("`q` must hold finite, non-negative probabilities")
+        if ((q.sum(dim=-1) - 1).abs() > Q_SUM_TOLERANCE).any():
+            raise BadRequest("each row of `q` must sum to 1")
+        if (q[torch.arange(len(draft)), torch.tensor(draft)] <= 0).any():
+            raise BadRequest("`q` gives a drafted token no probability")
+        return q
+
+    def _check_room(self, more: int) -> None:
+        """A session spans at most the target's context (and MAX_SESSION_TOKENS)."""
+        if len(self.decoder.tokens) + len(self.pending) + more + 1 > self.verifier.max_tokens:
+            raise BadRequest(
+                f"this session has reached its cap of {self.verifier.max_tokens} tokens"
+            )
 
     def _verdict(
         self, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, *, bonus: bool
@@ -259,7 +300,8 @@ class _Session:
         """One DRAFT round: check it whole, answer with the accepted count and the next token."""
         self._set_mode(pipelined=False)
         draft = self._draft_tokens(payload, "DRAFT")
-        q = self._draft_q(payload, len(draft))
+        q = self._draft_q(payload, draft)
+        self._check_room(len(draft))
         started = time.perf_counter()
         logits = self.decoder.extend(draft)[-(len(draft) + 1) :]  # (k + 1, V)
         accepted, token = self._verdict(logits, draft, q, bonus=True)
@@ -283,9 +325,10 @@ class _Session:
         if int(epoch) > self.epoch:
             raise BadRequest(f"STREAM for epoch {int(epoch)}; this session is at {self.epoch}")
         tokens = self._draft_tokens(payload, "STREAM")
-        q = self._draft_q(payload, len(tokens))
+        q = self._draft_q(payload, tokens)
         if int(epoch) < self.epoch:
             return  # drafted on a prefix this session has since rejected
+        self._check_room(len(tokens))
         if len(self.pending) + len(tokens) > MAX_GAMMA:
             raise BadRequest(f"more than {MAX_GAMMA} streamed tokens waiting to be checked")
         self.pending.extend(tokens)

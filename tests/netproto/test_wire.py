@@ -251,6 +251,15 @@ def test_non_utf8_json() -> None:
     expect_peer_error(header(length=4) + b'"\xff"\n', "bad JSON")
 
 
+@pytest.mark.parametrize("constant", [b"NaN", b"Infinity", b"-Infinity"])
+def test_json_with_a_non_finite_number(constant: bytes) -> None:
+    """Python's json would read them; the encoder never writes them; a peer's are refused."""
+    body = b'{"temperature":' + constant + b"}"
+    expect_peer_error(
+        header(length=len(body)) + body, f"{constant.decode().lstrip('-')} is not JSON"
+    )
+
+
 def test_empty_message_with_a_payload() -> None:
     expect_peer_error(
         header(msg_type=MsgType.PING, kind=PayloadKind.EMPTY, length=1) + b"x", "must be empty"

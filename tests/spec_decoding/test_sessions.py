@@ -86,7 +86,7 @@ def test_draft_before_open_closes_that_session_only(verifier_server, tokenizer) 
     ("body", "error"),
     [
         ({"prompt": [10**9]}, "token ids outside"),
-        ({"prompt": []}, "prompt must hold"),
+        ({"prompt": []}, "does not fit a session"),
         ({"temperature": -1}, "temperature"),
         ({"vocab_hash": "not-the-same"}, "tokenizer differs"),
     ],
@@ -284,3 +284,137 @@ def test_model_keys_spec_decoding_does_not_read_are_refused(
     with pytest.raises(ValueError) as info:
         to_settings(compose_config("spec_decoding", [override]), SpecDecodingRunConfig)
     assert f"set target.{key} (the verifier's model) or draft.{key}" in str(info.value)
+
+
+# ----------------------------------------------------------------- fields a drafter sends
+# Each malformed field is that session's bad_request (and its connection closed), never an
+# `internal` error, and the verifier goes on serving others.
+
+
+def _refused(verifier_server, send, error: str) -> None:
+    address = verifier_server.address
+    with Connection.connect(*address) as bad, Connection.connect(*address) as good:
+        with pytest.raises(RemoteError, match=r"\[bad_request\]") as info:
+            send(bad)
+        assert error in str(info.value)
+        assert good.request(SpecMsg.OPEN, open_body_for(good), expect=SpecMsg.OPENED)
+
+
+def open_body_for(conn: Connection, **extra) -> dict:
+    from spec_decoding.verifier import MAX_SESSION_TOKENS  # noqa: F401 - documents the cap
+
+    return {"prompt": [1, 2, 3], "vocab_hash": _VOCAB_HASH[0], **extra}
+
+
+_VOCAB_HASH: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _remember_vocab_hash(tokenizer) -> None:
+    if not _VOCAB_HASH:
+        _VOCAB_HASH.append(vocab_hash(tokenizer))
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"prompt": "1 2 3"}, "prompt must be a list of token ids"),
+        ({"prompt": {"a": 1}}, "prompt must be a list of token ids"),
+        ({"prompt": [1, "2", 3]}, "prompt holds token ids outside"),
+        ({"prompt": [1, 2.0, 3]}, "prompt holds token ids outside"),
+        ({"prompt": [1, True, 3]}, "prompt holds token ids outside"),
+        ({"prompt": []}, "does not fit a session"),
+        ({"prompt": [1] * 8192}, "does not fit a session"),
+        ({"seed": 2**70}, "seed must be an integer in 0.."),
+        ({"seed": -1}, "seed must be an integer in 0.."),
+        ({"seed": 1.5}, "seed must be an integer in 0.."),
+        ({"temperature": 1e-320}, "temperature must be 0 (greedy) or in"),
+        ({"temperature": "hot"}, "temperature must be 0 (greedy) or in"),
+        ({"top_p": 0}, "top_p must be in (0, 1]"),
+    ],
+)
+def test_bad_open_fields_are_that_sessions_bad_request(
+    verifier_server, fields: dict, error: str
+) -> None:
+    _refused(
+        verifier_server,
+        lambda conn: conn.request(
+            SpecMsg.OPEN, open_body_for(conn, **fields), expect=SpecMsg.OPENED
+        ),
+        error,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"prompt": [1] * 40_000, "max_new_tokens": 4}, "does not fit a session"),
+        ({"prompt": [1] * 8000, "max_new_tokens": 400}, "does not fit a session"),
+        ({"prompt": [1, 2], "max_new_tokens": 10**9}, "max_new_tokens in 1.."),
+        ({"prompt": [1, 2], "max_new_tokens": 2.0}, "max_new_tokens in 1.."),
+        ({"prompt": [1, 2], "max_new_tokens": 4, "seed": 2**70}, "seed must be an integer"),
+    ],
+)
+def test_bad_baseline_fields_are_refused_before_any_work(
+    verifier_server, fields: dict, error: str
+) -> None:
+    _refused(
+        verifier_server,
+        lambda conn: conn.request(SpecMsg.BASELINE, fields, expect=SpecMsg.BASELINE_DONE),
+        error,
+    )
+
+
+def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.Tensor:
+    q = torch.full((1, vocab), fill)
+    q[0, token] = own
+    return q
+
+
+@pytest.mark.parametrize(
+    ("make_q", "error"),
+    [
+        (lambda v: _q(v, 5, own=0.0, fill=1.0 / (v - 1)), "gives a drafted token no probability"),
+        (lambda v: _q(v, 5, own=-1.0, fill=2.0 / (v - 1)), "finite, non-negative"),
+        (lambda v: _q(v, 5, own=float("nan")), "finite, non-negative"),
+        (lambda v: _q(v, 5, own=0.5), "each row of `q` must sum to 1"),
+        (lambda v: _q(v, 5).to(torch.int64), "floating-point probabilities"),
+        (lambda v: torch.ones(2, v) / v, "shape (k, vocab_size)"),
+    ],
+    ids=["q_zero", "q_negative", "q_nan", "q_not_a_distribution", "q_integer", "q_shape"],
+)
+@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
+def test_a_q_that_would_make_the_verifier_accept_anything_is_refused(
+    verifier_server, make_q, error: str, pipeline: bool
+) -> None:
+    """At temperature > 0 a token is accepted with probability min(1, p/q): q <= 0 or a q
+    that is not a distribution would let a drafter write whatever it likes."""
+    vocab = verifier_server.verifier.vocab_size
+
+    def send(conn: Connection) -> None:
+        body = open_body_for(conn, temperature=1.0, pipeline=pipeline)
+        conn.request(SpecMsg.OPEN, body, expect=SpecMsg.OPENED)
+        payload = {"tokens": torch.tensor([5], dtype=torch.int32), "q": make_q(vocab)}
+        if pipeline:
+            conn.send(SpecMsg.STREAM, {**payload, "epoch": torch.tensor([0])})
+            conn.recv_msg(SpecMsg.PROGRESS)
+        else:
+            conn.request(SpecMsg.DRAFT, payload, expect=SpecMsg.VERDICT)
+
+    _refused(verifier_server, send, error)
+
+
+def test_a_session_cannot_grow_past_its_cap(verifier_server, monkeypatch) -> None:
+    """Accepted tokens add up: past the cap the session is refused, whatever q claims."""
+    monkeypatch.setattr(verifier_server.verifier, "max_tokens", 8)
+
+    def send(conn: Connection) -> None:
+        conn.request(SpecMsg.OPEN, open_body_for(conn), expect=SpecMsg.OPENED)
+        for _ in range(8):
+            conn.request(
+                SpecMsg.DRAFT,
+                {"tokens": torch.tensor([5], dtype=torch.int32)},
+                expect=SpecMsg.VERDICT,
+            )
+
+    _refused(verifier_server, send, "reached its cap of 8 tokens")
