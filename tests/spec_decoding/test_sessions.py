@@ -291,28 +291,13 @@ def test_model_keys_spec_decoding_does_not_read_are_refused(
 # `internal` error, and the verifier goes on serving others.
 
 
-def _refused(verifier_server, send, error: str) -> None:
+def _refused(verifier_server, tokenizer, send, error: str) -> None:
     address = verifier_server.address
     with Connection.connect(*address) as bad, Connection.connect(*address) as good:
         with pytest.raises(RemoteError, match=r"\[bad_request\]") as info:
             send(bad)
         assert error in str(info.value)
-        assert good.request(SpecMsg.OPEN, open_body_for(good), expect=SpecMsg.OPENED)
-
-
-def open_body_for(conn: Connection, **extra) -> dict:
-    from spec_decoding.verifier import MAX_SESSION_TOKENS  # noqa: F401 - documents the cap
-
-    return {"prompt": [1, 2, 3], "vocab_hash": _VOCAB_HASH[0], **extra}
-
-
-_VOCAB_HASH: list[str] = []
-
-
-@pytest.fixture(autouse=True)
-def _remember_vocab_hash(tokenizer) -> None:
-    if not _VOCAB_HASH:
-        _VOCAB_HASH.append(vocab_hash(tokenizer))
+        assert good.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
 
 
 @pytest.mark.parametrize(
@@ -334,12 +319,13 @@ def _remember_vocab_hash(tokenizer) -> None:
     ],
 )
 def test_bad_open_fields_are_that_sessions_bad_request(
-    verifier_server, fields: dict, error: str
+    verifier_server, tokenizer, fields: dict, error: str
 ) -> None:
     _refused(
         verifier_server,
+        tokenizer,
         lambda conn: conn.request(
-            SpecMsg.OPEN, open_body_for(conn, **fields), expect=SpecMsg.OPENED
+            SpecMsg.OPEN, open_body(tokenizer, **fields), expect=SpecMsg.OPENED
         ),
         error,
     )
@@ -356,10 +342,11 @@ def test_bad_open_fields_are_that_sessions_bad_request(
     ],
 )
 def test_bad_baseline_fields_are_refused_before_any_work(
-    verifier_server, fields: dict, error: str
+    verifier_server, tokenizer, fields: dict, error: str
 ) -> None:
     _refused(
         verifier_server,
+        tokenizer,
         lambda conn: conn.request(SpecMsg.BASELINE, fields, expect=SpecMsg.BASELINE_DONE),
         error,
     )
@@ -385,14 +372,14 @@ def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.
 )
 @pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
 def test_a_q_that_would_make_the_verifier_accept_anything_is_refused(
-    verifier_server, make_q, error: str, pipeline: bool
+    verifier_server, tokenizer, make_q, error: str, pipeline: bool
 ) -> None:
     """At temperature > 0 a token is accepted with probability min(1, p/q): q <= 0 or a q
     that is not a distribution would let a drafter write whatever it likes."""
     vocab = verifier_server.verifier.vocab_size
 
     def send(conn: Connection) -> None:
-        body = open_body_for(conn, temperature=1.0, pipeline=pipeline)
+        body = open_body(tokenizer, temperature=1.0, pipeline=pipeline)
         conn.request(SpecMsg.OPEN, body, expect=SpecMsg.OPENED)
         payload = {"tokens": torch.tensor([5], dtype=torch.int32), "q": make_q(vocab)}
         if pipeline:
@@ -401,15 +388,15 @@ def test_a_q_that_would_make_the_verifier_accept_anything_is_refused(
         else:
             conn.request(SpecMsg.DRAFT, payload, expect=SpecMsg.VERDICT)
 
-    _refused(verifier_server, send, error)
+    _refused(verifier_server, tokenizer, send, error)
 
 
-def test_a_session_cannot_grow_past_its_cap(verifier_server, monkeypatch) -> None:
+def test_a_session_cannot_grow_past_its_cap(verifier_server, tokenizer, monkeypatch) -> None:
     """Accepted tokens add up: past the cap the session is refused, whatever q claims."""
     monkeypatch.setattr(verifier_server.verifier, "max_tokens", 8)
 
     def send(conn: Connection) -> None:
-        conn.request(SpecMsg.OPEN, open_body_for(conn), expect=SpecMsg.OPENED)
+        conn.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
         for _ in range(8):
             conn.request(
                 SpecMsg.DRAFT,
@@ -417,4 +404,4 @@ def test_a_session_cannot_grow_past_its_cap(verifier_server, monkeypatch) -> Non
                 expect=SpecMsg.VERDICT,
             )
 
-    _refused(verifier_server, send, "reached its cap of 8 tokens")
+    _refused(verifier_server, tokenizer, send, "reached its cap of 8 tokens")
