@@ -29,6 +29,9 @@ from split_inference.workers import peak_memory, require_driver
 
 log = logging.getLogger(__name__)
 
+MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+"""A model folder's config and tokenizer files (what an export copies besides the weights)."""
+
 IGNORE_INDEX = -100
 """Label of a position that does not count in the loss (padding)."""
 
@@ -324,18 +327,16 @@ class Stage:
         held = [grads[p] for p in self._tied_ends() if p in grads]
         return held[0].detach().cpu() if held else None
 
-    def sum_tied_grad(self, context_id: int, other: RRef, timeout_s: float) -> bool:
+    def sum_tied_grad(self, context_id: int, other: RRef, timeout_s: float) -> None:
         """On the first stage: add the last stage's gradient for its copy of a tied matrix to
-        this stage's, and give both ends the sum (one transfer each way, stage to stage).
-        Returns whether there was a trained tie to sync."""
+        this stage's, and give both ends the sum (one transfer each way, stage to stage)."""
         own = self.tied_grad(context_id)
         theirs = other.rpc_sync(timeout=timeout_s).tied_grad(context_id)
         if own is None or theirs is None:
-            return False  # no tie, or the matrix is frozen (LoRA)
+            return  # no tie, or the matrix is frozen (LoRA)
         total = own + theirs
         self.set_tied_grad(context_id, total)
         other.rpc_sync(timeout=timeout_s).set_tied_grad(context_id, total)
-        return True
 
     def set_tied_grad(self, context_id: int, total: torch.Tensor) -> None:
         """Make this stage's end of a tied matrix take the summed gradient of both ends, so
@@ -381,7 +382,7 @@ class Stage:
                 snapshot_download(
                     self.source,
                     revision=self.revision,
-                    allow_patterns=["*.json", "*.txt", "*.model", "*.jinja"],
+                    allow_patterns=[f"*{suffix}" for suffix in MODEL_FILE_SUFFIXES],
                     local_files_only=hub_offline(),
                 )
             )
@@ -389,7 +390,7 @@ class Stage:
             path.name: path.read_bytes()
             for path in sorted(folder.iterdir())
             if path.is_file()
-            and path.suffix in (".json", ".txt", ".model", ".jinja")
+            and path.suffix in MODEL_FILE_SUFFIXES
             and not path.name.endswith(".index.json")
         }
 

@@ -173,32 +173,36 @@ def test_when_nothing_runs_in_4bit_one_warning_and_full_precision(
         )
 
 
-def test_probe_refuses_a_kernel_that_computes_garbage(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        bnb.nn.Linear4bit, "forward", lambda self, x: torch.zeros(*x.shape[:-1], self.out_features)
-    )
-    why = quant.probe_shape.__wrapped__(
+_REAL_FORWARD = bnb.nn.Linear4bit.forward
+
+
+@pytest.mark.parametrize(
+    ("broken_forward", "for_training", "why"),
+    [
+        (
+            lambda self, x: torch.zeros(*x.shape[:-1], self.out_features),
+            False,
+            "eval, 3 rows: relative error 1",
+        ),
+        (  # what bitsandbytes' repacked CPU weights do after an eval pass, on any machine
+            lambda self, x: _REAL_FORWARD(self, x).detach(),
+            True,
+            "train, 3 rows: no gradient reaches the layer's input",
+        ),
+    ],
+    ids=["garbage", "drops_the_gradient"],
+)
+def test_probe_refuses_a_broken_kernel(
+    monkeypatch: pytest.MonkeyPatch, broken_forward, for_training: bool, why: str
+) -> None:
+    monkeypatch.setattr(bnb.nn.Linear4bit, "forward", broken_forward)
+    got = quant.probe_shape.__wrapped__(
         quant.LinearShape(64, 64, False),
         device="cpu",
         compute_dtype=torch.float32,
-        for_training=False,
+        for_training=for_training,
     )
-    assert why == "eval, 3 rows: relative error 1"
-
-
-def test_probe_refuses_a_kernel_that_drops_the_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What bitsandbytes' repacked CPU weights do after an eval pass, on any machine."""
-    real_forward = bnb.nn.Linear4bit.forward
-    monkeypatch.setattr(
-        bnb.nn.Linear4bit, "forward", lambda self, x: real_forward(self, x).detach()
-    )
-    why = quant.probe_shape.__wrapped__(
-        quant.LinearShape(64, 64, False),
-        device="cpu",
-        compute_dtype=torch.float32,
-        for_training=True,
-    )
-    assert why == "train, 3 rows: no gradient reaches the layer's input"
+    assert got == why
 
 
 @pytest.mark.parametrize("preset", ["default", "debug"])
