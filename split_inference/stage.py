@@ -25,6 +25,7 @@ from lab.config import ModelConfig, PathsConfig
 from lab.device import detect_device, resolve_dtype, supports_bf16
 from lab.models import hub_offline, resolve_source
 from split_inference.layout import build_stage_model, full_model_name, stage_costs
+from split_inference.rpc_guard import never_sent
 from split_inference.workers import peak_memory, require_driver
 
 log = logging.getLogger(__name__)
@@ -437,6 +438,9 @@ class Stage:
         with torch.no_grad():
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
+
+
+never_sent(Stage)  # a peer may call its methods, never fetch the model itself
 
 
 def dist_autograd_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -1,44 +1,38 @@
 """The RPC world of a split run: start, authenticate, serve, stop.
 
 Ranks: the driver is rank 0 (`driver`), stage k is rank k (`stage1` ... `stageN`); the driver's
-host runs the rendezvous store on `cluster.master`. torch.distributed.rpc (TensorPipe) carries
-Python calls as pickles and has no authentication of its own, so this module adds both guards
-the project asks for:
-
-- Every process unpickles RPC messages with an allow-list (`SafeUnpickler`): exact (module,
-  name) pairs of the functions and classes split runs call, tensors and RRefs, plain builtins
-  and exception types; nothing named is called while unpickling and no state is set on what the
-  message did not build. Anything else (`os.system`, `builtins.eval`, a dotted name under an
-  allowed module, ...) is refused before it is looked up.
-- With a shared secret (`cluster.secret` / LAB_SECRET), the driver and each stage prove it to
-  each other (HMAC-SHA256 challenge-response, both ways) before any model is built; a stage
-  serves nothing but the handshake until the driver has proved itself, and the driver aborts
-  the run if a stage cannot.
+host runs the rendezvous store on `cluster.master`. torch.distributed.rpc (TensorPipe) has no
+authentication of its own; every process installs `rpc_guard` (allow-list unpickling, signed
+calls) when it joins. With a shared secret (`cluster.secret` / LAB_SECRET), the driver and each
+stage prove it to each other (HMAC-SHA256 challenge-response, both ways) before any model is
+built; the driver's proof carries the run's fresh world nonce, from which both derive the key
+that signs every later call (see `rpc_guard`). A stage serves nothing but the handshake until
+the driver has proved itself, and the driver aborts the run if a stage cannot.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import hmac
-import io
 import logging
 import os
-import pickle
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import torch
 import torch.distributed.rpc as rpc
-from torch.distributed.rpc import internal as rpc_internal
 
 from lab.config import Endpoint
 from netproto.auth import NONCE_BYTES, mac
+from split_inference import rpc_guard
 from split_inference.config import SplitConfig
 
 log = logging.getLogger(__name__)
@@ -54,176 +48,6 @@ class StageLostError(RuntimeError):
     """A stage did not answer (it died, hung, or the network between went away)."""
 
 
-class UnsafeMessageError(pickle.UnpicklingError):
-    """An RPC message named a global outside the allow-list."""
-
-
-# ---------------------------------------------------------------------------- safe unpickling
-
-_REFERENCES = {
-    # What a split run's RPC messages name, exactly: the functions and classes it calls on a
-    # peer (inside a PythonUDF), each one by its module and qualified name. Naming is not
-    # calling: none of these runs while a message is unpickled.
-    ("split_inference.stage", "Stage"),
-    ("split_inference.stage", "describe_model"),
-    ("split_inference.workers", "driver_alive"),
-    ("split_inference.workers", "free_memory_bytes"),
-    ("split_inference.workers", "release_stage"),
-    ("split_inference.workers", "stage_accept_driver"),
-    ("split_inference.workers", "stage_alive"),
-    ("split_inference.workers", "stage_prove"),
-    ("split_training.trainer", "StageAdamW"),
-    ("split_training.trainer", "load_stage"),
-    ("split_training.trainer", "save_stage"),
-    # torch's RPC internals: RRef method calls, the start-up / shutdown all-gather, and
-    # DistributedOptimizer creating and stepping each stage's local optimizer.
-    ("torch.distributed.rpc.rref_proxy", "_local_invoke"),
-    ("torch.distributed.rpc.api", "_rref_typeof_on_owner"),
-    ("torch.distributed.rpc.api", "_gather_to_leader"),
-    ("torch.distributed.rpc.api", "_broadcast_to_followers"),
-    ("torch.distributed.optim.optimizer", "_new_local_optimizer"),
-    ("torch.distributed.optim.optimizer", "_local_optimizer_step"),
-    # The two records a message is built from (called while unpickling: see _may_call) and the
-    # RPC pickler itself, whose receivers rebuild tensors and RRefs (see `_receiver`).
-    ("torch.distributed.rpc.internal", "PythonUDF"),
-    ("torch.distributed.rpc.internal", "RemoteException"),
-    ("torch.distributed.rpc.internal", "_InternalRPCPickler"),
-}
-_SAFE_BUILTINS = {
-    "dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes",
-    "complex", "slice", "range",
-}  # fmt: skip
-
-
-_RECEIVERS = ("_tensor_receiver", "_rref_receiver", "_py_rref_receiver")
-
-
-def _receiver(owner: Any, name: str) -> Any:
-    """The only `getattr` a message may call: the RPC pickler's own receiver classmethods."""
-    if owner is rpc_internal._InternalRPCPickler and name in _RECEIVERS:
-        return getattr(owner, name)
-    raise UnsafeMessageError(f"RPC message refused: it asks for attribute {name!r}")
-
-
-def _may_call(func: Any) -> bool:
-    """What a message may call while it is unpickled: the records it is built from, the RPC
-    pickler's receivers, plain builtin types and exception types. Nothing with effects."""
-    if func in (rpc_internal.PythonUDF, rpc_internal.RemoteException):
-        return True
-    pickler = rpc_internal._InternalRPCPickler
-    if any(func == getattr(pickler, name, None) for name in _RECEIVERS):
-        return True
-    if isinstance(func, type) and func.__module__ == "builtins":
-        return func.__name__ in _SAFE_BUILTINS or issubclass(func, BaseException)
-    return False
-
-
-_PyUnpickler: Any = pickle._Unpickler
-"""The pure-Python unpickler: its opcodes can be overridden one by one (the C one's cannot)."""
-
-
-class SafeUnpickler(_PyUnpickler):
-    """An unpickler that resolves only allow-listed globals, calls only harmless constructors
-    and sets state only on objects it built itself from this message.
-
-    - `find_class`: exact (module, qualified name) pairs from `_REFERENCES`, builtin value types
-      and exception types; no dotted names (protocol 4 would walk `module.a.b` to anything the
-      module imported), no other module.
-    - REDUCE / NEWOBJ / NEWOBJ_EX: only `_may_call` callables (a message cannot run
-      `save_stage` or build a `Stage` while being unpickled; the call it carries runs later,
-      after the RPC layer's own checks).
-    - BUILD: only on an object this message built, never on a class, function or module
-      global (the stage's auth state, `hmac.compare_digest`, ...).
-    - INST / OBJ (protocols 0-1 instance building): refused.
-
-    It is the pure-Python unpickler (`pickle._Unpickler`), whose opcodes can be overridden one
-    by one; RPC messages are small (tensors travel beside the pickle, not in it).
-    """
-
-    dispatch: ClassVar[dict[int, Callable[..., None]]] = dict(_PyUnpickler.dispatch)
-
-    def __init__(self, file: Any, **kwargs: Any) -> None:
-        super().__init__(file, **kwargs)
-        self._built: set[int] = set()
-        self._keep: list[Any] = []  # so that no id in _built is reused by another object
-
-    def find_class(self, module: str, name: str) -> Any:
-        if self.proto < 3 and self.fix_imports:  # Python 2 names, as protocols 0-2 write them
-            import _compat_pickle
-
-            if (module, name) in _compat_pickle.NAME_MAPPING:
-                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        if "." in name:
-            raise UnsafeMessageError(f"RPC message refused: it names {module}.{name}")
-        if module == "builtins":
-            if name == "getattr":  # classmethods are pickled as getattr(cls, name)
-                return _receiver
-            value = getattr(builtins, name, None)
-            if name in _SAFE_BUILTINS:
-                return value
-            if isinstance(value, type) and issubclass(value, BaseException):
-                return value  # remote exceptions are re-raised by type
-        elif (module, name) in _REFERENCES:
-            return super().find_class(module, name)
-        raise UnsafeMessageError(f"RPC message refused: it names {module}.{name}")
-
-    def _made(self, obj: Any) -> Any:
-        self._built.add(id(obj))
-        self._keep.append(obj)
-        return obj
-
-    def _load_reduce(self) -> None:
-        args = self.stack.pop()
-        func = self.stack[-1]
-        if func is not _receiver and not _may_call(func):
-            raise UnsafeMessageError(f"RPC message refused: it calls {func!r}")
-        self.stack[-1] = self._made(func(*args))
-
-    def _load_newobj(self) -> None:
-        args = self.stack.pop()
-        cls = self.stack[-1]
-        if not _may_call(cls):
-            raise UnsafeMessageError(f"RPC message refused: it builds {cls!r}")
-        self.stack[-1] = self._made(cls.__new__(cls, *args))
-
-    def _load_newobj_ex(self) -> None:
-        kwargs = self.stack.pop()
-        args = self.stack.pop()
-        cls = self.stack[-1]
-        if not _may_call(cls):
-            raise UnsafeMessageError(f"RPC message refused: it builds {cls!r}")
-        self.stack[-1] = self._made(cls.__new__(cls, *args, **kwargs))
-
-    def _load_build(self) -> None:
-        if id(self.stack[-2]) not in self._built:
-            raise UnsafeMessageError(
-                f"RPC message refused: it sets state on {type(self.stack[-2]).__name__}, "
-                "which it did not build"
-            )
-        super().load_build()
-
-    def _refuse_instance(self) -> None:
-        raise UnsafeMessageError("RPC message refused: it uses INST/OBJ instance building")
-
-    dispatch[pickle.REDUCE[0]] = _load_reduce
-    dispatch[pickle.NEWOBJ[0]] = _load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
-    dispatch[pickle.BUILD[0]] = _load_build
-    dispatch[pickle.INST[0]] = _refuse_instance
-    dispatch[pickle.OBJ[0]] = _refuse_instance
-
-
-def install_safe_unpickler() -> None:
-    """Make torch's RPC layer use `SafeUnpickler` in this process (idempotent)."""
-    rpc_internal._unpickler = SafeUnpickler
-
-
-def safe_loads(data: bytes) -> Any:
-    """Unpickle with the RPC allow-list (for tests and tools)."""
-    return SafeUnpickler(io.BytesIO(data)).load()
-
-
 # ---------------------------------------------------------------------------- authentication
 
 
@@ -231,34 +55,50 @@ def safe_loads(data: bytes) -> Any:
 class _AuthState:
     secret: bytes | None = None
     driver_proved: bool = False
-    nonce: bytes = b""
+    nonces: list[bytes] = field(default_factory=list)  # ours, awaiting a proof (newest last)
+    world_nonce: bytes = b""  # the driver's: fresh per world, the seed of the call-signing key
+    name: str = ""  # this process's worker name
 
 
+MAX_PENDING_NONCES = 8
 _auth = _AuthState()
 _auth_lock = threading.Lock()
 
 
 def stage_prove(driver_nonce: bytes) -> tuple[bytes, bytes]:
     """Stage side, step 1: our MAC over the driver's nonce, and a nonce for the driver to sign."""
+    if not isinstance(driver_nonce, bytes) or len(driver_nonce) != NONCE_BYTES:
+        raise ValueError("stage_prove takes a 32-byte nonce")
+    with _auth_lock:
+        secret = _auth.secret
+        if secret is None or _auth.driver_proved:  # one handshake per world
+            return b"", b""
+        # a few outstanding at once: a stranger asking too cannot spoil the driver's handshake
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        _auth.nonces = [*_auth.nonces, nonce][-MAX_PENDING_NONCES:]
+        return mac(secret, b"stage", _auth.name.encode(), driver_nonce, nonce), nonce
+
+
+def stage_accept_driver(proof: bytes, world_nonce: bytes) -> bool:
+    """Stage side, step 2: check the driver's MAC over our nonce and the world nonce; serve only
+    if it holds, and from then on sign and require signed calls under the world's key."""
+    if not isinstance(proof, bytes) or not isinstance(world_nonce, bytes):
+        raise ValueError("stage_accept_driver takes bytes")
     with _auth_lock:
         secret = _auth.secret
         if secret is None:
-            return b"", b""
-        _auth.nonce = secrets.token_bytes(NONCE_BYTES)
-        name = rpc.get_worker_info().name.encode()
-        return mac(secret, b"stage", name, driver_nonce, _auth.nonce), _auth.nonce
-
-
-def stage_accept_driver(proof: bytes) -> bool:
-    """Stage side, step 2: check the driver's MAC over our nonce; serve only if it holds."""
-    with _auth_lock:
-        secret, nonce = _auth.secret, _auth.nonce
-        if secret is None:
             _auth.driver_proved = True
             return True
-        ok = bool(nonce) and hmac.compare_digest(proof, mac(secret, b"driver", nonce))
-        _auth.nonce = b""  # one use
-        _auth.driver_proved = _auth.driver_proved or ok
+        if _auth.driver_proved:
+            return False  # one handshake per world
+        ok = len(world_nonce) == NONCE_BYTES and any(
+            hmac.compare_digest(proof, mac(secret, b"driver", nonce, world_nonce))
+            for nonce in _auth.nonces
+        )
+        if ok:
+            rpc_guard.set_world_key(world_nonce)
+            rpc_guard.start_signing()  # this call's own reply is the first signed message
+            _auth.driver_proved, _auth.nonces = True, []
         return ok
 
 
@@ -269,25 +109,47 @@ def require_driver() -> None:
 
 
 def authenticate_stages(secret: bytes | None, num_stages: int, *, timeout_s: float) -> None:
-    """Driver side: mutual challenge-response with every stage; raises if one fails."""
-    for rank in range(1, num_stages + 1):
-        name = stage_name(rank)
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        stage_mac, stage_nonce = rpc.rpc_sync(name, stage_prove, args=(nonce,), timeout=timeout_s)
-        if secret is not None:
-            expected = mac(secret, b"stage", name.encode(), nonce, stage_nonce)
-            if not stage_mac or not hmac.compare_digest(stage_mac, expected):
-                raise PermissionError(
-                    f"{name} could not prove the shared secret (cluster.secret / LAB_SECRET "
-                    f"differ, or it has none): stopping before sending it anything"
-                )
-            proof = mac(secret, b"driver", stage_nonce)
-        else:
-            if stage_mac:
-                raise PermissionError(f"{name} expects a shared secret and this driver has none")
-            proof = b""
-        if not rpc.rpc_sync(name, stage_accept_driver, args=(proof,), timeout=timeout_s):
-            raise PermissionError(f"{name} refused this driver's proof of the shared secret")
+    """Driver side: mutual challenge-response with every stage, one after the other; raises if
+    one fails. A stage that accepted signs and requires signed calls from then on, so the
+    driver signs everything once any stage has (the release at the end of a failed start
+    included; a stage not yet accepted then leaves when the driver does)."""
+    accepted = 0
+    try:
+        for rank in range(1, num_stages + 1):
+            _authenticate_stage(stage_name(rank), secret, _auth.world_nonce, timeout_s=timeout_s)
+            accepted += 1
+    finally:
+        if secret is not None and accepted:
+            rpc_guard.start_signing()
+
+
+def _authenticate_stage(
+    name: str, secret: bytes | None, world_nonce: bytes, *, timeout_s: float
+) -> None:
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    reply = rpc.rpc_sync(name, stage_prove, args=(nonce,), timeout=timeout_s)
+    if not (
+        isinstance(reply, tuple)
+        and len(reply) == 2
+        and all(isinstance(part, bytes) and len(part) <= 64 for part in reply)
+    ):
+        raise PermissionError(f"{name} answered the handshake with something else than 2 MACs")
+    stage_mac, stage_nonce = reply
+    if secret is not None:
+        expected = mac(secret, b"stage", name.encode(), nonce, stage_nonce)
+        if not stage_mac or not hmac.compare_digest(stage_mac, expected):
+            raise PermissionError(
+                f"{name} could not prove the shared secret (cluster.secret / LAB_SECRET "
+                f"differ, or it has none): stopping before sending it anything"
+            )
+        proof = mac(secret, b"driver", stage_nonce, world_nonce)
+    else:
+        if stage_mac:
+            raise PermissionError(f"{name} expects a shared secret and this driver has none")
+        proof = b""
+    accepted = rpc.rpc_sync(name, stage_accept_driver, args=(proof, world_nonce), timeout=timeout_s)
+    if accepted is not True:
+        raise PermissionError(f"{name} refused this driver's proof of the shared secret")
 
 
 # ---------------------------------------------------------------------------- the world
@@ -310,11 +172,79 @@ class World:
         return self.split.num_stages
 
 
+RENDEZVOUS_SCHEME = "labtcp"
+
+
+def _store_on_master_host(
+    url: str, timeout: timedelta = timedelta(seconds=300), **_: Any
+) -> Iterator[tuple[Any, int, int]]:
+    """torch's tcp:// rendezvous, except that rank 0's store listens on the master host only.
+
+    torch's own binds the store to every interface, whatever host the URL names: a loopback run
+    had its (unauthenticated) store reachable from the network.
+    """
+    import torch.distributed as dist
+
+    parts = urlparse(url)
+    query = parse_qs(parts.query)
+    rank, world_size = int(query["rank"][0]), int(query["world_size"][0])
+    host, port = parts.hostname or "127.0.0.1", int(parts.port or 0)
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+            listener.listen(128)
+        except OSError as exc:
+            listener.close()
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        store = dist.TCPStore(
+            host, port, world_size, True, timeout, master_listen_fd=listener.detach()
+        )
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout)
+    yield store, rank, world_size
+    raise RuntimeError("a split run's rendezvous cannot be repeated")
+
+
+def _register_rendezvous() -> None:
+    import torch.distributed as dist
+
+    with contextlib.suppress(RuntimeError):  # already registered in this process
+        dist.register_rendezvous_handler(RENDEZVOUS_SCHEME, _store_on_master_host)
+
+
+def _listen_on_loopback_for_a_loopback_master(master: Endpoint) -> None:
+    """TensorPipe listens on the interface of this host's name unless TP_SOCKET_IFNAME names
+    one: on a host whose name resolves to its LAN address, a loopback run was reachable from
+    the LAN. When the master is on loopback, so is every rank: listen there only."""
+    if os.environ.get("TP_SOCKET_IFNAME") or not _is_loopback(master.host):
+        return
+    import psutil
+
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses):
+            os.environ["TP_SOCKET_IFNAME"] = interface
+            return
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
+    host = f"[{world.master.host}]" if ":" in world.master.host else world.master.host
     return rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=world.split.rpc_threads,
         rpc_timeout=world.split.rpc_timeout_s,
-        init_method=f"tcp://{world.master.host}:{world.master.port}",
+        init_method=f"{RENDEZVOUS_SCHEME}://{host}:{world.master.port}",
         # TensorPipe's `uv` (TCP) transport, which is what crosses real hosts. Its default
         # on one host is shared memory, whose pollers cost more CPU than they save on a small
         # box: per-token latency of a 2-stage split over loopback halved with `uv` (2 cores).
@@ -353,8 +283,13 @@ def joined(
     `split.join_timeout_s` instead, or as soon as `check()` raises (a local stage process that
     died while the driver waited for it). Leaving is immediate (see the comment there).
     """
-    install_safe_unpickler()
-    _auth.secret, _auth.driver_proved, _auth.nonce = secret, False, b""
+    rpc_guard.install()
+    rpc_guard.reset(world.name, secret)
+    _auth.secret, _auth.driver_proved, _auth.nonces = secret, False, []
+    _auth.world_nonce, _auth.name = b"", world.name
+    if secret is not None and world.rank == 0:
+        _auth.world_nonce = secrets.token_bytes(NONCE_BYTES)
+        rpc_guard.set_world_key(_auth.world_nonce)
     log.info(
         "%s joining the RPC world on %s:%d (%d stages)",
         world.name,
@@ -389,6 +324,8 @@ def joined(
 
     threading.Thread(target=watch, daemon=True, name="rpc-join-watchdog").start()
     _forget_previous_world()
+    _register_rendezvous()
+    _listen_on_loopback_for_a_loopback_master(world.master)
     try:
         rpc.init_rpc(
             world.name,

@@ -23,8 +23,10 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
+from torch.distributed.optim.optimizer import _LocalOptimizer
 from torch.distributed.rpc import RRef
 
+from split_inference.rpc_guard import never_sent
 from split_inference.sharded import ShardedModel
 from split_inference.workers import StageLostError, require_driver
 from split_training.config import SplitTrainConfig
@@ -40,6 +42,10 @@ class StageAdamW(torch.optim.AdamW):
     A subclass on purpose: DistributedOptimizer swaps the stock AdamW for a TorchScript
     functional one whose state cannot be saved; this one keeps `state_dict()` (checkpoints).
     """
+
+
+never_sent(StageAdamW)
+never_sent(_LocalOptimizer)  # what DistributedOptimizer's RRefs point to: it holds the weights
 
 
 @dataclass

@@ -172,3 +172,59 @@ def test_4bit_asked_of_a_split_run_is_said_not_to_apply(compose_config, module: 
     )
     with pytest.warns(RuntimeWarning, match=rf"model.quantization=4bit is not applied by {module}"):
         assert run_roles(settings, module=module, run_driver=lambda s: {"ran": 1.0}) == {"ran": 1.0}
+
+
+def test_a_rank_without_the_secret_cannot_make_anyone_do_anything(
+    llama_folder: Path, tmp_path: Path
+) -> None:
+    """A stranger in the world (stage2 here, with no secret) calls stage1 after the driver has
+    authenticated it, and the driver during its handshake: every Python call is refused
+    unserved, then the driver stops the run because stage2 cannot prove the secret."""
+    import json
+    import sys
+
+    from lab.config import ClusterConfig, Endpoint
+    from lab.launch import Role, free_port, services
+    from split_inference.config import SplitConfig, SplitInferenceRunConfig
+    from split_inference.run import driving
+    from tests.split.conftest import model_config, stage_role
+
+    port, out = free_port(), tmp_path / "rogue.json"
+    honest = stage_role("split_inference", llama_folder, 1, port, tmp_path, num_stages=2, extra=[])
+    honest.env["LAB_SECRET"] = "shared"
+    rogue = Role(
+        "stage2",
+        [sys.executable, "-m", "tests.split.rogue_stage", str(port), str(out)],
+        service=True,
+    )
+    settings = SplitInferenceRunConfig(
+        model=model_config(llama_folder),
+        split=SplitConfig(num_stages=2, rpc_timeout_s=20, join_timeout_s=120),
+        cluster=ClusterConfig(master=Endpoint("127.0.0.1", port), secret="shared"),
+    )
+    with (
+        pytest.raises(PermissionError, match="stage2 could not prove the shared secret"),
+        services([honest, rogue], out=sys.stderr) as stages,
+        driving(settings, settings.split, stages=stages),
+    ):
+        pass
+    outcome = json.loads(out.read_text())
+    assert len(outcome) == 6
+    assert set(outcome.values()) == {"refused"}, outcome
+
+
+def test_a_loopback_run_listens_on_loopback_only(llama_folder: Path, tmp_path: Path) -> None:
+    """The rendezvous store (torch binds it to every interface) and TensorPipe's listeners
+    (torch picks the host name's interface) of a loopback run cannot be reached from outside."""
+    import ipaddress
+
+    with rpc_world(llama_folder, tmp_path):
+        me = psutil.Process()
+        listening = [
+            conn.laddr
+            for proc in (me, *me.children(recursive=True))
+            for conn in proc.net_connections(kind="inet")
+            if conn.status == psutil.CONN_LISTEN
+        ]
+    assert listening
+    assert all(ipaddress.ip_address(addr.ip).is_loopback for addr in listening), listening

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.distributed.rpc import internal as rpc_internal
 
-from split_inference import workers
-from split_inference.workers import UnsafeMessageError, install_safe_unpickler, safe_loads
+from split_inference import rpc_guard
+from split_inference.rpc_guard import UnsafeMessageError, safe_loads
 
 
 class RunsCommand:
@@ -47,7 +47,8 @@ def test_an_arbitrary_class_is_refused() -> None:
 
 def test_what_split_runs_send_still_goes_through() -> None:
     """Tensors (via the RPC pickler's tensor table), plain data and exceptions."""
-    install_safe_unpickler()
+    rpc_guard.install()
+    rpc_guard.reset("driver", None)
     x = torch.arange(6).view(2, 3)
     kwargs = {"request": 3, "last_only": True}
     data, tensors = rpc_internal.serialize({"x": x, "kwargs": kwargs})
@@ -91,7 +92,7 @@ def _build(target: bytes, state: dict[str, str]) -> bytes:
     return target + pickle.NONE + state_dict + pickle.TUPLE2 + pickle.BUILD
 
 
-ALLOWED_MODULES = sorted({module for module, _ in workers._REFERENCES} | {"builtins"})
+ALLOWED_MODULES = sorted({module for module, _ in rpc_guard._REFERENCES} | {"builtins"})
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -112,9 +113,10 @@ def test_dotted_names_under_an_allowed_module_are_refused(
     ("module", "name"),
     [
         ("split_inference.workers", "_auth"),  # the stage's "driver proved the secret" state
+        ("split_inference.rpc_guard", "_calls"),  # the call-signing key and replay windows
         ("split_inference.workers", "hmac"),
         ("split_inference.workers", "os"),
-        ("split_inference.workers", "install_safe_unpickler"),
+        ("split_inference.rpc_guard", "install"),
         ("split_inference.stage", "torch"),
         ("split_training.trainer", "Path"),
         ("torch.distributed.rpc.internal", "_internal_rpc_pickler"),

@@ -28,7 +28,14 @@ def main(folder: Path, num_stages: int, steps: int, out: Path, export_dir: Path)
     split = SplitTrainConfig(num_stages=num_stages, **SPLIT_SETTINGS)
     with (
         tempfile.TemporaryDirectory() as run_dir,
-        rpc_world(folder, Path(run_dir), num_stages=num_stages),
+        # with a secret: every call of the run, stage-to-stage ones included, is signed
+        rpc_world(
+            folder,
+            Path(run_dir),
+            num_stages=num_stages,
+            stage_env={"LAB_SECRET": "tied"},
+            driver_secret="tied",
+        ),
     ):
         trainer = DistributedTrainer(
             ShardedModel.build(model_config(folder), split, training=True), split

@@ -1,0 +1,60 @@
+"""A rogue rank without the shared secret, for tests: `python -m tests.split.rogue_stage PORT OUT`.
+
+It joins a split world as stage2 (the rendezvous store lets anyone in) with no secret. When the
+driver starts its handshake with it (after stage1 has proved the secret and been accepted), it
+first tries to make stage1 and the driver do things, records what each attempt got in OUT (JSON),
+then answers the handshake as a stage without the secret would. The driver then stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def attack(out: Path, honest_prove) -> None:
+    import torch.distributed.rpc as rpc
+
+    from split_inference import stage, workers
+
+    attempts = {
+        "release stage1": ("stage1", workers.release_stage, ()),
+        "read stage1's free memory": ("stage1", workers.free_memory_bytes, ()),
+        "describe a model on stage1": ("stage1", stage.describe_model, ({},)),
+        "handshake again with stage1": ("stage1", honest_prove, (b"n" * 32,)),
+        "send stage1 a proof": ("stage1", workers.stage_accept_driver, (b"p" * 32, b"w" * 32)),
+        "release the driver's peer": ("driver", workers.release_stage, ()),
+    }
+    outcome = {}
+    for what, (to, func, args) in attempts.items():
+        try:
+            value = rpc.rpc_sync(to, func, args=args, timeout=20)
+            outcome[what] = f"served: {value!r}"
+        except Exception as exc:
+            outcome[what] = "refused" if "refused" in str(exc) else f"failed: {exc}"
+    out.write_text(json.dumps(outcome, indent=1))
+
+
+def main(port: int, out: Path) -> None:
+    from lab.config import Endpoint
+    from split_inference import workers
+    from split_inference.config import SplitConfig
+
+    honest_prove = workers.stage_prove
+
+    def prove_after_attacking(driver_nonce: bytes) -> tuple[bytes, bytes]:
+        workers.stage_prove = honest_prove  # pickled by name when we call it on stage1
+        attack(out, honest_prove)
+        return honest_prove(driver_nonce)
+
+    workers.stage_prove = prove_after_attacking  # what the driver's handshake call runs here
+    world = workers.World(
+        2, Endpoint("127.0.0.1", port), SplitConfig(num_stages=2, rpc_timeout_s=20)
+    )
+    with workers.joined(world, secret=None):
+        workers.serve_until_released(ping_s=1.0, timeout_s=20)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), Path(sys.argv[2]))

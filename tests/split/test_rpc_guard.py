@@ -1,0 +1,194 @@
+"""Signed RPC calls: with a shared secret, a message without the world key's MAC is refused.
+
+These run torch's own RPC pickling (`rpc_internal.serialize` / `deserialize`, what TensorPipe
+calls for every Python message) in one process, switching `rpc_guard`'s state between the
+sender's and the receiver's as two processes would hold it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import pytest
+import torch
+from torch.distributed.rpc import internal as rpc_internal
+
+from split_inference import rpc_guard, workers
+from split_inference.rpc_guard import UnsafeMessageError
+
+SECRET = b"shared secret"
+WORLD = secrets.token_bytes(32)
+
+
+@pytest.fixture(autouse=True)
+def _guard():
+    rpc_guard.install()
+    yield
+    rpc_guard.reset("", None)
+
+
+def as_process(name: str, secret: bytes | None, *, world: bytes | None = WORLD, signing=True):
+    """Put rpc_guard in the state a process named `name` holds after its handshake."""
+    rpc_guard.reset(name, secret)
+    if secret is not None and world is not None:
+        rpc_guard.set_world_key(world)
+        if signing:
+            rpc_guard.start_signing()
+
+
+def call(func, *args) -> tuple[bytes, list[torch.Tensor]]:
+    return rpc_internal.serialize(rpc_internal.PythonUDF(func, args, {}))
+
+
+def receive(message: tuple[bytes, list[torch.Tensor]]):
+    return rpc_internal.deserialize(*message)
+
+
+def test_a_signed_call_with_tensors_goes_through() -> None:
+    as_process("driver", SECRET)
+    x = torch.randn(2, 3)
+    message = call(workers.stage_alive, x, {"n": 1})
+    as_process("stage1", SECRET)
+    udf = receive(message)
+    assert udf.func is workers.stage_alive
+    assert torch.equal(udf.args[0], x) and udf.args[1] == {"n": 1}
+
+
+def test_without_a_secret_calls_travel_unsigned_and_are_served() -> None:
+    as_process("driver", None)
+    message = call(workers.release_stage)
+    as_process("stage1", None)
+    assert receive(message).func is workers.release_stage
+
+
+def test_a_changed_byte_of_the_pickle_is_refused() -> None:
+    as_process("driver", SECRET)
+    data, tensors = call(workers.stage_alive, "aaaa")
+    tampered = data.replace(b"aaaa", b"aaab")
+    assert tampered != data
+    as_process("stage1", SECRET)
+    with pytest.raises(UnsafeMessageError, match="without a valid MAC"):
+        receive((tampered, tensors))
+
+
+def test_a_swapped_tensor_shape_is_refused() -> None:
+    as_process("driver", SECRET)
+    data, _ = call(workers.stage_alive, torch.zeros(4, 4))
+    as_process("stage1", SECRET)
+    with pytest.raises(UnsafeMessageError, match="without a valid MAC"):
+        receive((data, [torch.zeros(4096, 4096)]))
+
+
+def test_a_replayed_message_is_refused() -> None:
+    as_process("driver", SECRET)
+    message = call(workers.release_stage)
+    as_process("stage1", SECRET)
+    receive(message)
+    with pytest.raises(UnsafeMessageError, match="replayed"):
+        receive(message)
+
+
+def test_messages_out_of_order_are_served_once_each() -> None:
+    as_process("driver", SECRET)
+    first, second, third = (call(workers.stage_alive, i) for i in range(3))
+    as_process("stage1", SECRET)
+    assert [receive(m).args for m in (third, first, second)] == [(2,), (0,), (1,)]
+    with pytest.raises(UnsafeMessageError, match="replayed"):
+        receive(first)
+
+
+@pytest.mark.parametrize(
+    ("sender_secret", "sender_world"),
+    [(b"another secret", WORLD), (SECRET, secrets.token_bytes(32))],
+    ids=["another-secret", "another-world"],
+)
+def test_a_message_signed_under_another_key_is_refused(sender_secret, sender_world) -> None:
+    """A stranger's secret, or the same secret in an earlier run (a recorded message)."""
+    as_process("driver", sender_secret, world=sender_world)
+    message = call(workers.release_stage)
+    as_process("stage1", SECRET)
+    with pytest.raises(UnsafeMessageError, match="without a valid MAC"):
+        receive(message)
+
+
+def test_once_signing_an_unsigned_message_is_refused_even_a_start_up_call() -> None:
+    as_process("rogue", None)
+    messages = [call(workers.release_stage), call(workers.stage_accept_driver, b"x", b"y")]
+    as_process("stage1", SECRET)
+    for message in messages:
+        with pytest.raises(UnsafeMessageError, match="unsigned message from rogue"):
+            receive(message)
+
+
+def test_before_the_handshake_only_start_up_calls_are_served_unsigned() -> None:
+    as_process("rogue", None)
+    handshake = call(workers.stage_prove, b"n" * 32)
+    release = call(workers.release_stage)
+    as_process("stage1", SECRET, world=None)
+    assert receive(handshake).func is workers.stage_prove
+    with pytest.raises(UnsafeMessageError, match="unsigned call to 'release_stage'"):
+        receive(release)
+
+
+def test_a_signed_message_to_a_process_without_a_secret_says_what_to_fix() -> None:
+    as_process("driver", SECRET)
+    message = call(workers.release_stage)
+    as_process("stage1", None)
+    with pytest.raises(UnsafeMessageError, match=r"set the same cluster\.secret"):
+        receive(message)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\x80\x05N.", b"LRPC", b"XRPC\x01\x00" + bytes(9)],
+    ids=["empty", "bare-pickle", "truncated-envelope", "bad-magic"],
+)
+def test_a_message_without_an_envelope_is_refused(data: bytes) -> None:
+    as_process("stage1", SECRET)
+    with pytest.raises(UnsafeMessageError, match="envelope"):
+        receive((data, []))
+
+
+def test_a_sender_name_cannot_forge_log_lines(caplog) -> None:
+    rpc_guard.reset("rogue\nCRITICAL fake line", None)
+    message = call(workers.release_stage)
+    as_process("stage1", SECRET)
+    with caplog.at_level(logging.WARNING), pytest.raises(UnsafeMessageError):
+        receive(message)
+    assert caplog.records and all("\n" not in r.getMessage() for r in caplog.records)
+
+
+def test_a_stage_and_its_optimizer_are_never_pickled_for_a_peer() -> None:
+    """TensorPipe serves RRef fetches in C++: the value must refuse to travel."""
+    from torch.distributed.optim.optimizer import _LocalOptimizer
+
+    from split_inference.stage import Stage
+    from split_training.trainer import StageAdamW
+
+    as_process("stage1", SECRET)
+    for cls in (Stage, StageAdamW, _LocalOptimizer):
+        with pytest.raises(TypeError, match="never leaves"):
+            rpc_internal.serialize(cls.__new__(cls))
+
+
+def test_the_stage_handshake_sets_the_key_only_for_the_right_proof() -> None:
+    """The driver's proof binds the world nonce: a changed nonce is refused, and one handshake
+    per world (a second proof, even a right one, is not taken)."""
+    from netproto.auth import mac
+
+    rpc_guard.reset("stage1", SECRET)
+    workers._auth.secret, workers._auth.driver_proved, workers._auth.name = SECRET, False, "stage1"
+    try:
+        _, stage_nonce = workers.stage_prove(b"d" * 32)
+        assert not workers.stage_accept_driver(
+            mac(SECRET, b"driver", stage_nonce, WORLD), b"w" * 32
+        )
+        _, stage_nonce = workers.stage_prove(b"d" * 32)
+        assert workers.stage_accept_driver(mac(SECRET, b"driver", stage_nonce, WORLD), WORLD)
+        assert rpc_guard._calls.signing and rpc_guard._calls.key == rpc_guard.world_key(
+            SECRET, WORLD
+        )
+        assert not workers.stage_accept_driver(mac(SECRET, b"driver", stage_nonce, WORLD), WORLD)
+    finally:
+        workers._auth.secret, workers._auth.driver_proved = None, False
