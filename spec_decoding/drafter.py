@@ -154,7 +154,9 @@ class Drafter:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _open(self, prompt: list[int], seed: int) -> tuple[CachedDecoder, Generation]:
+    def _open(
+        self, prompt: list[int], seed: int, max_new_tokens: int
+    ) -> tuple[CachedDecoder, Generation]:
         started = time.perf_counter()
         opened = self._request(
             SpecMsg.OPEN,
@@ -165,6 +167,7 @@ class Drafter:
                 "seed": seed,
                 "vocab_hash": self.vocab_hash,
                 "pipeline": self.pipeline,
+                "max_new_tokens": max_new_tokens,
             },
             expect=SpecMsg.OPENED,
         )
@@ -181,7 +184,7 @@ class Drafter:
         )
 
     def _generate_rounds(self, prompt: list[int], *, max_new_tokens: int, seed: int) -> Generation:
-        decoder, result = self._open(prompt, seed)
+        decoder, result = self._open(prompt, seed, max_new_tokens)
         generator = torch.Generator().manual_seed(seed + 1)
         while len(result.tokens) < max_new_tokens:
             round_started = time.perf_counter()
@@ -227,7 +230,7 @@ class Drafter:
         follows prompt + confirmed + inflight. A rejection rewinds it to the confirmed tokens
         plus the verifier's correction and starts the next epoch.
         """
-        decoder, result = self._open(prompt, seed)
+        decoder, result = self._open(prompt, seed, max_new_tokens)
         self.gamma.observe_rtt(result.open_rtt_s)  # until verdicts give cleaner samples
         generator = torch.Generator()
         flight = _Flight(confirmed=result.tokens)

@@ -44,6 +44,15 @@ class BadRequest(ValueError):
     """A drafter's request that the protocol carried but that makes no sense."""
 
 
+def session_cap(config: Any) -> int:
+    """Most tokens a session may span: the target's context (its position limit), at most
+    MAX_SESSION_TOKENS."""
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and context > 0:
+        return min(MAX_SESSION_TOKENS, context)
+    return MAX_SESSION_TOKENS
+
+
 def _check_tokens(tokens: list[Any], vocab_size: int, what: str) -> list[int]:
     if not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
         raise BadRequest(f"{what} holds token ids outside 0..{vocab_size - 1}")
@@ -96,7 +105,7 @@ class Verifier:
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
         self.vocab_hash = vocab_hash(tokenizer)
-        self.max_tokens = MAX_SESSION_TOKENS
+        self.max_tokens = session_cap(model.config)
         self.sessions_opened = 0
         self.active_sessions = 0
         self._lock = threading.Lock()
@@ -139,7 +148,11 @@ class Verifier:
                 session = _Session.open(self, message.payload)
                 conn.send_msg(
                     SpecMsg.OPENED,
-                    {"vocab_size": self.vocab_size, "prefill_ms": session.prefill_ms},
+                    {
+                        "vocab_size": self.vocab_size,
+                        "prefill_ms": session.prefill_ms,
+                        "max_tokens": self.max_tokens,
+                    },
                     request_id=message.request_id,
                 )
             elif message.type == SpecMsg.DRAFT:
@@ -232,7 +245,10 @@ class _Session:
                 "the draft model's tokenizer differs from the target's; "
                 "speculative decoding needs both to share one vocabulary"
             )
-        prompt = _prompt(body, verifier, room=1)
+        planned = body.get("max_new_tokens", 1)  # optional: lets a too long plan fail at once
+        if type(planned) is not int or not 1 <= planned <= verifier.max_tokens:
+            raise BadRequest(f"max_new_tokens must be an int in 1..{verifier.max_tokens}")
+        prompt = _prompt(body, verifier, room=planned)
         pipeline = body.get("pipeline", False)
         if not isinstance(pipeline, bool):
             raise BadRequest("pipeline must be true or false")

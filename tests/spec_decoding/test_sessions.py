@@ -11,7 +11,7 @@ import torch
 from netproto import Connection, RemoteError
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.protocol import SpecMsg
-from spec_decoding.verifier import vocab_hash
+from spec_decoding.verifier import MAX_SESSION_TOKENS, vocab_hash
 
 
 def test_rollback_leaves_the_same_state_as_recomputation(target) -> None:
@@ -89,6 +89,9 @@ def test_draft_before_open_closes_that_session_only(verifier_server, tokenizer) 
         ({"prompt": []}, "does not fit a session"),
         ({"temperature": -1}, "temperature"),
         ({"vocab_hash": "not-the-same"}, "tokenizer differs"),
+        ({"max_new_tokens": "10"}, "max_new_tokens must be an int"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an int"),
+        ({"max_new_tokens": 10**6}, "max_new_tokens must be an int"),
     ],
 )
 def test_bad_open_is_refused_with_a_reason(verifier_server, tokenizer, body, error) -> None:
@@ -389,6 +392,29 @@ def test_a_q_that_would_make_the_verifier_accept_anything_is_refused(
             conn.request(SpecMsg.DRAFT, payload, expect=SpecMsg.VERDICT)
 
     _refused(verifier_server, tokenizer, send, error)
+
+
+def test_sessions_are_capped_at_the_targets_context(verifier_server, tokenizer) -> None:
+    """Past its position limit a model computes garbage (RoPE) or fails (learned positions)."""
+    context = verifier_server.verifier.model.config.max_position_embeddings
+    assert verifier_server.verifier.max_tokens == min(context, MAX_SESSION_TOKENS)
+    with Connection.connect(*verifier_server.address) as conn:
+        opened = conn.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED).payload
+        assert opened["max_tokens"] == verifier_server.verifier.max_tokens
+
+
+def test_a_plan_longer_than_the_context_fails_at_open(
+    verifier_server, make_drafter, drafts
+) -> None:
+    """The drafter says how many tokens it will ask for: too many fails before any work."""
+    cap = verifier_server.verifier.max_tokens
+    drafter = make_drafter(drafts["noisy"])
+    with pytest.raises(RemoteError, match=f"3 tokens with {cap - 2} more to come does not fit"):
+        drafter.generate([1, 2, 3], max_new_tokens=cap - 2)
+    for pipeline in (False, True):  # a plan that fits runs to its end, both ways
+        drafter = make_drafter(drafts["noisy"], temperature=0.8, pipeline=pipeline)
+        fits = drafter.generate([1, 2, 3], max_new_tokens=cap - 3)
+        assert 0 < len(fits.tokens) <= cap - 3
 
 
 def test_a_session_cannot_grow_past_its_cap(verifier_server, tokenizer, monkeypatch) -> None:
