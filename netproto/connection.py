@@ -27,6 +27,7 @@ from netproto.errors import (
     NetTimeout,
     PeerProtocolError,
     RemoteError,
+    peer_text,
 )
 from netproto.wire import (
     AUTH_LIMITS,
@@ -113,6 +114,7 @@ class Connection:
         self._request_ids = itertools.count(1)
         self._closed = False
         self._in_handshake = False
+        self._deadline: float | None = None  # monotonic; set while the handshake runs
         self.peer = peer or _peer_name(sock)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -140,7 +142,11 @@ class Connection:
         limits: Limits = Limits(),
         registry: Registry = REGISTRY,
     ) -> Connection:
-        """Connect (TLS when `ssl_context`), authenticate when `secret`, return the connection."""
+        """Connect (TLS when `ssl_context`), authenticate when `secret`, return the connection.
+
+        `connect_timeout_s` bounds all of it together: TCP connect, TLS and the handshake.
+        """
+        deadline = time.monotonic() + connect_timeout_s
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout_s)
         except TimeoutError:
@@ -153,18 +159,17 @@ class Connection:
             ) from None
         try:
             if ssl_context is not None:
-                sock = ssl_context.wrap_socket(sock, server_hostname=server_hostname or host)
+                sock = ssl_context.wrap_socket(
+                    sock, server_hostname=server_hostname or host, do_handshake_on_connect=False
+                )
             conn = cls(
                 sock,
                 limits=limits,
-                read_timeout_s=connect_timeout_s,
+                read_timeout_s=read_timeout_s,
                 registry=registry,
                 peer=f"{host}:{port}",
             )
-            if secret:
-                conn._handshake(auth.client_handshake, secret)
-            conn._read_timeout_s = read_timeout_s
-            sock.settimeout(read_timeout_s)
+            conn._establish(secret=secret, server_side=False, deadline=deadline)
             return conn
         except BaseException:
             sock.close()
@@ -182,25 +187,83 @@ class Connection:
         limits: Limits = Limits(),
         registry: Registry = REGISTRY,
     ) -> Connection:
-        """Server side of a freshly accepted socket: TLS, then the handshake when `secret`."""
-        sock.settimeout(handshake_timeout_s)
-        if ssl_context is not None:
-            sock = ssl_context.wrap_socket(sock, server_side=True)
-        conn = cls(sock, limits=limits, read_timeout_s=handshake_timeout_s, registry=registry)
-        if secret:
-            conn._active_limits = AUTH_LIMITS  # a stranger may send a handshake, nothing bigger
-            conn._handshake(auth.server_handshake, secret)
-            conn._active_limits = limits
-        conn._read_timeout_s = read_timeout_s
-        sock.settimeout(read_timeout_s)
+        """Server side of a freshly accepted socket: TLS, then the handshake when `secret`.
+
+        `handshake_timeout_s` is one deadline for both: a peer sending a byte at a time cannot
+        stretch it. (`accepted` + `handshake_as_server`, for a caller that needs the connection
+        before the handshake, e.g. to interrupt it.)
+        """
+        conn = cls.accepted(
+            sock,
+            ssl_context=ssl_context,
+            read_timeout_s=read_timeout_s,
+            limits=limits,
+            registry=registry,
+        )
+        try:
+            conn.handshake_as_server(secret=secret, timeout_s=handshake_timeout_s)
+        except BaseException:
+            conn._abort()
+            raise
         return conn
 
-    def _handshake(self, step: Any, secret: bytes) -> None:
+    @classmethod
+    def accepted(
+        cls,
+        sock: socket.socket,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        read_timeout_s: float | None = 60.0,
+        limits: Limits = Limits(),
+        registry: Registry = REGISTRY,
+    ) -> Connection:
+        """A connection over a freshly accepted socket, TLS-wrapped but with no I/O done yet:
+        call `handshake_as_server` before anything else."""
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return cls(sock, limits=limits, read_timeout_s=read_timeout_s, registry=registry)
+
+    def handshake_as_server(self, *, secret: bytes | None, timeout_s: float) -> None:
+        """TLS's handshake (when TLS), then the shared-secret one (when `secret`), all within
+        `timeout_s`. Raises on failure (the caller closes the connection)."""
+        self._establish(secret=secret, server_side=True, deadline=time.monotonic() + timeout_s)
+
+    def _establish(self, *, secret: bytes | None, server_side: bool, deadline: float) -> None:
+        """Run the handshakes before `deadline`; until they are done the peer is a stranger:
+        frames capped at AUTH_LIMITS, no pings answered, nothing but the handshake's frames."""
         self._in_handshake = True
+        self._deadline = deadline
         try:
-            step(self, secret)
+            if isinstance(self._sock, ssl.SSLSocket):
+                self._arm_deadline()
+                try:
+                    # CPython counts the socket timeout as one deadline for the whole call
+                    self._sock.do_handshake()
+                except TimeoutError:
+                    self._abort()
+                    raise NetTimeout(
+                        f"TLS handshake with {self.peer} did not finish in time"
+                    ) from None
+            if secret:
+                self._active_limits = AUTH_LIMITS  # nothing bigger than a handshake frame
+                if server_side:
+                    auth.server_handshake(self, secret)
+                else:
+                    auth.client_handshake(self, secret)
+                self._active_limits = self._limits
         finally:
             self._in_handshake = False
+            self._deadline = None
+        self._sock.settimeout(self._read_timeout_s)
+
+    def _arm_deadline(self) -> None:
+        """During the handshake: the next socket call may wait only for the time left."""
+        assert self._deadline is not None
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            self._abort()
+            raise NetTimeout(f"handshake with {self.peer} did not finish in time")
+        self._sock.settimeout(left)
 
     # ------------------------------------------------------------ sending
 
@@ -220,6 +283,8 @@ class Connection:
         with self._send_lock:
             if self._closed:
                 raise ConnectionClosed(f"connection to {self.peer} is closed")
+            if self._deadline is not None:
+                self._arm_deadline()
             try:
                 sent = self._sendall(buffers)
             except OSError as exc:  # a half-sent frame cannot be taken back: close
@@ -297,6 +362,9 @@ class Connection:
     ) -> Message:
         """The next message. Answers PINGs by itself; an ERROR from the peer raises RemoteError.
 
+        During the handshake nothing is handled by itself: a frame the handshake does not
+        expect ends it (no PING keeps a stranger connected).
+
         `expect`: the type(s) the caller can handle; anything else is the peer breaking the
         protocol (PeerProtocolError, connection closed). `timeout_s` overrides the read timeout
         for this call; NetTimeout when nothing arrives in time (the connection stays usable if
@@ -314,18 +382,27 @@ class Connection:
                 message = self._recv_frame()
                 if expected is not None and message.type in expected:
                     return message
+                if message.type == MsgType.ERROR:
+                    body = message.payload
+                    raise RemoteError(str(body.get("code", "error")), str(body.get("message", "")))
+                if self._in_handshake:
+                    if expected is None:  # the server's first frame: its handshake refuses it
+                        return message
+                    raise self._fail(
+                        PeerProtocolError(
+                            f"{self.peer} sent {self._registry.name(message.type)} during the "
+                            f"handshake, where {self._expected_names(expected)} was expected"
+                        )
+                    )
                 if message.type == MsgType.PING:
                     self.send(MsgType.PONG, request_id=message.request_id)
                     continue
                 if message.type == MsgType.PONG:
                     continue
-                if message.type == MsgType.ERROR:
-                    body = message.payload
-                    raise RemoteError(str(body.get("code", "error")), str(body.get("message", "")))
                 if message.type == MsgType.BYE:
                     self._abort()
                     raise ConnectionClosed(f"{self.peer} closed the connection")
-                if message.type in _AUTH_TYPES and not self._in_handshake:
+                if message.type in _AUTH_TYPES:
                     self.send_error(
                         "auth_not_configured",
                         "this side has no shared secret "
@@ -337,11 +414,10 @@ class Connection:
                         )
                     )
                 if expected is not None:
-                    names = sorted(self._registry.name(t) for t in expected)
                     raise self._fail(
                         PeerProtocolError(
                             f"{self.peer} sent {self._registry.name(message.type)} where "
-                            f"{' or '.join(names)} was expected"
+                            f"{self._expected_names(expected)} was expected"
                         )
                     )
                 return message
@@ -349,6 +425,9 @@ class Connection:
             if timeout_s is not _UNSET and not self._closed:
                 with contextlib.suppress(OSError):
                     self._sock.settimeout(self._read_timeout_s)
+
+    def _expected_names(self, expected: Collection[int]) -> str:
+        return " or ".join(sorted(self._registry.name(t) for t in expected))
 
     def readable(self, timeout_s: float = 0.0) -> bool:
         """Whether a message has begun to arrive (or the peer closed), waiting up to `timeout_s`.
@@ -436,6 +515,8 @@ class Connection:
         got, size, recv_into = 0, view.nbytes, self._sock.recv_into
         try:
             while got < size:
+                if self._deadline is not None:
+                    self._arm_deadline()
                 count = recv_into(view[got:])
                 if not count:
                     break
@@ -451,6 +532,8 @@ class Connection:
 
     def _recv_some(self, view: memoryview, *, started: bool) -> int:
         """One recv_into; `started`: bytes of this frame already arrived (EOF = truncation)."""
+        if self._deadline is not None:
+            self._arm_deadline()
         try:
             count = self._sock.recv_into(view)
         except OSError as exc:
@@ -466,6 +549,9 @@ class Connection:
         """The error to raise for a socket failure. A timeout between frames leaves the
         connection usable; anything else (or a timeout mid-frame) closes it."""
         if isinstance(exc, TimeoutError):
+            if self._deadline is not None:
+                self._abort()
+                return NetTimeout(f"handshake with {self.peer} did not finish in time")
             if mid_frame:  # the stream cannot be resynchronised
                 self._abort()
             return NetTimeout(f"{self.peer} did not answer within the timeout")
@@ -473,8 +559,11 @@ class Connection:
         return ConnectionClosed(f"connection to {self.peer} lost: {exc.strerror or exc}")
 
     def _fail(self, error: PeerProtocolError) -> PeerProtocolError:
-        """The peer broke the protocol: tell it why (best effort) and close this connection."""
-        log.warning("closing connection to %s: %s", self.peer, error)
+        """The peer broke the protocol: tell it why (best effort) and close this connection.
+
+        Logged at debug only: the error is raised, and whoever catches it (the server: one
+        warning per session) reports it once."""
+        log.debug("closing connection to %s: %s", self.peer, peer_text(error))
         self.send_error("protocol_error", str(error))
         self._abort()
         return error
@@ -519,6 +608,13 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def interrupt(self) -> None:
+        """From another thread: shut the socket down, so that whatever this connection's own
+        thread is waiting on (a recv, the TLS or shared-secret handshake) ends at once."""
+        with contextlib.suppress(OSError):
+            # the plain socket's shutdown: SSLSocket's own drops its TLS state under the reader
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
 
     def _abort(self) -> None:
         self._closed = True

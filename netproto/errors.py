@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
+MAX_PEER_TEXT_CHARS = 2000
+"""Longest text from a peer that reaches an exception message or a log line."""
+
+
+def peer_text(text: object, *, limit: int = MAX_PEER_TEXT_CHARS) -> str:
+    """`text` made safe to log: capped at `limit` characters, control characters (newlines
+    included) and other unprintable ones shown escaped, so a peer cannot forge a log line."""
+    text = str(text)
+    shown = text[:limit]
+    if not shown.isprintable():
+        shown = "".join(
+            char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+            for char in shown
+        )
+    if len(shown) < len(text) or len(shown) > limit:
+        return shown[:limit] + "..."
+    return shown
+
 
 class NetprotoError(Exception):
     """Base of every netproto error."""
@@ -34,9 +52,11 @@ class AuthenticationError(NetprotoError):
 
 
 class RemoteError(NetprotoError):
-    """The peer answered with an ERROR message: it refused or failed our request."""
+    """The peer answered with an ERROR message: it refused or failed our request.
+
+    `code` and `message` are the peer's text, escaped (see `peer_text`): safe to log."""
 
     def __init__(self, code: str, message: str) -> None:
-        self.code = code
-        self.message = message
-        super().__init__(f"peer error [{code}]: {message}")
+        self.code = peer_text(code, limit=100)
+        self.message = peer_text(message)
+        super().__init__(f"peer error [{self.code}]: {self.message}")

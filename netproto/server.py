@@ -3,30 +3,78 @@
 A session is a plain function `handler(conn)` that loops on `conn.recv()`. Whatever goes wrong
 in one session (a malformed frame, a failed handshake, a bug in the handler) closes that
 connection only; the server and every other session keep going.
+
+Strangers cannot crowd peers out. A session is unauthenticated until its handshake (TLS when
+configured, then the shared secret when configured) is done, within `handshake_timeout_s` of
+its connection in all. At most `max_unauthenticated` such sessions are open at once, and when a
+newcomer finds no room an unauthenticated session is dropped for it (the oldest that has sent
+nothing, else the oldest); a newcomer is refused only when every open session is
+authenticated. With a secret or TLS the client speaks
+first, so a connection gets its thread only once its first bytes arrive: an idle stranger
+costs a file descriptor, not a thread. (Without a secret or TLS every session is authenticated
+at once: see the README on what an open server accepts.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import ssl
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from netproto.connection import Connection
-from netproto.errors import AuthenticationError, ConnectionClosed, NetprotoError, NetTimeout
-from netproto.listener import accept_until, listen
+from netproto.errors import (
+    AuthenticationError,
+    ConnectionClosed,
+    NetprotoError,
+    NetTimeout,
+    peer_text,
+)
+from netproto.listener import POLL_S, Acceptor, listen
 from netproto.wire import REGISTRY, Limits, Registry
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Connection], None]
 
+CROWDING_LOG_INTERVAL_S = 10.0
+"""Drops and refusals are summed up in one warning at most this often (a debug line each)."""
+
+
+@dataclass(eq=False)
+class _Session:
+    sock: socket.socket
+    accepted_at: float
+    thread: threading.Thread | None = None
+    """None while the connection waits, silent, in the accept loop's selector."""
+    conn: Connection | None = None
+    """Set once the socket is wrapped (TLS replaces the socket `sock` names)."""
+    evicted: bool = False
+
+    def interrupt(self) -> None:
+        """Make the session's thread stop waiting (on its handshake, or its peer)."""
+        if self.conn is not None:
+            self.conn.interrupt()
+        else:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+
 
 class Server:
-    """Listens on host:port (port 0: any free port; see `.address`) and runs `handler` per peer."""
+    """Listens on host:port (port 0: any free port; see `.address`) and runs `handler` per peer.
+
+    Counters (read them, e.g. from a benchmark): `sessions_started` (connections admitted),
+    `sessions_authenticated` (handshake done), `sessions_failed` (ended by an error, a handshake
+    timeout included), `sessions_evicted` (unauthenticated, dropped to make room),
+    `sessions_refused` (closed at once: no slot could be freed).
+    """
 
     def __init__(
         self,
@@ -40,9 +88,16 @@ class Server:
         read_timeout_s: float | None = 60.0,
         handshake_timeout_s: float = 10.0,
         max_connections: int = 256,
+        max_unauthenticated: int = 64,
         registry: Registry = REGISTRY,
         name: str = "netproto",
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections={max_connections} must be >= 1")
+        if max_unauthenticated < 1:
+            raise ValueError(f"max_unauthenticated={max_unauthenticated} must be >= 1")
+        if handshake_timeout_s <= 0:
+            raise ValueError(f"handshake_timeout_s={handshake_timeout_s} must be > 0")
         self.handler = handler
         self.secret = secret
         self.ssl_context = ssl_context
@@ -50,6 +105,7 @@ class Server:
         self.read_timeout_s = read_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections = max_connections
+        self.max_unauthenticated = max_unauthenticated
         self.registry = registry
         self.name = name
         self._bind = (host, port)
@@ -57,9 +113,19 @@ class Server:
         self._stopping = threading.Event()
         self._accept_thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._sessions: dict[threading.Thread, socket.socket] = {}
+        self._sessions: set[_Session] = set()
+        """Admitted and not ended: waiting, in their handshake, or authenticated."""
+        self._unauthenticated: OrderedDict[_Session, None] = OrderedDict()
+        """Sessions before the end of their handshake, oldest first: the first to make way."""
+        self._num_evicting = 0  # evicted sessions whose threads have not ended yet
+        self._waiting: OrderedDict[_Session, None] = OrderedDict()  # the accept thread's own
         self.sessions_started = 0
+        self.sessions_authenticated = 0
         self.sessions_failed = 0
+        self.sessions_evicted = 0
+        self.sessions_refused = 0
+        self._reported = (0, 0)  # (evicted, refused) as of the last crowding warning
+        self._reported_at = -float("inf")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -70,8 +136,14 @@ class Server:
 
     @property
     def active_sessions(self) -> int:
+        """Connections admitted and not ended (dropped ones until their thread has ended)."""
         with self._lock:
             return len(self._sessions)
+
+    @property
+    def unauthenticated_sessions(self) -> int:
+        with self._lock:
+            return len(self._unauthenticated)
 
     def start(self) -> Server:
         self._listener = listen(*self._bind, name=self.name)
@@ -88,63 +160,204 @@ class Server:
         )
         return self
 
+    # ------------------------------------------------------------ the accept thread
+
     def _accept_loop(self) -> None:
+        """Accept, admit, and start a session's thread once its client has spoken."""
         assert self._listener is not None
-        accept_until(self._listener, self._stopping, self._start_session)
+        acceptor = Acceptor(self._listener, self._stopping, name=self.name)
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            try:
+                while not self._stopping.is_set():
+                    ready = selector.select(timeout=POLL_S)
+                    for key, _ in ready:  # clients that spoke start before newcomers come in
+                        if key.fileobj is not self._listener and key.data in self._waiting:
+                            session = key.data
+                            selector.unregister(session.sock)
+                            del self._waiting[session]
+                            self._run(session)
+                    if any(key.fileobj is self._listener for key, _ in ready):
+                        for sock in acceptor.accept_ready():
+                            self._admit(sock, selector)
+                    self._expire_waiting(selector)
+                    self._report_crowding()
+            finally:
+                for session in list(self._waiting):
+                    self._drop_waiting(session, selector)
 
-    def _start_session(self, sock: socket.socket) -> None:
+    def _admit(self, sock: socket.socket, selector: selectors.BaseSelector) -> None:
+        session = _Session(sock, time.monotonic())
         with self._lock:
-            busy = len(self._sessions) >= self.max_connections
-            if not busy:
-                thread = threading.Thread(
-                    target=self._session, args=(sock,), daemon=True, name=f"{self.name}-session"
-                )
-                self._sessions[thread] = sock
-                self.sessions_started += 1
-        if busy:
-            log.warning(
-                "%s: refusing a connection, %d sessions already open",
-                self.name,
-                self.max_connections,
+            evicted = self._make_room()
+            admitted = (
+                len(self._sessions) - self._num_evicting < self.max_connections
+                and self._num_evicting < self.max_connections  # threads still ending
             )
-            sock.close()
-            return
-        thread.start()
+            if admitted:
+                self._sessions.add(session)
+                self._unauthenticated[session] = None
+                self.sessions_started += 1
+            else:
+                self.sessions_refused += 1
+        for victim in evicted:
+            if victim.thread is None:  # no thread: closing it is up to us
+                self._drop_waiting(victim, selector)
+            log.debug(
+                "%s: dropped an unauthenticated session (%.1fs old) to make room",
+                self.name,
+                session.accepted_at - victim.accepted_at,
+            )
+        if not admitted:
+            with contextlib.suppress(OSError):
+                sock.close()
+        elif self.secret or self.ssl_context:  # the client speaks first: wait for it
+            selector.register(sock, selectors.EVENT_READ, session)
+            self._waiting[session] = None
+        else:
+            self._run(session)
 
-    def _session(self, sock: socket.socket) -> None:
+    def _make_room(self) -> list[_Session]:
+        """Under the lock: drop unauthenticated sessions while a newcomer would exceed
+        `max_connections` or `max_unauthenticated`; the sessions dropped.
+
+        The oldest silent one goes first (it has sent nothing), else the oldest of those in
+        their handshake: a crowd of idle connections cannot push out a client mid-handshake.
+        """
+        evicted: list[_Session] = []
+        while self._unauthenticated and (
+            len(self._sessions) - self._num_evicting >= self.max_connections
+            or len(self._unauthenticated) >= self.max_unauthenticated
+        ):
+            victim = next(iter(self._waiting or self._unauthenticated))
+            del self._unauthenticated[victim]
+            victim.evicted = True
+            if victim.thread is None:
+                del self._waiting[victim]
+                self._sessions.discard(victim)
+            else:
+                victim.interrupt()  # under the lock: its socket cannot be closed meanwhile
+                self._num_evicting += 1
+            self.sessions_evicted += 1
+            evicted.append(victim)
+        return evicted
+
+    def _drop_waiting(self, session: _Session, selector: selectors.BaseSelector) -> None:
+        """Close a session that never got a thread (dropped, timed out, or the server stops)."""
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(session.sock)
+        self._waiting.pop(session, None)
+        with self._lock:
+            self._sessions.discard(session)
+            self._unauthenticated.pop(session, None)
+        with contextlib.suppress(OSError):
+            session.sock.close()
+
+    def _expire_waiting(self, selector: selectors.BaseSelector) -> None:
+        """Close connections that stayed silent through the whole handshake deadline."""
+        expired = time.monotonic() - self.handshake_timeout_s
+        while self._waiting:
+            session = next(iter(self._waiting))
+            if session.accepted_at > expired:
+                break
+            peer = _peer_name(session.sock)
+            self._drop_waiting(session, selector)
+            self._count_failure()
+            log.warning(
+                "%s: session with %s refused or timed out: sent nothing within %gs",
+                self.name,
+                peer,
+                self.handshake_timeout_s,
+            )
+
+    def _run(self, session: _Session) -> None:
+        """Start the session's thread (or refuse it, when no thread can be started)."""
+        thread = threading.Thread(
+            target=self._session, args=(session,), daemon=True, name=f"{self.name}-session"
+        )
+        with self._lock:
+            session.thread = thread
+        try:
+            thread.start()
+        except RuntimeError:  # the process cannot start another thread: refuse this one
+            with self._lock:
+                self._sessions.discard(session)
+                self._unauthenticated.pop(session, None)
+                self.sessions_started -= 1
+                self.sessions_refused += 1
+            with contextlib.suppress(OSError):
+                session.sock.close()
+
+    def _report_crowding(self) -> None:
+        """One warning per interval summing up drops and refusals, never one per connection."""
+        now = time.monotonic()
+        with self._lock:
+            counts = (self.sessions_evicted, self.sessions_refused)
+            if counts == self._reported or now - self._reported_at < CROWDING_LOG_INTERVAL_S:
+                return
+            evicted, refused = (new - old for new, old in zip(counts, self._reported, strict=True))
+            self._reported, self._reported_at = counts, now
+        log.warning(
+            "%s: crowded: %d unauthenticated sessions dropped to make room and %d connections "
+            "refused (no slot free of %d) since the last report",
+            self.name,
+            evicted,
+            refused,
+            self.max_connections,
+        )
+
+    # ------------------------------------------------------------ a session's thread
+
+    def _session(self, session: _Session) -> None:
         conn: Connection | None = None
         try:
-            conn = Connection.accept(
-                sock,
-                secret=self.secret,
+            conn = Connection.accepted(
+                session.sock,
                 ssl_context=self.ssl_context,
-                handshake_timeout_s=self.handshake_timeout_s,
                 read_timeout_s=self.read_timeout_s,
                 limits=self.limits,
                 registry=self.registry,
             )
-            self.handler(conn)
+            with self._lock:
+                session.conn = conn
+            if not session.evicted:
+                time_left = session.accepted_at + self.handshake_timeout_s - time.monotonic()
+                conn.handshake_as_server(secret=self.secret, timeout_s=time_left)
+            with self._lock:
+                if not session.evicted:
+                    del self._unauthenticated[session]
+                    self.sessions_authenticated += 1
+            if not session.evicted:
+                self.handler(conn)
         except ConnectionClosed:
             pass  # the peer left; a normal end of session
-        except (AuthenticationError, NetTimeout, ssl.SSLError, OSError) as exc:
-            self._count_failure()
-            log.warning("%s: session refused or timed out: %s", self.name, exc)
-        except NetprotoError as exc:
-            self._count_failure()
-            log.warning("%s: session closed: %s", self.name, exc)
+        except (NetprotoError, OSError) as exc:  # OSError: ssl.SSLError included
+            if not session.evicted:  # (an eviction is reported by the accept loop)
+                self._count_failure()
+                refused = isinstance(exc, AuthenticationError | NetTimeout | OSError)
+                log.warning(  # one line, no traceback: the peer's doing, not a bug here
+                    "%s: session with %s %s: %s",
+                    self.name,
+                    conn.peer if conn is not None else "a peer",
+                    "refused or timed out" if refused else "closed",
+                    peer_text(exc),
+                )
         except Exception as exc:
             self._count_failure()
             log.exception("%s: session handler failed", self.name)
             if conn is not None:
                 conn.send_error("internal", f"{type(exc).__name__}: {exc}")
         finally:
+            with self._lock:  # unregister first: nobody interrupts a socket being closed
+                self._sessions.discard(session)
+                self._unauthenticated.pop(session, None)
+                if session.evicted:
+                    self._num_evicting -= 1
             if conn is not None:
                 conn.close()
             else:
                 with contextlib.suppress(OSError):
-                    sock.close()
-            with self._lock:
-                self._sessions.pop(threading.current_thread(), None)
+                    session.sock.close()
 
     def _count_failure(self) -> None:
         with self._lock:
@@ -154,19 +367,27 @@ class Server:
         """Stop accepting, close every session's socket, and wait for their threads."""
         self._stopping.set()
         if self._accept_thread is not None:
-            self._accept_thread.join(timeout=timeout_s)
+            self._accept_thread.join(timeout=timeout_s)  # it closes the waiting connections
         if self._listener is not None:
             self._listener.close()
         with self._lock:
-            sessions = list(self._sessions.items())
-        for _, sock in sessions:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        for thread, _ in sessions:
-            thread.join(timeout=timeout_s)
+            sessions = list(self._sessions)
+            for session in sessions:
+                session.interrupt()
+        for session in sessions:
+            if session.thread is not None:
+                session.thread.join(timeout=timeout_s)
 
     def __enter__(self) -> Server:
         return self.start() if self._listener is None else self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except (OSError, ValueError):
+        return "a peer"

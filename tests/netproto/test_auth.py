@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,17 +22,9 @@ from netproto import (
 from netproto.wire import HEADER, MAGIC, PROTOCOL_VERSION, FrameDecoder, Message, PayloadKind
 from netproto.wire import encode_bytes as frame
 
+from .conftest import wait_for
+
 SECRET = b"correct horse battery staple"
-
-
-def wait_for(condition, timeout_s: float = 5.0) -> bool:
-    """Server threads update their counters just after the client sees the result."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_client_with_the_secret_is_accepted(start_server) -> None:
@@ -156,37 +145,6 @@ def test_unauthenticated_peer_cannot_make_the_server_allocate(start_server) -> N
     assert reply.type == MsgType.ERROR
     assert "exceeds the cap of 4096" in reply.payload["message"]
     assert wait_for(lambda: server.sessions_failed == 1)
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl command not available")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return str(cert), str(key)
 
 
 def test_tls_with_auth_round_trips(start_server, certificate: tuple[str, str]) -> None:

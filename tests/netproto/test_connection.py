@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
+import struct
 import threading
 import time
 
@@ -20,9 +22,19 @@ from netproto import (
     PeerProtocolError,
     RemoteError,
 )
-from netproto.wire import Message, encode_bytes
+from netproto.wire import (
+    DTYPE_CODES,
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Message,
+    PayloadKind,
+    encode_bytes,
+)
 
-from .conftest import echo_handler
+from .conftest import echo_handler, wait_for
+
+SECRET = b"correct horse battery staple"
 
 
 def test_typed_helpers_round_trip_through_a_server(start_server) -> None:
@@ -227,3 +239,84 @@ def test_big_receive_buffer_is_reused_only_once_nothing_holds_it(start_server) -
         third = conn.recv_tensor(MsgType.DATA_TENSOR)
         assert torch.equal(third, torch.full((2**19,), 3.0))
         assert third.data_ptr() == second_ptr  # dropped: its buffer came back
+
+
+# ------------------------------------------------------------------ what reaches the log
+
+
+def netproto_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [
+        r for r in caplog.records if r.name.startswith("netproto") and r.levelno >= logging.WARNING
+    ]
+
+
+def test_error_frame_with_newlines_cannot_forge_a_log_line(
+    start_server, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = start_server(secret=SECRET)
+    forged = "bye\n2026-01-01 00:00:00 CRITICAL root: disk on fire\r\x1b[2K"
+    with caplog.at_level(logging.DEBUG, logger="netproto"):
+        with Connection.connect(*server.address, secret=SECRET) as conn:
+            conn.send(MsgType.ERROR, {"code": "x\ny", "message": forged})
+        assert wait_for(lambda: server.sessions_failed == 1)
+    [line] = netproto_warnings(caplog)
+    text = line.getMessage()
+    assert "\n" not in text and "\r" not in text and "\x1b" not in text
+    assert "[x\\ny]" in text and "bye\\n2026-01-01 00:00:00 CRITICAL" in text
+    assert all(r.levelno < logging.CRITICAL for r in caplog.records)
+
+
+def test_remote_error_keeps_the_peers_text_escaped_and_capped() -> None:
+    error = RemoteError("bad\ncode" * 100, "line one\nline two\t\u2028" * 1000)
+    assert error.code.startswith("bad\\ncode") and len(error.code) <= 103
+    assert error.message.startswith("line one\\nline two\\t\\u2028")
+    assert len(error.message) <= 2003 and error.message.endswith("...")
+    assert str(error).isprintable()
+    plain = RemoteError("bad_request", "temperature must be finite: ünïcode is fine")
+    assert plain.message == "temperature must be finite: ünïcode is fine"
+
+
+def _json_frame(body: bytes) -> bytes:
+    return (
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, MsgType.DATA_JSON, PayloadKind.JSON, 5, len(body))
+        + body
+    )
+
+
+def _tensor_frame(shape: list[int]) -> bytes:
+    meta = struct.pack(f"!BB{len(shape)}Q", DTYPE_CODES[torch.float32], len(shape), *shape)
+    payload = meta + bytes(-len(meta) % 16)
+    return (
+        HEADER.pack(
+            MAGIC, PROTOCOL_VERSION, 0, MsgType.DATA_TENSOR, PayloadKind.TENSOR, 5, len(payload)
+        )
+        + payload
+    )
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        pytest.param(_tensor_frame([0] + [2**28] * 7), "exceeds the frame cap", id="stride"),
+        pytest.param(
+            _json_frame(b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}"), "nested", id="deep-json"
+        ),
+        pytest.param(_json_frame(b'{"a":' + b"9" * 5000 + b"}"), "digits", id="huge-int"),
+        pytest.param(_json_frame(b'{"a":-1e999}'), "not finite", id="infinite-float"),
+    ],
+)
+def test_decode_failure_after_auth_is_protocol_error_and_one_log_line(
+    start_server, caplog: pytest.LogCaptureFixture, frame: bytes, reason: str
+) -> None:
+    server = start_server(secret=SECRET)
+    with caplog.at_level(logging.DEBUG, logger="netproto"):
+        with Connection.connect(*server.address, secret=SECRET) as conn:
+            conn._sock.sendall(frame)
+            with pytest.raises(RemoteError, match=rf"\[protocol_error\].*{reason}"):
+                conn.recv()
+        assert wait_for(lambda: server.sessions_failed == 1)
+    [line] = netproto_warnings(caplog)
+    assert line.exc_info is None and "\n" not in line.getMessage()
+    assert reason in line.getMessage()
+    with Connection.connect(*server.address, secret=SECRET) as conn:  # and it keeps serving
+        conn.ping()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 import struct
+import threading
 from collections import OrderedDict
 
 import pytest
@@ -11,6 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from netproto import wire
+from netproto.connection import Connection
 from netproto.errors import LocalProtocolError, PeerProtocolError
 from netproto.wire import (
     DTYPE_CODES,
@@ -183,9 +188,42 @@ def header(
     return HEADER.pack(magic, version, flags, msg_type, kind, request_id, length)
 
 
-def expect_peer_error(data: bytes, match: str, **kwargs) -> None:
+def expect_peer_error(data: bytes, match: str, *, limits: Limits = Limits()) -> None:
+    """`data` is refused by the sans-IO decoder and by the production reader (a Connection over
+    a socket), which also answers `protocol_error` saying the same (unless the frame was cut
+    short: the peer is gone)."""
     with pytest.raises(PeerProtocolError, match=match):
-        decode_all(data, **kwargs)
+        decode_all(data, limits=limits)
+    ours, theirs = socket.socketpair()
+
+    def send_and_end() -> None:
+        try:
+            theirs.sendall(data)
+            theirs.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the reader refused the frame before reading all of it
+
+    writer = threading.Thread(target=send_and_end)
+    writer.start()
+    try:
+        conn = Connection(ours, limits=limits, read_timeout_s=10, peer="test peer")
+        with pytest.raises(PeerProtocolError, match=match):
+            while True:
+                conn.recv()
+        assert conn.closed
+        writer.join(timeout=30)
+        assert not writer.is_alive()
+        theirs.settimeout(10)
+        answer = FrameDecoder()
+        while chunk := theirs.recv(65536):
+            answer.feed(chunk)
+        replies = list(answer)
+    finally:
+        ours.close()
+        theirs.close()
+    if "mid-frame" not in match:
+        assert [(m.type, m.payload["code"]) for m in replies] == [(MsgType.ERROR, "protocol_error")]
+        assert re.search(match, replies[0].payload["message"])
 
 
 def test_bad_magic() -> None:
@@ -223,6 +261,23 @@ def test_json_over_its_cap() -> None:
         "JSON of 5000 bytes exceeds",
         limits=Limits(max_json_bytes=4096),
     )
+
+
+def test_json_nested_thousands_deep() -> None:
+    body = b'{"a":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    expect_peer_error(header(length=len(body)) + body, "bad JSON \\(nested too deeply\\)")
+
+
+def test_json_integer_of_5000_digits() -> None:
+    body = b'{"a":' + b"7" * 5000 + b"}"
+    expect_peer_error(header(length=len(body)) + body, "bad JSON .*integer string conversion")
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"1" + b"0" * 400 + b".0"])
+def test_json_number_too_big_for_a_float(number: bytes) -> None:
+    """Python would read these as infinity: as non-finite as a literal Infinity."""
+    body = b'{"temperature":' + number + b"}"
+    expect_peer_error(header(length=len(body)) + body, "bad JSON .*is not finite")
 
 
 def test_unknown_message_type() -> None:
@@ -314,6 +369,25 @@ def test_empty_tensor_with_an_absurd_dim() -> None:
     expect_peer_error(tensor_frame(tensor_meta(FLOAT32, [2**63, 0]), b""), "dim over the frame cap")
 
 
+def test_empty_tensor_whose_other_dims_would_overflow_its_strides() -> None:
+    """Each dim under the cap, no elements, but strides of 2**196: torch would raise."""
+    expect_peer_error(
+        tensor_frame(tensor_meta(FLOAT32, [0] + [2**28] * 7), b""), "product exceeds the frame cap"
+    )
+
+
+def test_empty_tensor_with_overflowing_dims_inside_a_tensor_dict() -> None:
+    shape = [2**28, 2**28, 0, 2**28]
+    payload = struct.pack("!IH", 1, 1) + b"w" + struct.pack("!BB4Q", FLOAT32, 4, *shape)
+    payload += bytes(-len(payload) % 16)  # the elements (none) start 16-aligned
+    expect_peer_error(tensors_frame(payload), "product exceeds the frame cap")
+
+
+def test_empty_tensor_with_large_dims_under_the_cap_decodes() -> None:
+    [message] = decode_all(tensor_frame(tensor_meta(FLOAT32, [0, 2**20, 64]), b""))
+    assert message.payload.shape == (0, 2**20, 64)
+
+
 def test_tensor_shape_claiming_fewer_bytes_than_sent() -> None:
     expect_peer_error(tensor_frame(tensor_meta(FLOAT32, [2]), b"\0" * 12), "payload has 12")
 
@@ -347,6 +421,55 @@ def test_tensor_dict_count_over_the_cap() -> None:
 
 def test_tensor_dict_count_larger_than_its_entries() -> None:
     expect_peer_error(tensors_frame(struct.pack("!I", 3)), "truncated")
+
+
+def test_tensor_dict_count_its_bytes_cannot_hold() -> None:
+    expect_peer_error(
+        tensors_frame(struct.pack("!I", 8000) + bytes(100)), "8000 tensors cannot fit in 100 bytes"
+    )
+
+
+def test_tensor_dict_at_the_default_cap_decodes_and_one_more_is_refused() -> None:
+    cap = Limits().max_tensors
+    assert cap >= 2 * 1120  # every linear layer's LoRA pair of a 70B Llama, with margin
+    at_cap = {f"layer{i}": torch.full((2,), float(i)) for i in range(cap)}
+    [message] = decode_all(encode_bytes(Message(MsgType.DATA_TENSORS, at_cap)))
+    assert list(message.payload) == list(at_cap)
+    assert torch.equal(message.payload[f"layer{cap - 1}"], at_cap[f"layer{cap - 1}"])
+    over = {**at_cap, "one_more": torch.zeros(1)}
+    with pytest.raises(LocalProtocolError, match="exceed max_tensors"):
+        encode_bytes(Message(MsgType.DATA_TENSORS, over))
+    frame = encode_bytes(Message(MsgType.DATA_TENSORS, over), limits=Limits(max_tensors=cap + 1))
+    expect_peer_error(frame, f"{cap + 1} tensors exceed max_tensors {cap}")
+
+
+def test_tensors_of_every_rank_come_back_as_views_of_the_payload() -> None:
+    tensors_in = OrderedDict(
+        scalar=torch.tensor(3.5, dtype=torch.float64),
+        vector=torch.arange(5, dtype=torch.int16),
+        matrix=torch.randn(3, 4),
+        cube=torch.arange(24, dtype=torch.uint8).view(2, 3, 4),
+        flags=torch.tensor([[True, False], [False, True]]),
+    )
+    [message] = decode_all(encode_bytes(Message(MsgType.DATA_TENSORS, tensors_in)))
+    storage = message.payload["scalar"].untyped_storage().data_ptr()
+    for name, tensor in tensors_in.items():
+        received = message.payload[name]
+        assert same_bits(received, tensor) and received.is_contiguous(), name
+        assert received.untyped_storage().data_ptr() == storage, name
+
+
+def test_decoder_bug_is_still_answered_as_the_peers_protocol_error(monkeypatch) -> None:
+    """An error no check anticipated still maps to protocol_error, never to `internal`."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Stride calculation overflowed")
+
+    monkeypatch.setattr(wire, "_read_tensor", broken)
+    expect_peer_error(
+        encode_bytes(Message(MsgType.DATA_TENSOR, torch.zeros(2))),
+        r"undecodable payload \(RuntimeError: Stride calculation overflowed\)",
+    )
 
 
 def test_tensor_dict_name_over_the_cap() -> None:
