@@ -9,11 +9,16 @@ No I/O here, so every rule is tested exactly. A PEFT LoRA adapter holds, per ada
   trains, so mean(B_i) @ A == mean(B_i @ A): exact.
 - `svd_average`: average the products B_i @ A_i and re-factorize by SVD to rank r_out; exact
   when r_out >= the sum of the clients' ranks, the best rank-r_out fit otherwise.
+
+Each of them combines the clients' values of one tensor with a `Combine`: the weighted mean
+(the default, what the names above describe), or a robust one against a misbehaving minority,
+`coordinate_median` or `trimmed_mean` (Yin et al. 2018), which are unweighted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import torch
 
@@ -22,6 +27,64 @@ Update = tuple[State, int]
 """An adapter state dict and the number of examples it was trained on."""
 
 LORA_A, LORA_B = "lora_A", "lora_B"
+
+Combine = Callable[[Sequence[torch.Tensor], Sequence[float]], torch.Tensor]
+"""How the clients' values of one tensor become one: (their tensors, their weights summing to
+1) -> a float64 tensor of the same shape."""
+
+AGGREGATORS = ("mean", "median", "trimmed_mean")
+
+
+def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """sum_i w_i * t_i, accumulated in float64."""
+    return sum(
+        (w * t.double() for t, w in zip(tensors, weights, strict=True)),
+        start=torch.zeros_like(tensors[0], dtype=torch.float64),
+    )
+
+
+def _sorted_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The clients' tensors stacked and sorted coordinate by coordinate: (n, *shape), float64."""
+    return torch.stack([t.double() for t in tensors]).sort(dim=0).values
+
+
+def coordinate_median(
+    tensors: Sequence[torch.Tensor], weights: Sequence[float] = ()
+) -> torch.Tensor:
+    """Coordinate-wise median, unweighted (`weights` are ignored): with an even count the mean
+    of the two middle values. Any minority of clients cannot move it outside the others' range."""
+    ordered = _sorted_stack(tensors)  # (n, *shape)
+    n = ordered.size(0)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
+def trimmed_count(num_clients: int, trim_fraction: float) -> int:
+    """How many values trimmed_mean drops at each end: floor(trim_fraction * num_clients)."""
+    if not 0 <= trim_fraction < 0.5:
+        raise ValueError(f"trim_fraction={trim_fraction} must be in [0, 0.5)")
+    return int(trim_fraction * num_clients)
+
+
+def trimmed_mean(
+    tensors: Sequence[torch.Tensor], weights: Sequence[float] = (), *, trim_fraction: float
+) -> torch.Tensor:
+    """Coordinate-wise trimmed mean, unweighted (`weights` are ignored): per coordinate, drop
+    the floor(trim_fraction * n) smallest and as many largest values, average the rest."""
+    ordered = _sorted_stack(tensors)  # (n, *shape)
+    cut = trimmed_count(ordered.size(0), trim_fraction)
+    return ordered[cut : ordered.size(0) - cut].mean(dim=0)
+
+
+def combiner(aggregator: str, *, trim_fraction: float = 0.0) -> Combine:
+    """The Combine named by `fed.aggregator`."""
+    if aggregator == "mean":
+        return weighted_mean
+    if aggregator == "median":
+        return coordinate_median
+    if aggregator == "trimmed_mean":
+        trimmed_count(1, trim_fraction)  # validates it now, not at the first round
+        return partial(trimmed_mean, trim_fraction=trim_fraction)
+    raise ValueError(f"aggregator={aggregator!r}: choose one of {list(AGGREGATORS)}")
 
 
 def _check(updates: Sequence[Update]) -> list[float]:
@@ -43,15 +106,15 @@ def _check(updates: Sequence[Update]) -> list[float]:
     return [n / total for _, n in updates]
 
 
-def fedavg(updates: Sequence[Update]) -> dict[str, torch.Tensor]:
-    """Every tensor's mean weighted by num_examples (accumulated in float64, cast back)."""
+def fedavg(
+    updates: Sequence[Update], *, combine: Combine = weighted_mean
+) -> dict[str, torch.Tensor]:
+    """Every tensor combined across clients (by default: its mean weighted by num_examples),
+    computed in float64 and cast back to the first update's dtype."""
     weights = _check(updates)
     first = updates[0][0]
     return {
-        key: sum(
-            (w * state[key].double() for (state, _), w in zip(updates, weights, strict=True)),
-            start=torch.zeros_like(first[key], dtype=torch.float64),
-        ).to(first[key].dtype)
+        key: combine([state[key] for state, _ in updates], weights).to(first[key].dtype)
         for key in first
     }
 
@@ -77,41 +140,52 @@ def lora_products(state: State) -> dict[str, torch.Tensor]:
     }
 
 
-def average_products(updates: Sequence[Update]) -> dict[str, torch.Tensor]:
-    """The exact target of any LoRA aggregation: the weighted mean of B_i @ A_i per module."""
+def average_products(
+    updates: Sequence[Update], *, combine: Combine = weighted_mean
+) -> dict[str, torch.Tensor]:
+    """The exact target of any LoRA aggregation: the weighted mean of B_i @ A_i per module
+    (or the products combined by `combine`)."""
     weights = _check(updates)
     products = [lora_products(state) for state, _ in updates]
-    return {
-        prefix: sum(
-            (w * p[prefix] for p, w in zip(products, weights, strict=True)),
-            start=torch.zeros_like(products[0][prefix]),
-        )
-        for prefix in products[0]
-    }
+    return {prefix: combine([p[prefix] for p in products], weights) for prefix in products[0]}
 
 
-def ffa_average(updates: Sequence[Update], *, atol: float = 0.0) -> dict[str, torch.Tensor]:
-    """FFA-LoRA: every client kept the same frozen A; B is averaged. Exact for the products."""
+def ffa_average(
+    updates: Sequence[Update], *, atol: float = 0.0, combine: Combine = weighted_mean
+) -> dict[str, torch.Tensor]:
+    """FFA-LoRA: every client kept the same frozen A; B is averaged (or combined by `combine`:
+    B alone, A is the shared one). Exact for the products."""
+    weights = _check(updates)
+    first = updates[0][0]
+    a_keys = {a_key for a_key, _b in lora_modules(first).values()}
     for state, _ in updates[1:]:
-        for a_key, _b in lora_modules(state).values():
-            if not torch.allclose(state[a_key], updates[0][0][a_key], rtol=0, atol=atol):
+        for a_key in a_keys:
+            if not torch.allclose(state[a_key], first[a_key], rtol=0, atol=atol):
                 raise ValueError(
                     f"{a_key} differs between clients: FFA-LoRA needs A frozen "
                     f"at one shared initialization"
                 )
-    return fedavg(updates)
+    return {
+        key: (
+            first[key].clone()
+            if key in a_keys
+            else combine([state[key] for state, _ in updates], weights).to(first[key].dtype)
+        )
+        for key in first
+    }
 
 
-def svd_average(updates: Sequence[Update], *, rank: int) -> dict[str, torch.Tensor]:
-    """Average the products and re-factorize each to rank `rank` (B = U S^1/2, A = S^1/2 V^T).
-
-    Non-LoRA tensors (if any) are averaged as in fedavg.
+def svd_average(
+    updates: Sequence[Update], *, rank: int, combine: Combine = weighted_mean
+) -> dict[str, torch.Tensor]:
+    """Average the products (or combine them by `combine`) and re-factorize each to rank
+    `rank` (B = U S^1/2, A = S^1/2 V^T). Non-LoRA tensors (if any) are combined as in fedavg.
     """
     if rank < 1:
         raise ValueError(f"rank={rank} must be >= 1")
-    averaged = fedavg(updates)
+    averaged = fedavg(updates, combine=combine)
     template = updates[0][0]
-    for prefix, product in average_products(updates).items():
+    for prefix, product in average_products(updates, combine=combine).items():
         a_key, b_key = lora_modules(template)[prefix]
         u, s, vh = torch.linalg.svd(product, full_matrices=False)
         r = min(rank, s.numel())
@@ -132,6 +206,15 @@ def product_error(state: State, updates: Sequence[Update]) -> float:
     num = sum(float((got[p] - target[p]).pow(2).sum()) for p in target)
     den = sum(float(target[p].pow(2).sum()) for p in target)
     return (num / den) ** 0.5 if den else 0.0
+
+
+def update_norm(state: State, reference: State) -> float:
+    """L2 norm of state - reference over every tensor together, in float64 (no overflow for
+    any finite float32 entry); inf or nan when an entry is not finite."""
+    total = 0.0
+    for name, tensor in state.items():
+        total += float((tensor.double() - reference[name].double()).pow(2).sum())
+    return total**0.5
 
 
 def staleness_weight(staleness: int, *, mixing: float, exponent: float) -> float:

@@ -89,6 +89,7 @@ class LoRAClient:
         )
         log.info("round %d: train loss %.4f", task["round"] + 1, train_loss)
         result = {
+            "task": task.get("task"),  # the RESULT answers this task (see fed_learn.protocol)
             "round": task["round"],
             "num_examples": len(self.train_blocks),
             "train_loss": train_loss,

@@ -4,6 +4,14 @@ Each client connection is a netproto session whose thread reads that client's re
 heartbeats; the round loop (`run_rounds`) sends work and gathers results through queues.
 A client silent for `heartbeat_timeout_s` is dead and left out of later rounds; one that joins
 while training runs takes part from the next round on.
+
+Nothing a client sends is trusted. A client has one task outstanding at most, and a RESULT is
+taken only as the answer to it (matched by the task's random number, see `protocol`); anything
+else is dropped, so each client's queue holds one answer at most. An answer is checked field
+by field, its update for finite values, layout, the strategy's rules and a bound on its norm
+(`fed.max_update_norm`), and its weight is capped by what the client declared at JOIN and by
+`fed.max_examples_per_client`. A bad answer is that client's failure in the round: logged,
+counted, and the round goes on with the others.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import math
 import os
 import queue
 import random
+import secrets
 import shutil
 import threading
 import time
@@ -26,11 +35,11 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from fed_learn.aggregate import mix, staleness_weight
+from fed_learn.aggregate import combiner, mix, staleness_weight, update_norm
 from fed_learn.compression import decompress
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
-from fed_learn.protocol import FedMsg
+from fed_learn.protocol import ClientResult, FedMsg, answers, parse_join, parse_result
 from fed_learn.strategy import Strategy
 from lab.pretrain import evaluate
 from lab.tracking import Tracker
@@ -42,10 +51,31 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 FIRST_ROUND_GRACE_S = 30.0
 """Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
+REPLY_SLOTS = 2
+"""A client's queue: the answer to its one outstanding task, and the 'gone' marker."""
 
 
 class NotEnoughClientsError(RuntimeError):
     """Fewer than `fed.min_fit_clients` clients connected within `fed.wait_clients_s`."""
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """Work sent to one client: train from the global adapter of `round` (async: version)."""
+
+    number: int
+    """Drawn at random; the RESULT that answers this task echoes it."""
+    round: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A client's answer to `task`: a checked result and its update, or why it is refused."""
+
+    task: Task
+    result: ClientResult | None
+    update: dict[str, torch.Tensor]
+    error: str = ""
 
 
 @dataclass
@@ -53,11 +83,16 @@ class ClientHandle:
     client_id: int
     name: str
     num_examples: int
+    """As declared at JOIN, capped by fed.max_examples_per_client: the most weight it gets."""
     conn: Connection
     joined_round: int
     alive: bool = True
-    results: queue.Queue[tuple[dict[str, Any], dict[str, torch.Tensor]] | None] = field(
-        default_factory=queue.Queue
+    task: Task | None = None
+    """The one task it has outstanding (no RESULT is taken from it otherwise)."""
+    dropped: int = 0
+    """RESULTs that answered no outstanding task (unsolicited, duplicate, late): dropped."""
+    results: queue.Queue[Reply | None] = field(
+        default_factory=lambda: queue.Queue(maxsize=REPLY_SLOTS)
     )
 
 
@@ -68,7 +103,10 @@ class Coordinator:
         self.model = model
         self.val_blocks = val_blocks
         self.strategy = Strategy.create(
-            self.fed.strategy, prox_mu=self.fed.prox_mu, rank=settings.lora.r
+            self.fed.strategy,
+            prox_mu=self.fed.prox_mu,
+            rank=settings.lora.r,
+            combine=combiner(self.fed.aggregator, trim_fraction=self.fed.trim_fraction),
         )
         self.clients: dict[int, ClientHandle] = {}
         self.round = 0
@@ -81,17 +119,16 @@ class Coordinator:
 
     def handle(self, conn: Connection) -> None:
         join = conn.recv(expect=FedMsg.JOIN, timeout_s=self.fed.heartbeat_timeout_s)
-        hello = join.payload
-        num_examples = hello.get("num_examples")
-        if not isinstance(num_examples, int) or num_examples < 1:
-            conn.send_error(
-                "bad_request", "JOIN needs num_examples >= 1", request_id=join.request_id
-            )
+        try:
+            hello = parse_join(join.payload)
+        except ValueError as exc:
+            conn.send_error("bad_request", str(exc), request_id=join.request_id)
             return
+        num_examples = min(hello.num_examples, self.fed.max_examples_per_client)
         with self._lock:
             client = ClientHandle(
                 client_id=len(self.clients),
-                name=str(hello.get("name", ""))[:64],
+                name=hello.name,
                 num_examples=num_examples,
                 conn=conn,
                 joined_round=self.round,
@@ -103,21 +140,51 @@ class Coordinator:
             "client %d (%s, %d examples) joined at round %d",
             client.client_id,
             client.name,
-            num_examples,
+            hello.num_examples,
             self.round,
         )
         try:
             while True:  # heartbeats (PINGs) are answered inside recv; silence means dead
                 result = conn.recv_msg(FedMsg.RESULT, timeout_s=self.fed.heartbeat_timeout_s)
                 update = conn.recv_tensors(FedMsg.UPDATE, timeout_s=self.fed.heartbeat_timeout_s)
-                client.results.put((result, {k: v.clone() for k, v in update.items()}))
+                self._hand_in(client, result, update)
         finally:
-            client.alive = False
-            client.results.put(None)  # wakes a round waiting for this client
+            with self._lock:
+                client.alive = False
+                client.task = None
+                client.results.put_nowait(None)  # wakes a round waiting for this client
             if self._finished.is_set():
                 log.info("client %d (%s) left", client.client_id, client.name)
             else:
                 log.warning("client %d (%s) is gone", client.client_id, client.name)
+
+    def _hand_in(self, client: ClientHandle, payload: Any, update: dict[str, torch.Tensor]) -> None:
+        """Queue a RESULT + UPDATE as the answer to `client`'s outstanding task, checked; drop
+        it if it answers none (the connection reuses its buffers: kept tensors are copied)."""
+        with self._lock:
+            task = client.task
+        if task is not None and answers(payload, task.number):
+            try:
+                result = parse_result(payload, task=task.number, round_index=task.round)
+                reply = Reply(task, result, {k: v.clone() for k, v in update.items()})
+            except ValueError as exc:
+                reply = Reply(task, None, {}, error=str(exc))
+            with self._lock:
+                if client.task is task:  # not withdrawn meanwhile (the round ended)
+                    client.task = None
+                    client.results.put_nowait(reply)
+                    return
+        with self._lock:
+            client.dropped += 1
+            dropped = client.dropped
+        if dropped & (dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays a trickle
+            log.warning(
+                "client %d (%s): dropped a RESULT that answers no outstanding task "
+                "(unsolicited, duplicate or late; %d so far)",
+                client.client_id,
+                client.name,
+                dropped,
+            )
 
     def alive_clients(self) -> list[ClientHandle]:
         with self._lock:
@@ -153,9 +220,24 @@ class Coordinator:
 
     def _send_task(
         self, client: ClientHandle, version: int, global_state: dict[str, torch.Tensor]
-    ) -> bool:
-        """Ask `client` to train from `global_state` (tagged `version`); False if unreachable."""
-        task = {
+    ) -> Task | None:
+        """Ask `client` to train from `global_state` (tagged `version`), withdrawing any task
+        it still had; the task, or None if the client is unreachable."""
+        task = Task(number=secrets.randbelow(2**53), round=version)
+        with self._lock:
+            if not client.alive:
+                return None
+            while True:  # answers to a withdrawn task that slipped in: no longer wanted
+                try:
+                    stale = client.results.get_nowait()
+                except queue.Empty:
+                    break
+                if stale is None:  # the client is gone: keep the marker for whoever waits
+                    client.results.put_nowait(None)
+                    return None
+            client.task = task
+        message = {
+            "task": task.number,
             "round": version,
             "strategy": self.fed.strategy,
             "local_epochs": self.fed.local_epochs,
@@ -167,12 +249,19 @@ class Coordinator:
             **self.strategy.client_options(),
         }
         try:
-            client.conn.send_msg(FedMsg.TASK, task)
+            client.conn.send_msg(FedMsg.TASK, message)
             client.conn.send_tensors(FedMsg.GLOBAL, global_state)
         except NetprotoError as exc:
             log.warning("version %d: cannot reach client %d: %s", version, client.client_id, exc)
-            return False
-        return True
+            self._withdraw(client, task)
+            return None
+        return task
+
+    def _withdraw(self, client: ClientHandle, task: Task) -> None:
+        """`task` is no longer wanted: an answer to it arriving from now on is dropped."""
+        with self._lock:
+            if client.task is task:
+                client.task = None
 
     def run_rounds(self, tracker: Tracker) -> dict[str, float]:
         if self.fed.mode == "async":
@@ -198,14 +287,13 @@ class Coordinator:
             started = time.perf_counter()
             global_state = adapter_state(self.model)
             traffic_before = self._traffic(sampled)
-            for client in sampled:
-                self._send_task(client, self.round, global_state)
+            tasks = {c.client_id: self._send_task(c, self.round, global_state) for c in sampled}
             coordinator_s = time.perf_counter() - started
-            updates, failures, results = self._collect(sampled, global_state)
+            collected = self._collect(sampled, tasks, global_state)
+            updates, results = collected.updates, collected.results
             aggregate_started = time.perf_counter()
             if len(updates) >= self.fed.min_fit_clients:
-                load_adapter_state(self.model, self.strategy.aggregate(updates))
-                outcome = "aggregated"
+                outcome = self._aggregate(updates)
             else:
                 outcome = "kept previous adapter"
                 log.warning(
@@ -221,13 +309,13 @@ class Coordinator:
             metrics = {
                 "val_loss": val_loss,
                 "clients": float(len(updates)),
-                "failures": float(len(failures)),
+                "failures": float(len(collected.failures)),
+                "refused": float(collected.refused),
+                "largest_update_norm": collected.largest_norm,
                 "bytes_down": float(traffic[0] - traffic_before[0]),
                 "bytes_up": float(traffic[1] - traffic_before[1]),
                 "client_train_loss": (
-                    sum(r["train_loss"] for r in results) / len(results)
-                    if results
-                    else float("nan")
+                    sum(r.train_loss for r in results) / len(results) if results else float("nan")
                 ),
             }
             coordinator_s += time.perf_counter() - aggregate_started
@@ -251,8 +339,30 @@ class Coordinator:
             "initial_val_loss": initial_loss,
             "final_val_loss": final["val_loss"],
             "rounds": float(self.fed.rounds - start),
+            "refused": sum(h["refused"] for h in history),
+            "dropped_results": float(self.dropped_results()),
             **round_averages(history),
         }
+
+    def _aggregate(self, updates: list[tuple[dict[str, torch.Tensor], int]]) -> str:
+        """Load the strategy's aggregate of `updates` as the global adapter; the round's
+        outcome (the previous adapter stays if they cannot be aggregated)."""
+        try:  # admitted updates always should: if not, say so loudly and go on
+            merged = self.strategy.aggregate(updates)
+            if not all(bool(torch.isfinite(t).all()) for t in merged.values()):
+                raise ValueError("the aggregate is not finite")
+        except ValueError as exc:
+            log.error(
+                "round %d: aggregation failed (%s); keeping the previous adapter", self.round, exc
+            )
+            return "kept previous adapter (aggregation failed)"
+        load_adapter_state(self.model, merged)
+        return "aggregated"
+
+    def dropped_results(self) -> int:
+        """RESULTs dropped so far, over every client: they answered no outstanding task."""
+        with self._lock:
+            return sum(c.dropped for c in self.clients.values())
 
     def run_async(self, tracker: Tracker) -> dict[str, float]:
         """Apply each update as it arrives, mixed in with a staleness-discounted weight.
@@ -272,10 +382,11 @@ class Coordinator:
         )
         version = 0
         versions = {version: adapter_state(self.model)}  # what clients may be training from
-        busy: dict[int, int] = {}  # client_id -> version it trains from
+        busy: dict[int, Task] = {}  # client_id -> its task (the version it trains from)
         history: list[dict[str, float]] = []
         applied, refused = 0, 0
         staleness: list[int] = []
+        norms: list[float] = []  # of the applied updates (see fed.max_update_norm)
         bytes_before = self._traffic()
         round_started = time.perf_counter()
         coordinator_s = 0.0
@@ -287,8 +398,9 @@ class Coordinator:
                 if client.client_id in busy:
                     continue
                 send_started = time.perf_counter()
-                if self._send_task(client, version, versions[version]):
-                    busy[client.client_id] = version
+                task = self._send_task(client, version, versions[version])
+                if task is not None:
+                    busy[client.client_id] = task
                 coordinator_s += time.perf_counter() - send_started
             arrived = False
             with self._lock:
@@ -297,17 +409,18 @@ class Coordinator:
                 if client.client_id not in busy:
                     continue
                 try:
-                    item = client.results.get_nowait()
+                    reply = client.results.get_nowait()
                 except queue.Empty:
                     continue
+                if reply is not None and reply.task is not busy[client.client_id]:
+                    continue  # answers a task withdrawn earlier: not wanted
                 arrived = True
-                base = busy.pop(client.client_id)
-                if item is None:  # the client is gone
+                base = busy.pop(client.client_id).round
+                if reply is None:  # the client is gone
                     continue
-                result, update = item
                 work_started = time.perf_counter()
-                stale = version - int(result.get("round", -1))
-                if result.get("round") != base or stale > fed.max_staleness:
+                stale = version - base
+                if stale > fed.max_staleness:
                     refused += 1
                     log.info(
                         "refused client %d's update: %d versions old (fed.max_staleness=%d)",
@@ -317,9 +430,9 @@ class Coordinator:
                     )
                     continue
                 try:
-                    full = self._expand(update, versions[base])
-                except (KeyError, ValueError) as exc:
-                    log.warning("client %d sent a malformed update (%s)", client.client_id, exc)
+                    _result, full, norm = self._admit(client, reply, versions[base])
+                except ValueError as exc:
+                    log.warning("refused client %d's answer: %s", client.client_id, exc)
                     refused += 1
                     continue
                 weight = staleness_weight(
@@ -332,6 +445,7 @@ class Coordinator:
                     del versions[old]
                 applied += 1
                 staleness.append(stale)
+                norms.append(norm)
                 coordinator_s += time.perf_counter() - work_started
                 if applied % fed.min_fit_clients:
                     continue
@@ -346,6 +460,7 @@ class Coordinator:
                     "refused": float(refused),
                     "mean_staleness": sum(staleness[-fed.min_fit_clients :]) / fed.min_fit_clients,
                     "max_staleness_applied": float(max(staleness)),
+                    "largest_update_norm": max(norms[-fed.min_fit_clients :]),
                     "bytes_down": float(traffic[0] - bytes_before[0]),
                     "bytes_up": float(traffic[1] - bytes_before[1]),
                 }
@@ -385,9 +500,9 @@ class Coordinator:
         # Clients still training get to hand in (and have discarded) what they are working on,
         # so that every client ends cleanly on FINISH rather than on a closed connection.
         deadline = time.monotonic() + fed.round_timeout_s
-        for client_id in busy:
-            with contextlib.suppress(queue.Empty):
-                self.clients[client_id].results.get(timeout=max(0.0, deadline - time.monotonic()))
+        for client_id, task in busy.items():
+            self._await_reply(self.clients[client_id], task, deadline)
+            self._withdraw(self.clients[client_id], task)
         self._finish_clients()
         final = history[-1] if history else {"val_loss": initial_loss}
         return {
@@ -396,6 +511,7 @@ class Coordinator:
             "rounds": float(len(history)),
             "applied": float(applied),
             "refused": float(refused),
+            "dropped_results": float(self.dropped_results()),
             "max_staleness_applied": float(max(staleness, default=0)),
             **round_averages(history),
         }
@@ -432,44 +548,102 @@ class Coordinator:
         )
 
     def _collect(
-        self, sampled: list[ClientHandle], global_state: dict[str, torch.Tensor]
-    ) -> tuple[list, list[int], list[dict]]:
-        """Wait for the sampled clients' updates until the round's deadline."""
+        self,
+        sampled: list[ClientHandle],
+        tasks: dict[int, Task | None],
+        global_state: dict[str, torch.Tensor],
+    ) -> Collected:
+        """Wait for the sampled clients' answers until the round's deadline; admit or refuse
+        each. Tasks still unanswered then are withdrawn (a late answer is dropped)."""
         deadline = time.monotonic() + self.fed.round_timeout_s
-        updates, failures, results = [], [], []
+        collected = Collected()
         for client in tqdm(sampled, desc=f"round {self.round + 1}", unit="client", leave=False):
-            try:
-                item = client.results.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                item = None
-            if item is None or item[0].get("round") != self.round:
-                failures.append(client.client_id)
+            task = tasks[client.client_id]
+            reply = self._await_reply(client, task, deadline) if task is not None else None
+            if task is not None:
+                self._withdraw(client, task)
+            if reply is None:  # gone, unreachable or too late
+                collected.failures.append(client.client_id)
                 continue
-            result, update = item
             try:
-                update = self._expand(update, global_state)
-            except (KeyError, ValueError) as exc:
+                result, update, norm = self._admit(client, reply, global_state)
+            except ValueError as exc:
                 log.warning(
-                    "round %d: client %d sent a malformed update (%s)",
-                    self.round,
-                    client.client_id,
-                    exc,
+                    "round %d: refused client %d's answer: %s", self.round, client.client_id, exc
                 )
-                failures.append(client.client_id)
+                collected.failures.append(client.client_id)
+                collected.refused += 1
                 continue
-            results.append(result)
-            updates.append((update, int(result["num_examples"])))
-        return updates, failures, results
+            collected.results.append(result)
+            collected.updates.append((update, self._weight(client, result)))
+            collected.largest_norm = max(collected.largest_norm, norm)
+        return collected
+
+    @staticmethod
+    def _await_reply(client: ClientHandle, task: Task, deadline: float) -> Reply | None:
+        """`client`'s answer to `task`, or None if it is gone or the deadline passes first."""
+        while True:
+            try:
+                reply = client.results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if reply is None:
+                client.results.put_nowait(None)  # gone for good: for whoever waits next
+                return None
+            if reply.task is task:
+                return reply
+
+    def _admit(
+        self, client: ClientHandle, reply: Reply, base: dict[str, torch.Tensor]
+    ) -> tuple[ClientResult, dict[str, torch.Tensor], float]:
+        """The result, full adapter and update norm (distance from `base`) of an answer
+        trained from `base`; ValueError if the result is malformed or the update is: wrong
+        layout, not finite, breaking the strategy's rules, or further from `base` than
+        fed.max_update_norm."""
+        if reply.result is None:
+            raise ValueError(reply.error)
+        for name, tensor in reply.update.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"update tensor {name!r:.80} is not finite")
+        try:
+            full = self._expand(reply.update, base)
+        except KeyError as exc:
+            raise ValueError(f"update lacks tensor {exc}") from None
+        norm = update_norm(full, base)
+        if not math.isfinite(norm):
+            raise ValueError("update is not finite in the adapter's dtype")
+        if norm > self.fed.max_update_norm:
+            raise ValueError(
+                f"update norm {norm:.3g} is above fed.max_update_norm={self.fed.max_update_norm:g}"
+            )
+        self.strategy.check_update(full, base)
+        return reply.result, full, norm
+
+    def _weight(self, client: ClientHandle, result: ClientResult) -> int:
+        """The examples `client` is credited with: at most what it declared at JOIN (itself
+        capped by fed.max_examples_per_client)."""
+        if result.num_examples > client.num_examples:
+            log.warning(
+                "round %d: client %d claims %d examples; credited with %d",
+                self.round,
+                client.client_id,
+                result.num_examples,
+                client.num_examples,
+            )
+        return min(result.num_examples, client.num_examples)
 
     def _expand(
         self, update: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """A client's full adapter: as sent, or global + its decompressed delta."""
+        """A client's full adapter, in the global adapter's dtypes: as sent, or global + its
+        decompressed delta. ValueError if it does not fit the global adapter's layout."""
         shapes = {name: tensor.shape for name, tensor in global_state.items()}
         if self.fed.compression == "none":
             if {n: t.shape for n, t in update.items()} != shapes:
                 raise ValueError("adapter tensors do not match the global adapter's layout")
-            return update
+            if not all(t.is_floating_point() for t in update.values()):
+                raise ValueError("adapter tensors must be floating point")
+            return {name: update[name].to(global_state[name].dtype) for name in shapes}
         delta = decompress(update, method=self.fed.compression, shapes=shapes)
         return {
             name: (global_state[name].float() + delta[name]).to(global_state[name].dtype)
@@ -524,6 +698,19 @@ class Coordinator:
         load_adapter_state(self.model, load_file(str(folder / "adapter_model.safetensors")))
         log.info("resumed from %s (round %d)", folder, pointer["round"])
         return int(pointer["round"])
+
+
+@dataclass
+class Collected:
+    """A sync round's answers: the admitted updates with their credited weights and results,
+    and the sampled clients that failed (gone, too late, or refused: `refused` of them)."""
+
+    updates: list[tuple[dict[str, torch.Tensor], int]] = field(default_factory=list)
+    results: list[ClientResult] = field(default_factory=list)
+    failures: list[int] = field(default_factory=list)
+    refused: int = 0
+    largest_norm: float = 0.0
+    """The largest admitted update's norm (see fed.max_update_norm)."""
 
 
 def round_averages(history: list[dict[str, float]]) -> dict[str, float]:

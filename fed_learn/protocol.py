@@ -1,21 +1,30 @@
-"""fed_learn's netproto messages (range 0x0100-0x01FF).
+"""fed_learn's netproto messages (range 0x0100-0x01FF), and the checks on what clients send.
 
     client -> coordinator  JOIN     JSON {"name", "num_examples"}   -> WELCOME {"client_id"}
-    coordinator -> client  TASK     JSON {"round", "strategy", "local_epochs", "local_steps",
-                                          "batch_size", "lr", "prox_mu"}
+    coordinator -> client  TASK     JSON {"task", "round", "strategy", "local_epochs",
+                                          "local_steps", "batch_size", "lr", "prox_mu", ...}
     coordinator -> client  GLOBAL   TENSORS  the global adapter (PEFT state dict)
-    client -> coordinator  RESULT   JSON {"round", "num_examples", "train_loss", "val_loss",
-                                          "seconds"}
+    client -> coordinator  RESULT   JSON {"task", "round", "num_examples", "train_loss",
+                                          "val_loss", "seconds"}
     client -> coordinator  UPDATE   TENSORS  the client's adapter after local training
     coordinator -> client  FINISH   EMPTY    training is over
 Heartbeats are netproto PINGs from the client; only adapters ever cross the wire.
+
+"task" is a number the coordinator draws at random for each TASK; a RESULT answers the task
+whose number it echoes, so a result built before its task was sent, a duplicate or a late one
+for an earlier task answers nothing and is dropped. A client has one task outstanding at most.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any, TypeGuard
 
 from netproto import REGISTRY, PayloadKind
+
+MAX_NAME_CHARS = 64
 
 
 class FedMsg(IntEnum):
@@ -42,3 +51,94 @@ REGISTRY.register(
         FedMsg.FINISH: PayloadKind.EMPTY,
     },
 )
+
+
+@dataclass(frozen=True)
+class Join:
+    name: str
+    """Printable characters only (it goes into logs and checkpoints), at most 64."""
+    num_examples: int
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """A RESULT whose every field has been checked (`parse_result`)."""
+
+    task: int
+    round: int
+    num_examples: int
+    train_loss: float
+    val_loss: float
+    seconds: float
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A finite JSON number (an integer too big for a float is not one)."""
+    if _is_int(value):
+        return abs(value) <= 2**53
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def printable(text: str, *, limit: int = MAX_NAME_CHARS) -> str:
+    """`text` cut to `limit` characters, anything unprintable (newlines included) as '?'."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
+
+
+def answers(payload: Any, task: int) -> bool:
+    """Whether a RESULT payload echoes task number `task` (else it answers nothing: dropped)."""
+    return isinstance(payload, dict) and _is_int(payload.get("task")) and payload["task"] == task
+
+
+def parse_join(payload: Any) -> Join:
+    """A JOIN's fields; ValueError naming the first bad one."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"JOIN must be a JSON object, not {type(payload).__name__}")
+    num_examples = payload.get("num_examples")
+    if not _is_int(num_examples) or num_examples < 1:
+        raise ValueError(f"JOIN needs num_examples an integer >= 1, not {num_examples!r:.40}")
+    name = payload.get("name", "")
+    if not isinstance(name, str):
+        raise ValueError(f"JOIN's name must be a string, not {type(name).__name__}")
+    return Join(name=printable(name), num_examples=num_examples)
+
+
+def parse_result(payload: Any, *, task: int, round_index: int) -> ClientResult:
+    """A RESULT answering task `task` (of round or global version `round_index`), every field
+    checked for type and range; ValueError naming the first bad one."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"RESULT must be a JSON object, not {type(payload).__name__}")
+    if not answers(payload, task):
+        raise ValueError(f"RESULT answers task {payload.get('task')!r:.40}, not {task}")
+    fields: tuple[tuple[str, bool, str], ...] = (
+        (
+            "round",
+            _is_int(payload.get("round")) and payload["round"] == round_index,
+            f"the task's round, {round_index}",
+        ),
+        (
+            "num_examples",
+            _is_int(payload.get("num_examples")) and payload["num_examples"] >= 1,
+            "an integer >= 1",
+        ),
+        *(
+            (key, _is_number(payload.get(key)) and payload[key] >= 0, "a finite number >= 0")
+            for key in ("train_loss", "val_loss", "seconds")
+        ),
+    )
+    for key, valid, wanted in fields:
+        if key not in payload:
+            raise ValueError(f"RESULT has no {key}")
+        if not valid:
+            raise ValueError(f"RESULT's {key}={payload[key]!r:.40} must be {wanted}")
+    return ClientResult(
+        task=task,
+        round=payload["round"],
+        num_examples=payload["num_examples"],
+        train_loss=float(payload["train_loss"]),
+        val_loss=float(payload["val_loss"]),
+        seconds=float(payload["seconds"]),
+    )

@@ -1,18 +1,28 @@
 """Aggregation strategies, registered by name (`fed.strategy=...`).
 
-A strategy says what clients must do in a round (`client_options`) and how their updates
-become the next global adapter (`aggregate`); the coordinator owns the round loop.
+A strategy says what clients must do in a round (`client_options`), what a client's adapter
+must respect to be admitted (`check_update`) and how the admitted ones become the next global
+adapter (`aggregate`, each tensor combined by `combine`: the weighted mean, or a robust
+coordinate-wise one, see `fed.aggregator`); the coordinator owns the round loop.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from fed_learn.aggregate import Update, fedavg, ffa_average, svd_average
+from fed_learn.aggregate import (
+    Combine,
+    Update,
+    fedavg,
+    ffa_average,
+    lora_modules,
+    svd_average,
+    weighted_mean,
+)
 
 
 class Strategy(ABC):
@@ -23,12 +33,21 @@ class Strategy(ABC):
         super().__init_subclass__(**kwargs)
         Strategy.registry[cls.name] = cls
 
-    def __init__(self, *, prox_mu: float = 0.0, rank: int = 8) -> None:
+    def __init__(
+        self, *, prox_mu: float = 0.0, rank: int = 8, combine: Combine = weighted_mean
+    ) -> None:
         self.prox_mu = prox_mu
         self.rank = rank
+        self.combine = combine
 
     def client_options(self) -> dict[str, Any]:
         return {"prox_mu": 0.0, "freeze_a": False}
+
+    def check_update(
+        self, update: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]
+    ) -> None:
+        """ValueError if a client's adapter, trained from `global_state`, breaks the strategy."""
+        return None  # the default: no rule beyond the coordinator's own checks
 
     @abstractmethod
     def aggregate(self, updates: Sequence[Update]) -> dict[str, torch.Tensor]:
@@ -47,7 +66,7 @@ class FedAvg(Strategy):
     name = "fedavg"
 
     def aggregate(self, updates: Sequence[Update]) -> dict[str, torch.Tensor]:
-        return fedavg(updates)
+        return fedavg(updates, combine=self.combine)
 
 
 class FedProx(FedAvg):
@@ -67,8 +86,15 @@ class FFALoRA(Strategy):
     def client_options(self) -> dict[str, Any]:
         return {"prox_mu": 0.0, "freeze_a": True}
 
+    def check_update(
+        self, update: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]
+    ) -> None:
+        for a_key, _b in lora_modules(global_state).values():
+            if not torch.equal(update[a_key], global_state[a_key]):
+                raise ValueError(f"{a_key} moved: FFA-LoRA clients keep A frozen")
+
     def aggregate(self, updates: Sequence[Update]) -> dict[str, torch.Tensor]:
-        return ffa_average(updates)
+        return ffa_average(updates, combine=self.combine)
 
 
 class SVDLoRA(Strategy):
@@ -77,4 +103,4 @@ class SVDLoRA(Strategy):
     name = "svd"
 
     def aggregate(self, updates: Sequence[Update]) -> dict[str, torch.Tensor]:
-        return svd_average(updates, rank=self.rank)
+        return svd_average(updates, rank=self.rank, combine=self.combine)

@@ -7,11 +7,15 @@ import torch
 
 from fed_learn.aggregate import (
     average_products,
+    combiner,
+    coordinate_median,
     fedavg,
     ffa_average,
     lora_products,
     product_error,
     svd_average,
+    trimmed_mean,
+    update_norm,
 )
 
 
@@ -117,3 +121,76 @@ def test_round_averages_weigh_the_coordinator_share_by_round_length() -> None:
     assert averages["bytes_up_per_client_round"] == 250.0
     assert averages["mean_clients_per_round"] == 2.0
     assert round_averages([])["coordinator_share"] == 0.0
+
+
+# ---------------------------------------------------------------- robust aggregation
+
+
+def five_clients(*, honest: list[float], attackers: list[float]) -> list[tuple[dict, int]]:
+    """Clients whose every entry is one value; the attackers claim most of the examples."""
+    return [({"w": torch.full((2, 3), v)}, 10) for v in honest] + [
+        ({"w": torch.full((2, 3), v)}, 1000) for v in attackers
+    ]
+
+
+def test_coordinate_median_ignores_two_attackers_of_five_and_their_weights() -> None:
+    clients = five_clients(honest=[0.1, 0.2, 0.3], attackers=[1e6, 1e6])
+    assert torch.equal(fedavg(clients, combine=coordinate_median)["w"], torch.full((2, 3), 0.3))
+    assert fedavg(clients)["w"][0, 0] > 1e5  # the weighted mean is theirs
+
+
+def test_coordinate_median_per_coordinate_and_even_counts_average_the_middle_pair() -> None:
+    tensors = [torch.tensor([1.0, -5.0]), torch.tensor([2.0, 7.0]), torch.tensor([9.0, 0.0])]
+    assert torch.equal(coordinate_median(tensors), torch.tensor([2.0, 0.0], dtype=torch.float64))
+    assert coordinate_median([torch.tensor([1.0]), torch.tensor([4.0])]).item() == 2.5
+
+
+def test_trimmed_mean_drops_the_extremes_at_each_end_unweighted() -> None:
+    clients = five_clients(honest=[1.0, 2.0, 3.0, 4.0], attackers=[-1e9])
+    merged = fedavg(clients, combine=combiner("trimmed_mean", trim_fraction=0.2))
+    assert torch.equal(merged["w"], torch.full((2, 3), 2.0))  # -1e9 and 4 cut: mean of 1, 2, 3
+    two = five_clients(honest=[1.0, 2.0, 3.0], attackers=[1e9, 1e9])
+    merged = fedavg(two, combine=combiner("trimmed_mean", trim_fraction=0.4))
+    assert torch.equal(merged["w"], torch.full((2, 3), 3.0))  # 2 cut each side: the median
+    assert trimmed_mean([torch.tensor([1.0]), torch.tensor([3.0])], trim_fraction=0.0) == 2.0
+
+
+def test_combiner_refuses_unknown_names_and_trim_fractions_of_half_or_more() -> None:
+    with pytest.raises(ValueError, match="choose one of"):
+        combiner("mode")
+    with pytest.raises(ValueError, match=r"trim_fraction=0\.5"):
+        combiner("trimmed_mean", trim_fraction=0.5)
+
+
+def test_robust_ffa_combines_b_alone_and_keeps_the_shared_a() -> None:
+    torch.manual_seed(0)
+    a = torch.randn(2, 6)
+    bs = [torch.randn(5, 2) for _ in range(3)] + [torch.full((5, 2), 1e6)] * 2
+    clients = [(lora_state(a.clone(), b), 10) for b in bs]
+    merged = ffa_average(clients, combine=coordinate_median)
+    (a_key, b_key) = sorted(merged)
+    assert torch.equal(merged[a_key], a)
+    expected = torch.stack(bs).median(dim=0).values  # odd count: the middle value
+    assert torch.equal(merged[b_key], expected)
+    assert merged[b_key].abs().max() < 1e3
+
+
+def test_robust_svd_takes_the_median_of_the_products_not_of_a_and_b() -> None:
+    torch.manual_seed(0)
+    honest = [lora_state(torch.randn(2, 6), torch.randn(5, 2)) for _ in range(3)]
+    attackers = [lora_state(torch.full((2, 6), 30.0), torch.full((5, 2), 30.0))] * 2
+    clients = [(state, 10) for state in honest + attackers]
+    merged = svd_average(clients, rank=5, combine=coordinate_median)  # rank 5: exact here
+    [(_prefix, product)] = lora_products(merged).items()
+    products = torch.stack([next(iter(lora_products(s).values())) for s, _ in clients])
+    torch.testing.assert_close(product, products.median(dim=0).values, rtol=1e-6, atol=1e-6)
+    assert product.abs().max() <= products[:3].abs().max()  # within the honest clients' range
+
+
+def test_update_norm_is_the_distance_over_every_tensor_in_float64() -> None:
+    reference = {"a": torch.zeros(2), "b": torch.ones(1)}
+    assert update_norm({"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([5.0])}, reference) == 5.0
+    huge = update_norm({"a": torch.tensor([3e38, 3e38]), "b": torch.ones(1)}, reference)
+    assert huge == pytest.approx(3e38 * 2**0.5)  # finite: float32 squares would overflow
+    nan = {"a": torch.tensor([float("nan"), 0.0]), "b": torch.ones(1)}
+    assert update_norm(nan, reference) != update_norm(nan, reference)  # nan
