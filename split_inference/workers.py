@@ -116,16 +116,18 @@ def authenticate_stages(secret: bytes | None, num_stages: int, *, timeout_s: flo
     accepted = 0
     try:
         for rank in range(1, num_stages + 1):
-            _authenticate_stage(stage_name(rank), secret, _auth.world_nonce, timeout_s=timeout_s)
+            authenticate_stage(stage_name(rank), secret, _auth.world_nonce, timeout_s=timeout_s)
             accepted += 1
     finally:
         if secret is not None and accepted:
             rpc_guard.start_signing()
 
 
-def _authenticate_stage(
+def authenticate_stage(
     name: str, secret: bytes | None, world_nonce: bytes, *, timeout_s: float
 ) -> None:
+    """Driver side, one stage: check its proof of the secret, then prove ours and hand it the
+    world nonce (bound into our proof)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     reply = rpc.rpc_sync(name, stage_prove, args=(nonce,), timeout=timeout_s)
     if not (

@@ -1,0 +1,913 @@
+"""Every attack class of the security review, against live local servers.
+
+Run: `python bench/abuse_bench.py [--quick]`.
+
+Four surfaces, each served by a process of its own, attacked by another, while this process
+plays an honest client and times it, without the attack and then under it:
+  - netproto (a secret set): idle and slow strangers by the hundred, PING before the handshake,
+    malformed frames before and after authentication (overflowing tensor dims, JSON nested
+    5,000 deep, a 5,000-digit integer, NaN, 1e999, 100,000 tensors, ERROR text forging log
+    lines). Honest: connect, authenticate, one request.
+  - spec_decoding's verifier (the debug target): malformed OPEN fields, a 40,000-token
+    BASELINE, q <= 0 drafts, a session growing past its cap. Honest: OPEN and one DRAFT.
+  - fed_learn's coordinator: two of five clients answer every task with a malformed RESULT or
+    a poisoned update (NaN, Inf, 3e38, a 10**12 weight, floods of unsolicited results), with
+    median aggregation on. Honest figure: the round's wall time, against a round of five
+    honest clients.
+  - a split stage (a shared secret set): a rank without the secret calls stage functions
+    unsigned, and TorchScript builtin operators, which TensorPipe runs in C++ without any Python
+    check (reported as served: see the README's security section). Honest: the driver's call
+    to the stage.
+Bounded counts and time (`--quick`: fewer). Prints a table (attack class, attempts, refused,
+crashes: answers `internal` or a dead server, must be 0), writes bench/results/abuse_bench.json,
+and ends with the worst surface's honest-client p50 latency under attack / without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lab.machine import announce_machine, write_results
+
+RESULTS = Path(__file__).resolve().parent / "results" / "abuse_bench.json"
+SECRET = "abuse-bench-secret"
+HANDSHAKE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Outcome:
+    """One attack class: how many tries, how many were refused, how many crashed something."""
+
+    attempts: int = 0
+    refused: int = 0
+    crashes: int = 0
+    served: int = 0  # answered as if legitimate (only where the README documents why)
+
+    def add(self, verdict: str) -> None:
+        self.attempts += 1
+        if verdict == "refused":
+            self.refused += 1
+        elif verdict == "crash":
+            self.crashes += 1
+        else:
+            self.served += 1
+
+
+Outcomes = dict[str, Outcome]
+
+
+def _verdict(exc: BaseException | None) -> str:
+    """What an answer to an attack says: refused (an error naming the peer's fault, or the
+    connection closed on it), crash (`internal`: the server failed), served (no error)."""
+    from netproto import RemoteError
+
+    if exc is None:
+        return "served"
+    if isinstance(exc, RemoteError) and exc.code == "internal":
+        return "crash"
+    return "refused"
+
+
+def p50(samples: list[float]) -> float:
+    return statistics.median(samples) if samples else math.nan
+
+
+# ------------------------------------------------------------------ netproto
+
+
+def _echo(conn: Any) -> None:
+    from netproto import MsgType
+
+    while True:
+        message = conn.recv(expect=MsgType.DATA_JSON)
+        conn.send_msg(MsgType.DATA_JSON, message.payload, request_id=message.request_id)
+
+
+def _serve_in_child(make_handler: str, ready: Any, stop: Any, kwargs: dict[str, Any]) -> None:
+    """Child process: a netproto server for `make_handler` until told to stop; then counters."""
+    import logging
+
+    from netproto import Server
+
+    logging.basicConfig(level=logging.ERROR)
+    handler = globals()[make_handler](**kwargs)
+    server = Server(
+        handler,
+        secret=SECRET.encode(),
+        handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
+        read_timeout_s=30,
+        name=make_handler,
+    ).start()
+    ready.send(server.address)
+    stop.recv()
+    counters = {
+        name: getattr(server, name)
+        for name in ("sessions_started", "sessions_failed", "sessions_evicted", "sessions_refused")
+        if hasattr(server, name)
+    }
+    server.stop()
+    ready.send(counters)
+
+
+def echo_handler() -> Callable[[Any], None]:
+    return _echo
+
+
+def verifier_handler(cache_dir: str) -> Callable[[Any], None]:
+    from lab.config import ModelConfig
+    from lab.models import load_model, load_tokenizer
+    from spec_decoding.verifier import Verifier
+
+    torch.set_num_threads(1)
+    config = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
+    verifier = Verifier(
+        load_model(config, cache_dir=Path(cache_dir)),
+        load_tokenizer(config, cache_dir=Path(cache_dir)),
+    )
+    return verifier.handle
+
+
+@contextlib.contextmanager
+def server_process(handler: str, **kwargs: Any) -> Iterator[tuple[tuple[str, int], dict]]:
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe()
+    stop_ours, stop_theirs = context.Pipe()
+    proc = context.Process(target=_serve_in_child, args=(handler, theirs, stop_theirs, kwargs))
+    proc.start()
+    PLACEMENT.server(proc.pid)
+    counters: dict[str, Any] = {}
+    try:
+        if not ours.poll(600):
+            raise RuntimeError(f"the {handler} server did not start")
+        yield ours.recv(), counters
+        counters["alive"] = proc.is_alive()
+        stop_ours.send("stop")
+        if ours.poll(30):
+            counters.update(ours.recv())
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _connect(address: tuple[str, int], **kwargs: Any) -> Any:
+    from netproto import Connection
+
+    return Connection.connect(*address, secret=SECRET.encode(), connect_timeout_s=10, **kwargs)
+
+
+def honest_echo(address: tuple[str, int]) -> None:
+    from netproto import MsgType
+
+    with _connect(address) as conn:
+        conn.request(MsgType.DATA_JSON, {"hello": 1}, expect=MsgType.DATA_JSON)
+
+
+def _frame(msg_type: int, kind: int, payload: bytes) -> bytes:
+    from netproto.wire import Header, PayloadKind, pack_header
+
+    return pack_header(Header(msg_type, PayloadKind(kind), 0, 0, len(payload))) + payload
+
+
+def crafted_frames() -> dict[str, bytes]:
+    """Malformed frames of every decoding class the review found, by name."""
+    from netproto import MsgType, PayloadKind
+    from netproto.wire import DTYPE_CODES
+
+    def tensor(dims: list[int]) -> bytes:
+        meta = struct.pack("!BB", DTYPE_CODES[torch.float32], len(dims))
+        meta += b"".join(struct.pack("!Q", d) for d in dims)
+        return meta + bytes(-len(meta) % 16)
+
+    many = struct.pack("!I", 100_000) + b"".join(
+        struct.pack("!H", 1) + b"x" + struct.pack("!BB", DTYPE_CODES[torch.uint8], 0)
+        for _ in range(100_000)
+    )
+    json_frame = lambda text: _frame(MsgType.DATA_JSON, PayloadKind.JSON, text.encode())  # noqa: E731
+    return {
+        "zero-element tensor, huge dims": _frame(
+            MsgType.DATA_TENSOR, PayloadKind.TENSOR, tensor([0, 2**40, 2**40, 2**40])
+        ),
+        "JSON nested 5,000 deep": json_frame('{"a":' + "[" * 5000 + "]" * 5000 + "}"),
+        "5,000-digit JSON integer": json_frame('{"a":' + "9" * 5000 + "}"),
+        "JSON NaN / Infinity / 1e999": json_frame('{"a":NaN,"b":Infinity,"c":1e999}'),
+        "100,000 tiny tensors": _frame(MsgType.DATA_TENSORS, PayloadKind.TENSORS, many),
+        "ERROR text forging a log line": _frame(
+            MsgType.ERROR,
+            PayloadKind.JSON,
+            json.dumps(
+                {"code": "x\nCRITICAL forged", "message": "boom\n[CRITICAL] server compromised"}
+            ).encode(),
+        ),
+    }
+
+
+def attack_netproto(address: tuple[str, int], seconds: float, scale: int) -> Outcomes:
+    """Runs in the attacker process; every class at once for about `seconds`."""
+    from netproto import MsgType, NetprotoError, PayloadKind
+
+    outcomes: Outcomes = {}
+
+    def strangers() -> None:
+        """Idle and slow strangers: the server must drop them (deadline or to make room)."""
+        outcome = outcomes.setdefault(f"netproto: {scale} idle/slow strangers", Outcome())
+        socks = []
+        for index in range(scale):
+            with contextlib.suppress(OSError):
+                sock = socket.create_connection(address, timeout=5)
+                socks.append((index % 2, sock))
+        ends = time.monotonic() + seconds
+        header = _frame(MsgType.AUTH_CHALLENGE, PayloadKind.BYTES, bytes(32))
+        step = 0
+        while time.monotonic() < ends:  # the slow half sends its challenge a byte at a time
+            for slow, sock in socks:
+                if slow and step < len(header):
+                    with contextlib.suppress(OSError):
+                        sock.send(header[step : step + 1])
+            step += 1
+            time.sleep(0.5)
+        for _, sock in socks:
+            sock.settimeout(0.5)
+            try:
+                sock.recv(4096)  # an ERROR, then the close; or the close alone
+                closed = True
+            except TimeoutError:
+                closed = False
+            except OSError:
+                closed = True
+            outcome.add("refused" if closed else "served")
+            sock.close()
+
+    def ping_first() -> None:
+        outcome = outcomes.setdefault("netproto: PING before the handshake", Outcome())
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            with contextlib.suppress(OSError), socket.create_connection(address, 5) as sock:
+                sock.sendall(_frame(MsgType.PING, PayloadKind.EMPTY, b""))
+                sock.settimeout(5)
+                reply = sock.recv(64)
+                pong = len(reply) >= 6 and struct.unpack("!H", reply[4:6])[0] == MsgType.PONG
+                outcome.add("served" if pong else "refused")
+            time.sleep(0.05)
+
+    def malformed(authenticated: bool) -> None:
+        frames = crafted_frames()
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            for name, frame in frames.items():
+                when = "after auth" if authenticated else "before auth"
+                outcome = outcomes.setdefault(f"netproto: {name} ({when})", Outcome())
+                try:
+                    if authenticated:
+                        conn = _connect(address)
+                        conn._sendall([frame])
+                        try:
+                            conn.recv(timeout_s=10)
+                            outcome.add("served")
+                        except NetprotoError as exc:
+                            outcome.add(_verdict(exc))
+                        conn.close()
+                    else:
+                        with socket.create_connection(address, 5) as sock:
+                            sock.sendall(frame)
+                            sock.settimeout(10)
+                            while sock.recv(65536):
+                                pass  # the server answers (auth_required) and closes
+                        outcome.add("refused")
+                except (OSError, NetprotoError) as exc:
+                    outcome.add(_verdict(exc))
+
+    threads = [threading.Thread(target=f) for f in (strangers, ping_first)]
+    threads += [threading.Thread(target=malformed, args=(auth,)) for auth in (False, True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+# ------------------------------------------------------------------ verifier
+
+
+def _open(conn: Any, tokenizer_hash: str, **fields: Any) -> Any:
+    from spec_decoding.protocol import SpecMsg
+
+    body = {"prompt": list(range(5, 13)), "vocab_hash": tokenizer_hash, **fields}
+    return conn.request(SpecMsg.OPEN, body, expect=SpecMsg.OPENED).payload
+
+
+def _vocab_hash(cache_dir: str) -> str:
+    from lab.config import ModelConfig
+    from lab.models import load_tokenizer
+    from spec_decoding.verifier import vocab_hash
+
+    config = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
+    return vocab_hash(load_tokenizer(config, cache_dir=Path(cache_dir)))
+
+
+def honest_verifier(address: tuple[str, int], tokenizer_hash: str) -> None:
+    from spec_decoding.protocol import SpecMsg
+
+    with _connect(address) as conn:
+        _open(conn, tokenizer_hash)
+        conn.request(
+            SpecMsg.DRAFT, {"tokens": torch.tensor([7], dtype=torch.int32)}, expect=SpecMsg.VERDICT
+        )
+
+
+def attack_verifier(address: tuple[str, int], seconds: float, tokenizer_hash: str) -> Outcomes:
+    from netproto import NetprotoError
+    from spec_decoding.protocol import SpecMsg
+
+    bad_opens: dict[str, dict[str, Any]] = {
+        "prompt not a list": {"prompt": "import os"},
+        "prompt of floats": {"prompt": [1.5, 2.5]},
+        "prompt of 40,000 tokens": {"prompt": [5] * 40_000},
+        "seed 2**70": {"seed": 2**70},
+        "temperature 1e-320": {"temperature": 1e-320},
+        "top_p 5": {"temperature": 1.0, "top_p": 5},
+        "max_new_tokens 10**6": {"max_new_tokens": 10**6},
+    }
+    outcomes: Outcomes = {}
+    ends = time.monotonic() + seconds
+
+    def attempt(name: str, run: Callable[[Any], None]) -> None:
+        outcome = outcomes.setdefault(f"verifier: {name}", Outcome())
+        try:
+            with _connect(address) as conn:
+                run(conn)
+            outcome.add("served")
+        except NetprotoError as exc:
+            outcome.add(_verdict(exc))
+
+    def baseline(conn: Any) -> None:
+        body = {"prompt": [5] * 40_000, "max_new_tokens": 8, "vocab_hash": tokenizer_hash}
+        conn.request(SpecMsg.BASELINE, body, expect=SpecMsg.BASELINE_DONE)
+
+    def q_zero(conn: Any) -> None:
+        vocab = _open(conn, tokenizer_hash, temperature=1.0)["vocab_size"]
+        q = torch.zeros(1, vocab)
+        for _ in range(10_000):  # q <= 0 once made every draft pass, without end
+            conn.request(
+                SpecMsg.DRAFT,
+                {"tokens": torch.tensor([5], dtype=torch.int32), "q": q},
+                expect=SpecMsg.VERDICT,
+            )
+
+    def grow(conn: Any) -> None:
+        _open(conn, tokenizer_hash)
+        for _ in range(100_000):  # past the target's context, the session is refused
+            conn.request(
+                SpecMsg.DRAFT,
+                {"tokens": torch.tensor([5] * 8, dtype=torch.int32)},
+                expect=SpecMsg.VERDICT,
+            )
+
+    while time.monotonic() < ends:
+        for name, fields in bad_opens.items():
+
+            def bad_open(conn: Any, fields: dict[str, Any] = fields) -> None:
+                _open(conn, tokenizer_hash, **fields)
+
+            attempt(f"OPEN with {name}", bad_open)
+        attempt("BASELINE of 40,000 tokens", baseline)
+        attempt("drafts with q = 0", q_zero)
+        attempt("a session growing past its cap", grow)
+    return outcomes
+
+
+# ------------------------------------------------------------------ coordinator
+
+
+def _fed_settings(cache_dir: str, rounds: int) -> Any:
+    from fed_learn.config import FedConfig, FedLearnRunConfig
+    from lab.config import ClusterConfig, ModelConfig, PathsConfig, TrackingConfig
+
+    return FedLearnRunConfig(
+        model=ModelConfig(pretrained="lab:tiny_target", lab_preset="debug"),
+        fed=FedConfig(
+            rounds=rounds,
+            num_clients=5,
+            min_fit_clients=2,
+            round_timeout_s=60,
+            wait_clients_s=60,
+            max_examples_per_client=32,
+            eval_blocks=4,
+            heartbeat_s=0.5,
+            heartbeat_timeout_s=30,
+            aggregator="median",
+        ),
+        cluster=ClusterConfig(secret=SECRET),
+        paths=PathsConfig(run_dir=tempfile.mkdtemp(prefix="abuse-fed-"), cache_dir=cache_dir),
+        tracking=TrackingConfig(wandb=False, console=False),
+    )
+
+
+POISONS = [math.nan, math.inf, 3e38]
+BAD_RESULTS: list[dict[str, Any]] = [
+    {"num_examples": "10"},
+    {"num_examples": -10},
+    {"num_examples": 0},
+    {"train_loss": None},
+    {"round": None},
+    {"round": "1"},
+]
+
+
+def _fed_client(address: tuple[str, int], index: int, rogue: bool, sent: list[int]) -> None:
+    """A scripted client: the global adapter plus a small offset (no training: the figure is
+    about the coordinator). Rogue 3 sends malformed RESULT fields; rogue 4 floods unsolicited
+    results, then sends a poisoned update (NaN, Inf, 3e38 in turn)."""
+    from fed_learn.protocol import FedMsg
+    from netproto import NetprotoError
+
+    conn = _connect(address)
+    try:
+        conn.request(FedMsg.JOIN, {"name": f"c{index}", "num_examples": 10}, expect=FedMsg.WELCOME)
+        turn = 0
+        while True:
+            message = conn.recv(expect={FedMsg.TASK, FedMsg.FINISH})
+            if message.type == FedMsg.FINISH:
+                return
+            task = message.payload
+            state = conn.recv_tensors(FedMsg.GLOBAL)
+            result: dict[str, Any] = {
+                "task": task["task"],
+                "round": task["round"],
+                "num_examples": 10,
+                "train_loss": 1.0,
+                "val_loss": 1.0,
+                "seconds": 0.1,
+            }
+            update = {n: t + 0.01 * (index + 1) for n, t in state.items()}
+            if rogue:
+                turn += 1
+                if index == 3:
+                    result.update(BAD_RESULTS[turn % len(BAD_RESULTS)])
+                else:
+                    for _ in range(20):
+                        conn.send_msg(FedMsg.RESULT, {**result, "task": 1})
+                        conn.send_tensors(FedMsg.UPDATE, update)
+                    sent[0] += 20
+                    name = sorted(update)[0]
+                    update[name] = update[name].clone()
+                    update[name].view(-1)[0] = POISONS[turn % len(POISONS)]
+                sent[0] += 1
+            conn.send_msg(FedMsg.RESULT, result)
+            conn.send_tensors(FedMsg.UPDATE, update)
+    except NetprotoError:
+        pass  # a rogue the coordinator cut off
+    finally:
+        conn.close()
+
+
+def _rogue_clients(pipe: Any, address: tuple[str, int]) -> None:
+    """Attacker process: clients 3 and 4, both rogue; sends how many messages they sent."""
+    sent = [0]
+    threads = [threading.Thread(target=_fed_client, args=(address, i, True, sent)) for i in (3, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    pipe.send(sent[0])
+
+
+def _federation(
+    pipe: Any, rogues: bool, rounds: int, cache_dir: str, placement: Placement
+) -> dict[str, Any]:
+    """Child process: a coordinator with 5 scripted clients (clients 3 and 4 rogue, in an
+    attacker process of their own, when `rogues`), median aggregation. Sends its address once
+    the clients have joined (honest newcomers may JOIN while the rounds run), then returns what
+    the rogues sent, what the coordinator refused or dropped, and whether the adapter stayed
+    finite."""
+    import logging
+
+    from fed_learn.coordinator import Coordinator
+    from fed_learn.lora import adapter_state, peft_model
+    from lab.config import Endpoint
+    from lab.tracking import METRICS_FILE, Tracker, read_records
+    from netproto.cluster import serve
+
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(1)
+    settings = _fed_settings(cache_dir, rounds)
+    run_dir = Path(settings.paths.run_dir)
+    model = peft_model(settings.model, settings.lora, cache_dir=Path(cache_dir))
+    coordinator = Coordinator(settings, model, torch.randint(0, 300, (4, 32)))
+    server = serve(coordinator.handle, settings.cluster, Endpoint(), name="coordinator")
+    sent = [0]
+    threads = [
+        threading.Thread(target=_fed_client, args=(server.address, i, False, sent), daemon=True)
+        for i in range(3 if rogues else 5)
+    ]
+    for thread in threads:
+        thread.start()
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe()
+    attacker = context.Process(target=_rogue_clients, args=(theirs, server.address))
+    if rogues:
+        attacker.start()
+        placement.attacker(attacker.pid)
+    coordinator.wait_for_clients(5)
+    pipe.send(server.address)
+    crashed, metrics = False, {}
+    try:
+        with Tracker(run_dir, config={}, tracking=settings.tracking, job="abuse") as tracker:
+            metrics = coordinator.run_rounds(tracker)
+    except Exception as exc:  # the coordinator must survive its clients
+        crashed = True
+        print(f"coordinator crashed: {exc!r}", file=sys.stderr)
+    server.stop()
+    if rogues:
+        sent[0] += ours.recv() if ours.poll(30) else 0
+        attacker.join(timeout=10)
+    records = [r for r in read_records(run_dir / METRICS_FILE) if "clients" in r]
+    finite = all(bool(torch.isfinite(t).all()) for t in adapter_state(model).values())
+    return {
+        "sent": sent[0],
+        "refused": sum(int(r.get("refused", 0)) for r in records),
+        "dropped": int(metrics.get("dropped_results", 0)),
+        "finite": finite,
+        "crashed": crashed,
+        "rounds": len(records),
+    }
+
+
+def _federation_child(
+    pipe: Any, rogues: bool, rounds: int, cache_dir: str, placement: Placement
+) -> None:
+    pipe.send(_federation(pipe, rogues, rounds, cache_dir, placement))
+
+
+def honest_join(address: tuple[str, int]) -> None:
+    """A newcomer's JOIN answered with WELCOME (it leaves at once: no task reaches it)."""
+    from fed_learn.protocol import FedMsg
+
+    with _connect(address) as conn:
+        conn.request(FedMsg.JOIN, {"name": "newcomer", "num_examples": 1}, expect=FedMsg.WELCOME)
+
+
+def run_federation(
+    rogues: bool, rounds: int, cache_dir: str, *, samples: int
+) -> tuple[list[float], dict[str, Any]]:
+    """Runs a federation in a child process and times honest JOINs while its rounds run."""
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe()
+    proc = context.Process(
+        target=_federation_child, args=(theirs, rogues, rounds, cache_dir, PLACEMENT)
+    )
+    proc.start()
+    PLACEMENT.server(proc.pid)
+    try:
+        if not ours.poll(900):
+            raise RuntimeError("the federation did not start")
+        address = ours.recv()
+        times: list[float] = []
+        while not ours.poll() and len(times) < samples:
+            times += timed(lambda: honest_join(address), count=1)
+        if not ours.poll(900):
+            raise RuntimeError("the federation did not finish")
+        return times, ours.recv()
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+# ------------------------------------------------------------------ split stage (RPC)
+
+
+def rpc_driver(port: int, out: str, samples: int, go: str) -> None:
+    """Subprocess: the driver of a world of stage1 (honest, with the secret) and stage2 (a rogue
+    without it). Authenticates stage1 only, then times its own calls to stage1 before and while
+    the rogue attacks."""
+    import torch.distributed.rpc as rpc
+
+    from lab.config import Endpoint
+    from split_inference import rpc_guard, workers
+    from split_inference.config import SplitConfig
+
+    world = workers.World(
+        0, Endpoint("127.0.0.1", port), SplitConfig(num_stages=2, rpc_timeout_s=20)
+    )
+    times: dict[str, list[float]] = {"without": [], "under": []}
+    with workers.joined(world, secret=SECRET.encode()):
+        workers.authenticate_stage(
+            "stage1", SECRET.encode(), workers._auth.world_nonce, timeout_s=20
+        )
+        rpc_guard.start_signing()
+        for phase in ("without", "under"):
+            if phase == "under":
+                Path(go).write_text("go")
+                time.sleep(1.0)
+            for _ in range(samples):
+                started = time.perf_counter()
+                rpc.rpc_sync("stage1", workers.free_memory_bytes, timeout=20)
+                times[phase].append(time.perf_counter() - started)
+                time.sleep(0.01)
+        while not Path(go + ".done").exists():
+            time.sleep(0.2)
+        workers.release_all(2)
+    Path(out).write_text(json.dumps(times))
+
+
+def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
+    """Subprocess: stage2 without the secret; once the driver says go, floods stage1 with
+    unsigned calls and builtin operator calls for `seconds`."""
+    import torch.distributed.rpc as rpc
+
+    from lab.config import Endpoint
+    from split_inference import stage, workers
+    from split_inference.config import SplitConfig
+
+    world = workers.World(
+        2, Endpoint("127.0.0.1", port), SplitConfig(num_stages=2, rpc_timeout_s=20)
+    )
+    outcomes: Outcomes = {}
+    python_calls = {
+        "release the stage": (workers.release_stage, ()),
+        "read its free memory": (workers.free_memory_bytes, ()),
+        "describe a model": (stage.describe_model, ({},)),
+        "restart the handshake": (workers.stage_prove, (b"n" * 32,)),
+        "send a proof": (workers.stage_accept_driver, (b"p" * 32, b"w" * 32)),
+    }
+    with workers.joined(world, secret=None):
+        while not Path(go).exists():
+            time.sleep(0.05)
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            for name, (func, args) in python_calls.items():
+                outcome = outcomes.setdefault(f"split stage: unsigned call: {name}", Outcome())
+                try:
+                    rpc.rpc_sync("stage1", func, args=args, timeout=20)
+                    outcome.add("served")
+                except Exception as exc:
+                    outcome.add("refused" if "refused" in str(exc) else "crash")
+            outcome = outcomes.setdefault(
+                "split stage: TorchScript builtin op (C++ path, see README)", Outcome()
+            )
+            try:
+                rpc.rpc_sync("stage1", torch.add, args=(torch.ones(2), 1), timeout=20)
+                outcome.add("served")
+            except Exception:
+                outcome.add("refused")
+            time.sleep(0.01)
+        Path(out).write_text(json.dumps({k: vars(v) for k, v in outcomes.items()}))
+        Path(go + ".done").write_text("done")
+        with contextlib.suppress(workers.StageLostError):  # the driver refuses our pings
+            workers.serve_until_released(ping_s=1.0, timeout_s=20)
+
+
+def run_rpc(seconds: float, samples: int) -> tuple[dict[str, list[float]], Outcomes, bool]:
+    from lab.launch import free_port
+
+    port = free_port()
+    folder = Path(tempfile.mkdtemp(prefix="abuse-rpc-"))
+    go, times_file, rogue_file = folder / "go", folder / "times.json", folder / "rogue.json"
+    me = [sys.executable, __file__]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    stage = subprocess.Popen(
+        [
+            sys.executable, "-m", "split_inference", "role=stage", "split.rank=1",
+            "split.num_stages=2", f"cluster.master.port={port}", "split.rpc_timeout_s=20",
+            "num_threads=1", "tracking.wandb=false", f"paths.run_dir={folder / 'stage1'}",
+            f"hydra.run.dir={folder / 'stage1'}",
+        ],
+        env={**env, "LAB_SECRET": SECRET},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    rogue = subprocess.Popen(
+        [*me, "--rpc-role", "rogue", str(port), str(rogue_file), str(seconds), str(go)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    PLACEMENT.server(stage.pid)
+    PLACEMENT.attacker(rogue.pid)
+    driver = subprocess.run(
+        [*me, "--rpc-role", "driver", str(port), str(times_file), str(samples), str(go)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    stage_alive = stage.poll() is None or stage.returncode == 0
+    for proc in (rogue, stage):
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if driver.returncode != 0:
+        raise RuntimeError(f"the RPC driver failed: {driver.stderr[-2000:]}")
+    outcomes = {k: Outcome(**v) for k, v in json.loads(rogue_file.read_text()).items()}
+    return json.loads(times_file.read_text()), outcomes, stage_alive
+
+
+# ------------------------------------------------------------------ the run
+
+
+def split_cores() -> tuple[set[int], set[int]] | None:
+    """(the servers' cores, the other cores), where this OS can pin processes."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+@dataclass
+class Placement:
+    """Where processes run. Servers have cores of their own, as on their own host. Attackers
+    and the honest client share the others, the attackers at the lowest priority: on another
+    host, an attacker's own CPU would not slow the honest client, so here it only takes what
+    the honest client leaves idle. What a server spends on an attacker's behalf does count."""
+
+    servers: set[int] | None = None
+    others: set[int] | None = None
+
+    def server(self, pid: int | None) -> None:
+        _pin(pid, self.servers, nice=0)
+
+    def attacker(self, pid: int | None) -> None:
+        _pin(pid, self.others, nice=19)
+
+
+def _pin(pid: int | None, cores: set[int] | None, *, nice: int) -> None:
+    if pid is None or not cores or not hasattr(os, "sched_setaffinity"):
+        return
+    with contextlib.suppress(OSError):  # the process may be gone already
+        for task in Path(f"/proc/{pid}/task").iterdir():  # every thread it has so far
+            os.sched_setaffinity(int(task.name), cores)
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
+
+PLACEMENT = Placement()
+
+
+def timed(honest: Callable[[], None], *, count: int, gap_s: float = 0.02) -> list[float]:
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        honest()
+        times.append(time.perf_counter() - started)
+        time.sleep(gap_s)
+    return times
+
+
+def _attacker_child(conn: Any, name: str, args: tuple) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.CRITICAL)
+    conn.send({k: vars(v) for k, v in globals()[name](*args).items()})
+
+
+def under_attack(
+    honest: Callable[[], None], attack: str, args: tuple, *, samples: int
+) -> tuple[list[float], Outcomes]:
+    """Time `honest` while `attack(*args)` runs in a process of its own."""
+    context = mp.get_context("spawn")
+    ours, theirs = context.Pipe()
+    proc = context.Process(target=_attacker_child, args=(theirs, attack, args))
+    proc.start()
+    PLACEMENT.attacker(proc.pid)
+    time.sleep(1.0)  # let the attack build up
+    times = []
+    while proc.is_alive() and not ours.poll():
+        times += timed(honest, count=1)
+        if len(times) >= samples:
+            time.sleep(0.05)
+    outcomes = {k: Outcome(**v) for k, v in ours.recv().items()}
+    proc.join(timeout=30)
+    return times, outcomes
+
+
+def main(quick: bool) -> None:
+    from lab.config import ModelConfig, default_cache_dir
+    from lab.models import load_model
+
+    machine = announce_machine()
+    cores = split_cores()
+    if cores is None:
+        print("cannot pin processes to cores here: attackers share the servers' cores")
+    else:
+        PLACEMENT.servers, PLACEMENT.others = cores
+        os.sched_setaffinity(0, cores[1])
+        print(f"servers on cores {sorted(cores[0])}; the honest client and, at the lowest "
+              f"priority, the attackers on {sorted(cores[1])}")  # fmt: skip
+    seconds, scale, samples, rounds = (6.0, 300, 30, 20) if quick else (12.0, 1000, 60, 40)
+    cache_dir = str(default_cache_dir())
+    load_model(
+        ModelConfig(pretrained="lab:tiny_target", lab_preset="debug"), cache_dir=Path(cache_dir)
+    )
+    rows: Outcomes = {}
+    latency: dict[str, dict[str, float]] = {}
+
+    def record(surface: str, without: list[float], under: list[float], outcomes: Outcomes) -> None:
+        latency[surface] = {"without_p50_ms": 1e3 * p50(without), "under_p50_ms": 1e3 * p50(under)}
+        rows.update(outcomes)
+        print(f"{surface}: honest p50 {latency[surface]['without_p50_ms']:.1f} ms without, "
+              f"{latency[surface]['under_p50_ms']:.1f} ms under attack", flush=True)  # fmt: skip
+
+    with server_process("echo_handler") as (address, counters):
+        honest = lambda: honest_echo(address)  # noqa: E731
+        without = timed(honest, count=samples)
+        under, outcomes = under_attack(
+            honest, "attack_netproto", (address, seconds, scale), samples=samples
+        )
+    if not counters.get("alive"):
+        outcomes["netproto: server survived"] = Outcome(1, 0, 1)
+    record("netproto", without, under, outcomes)
+
+    tokenizer_hash = _vocab_hash(cache_dir)
+    with server_process("verifier_handler", cache_dir=cache_dir) as (address, counters):
+        honest = lambda: honest_verifier(address, tokenizer_hash)  # noqa: E731
+        without = timed(honest, count=samples)
+        under, outcomes = under_attack(
+            honest, "attack_verifier", (address, seconds, tokenizer_hash), samples=samples
+        )
+    if not counters.get("alive"):
+        outcomes["verifier: server survived"] = Outcome(1, 0, 1)
+    record("verifier", without, under, outcomes)
+
+    without, _ = run_federation(False, rounds, cache_dir, samples=samples)
+    under, attacked = run_federation(True, rounds, cache_dir, samples=samples)
+    refused = attacked["refused"] + attacked["dropped"]
+    broken = attacked["crashed"] or not attacked["finite"] or attacked["rounds"] < rounds
+    fed_outcome = Outcome(
+        attempts=attacked["sent"],
+        refused=refused,
+        crashes=int(broken),
+        served=attacked["sent"] - refused,
+    )
+    record(
+        "coordinator",
+        without,
+        under,
+        {"coordinator: 2 of 5 clients malformed / poisoned / flooding": fed_outcome},
+    )
+
+    times, outcomes, stage_alive = run_rpc(seconds, samples)
+    if not stage_alive:
+        outcomes["split stage: survived"] = Outcome(1, 0, 1)
+    record("split stage", times["without"], times["under"], outcomes)
+
+    print(f"\n{'attack class':<62} {'attempts':>8} {'refused':>8} {'crashes':>8} {'served':>7}")
+    for name, outcome in rows.items():
+        print(f"{name:<62} {outcome.attempts:>8} {outcome.refused:>8} {outcome.crashes:>8} "
+              f"{outcome.served:>7}")  # fmt: skip
+    worst = max(latency.items(), key=lambda kv: kv[1]["under_p50_ms"] / kv[1]["without_p50_ms"])
+    ratio = worst[1]["under_p50_ms"] / worst[1]["without_p50_ms"]
+    write_results(
+        RESULTS,
+        {
+            "quick": quick,
+            "attacks": {k: vars(v) for k, v in rows.items()},
+            "honest_latency": latency,
+            "worst_surface": worst[0],
+            "ratio": ratio,
+            "crashes": sum(o.crashes for o in rows.values()),
+        },
+        machine=machine,
+    )
+    print(
+        f"\ncrashes: {sum(o.crashes for o in rows.values())} (must be 0); worst surface: {worst[0]}"
+    )
+    print(f"honest-client p50 latency under attack / without: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer attempts, shorter attacks")
+    parser.add_argument("--rpc-role", nargs=5, metavar=("ROLE", "PORT", "OUT", "N", "GO"))
+    args = parser.parse_args()
+    if args.rpc_role:
+        role, port, out, number, go = args.rpc_role
+        if role == "driver":
+            rpc_driver(int(port), out, int(number), go)
+        else:
+            rpc_rogue(int(port), out, float(number), go)
+    else:
+        main(args.quick)
