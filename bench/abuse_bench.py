@@ -107,12 +107,15 @@ def _serve_in_child(make_handler: str, ready: Any, stop: Any, kwargs: dict[str, 
     import logging
 
     from netproto import Server
+    from netproto.connection import server_ssl_context
 
     logging.basicConfig(level=logging.ERROR)
+    tls = kwargs.pop("tls", None)
     handler = globals()[make_handler](**kwargs)
     server = Server(
         handler,
         secret=SECRET.encode(),
+        ssl_context=server_ssl_context(cert=tls[0], key=tls[1]) if tls else None,
         handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
         read_timeout_s=30,
         name=make_handler,
@@ -169,16 +172,38 @@ def server_process(handler: str, **kwargs: Any) -> Iterator[tuple[tuple[str, int
             proc.kill()
 
 
-def _connect(address: tuple[str, int], **kwargs: Any) -> Any:
+def _connect(address: tuple[str, int], *, ca: str | None = None) -> Any:
     from netproto import Connection
+    from netproto.connection import client_ssl_context
 
-    return Connection.connect(*address, secret=SECRET.encode(), connect_timeout_s=10, **kwargs)
+    return Connection.connect(
+        *address,
+        secret=SECRET.encode(),
+        ssl_context=client_ssl_context(ca=ca) if ca else None,
+        connect_timeout_s=10,
+    )
 
 
-def honest_echo(address: tuple[str, int]) -> None:
+def self_signed_certificate(folder: Path) -> tuple[str, str] | None:
+    """(cert.pem, key.pem) for 127.0.0.1, made with the openssl command (None without it)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    try:
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+             "-keyout", str(key), "-out", str(cert)],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return str(cert), str(key)
+
+
+def honest_echo(address: tuple[str, int], ca: str | None = None) -> None:
     from netproto import MsgType
 
-    with _connect(address) as conn:
+    with _connect(address, ca=ca) as conn:
         conn.request(MsgType.DATA_JSON, {"hello": 1}, expect=MsgType.DATA_JSON)
 
 
@@ -221,15 +246,19 @@ def crafted_frames() -> dict[str, bytes]:
     }
 
 
-def attack_netproto(address: tuple[str, int], seconds: float, scale: int) -> Outcomes:
-    """Runs in the attacker process; every class at once for about `seconds`."""
+def attack_netproto(
+    address: tuple[str, int], seconds: float, scale: int, crowd_only: bool = False
+) -> Outcomes:
+    """Runs in the attacker process; every class at once for about `seconds` (`crowd_only`:
+    the strangers and the PINGs, which is what a TLS server sees of any of them)."""
     from netproto import MsgType, NetprotoError, PayloadKind
 
     outcomes: Outcomes = {}
+    label = "netproto+TLS" if crowd_only else "netproto"
 
     def strangers() -> None:
         """Idle and slow strangers: the server must drop them (deadline or to make room)."""
-        outcome = outcomes.setdefault(f"netproto: {scale} idle/slow strangers", Outcome())
+        outcome = outcomes.setdefault(f"{label}: {scale} idle/slow strangers", Outcome())
         socks = []
         for index in range(scale):
             with contextlib.suppress(OSError):
@@ -258,7 +287,7 @@ def attack_netproto(address: tuple[str, int], seconds: float, scale: int) -> Out
             sock.close()
 
     def ping_first() -> None:
-        outcome = outcomes.setdefault("netproto: PING before the handshake", Outcome())
+        outcome = outcomes.setdefault(f"{label}: PING before the handshake", Outcome())
         ends = time.monotonic() + seconds
         while time.monotonic() < ends:
             with contextlib.suppress(OSError), socket.create_connection(address, 5) as sock:
@@ -297,7 +326,8 @@ def attack_netproto(address: tuple[str, int], seconds: float, scale: int) -> Out
                     outcome.add(_verdict(exc))
 
     threads = [threading.Thread(target=f) for f in (strangers, ping_first)]
-    threads += [threading.Thread(target=malformed, args=(auth,)) for auth in (False, True)]
+    if not crowd_only:
+        threads += [threading.Thread(target=malformed, args=(auth,)) for auth in (False, True)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -501,6 +531,8 @@ def _federation(
     finite."""
     import logging
 
+    os.environ["TQDM_DISABLE"] = "1"  # the coordinator's per-round progress bars
+
     from fed_learn.coordinator import Coordinator
     from fed_learn.lora import adapter_state, peft_model
     from lab.config import Endpoint
@@ -570,6 +602,8 @@ def run_federation(
     rogues: bool, rounds: int, cache_dir: str, *, samples: int
 ) -> tuple[list[float], dict[str, Any]]:
     """Runs a federation in a child process and times honest JOINs while its rounds run."""
+    from netproto import NetprotoError
+
     context = mp.get_context("spawn")
     ours, theirs = context.Pipe()
     proc = context.Process(
@@ -583,7 +617,11 @@ def run_federation(
         address = ours.recv()
         times: list[float] = []
         while not ours.poll() and len(times) < samples:
-            times += timed(lambda: honest_join(address), count=1)
+            try:
+                times += timed(lambda: honest_join(address), count=1)
+            except NetprotoError:
+                if not ours.poll(5):  # not the federation ending under our feet
+                    raise
         if not ours.poll(900):
             raise RuntimeError("the federation did not finish")
         return times, ours.recv()
@@ -794,13 +832,20 @@ def under_attack(
     proc.start()
     PLACEMENT.attacker(proc.pid)
     time.sleep(1.0)  # let the attack build up
-    times = []
+    times: list[float] = []
+    failures = 0
     while proc.is_alive() and not ours.poll():
-        times += timed(honest, count=1)
+        try:
+            times += timed(honest, count=1)
+        except Exception as exc:  # an honest client turned away: the figure to report
+            failures += 1
+            print(f"honest client failed under attack: {exc}", flush=True)
         if len(times) >= samples:
             time.sleep(0.05)
     outcomes = {k: Outcome(**v) for k, v in ours.recv().items()}
     proc.join(timeout=30)
+    if failures:
+        outcomes["honest client turned away"] = Outcome(failures, 0, failures)
     return times, outcomes
 
 
@@ -826,10 +871,17 @@ def main(quick: bool) -> None:
     latency: dict[str, dict[str, float]] = {}
 
     def record(surface: str, without: list[float], under: list[float], outcomes: Outcomes) -> None:
-        latency[surface] = {"without_p50_ms": 1e3 * p50(without), "under_p50_ms": 1e3 * p50(under)}
+        latency[surface] = {
+            "without_p50_ms": 1e3 * p50(without),
+            "under_p50_ms": 1e3 * p50(under),
+            "under_max_ms": 1e3 * max(under, default=math.nan),
+            "samples_under": len(under),
+        }
         rows.update(outcomes)
-        print(f"{surface}: honest p50 {latency[surface]['without_p50_ms']:.1f} ms without, "
-              f"{latency[surface]['under_p50_ms']:.1f} ms under attack", flush=True)  # fmt: skip
+        row = latency[surface]
+        print(f"{surface}: honest p50 {row['without_p50_ms']:.1f} ms without, "
+              f"{row['under_p50_ms']:.1f} ms under attack (max {row['under_max_ms']:.1f} ms "
+              f"of {row['samples_under']})", flush=True)  # fmt: skip
 
     with server_process("echo_handler") as (address, counters):
         honest = lambda: honest_echo(address)  # noqa: E731
@@ -840,6 +892,21 @@ def main(quick: bool) -> None:
     if not counters.get("alive"):
         outcomes["netproto: server survived"] = Outcome(1, 0, 1)
     record("netproto", without, under, outcomes)
+
+    certificate = self_signed_certificate(Path(tempfile.mkdtemp(prefix="abuse-tls-")))
+    if certificate is None:
+        print("no openssl command: the TLS surface is skipped")
+    else:
+        ca = certificate[0]
+        with server_process("echo_handler", tls=certificate) as (address, counters):
+            honest = lambda: honest_echo(address, ca)  # noqa: E731
+            without = timed(honest, count=samples)
+            under, outcomes = under_attack(
+                honest, "attack_netproto", (address, seconds, scale, True), samples=samples
+            )
+        if not counters.get("alive"):
+            outcomes["netproto+TLS: server survived"] = Outcome(1, 0, 1)
+        record("netproto+TLS", without, under, outcomes)
 
     tokenizer_hash = _vocab_hash(cache_dir)
     with server_process("verifier_handler", cache_dir=cache_dir) as (address, counters):
