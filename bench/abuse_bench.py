@@ -290,12 +290,15 @@ def attack_netproto(
         outcome = outcomes.setdefault(f"{label}: PING before the handshake", Outcome())
         ends = time.monotonic() + seconds
         while time.monotonic() < ends:
-            with contextlib.suppress(OSError), socket.create_connection(address, 5) as sock:
-                sock.sendall(_frame(MsgType.PING, PayloadKind.EMPTY, b""))
-                sock.settimeout(5)
-                reply = sock.recv(64)
+            try:
+                with socket.create_connection(address, 5) as sock:
+                    sock.sendall(_frame(MsgType.PING, PayloadKind.EMPTY, b""))
+                    sock.settimeout(5)
+                    reply = sock.recv(64)
                 pong = len(reply) >= 6 and struct.unpack("!H", reply[4:6])[0] == MsgType.PONG
                 outcome.add("served" if pong else "refused")
+            except OSError:  # reset: a TLS server takes the PING for a broken ClientHello
+                outcome.add("refused")
             time.sleep(0.05)
 
     def malformed(authenticated: bool) -> None:
