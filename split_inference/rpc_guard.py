@@ -20,6 +20,8 @@ authentication of its own. Every process of a split run installs two guards (`in
 from __future__ import annotations
 
 import builtins
+import contextlib
+import functools
 import hashlib
 import hmac
 import io
@@ -207,9 +209,11 @@ def safe_loads(data: bytes) -> Any:
 
 # ---------------------------------------------------------------------------- signed calls
 
-ENVELOPE = struct.Struct("!4sBBQB")  # magic, version, key, sequence number, sender name length
+ENVELOPE = struct.Struct("!4sBBQBB")
+"""magic, version, key, sequence number, sender name length, receiver name length (then the
+two names, then the MAC when signed). The receiver is named on calls; a reply names none."""
 MAGIC = b"LRPC"
-VERSION = 1
+VERSION = 2
 UNSIGNED, SIGNED = 0, 1
 MAC_BYTES = hashlib.sha256().digest_size
 REPLAY_WINDOW = 1 << 16
@@ -227,6 +231,48 @@ START_CALLS = frozenset(
     }
 )
 """What a process serves unsigned, and only until its world key is set."""
+
+
+def _is_start_call(func: Any) -> bool:
+    """Whether `func` is one of START_CALLS itself (by identity: a message can build an object
+    whose __module__ and __qualname__ say anything)."""
+    import importlib
+
+    for module, name in START_CALLS:
+        with contextlib.suppress(ImportError):
+            if func is getattr(importlib.import_module(module), name, None):
+                return True
+    return False
+
+
+_destination = threading.local()
+"""The worker a call being pickled on this thread goes to (see `_addressed`)."""
+
+
+def _worker_name(to: Any) -> str:
+    if isinstance(to, str):
+        return to
+    if isinstance(to, int):
+        import torch.distributed.rpc as rpc
+
+        return str(rpc.get_worker_info(to).name)
+    return str(getattr(to, "name", ""))
+
+
+def _addressed(send: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap one of torch's call senders so the envelope of the call names its receiver."""
+
+    @functools.wraps(send)
+    def addressed(to: Any, *args: Any, **kwargs: Any) -> Any:
+        previous = getattr(_destination, "name", "")
+        _destination.name = _worker_name(to)
+        try:
+            return send(to, *args, **kwargs)
+        finally:
+            _destination.name = previous
+
+    addressed.__wrapped_sender__ = True  # type: ignore[attr-defined]
+    return addressed
 
 
 @dataclass
@@ -320,9 +366,12 @@ class EnvelopePickler(pickle.Pickler):
         body = self._body.getvalue()
         calls = _calls
         name = calls.name.encode()[:255]
+        receiver = getattr(_destination, "name", "").encode()[:255]
         signed = calls.signing and calls.key is not None
         seq = next(calls.counter)
-        head = ENVELOPE.pack(MAGIC, VERSION, SIGNED if signed else UNSIGNED, seq, len(name)) + name
+        kind = SIGNED if signed else UNSIGNED
+        head = ENVELOPE.pack(MAGIC, VERSION, kind, seq, len(name), len(receiver))
+        head += name + receiver
         if signed:
             assert calls.key is not None
             tensors = getattr(rpc_internal._thread_local_tensor_tables, "send_tables", [])
@@ -340,37 +389,34 @@ class RpcUnpickler(SafeUnpickler):
 
     def load(self) -> Any:
         calls = _calls
-        sender, signed = self._open_envelope(calls)
+        sender, signed, addressed = self._open_envelope(calls)
         value = super().load()
-        if not signed and calls.secret is not None:
-            func = (
-                getattr(value, "func", None) if isinstance(value, rpc_internal.PythonUDF) else None
-            )
-            if (
-                func is not None
-                and (getattr(func, "__module__", ""), getattr(func, "__qualname__", ""))
-                not in START_CALLS
-            ):
-                self._refuse(
-                    calls,
-                    f"an unsigned call to {getattr(func, '__qualname__', func)!r} from {sender}",
-                )
+        is_call = isinstance(value, rpc_internal.PythonUDF)
+        if is_call and signed and not addressed:  # a reply's envelope cannot carry a call
+            self._refuse(calls, f"a call from {sender} addressed to no one")
+        if is_call and not signed and calls.secret is not None and not _is_start_call(value.func):
+            what = ascii(getattr(value.func, "__qualname__", type(value.func).__name__))
+            self._refuse(calls, f"an unsigned call to {what[:80]} from {sender}")
         return value
 
-    def _open_envelope(self, calls: _CallAuth) -> tuple[str, bool]:
+    def _open_envelope(self, calls: _CallAuth) -> tuple[str, bool, bool]:
+        """(sender, signed, addressed to this process) of a message, or refused."""
         head = self._source.read(ENVELOPE.size)
         if len(head) < ENVELOPE.size:
             self._refuse(calls, "a message without an envelope (not a lab RPC peer?)")
-        magic, version, kind, seq, name_len = ENVELOPE.unpack(head)
+        magic, version, kind, seq, name_len, receiver_len = ENVELOPE.unpack(head)
         if magic != MAGIC or version != VERSION or kind not in (UNSIGNED, SIGNED):
             self._refuse(calls, "a message with a bad envelope (not a lab RPC peer?)")
-        raw_name = self._source.read(name_len)
+        raw_name, raw_receiver = self._source.read(name_len), self._source.read(receiver_len)
         sender = ascii(raw_name.decode("utf-8", "replace"))[1:-1][:64]  # peer text: escaped
-        head += raw_name
+        head += raw_name + raw_receiver
+        if raw_receiver and raw_receiver != calls.name.encode():
+            receiver = ascii(raw_receiver.decode("utf-8", "replace"))[1:-1][:64]
+            self._refuse(calls, f"a message from {sender} addressed to {receiver}, not to us")
         if kind == UNSIGNED:
             if calls.signing:
                 self._refuse(calls, f"an unsigned message from {sender} (no shared secret there?)")
-            return sender, False
+            return sender, False, bool(raw_receiver)
         if calls.secret is None:
             self._refuse(
                 calls,
@@ -389,7 +435,7 @@ class RpcUnpickler(SafeUnpickler):
             self._refuse(calls, f"a replayed message (sequence {seq} from {sender} seen before)")
         self._source = io.BytesIO(body)
         self._file_read, self._file_readline = self._source.read, self._source.readline
-        return sender, True
+        return sender, True, bool(raw_receiver)
 
     @staticmethod
     def _refuse(calls: _CallAuth, what: str) -> None:
@@ -405,9 +451,19 @@ class RpcUnpickler(SafeUnpickler):
 
 
 def install() -> None:
-    """Make torch's RPC layer sign what this process sends and check what it receives."""
+    """Make torch's RPC layer sign what this process sends and check what it receives, and
+    name each call's receiver in its envelope (torch's pickler is not told where a call goes:
+    its senders are wrapped to say it)."""
+    import torch.distributed.rpc as rpc
+    from torch.distributed.rpc import api
+
     rpc_internal._pickler = EnvelopePickler
     rpc_internal._unpickler = RpcUnpickler
+    # every Python call goes through _invoke_rpc (rpc_sync, rpc_async, RRef proxies) or remote
+    if not getattr(api._invoke_rpc, "__wrapped_sender__", False):
+        api._invoke_rpc = _addressed(api._invoke_rpc)
+    if not getattr(api.remote, "__wrapped_sender__", False):
+        api.remote = rpc.remote = _addressed(api.remote)
 
 
 def never_sent(cls: type) -> None:

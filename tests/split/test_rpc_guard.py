@@ -37,8 +37,18 @@ def as_process(name: str, secret: bytes | None, *, world: bytes | None = WORLD, 
             rpc_guard.start_signing()
 
 
-def call(func, *args) -> tuple[bytes, list[torch.Tensor]]:
-    return rpc_internal.serialize(rpc_internal.PythonUDF(func, args, {}))
+def call(func, *args, to: str = "stage1") -> tuple[bytes, list[torch.Tensor]]:
+    """A call as `rpc_sync(to, func, args)` pickles it (the wrapped sender names `to`)."""
+    rpc_guard._destination.name = to
+    try:
+        return rpc_internal.serialize(rpc_internal.PythonUDF(func, args, {}))
+    finally:
+        rpc_guard._destination.name = ""
+
+
+def reply(value) -> tuple[bytes, list[torch.Tensor]]:
+    """A return value as the callee pickles it: addressed to no one."""
+    return rpc_internal.serialize(value)
 
 
 def receive(message: tuple[bytes, list[torch.Tensor]]):
@@ -87,6 +97,55 @@ def test_a_replayed_message_is_refused() -> None:
     receive(message)
     with pytest.raises(UnsafeMessageError, match="replayed"):
         receive(message)
+
+
+def test_a_call_replayed_to_another_process_is_refused() -> None:
+    """The receiver is signed: a recorded call to stage1 does not run on stage2."""
+    as_process("driver", SECRET)
+    message = call(workers.release_stage, to="stage1")
+    as_process("stage2", SECRET)
+    with pytest.raises(UnsafeMessageError, match="addressed to stage1, not to us"):
+        receive(message)
+
+
+def test_a_signed_call_addressed_to_no_one_is_refused_a_reply_is_served() -> None:
+    """A reply's envelope names no receiver: it must not be able to carry a call."""
+    as_process("stage1", SECRET)
+    disguised, answer = reply(rpc_internal.PythonUDF(workers.release_stage, (), {})), reply(42)
+    as_process("driver", SECRET)
+    with pytest.raises(UnsafeMessageError, match="addressed to no one"):
+        receive(disguised)
+    assert receive(answer) == 42
+
+
+def test_an_object_claiming_a_start_calls_name_is_not_one() -> None:
+    """Before the handshake only START_CALLS run unsigned: by identity, not by name."""
+
+    class Impostor(Exception):
+        pass
+
+    impostor = Impostor()
+    impostor.__module__ = "split_inference.workers"
+    impostor.__qualname__ = "stage_prove"  # type: ignore[attr-defined]
+    assert not rpc_guard._is_start_call(impostor)
+    assert rpc_guard._is_start_call(workers.stage_prove)
+
+
+def test_the_wrapped_senders_name_the_receiver() -> None:
+    """rpc_sync / rpc_async / RRef proxies (through _invoke_rpc) and remote say where a call
+    goes; without that a stage would refuse every signed call as addressed to no one."""
+    import torch.distributed.rpc as rpc
+    from torch.distributed.rpc import api
+
+    rpc_guard.install()
+    rpc_guard.install()  # idempotent: wrapped once
+    for sender in (api._invoke_rpc, api.remote, rpc.remote):
+        assert getattr(sender, "__wrapped_sender__", False)
+        assert not getattr(getattr(sender, "__wrapped__", None), "__wrapped_sender__", False)
+    seen = []
+    addressed = rpc_guard._addressed(lambda to, func: seen.append(rpc_guard._destination.name))
+    addressed("stage2", workers.stage_alive)
+    assert seen == ["stage2"] and rpc_guard._destination.name == ""
 
 
 def test_messages_out_of_order_are_served_once_each() -> None:
@@ -141,7 +200,7 @@ def test_a_signed_message_to_a_process_without_a_secret_says_what_to_fix() -> No
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\x80\x05N.", b"LRPC", b"XRPC\x01\x00" + bytes(9)],
+    [b"", b"\x80\x05N.", b"LRPC", b"XRPC\x02\x00" + bytes(10)],
     ids=["empty", "bare-pickle", "truncated-envelope", "bad-magic"],
 )
 def test_a_message_without_an_envelope_is_refused(data: bytes) -> None:
