@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 MAX_SESSION_TOKENS = 8192
 """Most tokens a session (prompt and everything generated) or a BASELINE may span."""
 MAX_BASELINE_TOKENS = 4096
+Q_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 """Sampling temperatures a session may ask for (0 is greedy): below, logits / t overflow."""
 MAX_SEED = 2**63 - 1
@@ -73,7 +74,10 @@ def _prompt(body: dict[str, Any], verifier: Verifier, *, room: int) -> list[int]
 
 
 def _number(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
+    """A finite JSON number; an int beyond 2**53 is refused (float() of 10**400 overflows)."""
+    if type(value) is int:
+        return abs(value) <= 2**53
+    return type(value) is float and math.isfinite(value)
 
 
 def _sampling_params(body: dict[str, Any]) -> tuple[float, float, int]:
@@ -282,8 +286,8 @@ class _Session:
         q = payload.get("q")
         if q is None or tuple(q.shape) != (len(draft), self.verifier.vocab_size):
             raise BadRequest("sampling needs `q` of shape (k, vocab_size)")
-        if not q.dtype.is_floating_point:
-            raise BadRequest("`q` must hold floating-point probabilities")
+        if q.dtype not in Q_DTYPES:  # float8/float4 have no arithmetic to check them with
+            raise BadRequest("`q` must hold float16, bfloat16, float32 or float64 probabilities")
         q = q.float()
         if not torch.isfinite(q).all() or (q < 0).any():
             raise BadRequest("`q` must hold finite, non-negative probabilities")

@@ -318,7 +318,9 @@ def _refused(verifier_server, tokenizer, send, error: str) -> None:
         ({"seed": 1.5}, "seed must be an integer in 0.."),
         ({"temperature": 1e-320}, "temperature must be 0 (greedy) or in"),
         ({"temperature": "hot"}, "temperature must be 0 (greedy) or in"),
+        ({"temperature": 10**400}, "temperature must be 0 (greedy) or in"),  # float() overflows
         ({"top_p": 0}, "top_p must be in (0, 1]"),
+        ({"temperature": 1.0, "top_p": 10**400}, "top_p must be in (0, 1]"),
     ],
 )
 def test_bad_open_fields_are_that_sessions_bad_request(
@@ -368,10 +370,21 @@ def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.
         (lambda v: _q(v, 5, own=-1.0, fill=2.0 / (v - 1)), "finite, non-negative"),
         (lambda v: _q(v, 5, own=float("nan")), "finite, non-negative"),
         (lambda v: _q(v, 5, own=0.5), "each row of `q` must sum to 1"),
-        (lambda v: _q(v, 5).to(torch.int64), "floating-point probabilities"),
+        (lambda v: _q(v, 5).to(torch.int64), "float32 or float64 probabilities"),
+        (lambda v: _q(v, 5).to(torch.float8_e4m3fn), "float32 or float64 probabilities"),
+        (lambda v: torch.zeros(1, v, dtype=torch.float4_e2m1fn_x2), "float32 or float64"),
         (lambda v: torch.ones(2, v) / v, "shape (k, vocab_size)"),
     ],
-    ids=["q_zero", "q_negative", "q_nan", "q_not_a_distribution", "q_integer", "q_shape"],
+    ids=[
+        "q_zero",
+        "q_negative",
+        "q_nan",
+        "q_not_a_distribution",
+        "q_integer",
+        "q_float8",
+        "q_float4",
+        "q_shape",
+    ],
 )
 @pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
 def test_a_q_that_would_make_the_verifier_accept_anything_is_refused(
