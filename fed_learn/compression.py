@@ -18,6 +18,8 @@ from collections.abc import Mapping
 
 import torch
 
+from netproto.errors import peer_text
+
 COMPRESSIONS = ("none", "topk", "topk_int8")
 MAX_PACKED = 2**31 - 1
 """Indices are int32: adapters up to 2^31 - 1 entries."""
@@ -81,7 +83,10 @@ def decompress(
     sizes = [torch.Size(shapes[name]).numel() for name in names]
     expected = {"idx", "val", "scale"} if method == "topk_int8" else {"idx", "val"}
     if set(wire) != expected:
-        raise ValueError(f"a {method} update has tensors {sorted(expected)}, not {sorted(wire)}")
+        raise ValueError(
+            f"a {method} update has tensors {sorted(expected)}, not {len(wire)} tensors "
+            f"named {peer_text(sorted(wire)[:4], limit=200)}"
+        )
     indices, values = wire["idx"], wire["val"]
     if indices.dim() != 1 or values.dim() != 1 or indices.numel() != values.numel():
         raise ValueError("compressed indices and values must be 1-D and paired")

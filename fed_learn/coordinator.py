@@ -44,6 +44,7 @@ from fed_learn.strategy import Strategy
 from lab.pretrain import evaluate
 from lab.tracking import Tracker
 from netproto import Connection, NetprotoError
+from netproto.errors import peer_text
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,14 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 FIRST_ROUND_GRACE_S = 30.0
 """Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
+UPDATE_DTYPES = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32}
+)
+"""What an update's tensors may hold: adapters in a float dtype, compressed ones int32 indices
+and int8 values (decompress checks which goes where)."""
+ANSWER_ERRORS = (ValueError, TypeError, RuntimeError)
+"""What checking an answer may raise on a peer's input (torch raises RuntimeError and its
+NotImplementedError): that client's failure, never the round's."""
 REPLY_SLOTS = 2
 """A client's queue: the answer to its one outstanding task, and the 'gone' marker."""
 
@@ -431,8 +440,8 @@ class Coordinator:
                     continue
                 try:
                     _result, full, norm = self._admit(client, reply, versions[base])
-                except ValueError as exc:
-                    log.warning("refused client %d's answer: %s", client.client_id, exc)
+                except ANSWER_ERRORS as exc:
+                    log.warning("refused client %d's answer: %s", client.client_id, peer_text(exc))
                     refused += 1
                     continue
                 weight = staleness_weight(
@@ -567,9 +576,12 @@ class Coordinator:
                 continue
             try:
                 result, update, norm = self._admit(client, reply, global_state)
-            except ValueError as exc:
+            except ANSWER_ERRORS as exc:
                 log.warning(
-                    "round %d: refused client %d's answer: %s", self.round, client.client_id, exc
+                    "round %d: refused client %d's answer: %s",
+                    self.round,
+                    client.client_id,
+                    peer_text(exc),
                 )
                 collected.failures.append(client.client_id)
                 collected.refused += 1
@@ -603,6 +615,8 @@ class Coordinator:
         if reply.result is None:
             raise ValueError(reply.error)
         for name, tensor in reply.update.items():
+            if tensor.dtype not in UPDATE_DTYPES:  # float8/float4: no arithmetic to check with
+                raise ValueError(f"update tensor {name!r:.80} has dtype {tensor.dtype}")
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(f"update tensor {name!r:.80} is not finite")
         try:

@@ -618,6 +618,7 @@ class Connection:
 
     def _abort(self) -> None:
         self._closed = True
+        self._spares = []  # up to two frame-cap-sized buffers: not kept by a closed connection
         with contextlib.suppress(OSError):
             self._sock.close()
 

@@ -334,6 +334,28 @@ def test_a_float64_update_too_big_for_the_adapters_dtype_is_refused(federation) 
     assert_states_equal(fed.final(), honest_mean(fed.initial, [0.01, 0.02]))
 
 
+@pytest.mark.parametrize("method", ["none", "topk"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.complex64, torch.bool]
+)
+def test_an_update_in_a_dtype_without_arithmetic_is_refused_and_the_round_goes_on(
+    federation, method: str, dtype: torch.dtype
+) -> None:
+    """float4 has no isfinite (it once ended run_rounds); nothing but adapter dtypes passes."""
+
+    def odd(task: dict[str, Any], global_state: State) -> State:
+        wire = wire_update(task, global_state, offset_delta(global_state, 0.03))
+        name = "val" if method == "topk" else sorted(wire)[0]
+        wire[name] = torch.zeros(wire[name].shape, dtype=dtype)
+        return wire
+
+    players = [Player(honest(0.01)), Player(honest(0.02)), Player(rogue(update=odd))]
+    fed = federation(players, compression=method, topk_fraction=1.0)
+    _, [record] = fed.run()
+    assert (record["clients"], record["failures"], record["refused"]) == (2, 1, 1)
+    assert_states_equal(fed.final(), honest_mean(fed.initial, [0.01, 0.02], method=method))
+
+
 def test_an_update_above_max_update_norm_is_refused_below_it_admitted(federation) -> None:
     # The rogue's offset of 5.0 on 17k entries is a norm of about 660.
     players = [Player(honest(0.01)), Player(honest(0.02)), Player(rogue())]
