@@ -98,6 +98,7 @@ def test_async_mode_applies_updates_as_they_arrive_and_refuses_stale_ones(
         "fed.min_fit_clients=1",
         "fed.rounds=3",
         "fed.local_steps=20",
+        "fed.lr=0.003",
         "fed.centralized_baseline=false",
     ]
     metrics = run(compose_config("fed_learn", overrides))
