@@ -594,7 +594,8 @@ def _federation_child(
 
 
 def honest_join(address: tuple[str, int]) -> None:
-    """A newcomer's JOIN answered with WELCOME (it leaves at once: no task reaches it)."""
+    """A newcomer's JOIN answered with WELCOME. It leaves at once; a round that sampled it in
+    the meantime counts it as a failure, like any client that leaves."""
     from fed_learn.protocol import FedMsg
 
     with _connect(address) as conn:
@@ -856,6 +857,7 @@ def main(quick: bool) -> None:
     from lab.config import ModelConfig, default_cache_dir
     from lab.models import load_model
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the children's progress bars (coordinator, HF)
     machine = announce_machine()
     cores = split_cores()
     if cores is None:
