@@ -534,8 +534,6 @@ def _federation(
     finite."""
     import logging
 
-    os.environ["TQDM_DISABLE"] = "1"  # the coordinator's per-round progress bars
-
     from fed_learn.coordinator import Coordinator
     from fed_learn.lora import adapter_state, peft_model
     from lab.config import Endpoint
@@ -857,7 +855,7 @@ def main(quick: bool) -> None:
     from lab.config import ModelConfig, default_cache_dir
     from lab.models import load_model
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # the children's progress bars (coordinator, HF)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the children's model-loading bars (HF)
     machine = announce_machine()
     cores = split_cores()
     if cores is None:

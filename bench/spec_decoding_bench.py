@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from lab.config import ModelConfig, default_cache_dir
+from lab.corpus import held_out_prompts
 from lab.machine import announce_machine, write_results
 from lab.models import load_model, load_tokenizer
 from netproto import Connection, LinkEmulatorProcess
 from spec_decoding.config import SpecConfig
 from spec_decoding.drafter import Drafter
 from spec_decoding.gamma import GammaController
-from spec_decoding.run import prompts_from_corpus, start_verifier_process, summarize
+from spec_decoding.run import start_verifier_process, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results" / "spec_decoding_bench.json"
 
@@ -117,7 +118,7 @@ def main() -> None:
     target = load_model(target_cfg, cache_dir=args.cache_dir)  # CUDA, MPS or CPU: detected
     draft = load_model(draft_cfg, cache_dir=args.cache_dir)
     tokenizer = load_tokenizer(draft_cfg, cache_dir=args.cache_dir)
-    prompts = prompts_from_corpus(tokenizer, count=num_prompts, tokens=32)
+    prompts = held_out_prompts(tokenizer, count=num_prompts, tokens=32)
 
     hf_generate(target, prompts[:1], 8, tokenizer)  # warm-up
     reference, target_s = hf_generate(target, prompts, max_new, tokenizer)

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from safetensors.torch import load_file
-from tqdm import tqdm
 
 from fed_learn.aggregate import combiner, mix, staleness_weight, update_norm
 from fed_learn.compression import decompress
@@ -62,6 +62,14 @@ ANSWER_ERRORS = (ValueError, TypeError, RuntimeError)
 NotImplementedError): that client's failure, never the round's."""
 REPLY_SLOTS = 2
 """A client's queue: the answer to its one outstanding task, and the 'gone' marker."""
+
+
+def _progress() -> Progress:
+    """A transient progress bar (the lab's one progress library, rich): shown on a terminal
+    while the work lasts, never left in logs."""
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), transient=True
+    )
 
 
 class NotEnoughClientsError(RuntimeError):
@@ -401,111 +409,114 @@ class Coordinator:
         coordinator_s = 0.0
         last_arrival = time.monotonic()
         self.round = start
-        progress = tqdm(total=fed.rounds - start, desc="async rounds", unit="round", leave=False)
-        while self.round < fed.rounds:
-            for client in self.alive_clients():  # idle (new or just reported): give it work
-                if client.client_id in busy:
-                    continue
-                send_started = time.perf_counter()
-                task = self._send_task(client, version, versions[version])
-                if task is not None:
-                    busy[client.client_id] = task
-                coordinator_s += time.perf_counter() - send_started
-            arrived = False
-            with self._lock:
-                clients = list(self.clients.values())
-            for client in clients:
-                if client.client_id not in busy:
-                    continue
-                try:
-                    reply = client.results.get_nowait()
-                except queue.Empty:
-                    continue
-                if reply is not None and reply.task is not busy[client.client_id]:
-                    continue  # answers a task withdrawn earlier: not wanted
-                arrived = True
-                base = busy.pop(client.client_id).round
-                if reply is None:  # the client is gone
-                    continue
-                work_started = time.perf_counter()
-                stale = version - base
-                if stale > fed.max_staleness:
-                    refused += 1
+        with _progress() as progress:  # transient: gone once the rounds are
+            rounds = progress.add_task("async rounds", total=fed.rounds - start)
+            while self.round < fed.rounds:
+                for client in self.alive_clients():  # idle (new or just reported): give it work
+                    if client.client_id in busy:
+                        continue
+                    send_started = time.perf_counter()
+                    task = self._send_task(client, version, versions[version])
+                    if task is not None:
+                        busy[client.client_id] = task
+                    coordinator_s += time.perf_counter() - send_started
+                arrived = False
+                with self._lock:
+                    clients = list(self.clients.values())
+                for client in clients:
+                    if client.client_id not in busy:
+                        continue
+                    try:
+                        reply = client.results.get_nowait()
+                    except queue.Empty:
+                        continue
+                    if reply is not None and reply.task is not busy[client.client_id]:
+                        continue  # answers a task withdrawn earlier: not wanted
+                    arrived = True
+                    base = busy.pop(client.client_id).round
+                    if reply is None:  # the client is gone
+                        continue
+                    work_started = time.perf_counter()
+                    stale = version - base
+                    if stale > fed.max_staleness:
+                        refused += 1
+                        log.info(
+                            "refused client %d's update: %d versions old (fed.max_staleness=%d)",
+                            client.client_id,
+                            stale,
+                            fed.max_staleness,
+                        )
+                        continue
+                    try:
+                        _result, full, norm = self._admit(client, reply, versions[base])
+                    except ANSWER_ERRORS as exc:
+                        log.warning(
+                            "refused client %d's answer: %s", client.client_id, peer_text(exc)
+                        )
+                        refused += 1
+                        continue
+                    weight = staleness_weight(
+                        stale, mixing=fed.async_mixing, exponent=fed.staleness_exponent
+                    )
+                    load_adapter_state(self.model, mix(versions[version], full, weight=weight))
+                    version += 1
+                    versions[version] = adapter_state(self.model)
+                    for old in [v for v in versions if v < version - fed.max_staleness]:
+                        del versions[old]
+                    applied += 1
+                    staleness.append(stale)
+                    norms.append(norm)
+                    coordinator_s += time.perf_counter() - work_started
+                    if applied % fed.min_fit_clients:
+                        continue
+                    eval_started = time.perf_counter()
+                    val_loss = evaluate(self.model, self.val_blocks)
+                    coordinator_s += time.perf_counter() - eval_started
+                    traffic = self._traffic()
+                    metrics = {
+                        "val_loss": val_loss,
+                        "clients": float(fed.min_fit_clients),
+                        "applied": float(applied),
+                        "refused": float(refused),
+                        "mean_staleness": sum(staleness[-fed.min_fit_clients :])
+                        / fed.min_fit_clients,
+                        "max_staleness_applied": float(max(staleness)),
+                        "largest_update_norm": max(norms[-fed.min_fit_clients :]),
+                        "bytes_down": float(traffic[0] - bytes_before[0]),
+                        "bytes_up": float(traffic[1] - bytes_before[1]),
+                    }
+                    history.append(
+                        self._close_round(
+                            metrics,
+                            outcome=f"async: {applied} updates applied",
+                            started=round_started,
+                            coordinator_s=coordinator_s,
+                        )
+                    )
+                    tracker.log(metrics, step=self.round + 1)
                     log.info(
-                        "refused client %d's update: %d versions old (fed.max_staleness=%d)",
-                        client.client_id,
-                        stale,
-                        fed.max_staleness,
+                        "async round %d/%d: val loss %.4f (applied %d, refused %d, staleness %s)",
+                        self.round + 1,
+                        fed.rounds,
+                        val_loss,
+                        applied,
+                        refused,
+                        staleness[-fed.min_fit_clients :],
                     )
-                    continue
-                try:
-                    _result, full, norm = self._admit(client, reply, versions[base])
-                except ANSWER_ERRORS as exc:
-                    log.warning("refused client %d's answer: %s", client.client_id, peer_text(exc))
-                    refused += 1
-                    continue
-                weight = staleness_weight(
-                    stale, mixing=fed.async_mixing, exponent=fed.staleness_exponent
-                )
-                load_adapter_state(self.model, mix(versions[version], full, weight=weight))
-                version += 1
-                versions[version] = adapter_state(self.model)
-                for old in [v for v in versions if v < version - fed.max_staleness]:
-                    del versions[old]
-                applied += 1
-                staleness.append(stale)
-                norms.append(norm)
-                coordinator_s += time.perf_counter() - work_started
-                if applied % fed.min_fit_clients:
-                    continue
-                eval_started = time.perf_counter()
-                val_loss = evaluate(self.model, self.val_blocks)
-                coordinator_s += time.perf_counter() - eval_started
-                traffic = self._traffic()
-                metrics = {
-                    "val_loss": val_loss,
-                    "clients": float(fed.min_fit_clients),
-                    "applied": float(applied),
-                    "refused": float(refused),
-                    "mean_staleness": sum(staleness[-fed.min_fit_clients :]) / fed.min_fit_clients,
-                    "max_staleness_applied": float(max(staleness)),
-                    "largest_update_norm": max(norms[-fed.min_fit_clients :]),
-                    "bytes_down": float(traffic[0] - bytes_before[0]),
-                    "bytes_up": float(traffic[1] - bytes_before[1]),
-                }
-                history.append(
-                    self._close_round(
-                        metrics,
-                        outcome=f"async: {applied} updates applied",
-                        started=round_started,
-                        coordinator_s=coordinator_s,
+                    self.round += 1
+                    progress.advance(rounds)
+                    bytes_before, round_started, coordinator_s = traffic, time.perf_counter(), 0.0
+                    if self.round >= fed.rounds:
+                        break
+                if arrived:
+                    last_arrival = time.monotonic()
+                elif time.monotonic() - last_arrival > fed.round_timeout_s:
+                    raise NotEnoughClientsError(
+                        f"no update arrived for fed.round_timeout_s={fed.round_timeout_s:.0f}s "
+                        f"({len(self.alive_clients())} clients alive)"
                     )
-                )
-                tracker.log(metrics, step=self.round + 1)
-                log.info(
-                    "async round %d/%d: val loss %.4f (applied %d, refused %d, staleness %s)",
-                    self.round + 1,
-                    fed.rounds,
-                    val_loss,
-                    applied,
-                    refused,
-                    staleness[-fed.min_fit_clients :],
-                )
-                self.round += 1
-                progress.update(1)
-                bytes_before, round_started, coordinator_s = traffic, time.perf_counter(), 0.0
-                if self.round >= fed.rounds:
-                    break
-            if arrived:
-                last_arrival = time.monotonic()
-            elif time.monotonic() - last_arrival > fed.round_timeout_s:
-                raise NotEnoughClientsError(
-                    f"no update arrived for fed.round_timeout_s={fed.round_timeout_s:.0f}s "
-                    f"({len(self.alive_clients())} clients alive)"
-                )
-            else:
-                time.sleep(0.02)
-        progress.close()
+                else:
+                    time.sleep(0.02)
         # Clients still training get to hand in (and have discarded) what they are working on,
         # so that every client ends cleanly on FINISH rather than on a closed connection.
         deadline = time.monotonic() + fed.round_timeout_s
@@ -566,29 +577,30 @@ class Coordinator:
         each. Tasks still unanswered then are withdrawn (a late answer is dropped)."""
         deadline = time.monotonic() + self.fed.round_timeout_s
         collected = Collected()
-        for client in tqdm(sampled, desc=f"round {self.round + 1}", unit="client", leave=False):
-            task = tasks[client.client_id]
-            reply = self._await_reply(client, task, deadline) if task is not None else None
-            if task is not None:
-                self._withdraw(client, task)
-            if reply is None:  # gone, unreachable or too late
-                collected.failures.append(client.client_id)
-                continue
-            try:
-                result, update, norm = self._admit(client, reply, global_state)
-            except ANSWER_ERRORS as exc:
-                log.warning(
-                    "round %d: refused client %d's answer: %s",
-                    self.round,
-                    client.client_id,
-                    peer_text(exc),
-                )
-                collected.failures.append(client.client_id)
-                collected.refused += 1
-                continue
-            collected.results.append(result)
-            collected.updates.append((update, self._weight(client, result)))
-            collected.largest_norm = max(collected.largest_norm, norm)
+        with _progress() as progress:  # transient: gone once the round is
+            for client in progress.track(sampled, description=f"round {self.round + 1}"):
+                task = tasks[client.client_id]
+                reply = self._await_reply(client, task, deadline) if task is not None else None
+                if task is not None:
+                    self._withdraw(client, task)
+                if reply is None:  # gone, unreachable or too late
+                    collected.failures.append(client.client_id)
+                    continue
+                try:
+                    result, update, norm = self._admit(client, reply, global_state)
+                except ANSWER_ERRORS as exc:
+                    log.warning(
+                        "round %d: refused client %d's answer: %s",
+                        self.round,
+                        client.client_id,
+                        peer_text(exc),
+                    )
+                    collected.failures.append(client.client_id)
+                    collected.refused += 1
+                    continue
+                collected.results.append(result)
+                collected.updates.append((update, self._weight(client, result)))
+                collected.largest_norm = max(collected.largest_norm, norm)
         return collected
 
     @staticmethod

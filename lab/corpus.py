@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -245,3 +246,17 @@ def token_blocks(
     return torch.tensor(ids[: num_blocks * block_size], dtype=torch.long).view(
         num_blocks, block_size
     )  # (num_blocks, block_size)
+
+
+def held_out_prompts(tokenizer: Any, *, count: int, tokens: int) -> list[list[int]]:
+    """The first `tokens` tokens of the first held-out stdlib files: code the models never saw
+    (the generation experiments' prompts)."""
+    corpus = load_corpus(val_fraction=0.05)
+    prompts = []
+    for doc in corpus.validation:
+        ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"][:tokens]
+        if len(ids) == tokens:
+            prompts.append(ids)
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"the held-out corpus has fewer than {count} files of {tokens} tokens")

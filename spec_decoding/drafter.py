@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from lab.sampling import probs_from_logits
 from netproto import Connection, ConnectionClosed, NetTimeout, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.gamma import GammaController
 from spec_decoding.protocol import SpecMsg
-from spec_decoding.sampling import probs_from_logits
 from spec_decoding.verifier import vocab_hash
 
 

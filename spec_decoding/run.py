@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lab.config import Endpoint, to_settings
-from lab.corpus import load_corpus
+from lab.corpus import held_out_prompts
 from lab.device import apply_num_threads, share_of_cores
 from lab.launch import free_port, services, settings_role
 from lab.models import load_model, load_tokenizer
@@ -34,19 +34,6 @@ from spec_decoding.gamma import (
 from spec_decoding.verifier import Verifier
 
 log = logging.getLogger(__name__)
-
-
-def prompts_from_corpus(tokenizer: Any, *, count: int, tokens: int) -> list[list[int]]:
-    """The first `tokens` tokens of the first held-out stdlib files: code the models never saw."""
-    corpus = load_corpus(val_fraction=0.05)
-    prompts = []
-    for doc in corpus.validation:
-        ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"][:tokens]
-        if len(ids) == tokens:
-            prompts.append(ids)
-        if len(prompts) == count:
-            return prompts
-    raise ValueError(f"the held-out corpus has fewer than {count} files of {tokens} tokens")
 
 
 def serve_verifier(settings: SpecDecodingRunConfig) -> None:
@@ -212,7 +199,7 @@ def run_drafter(
     cache_dir = settings.paths.cache_path
     model = load_model(settings.draft, cache_dir=cache_dir)
     tokenizer = load_tokenizer(settings.draft, cache_dir=cache_dir)
-    prompts = prompts_from_corpus(tokenizer, count=spec.num_prompts, tokens=spec.prompt_tokens)
+    prompts = held_out_prompts(tokenizer, count=spec.num_prompts, tokens=spec.prompt_tokens)
     with (
         Tracker.from_settings(settings, job="spec_decoding") as tracker,
         emulated_link(settings.cluster, address) as dial,

@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+from lab.sampling import probs_from_logits
 from netproto import Connection, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.config import MAX_GAMMA
 from spec_decoding.protocol import SpecMsg
-from spec_decoding.sampling import greedy_verdict, probs_from_logits, speculative_verdict
+from spec_decoding.sampling import greedy_verdict, speculative_verdict
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from spec_decoding.sampling import probs_from_logits
+from lab.sampling import probs_from_logits
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

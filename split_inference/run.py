@@ -14,11 +14,11 @@ import torch
 from omegaconf import DictConfig
 
 from lab.config import Endpoint, LabConfig, to_settings
+from lab.corpus import held_out_prompts
 from lab.device import apply_num_threads, detect_device
 from lab.launch import ServiceGroup, free_port, services, settings_role
 from lab.models import load_model, load_tokenizer, resolve_source
 from lab.tracking import Tracker
-from spec_decoding.run import prompts_from_corpus
 from split_inference.config import SplitConfig, SplitInferenceRunConfig
 from split_inference.generation import Generation, StepModel, UnsplitModel, decode
 from split_inference.sharded import ShardedModel
@@ -149,7 +149,7 @@ def run_driver(
     split, gen = settings.split, settings.generate
     cache_dir = settings.paths.cache_path
     tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
-    prompts = prompts_from_corpus(tokenizer, count=gen.num_prompts, tokens=gen.prompt_tokens)
+    prompts = held_out_prompts(tokenizer, count=gen.num_prompts, tokens=gen.prompt_tokens)
     pad = tokenizer.pad_token_id
     work = batches(prompts, batch_size=gen.batch_size, pad_token_id=pad)
     options = {

@@ -6,7 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from spec_decoding.sampling import greedy_verdict, probs_from_logits, speculative_verdict
+from lab.sampling import probs_from_logits
+from spec_decoding.sampling import greedy_verdict, speculative_verdict
 
 P = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.15])
 Q = torch.tensor([0.30, 0.10, 0.30, 0.10, 0.20])  # a draft that disagrees a lot
