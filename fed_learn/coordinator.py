@@ -20,11 +20,9 @@ import contextlib
 import json
 import logging
 import math
-import os
 import queue
 import random
 import secrets
-import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,6 +39,7 @@ from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.protocol import ClientResult, FedMsg, answers, parse_join, parse_result
 from fed_learn.strategy import Strategy
+from lab import atomic
 from lab.pretrain import evaluate
 from lab.tracking import Tracker
 from netproto import Connection, NetprotoError
@@ -680,11 +679,7 @@ class Coordinator:
 
     def checkpoint(self, metrics: dict[str, float], *, outcome: str) -> Path:
         """Round k's global adapter in PEFT's format + state, written then renamed (atomic)."""
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         final = self.checkpoint_dir / f"round_{self.round + 1:04d}"
-        staging = self.checkpoint_dir / f".{final.name}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        self.model.save_pretrained(staging)  # adapter_model.safetensors + adapter_config.json
         roster = [
             {
                 "client_id": c.client_id,
@@ -703,12 +698,11 @@ class Coordinator:
             "roster": roster,
             "config": config,
         }
-        (staging / "fed_state.json").write_text(json.dumps(state, indent=2, default=str))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        pointer = self.checkpoint_dir / f".{LATEST}.tmp"
-        pointer.write_text(json.dumps({"round": self.round + 1, "path": final.name}))
-        os.replace(pointer, self.checkpoint_dir / LATEST)
+        with atomic.staged_dir(final) as staging:
+            self.model.save_pretrained(staging)  # adapter_model.safetensors + adapter_config
+            (staging / "fed_state.json").write_text(json.dumps(state, indent=2, default=str))
+        pointer = {"round": self.round + 1, "path": final.name}
+        atomic.write_text(self.checkpoint_dir / LATEST, json.dumps(pointer))
         return final
 
     def resume(self) -> int:

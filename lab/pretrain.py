@@ -19,9 +19,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -34,6 +31,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from lab import atomic
 from lab.config import CONF_DIR, LabConfig, check_fields_positive, register_schema, to_settings
 from lab.corpus import load_corpus, token_blocks
 
@@ -173,14 +171,8 @@ def ensure_tiny_models(cfg: PretrainConfig, cache_dir: Path) -> Path:
         if is_built(folder):  # built by another process while we waited
             return folder
         log.info("training the lab's tiny models into %s", folder)
-        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
+        with atomic.staged_dir(folder) as staging:
             _build(cfg, staging)
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(staging, folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 

@@ -26,6 +26,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.distributed.optim.optimizer import _LocalOptimizer
 from torch.distributed.rpc import RRef
 
+from lab import atomic
 from split_inference.rpc_guard import never_sent
 from split_inference.sharded import ShardedModel
 from split_inference.workers import StageLostError, require_driver
@@ -250,9 +251,7 @@ class DistributedTrainer:
             **(extra or {}),
         }
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / (LATEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1))
-        tmp.replace(directory / LATEST)
+        atomic.write_text(directory / LATEST, json.dumps(manifest, indent=1))
         return folder
 
     def load(self, directory: Path) -> dict[str, Any]:
@@ -318,14 +317,13 @@ def save_stage(stage: RRef, optimizer: RRef, folder: str) -> list[str]:
     target.mkdir(parents=True, exist_ok=True)
     weights, optim = _stage_files(target)
     local = stage.local_value()
-    save_file(
-        local.trainable_state(),
-        str(weights) + ".tmp",
-        metadata={"start": str(local.start), "end": str(local.end)},
+    metadata = {"start": str(local.start), "end": str(local.end)}
+    atomic.replace_file(
+        weights, lambda tmp: save_file(local.trainable_state(), str(tmp), metadata=metadata)
     )
-    Path(str(weights) + ".tmp").replace(weights)
-    torch.save(optimizer.local_value().optim.state_dict(), str(optim) + ".tmp")
-    Path(str(optim) + ".tmp").replace(optim)
+    atomic.replace_file(
+        optim, lambda tmp: torch.save(optimizer.local_value().optim.state_dict(), tmp)
+    )
     return [weights.name, optim.name]
 
 
