@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lab.config import LoRASettings, ModelConfig
 from lab.corpus import Document, client_shards, load_finetune_corpus, shuffled, token_blocks
+from lab.losses import next_token_loss
 from lab.models import load_model
 
 log = logging.getLogger(__name__)
@@ -170,10 +170,7 @@ def train_local(
             order = torch.randperm(len(blocks), generator=generator)
         start = (step % steps_per_epoch) * batch_size
         batch = blocks[order[start : start + batch_size]].to(device)  # (B, T)
-        logits = model(input_ids=batch).logits[:, :-1]  # (B, T-1, V)
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1)
-        )
+        loss = next_token_loss(model(input_ids=batch).logits, batch)  # logits (B, T, V)
         losses.append(loss.item())
         if anchors:
             loss = loss + prox_mu / 2 * sum(

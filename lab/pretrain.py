@@ -34,6 +34,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from lab import atomic
 from lab.config import CONF_DIR, LabConfig, check_fields_positive, register_schema, to_settings
 from lab.corpus import load_corpus, token_blocks
+from lab.losses import next_token_loss
 
 log = logging.getLogger(__name__)
 
@@ -263,9 +264,9 @@ def train_lm(
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, total=steps, warmup=cfg.warmup_steps, peak=cfg.lr)
             batch = blocks[torch.randint(len(blocks), (cfg.batch_size,), generator=generator)]
-            logits = model(input_ids=batch).logits[:, :-1]  # (B, T-1, V)
-            targets = batch[:, 1:]  # (B, T-1)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            full_logits = model(input_ids=batch).logits  # (B, T, V)
+            loss = next_token_loss(full_logits, batch)
+            logits, targets = full_logits[:, :-1], batch[:, 1:]  # (B, T-1, V), (B, T-1)
             if teacher is not None:
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=batch).logits[:, :-1]  # (B, T-1, V)
@@ -296,12 +297,9 @@ def evaluate(model, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
     total, count = 0.0, 0
     for start in range(0, len(blocks), batch_size):
         batch = blocks[start : start + batch_size]
-        logits = model(input_ids=batch).logits[:, :-1]  # (B, T-1, V)
-        targets = batch[:, 1:]
-        total += F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"
-        ).item()
-        count += targets.numel()
+        logits = model(input_ids=batch).logits  # (B, T, V)
+        total += next_token_loss(logits, batch, reduction="sum").item()
+        count += batch[:, 1:].numel()
     return total / count
 
 

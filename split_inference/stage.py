@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.rpc import RRef
 
 from lab.config import ModelConfig, PathsConfig
 from lab.device import detect_device, resolve_dtype, supports_bf16
+from lab.losses import next_token_loss
 from lab.models import hub_offline, resolve_source
 from split_inference.layout import build_stage_model, full_model_name, stage_costs
 from split_inference.rpc_guard import never_sent
@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 """A model folder's config and tokenizer files (what an export copies besides the weights)."""
 
-IGNORE_INDEX = -100
 """Label of a position that does not count in the loss (padding)."""
 
 
@@ -237,11 +236,7 @@ class Stage:
     @staticmethod
     def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token cross-entropy (the driver divides by the batch's token count)."""
-        vocab = logits.shape[-1]
-        shifted = logits[:, :-1].float().reshape(-1, vocab)  # (B*(T-1), V)
-        targets = labels[:, 1:].reshape(-1).to(logits.device)  # (B*(T-1),)
-        loss = F.cross_entropy(shifted, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss.cpu()
+        return next_token_loss(logits, labels, reduction="sum").cpu()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.autocast:
