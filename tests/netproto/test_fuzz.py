@@ -65,7 +65,6 @@ def test_server_survives_thousands_of_bad_frames_while_serving_a_good_client(sta
     thread.start()
     rng = random.Random(1234)
     num_frames = 3000
-    started = time.monotonic()
     for index in range(num_frames):
         with socket.create_connection(server.address) as sock:
             sock.sendall(mutate(rng))
@@ -78,12 +77,12 @@ def test_server_survives_thousands_of_bad_frames_while_serving_a_good_client(sta
                     pass  # the server already closed on us
     stop.set()
     thread.join(timeout=30)
+    assert not thread.is_alive(), "the honest client hung"
     assert not good_errors, good_errors
     assert good_replies[0] > 10
     deadline = time.monotonic() + 10  # the accept loop may still be draining its backlog
     while server.sessions_started < num_frames and time.monotonic() < deadline:
         time.sleep(0.01)
     assert server.sessions_started >= num_frames
-    assert time.monotonic() - started < 120
     with Connection.connect(*server.address) as conn:  # and it still takes new clients
         conn.ping()
