@@ -216,18 +216,33 @@ def _register_rendezvous() -> None:
         dist.register_rendezvous_handler(RENDEZVOUS_SCHEME, _store_on_master_host)
 
 
-def _listen_on_loopback_for_a_loopback_master(master: Endpoint) -> None:
+@contextmanager
+def _listening_on_loopback_for_a_loopback_master(master: Endpoint) -> Iterator[None]:
     """TensorPipe listens on the interface of this host's name unless TP_SOCKET_IFNAME names
     one: on a host whose name resolves to its LAN address, a loopback run was reachable from
-    the LAN. When the master is on loopback, so is every rank: listen there only."""
+    the LAN. When the master is on loopback, so is every rank: listen there only, while the
+    agent starts (it reads the variable then; a later world in this process decides anew)."""
     if os.environ.get("TP_SOCKET_IFNAME") or not _is_loopback(master.host):
+        yield
         return
     import psutil
 
-    for interface, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses):
-            os.environ["TP_SOCKET_IFNAME"] = interface
-            return
+    interface = next(
+        (
+            name
+            for name, addresses in psutil.net_if_addrs().items()
+            if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
+        ),
+        None,
+    )
+    if interface is None:
+        yield
+        return
+    os.environ["TP_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        os.environ.pop("TP_SOCKET_IFNAME", None)
 
 
 def _is_loopback(host: str) -> bool:
@@ -327,14 +342,14 @@ def joined(
     threading.Thread(target=watch, daemon=True, name="rpc-join-watchdog").start()
     _forget_previous_world()
     _register_rendezvous()
-    _listen_on_loopback_for_a_loopback_master(world.master)
     try:
-        rpc.init_rpc(
-            world.name,
-            rank=world.rank,
-            world_size=world.num_stages + 1,
-            rpc_backend_options=_options(world),
-        )
+        with _listening_on_loopback_for_a_loopback_master(world.master):
+            rpc.init_rpc(
+                world.name,
+                rank=world.rank,
+                world_size=world.num_stages + 1,
+                rpc_backend_options=_options(world),
+            )
     finally:
         assembled.set()
     try:
