@@ -49,7 +49,10 @@ def client_handshake(conn: Connection, secret: bytes) -> None:
         raise AuthenticationError("server's handshake reply has the wrong length")
     nonce_s, server_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
     if not hmac.compare_digest(server_mac, mac(secret, b"srv", nonce_c, nonce_s)):
-        raise AuthenticationError("server does not know the shared secret")
+        raise AuthenticationError(
+            "the server's shared secret differs from ours (cluster.secret / LAB_SECRET must be "
+            "the same on both sides)"
+        )
     conn.send(MsgType.AUTH_PROOF, mac(secret, b"cli", nonce_s, nonce_c))
     try:
         conn.recv(expect=MsgType.AUTH_OK)
@@ -80,5 +83,8 @@ def server_handshake(conn: Connection, secret: bytes) -> None:
         raise AuthenticationError(f"peer broke the handshake: {exc}") from None
     if not hmac.compare_digest(proof, mac(secret, b"cli", nonce_s, nonce_c)):
         conn.send_error("auth_failed", "wrong shared secret")
-        raise AuthenticationError("peer does not know the shared secret")
+        raise AuthenticationError(
+            "peer's shared secret differs from ours (cluster.secret / LAB_SECRET must be the "
+            "same on both sides)"
+        )
     conn.send(MsgType.AUTH_OK, None)

@@ -396,7 +396,12 @@ class RpcUnpickler(SafeUnpickler):
             self._refuse(calls, f"a call from {sender} addressed to no one")
         if is_call and not signed and calls.secret is not None and not _is_start_call(value.func):
             what = ascii(getattr(value.func, "__qualname__", type(value.func).__name__))
-            self._refuse(calls, f"an unsigned call to {what[:80]} from {sender}")
+            self._refuse(
+                calls,
+                f"an unsigned call to {what[:80]} from {sender}, which has not proved the "
+                "shared secret to this process (is cluster.secret / LAB_SECRET the same on "
+                "every host?)",
+            )
         return value
 
     def _open_envelope(self, calls: _CallAuth) -> tuple[str, bool, bool]:
