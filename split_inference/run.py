@@ -66,11 +66,15 @@ def driving(
     world = World(0, settings.cluster.master, split)
     secret = settings.cluster.resolved_secret()
     with joined(world, secret=secret, check=stages or (lambda: None)):
+        reason = ""
         try:
             authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
             yield
+        except BaseException as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
-            release_all(split.num_stages)
+            release_all(split.num_stages, reason=reason)
 
 
 @contextmanager

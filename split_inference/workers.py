@@ -142,12 +142,15 @@ def authenticate_stage(
         if not stage_mac or not hmac.compare_digest(stage_mac, expected):
             raise PermissionError(
                 f"{name} could not prove the shared secret (cluster.secret / LAB_SECRET "
-                f"differ, or it has none): stopping before sending it anything"
+                f"differ, or it has none): stopping the run"
             )
         proof = mac(secret, b"driver", stage_nonce, world_nonce)
     else:
         if stage_mac:
-            raise PermissionError(f"{name} expects a shared secret and this driver has none")
+            raise PermissionError(
+                f"{name} expects a shared secret and this driver has none: set cluster.secret "
+                "(or LAB_SECRET) to the stages' secret"
+            )
         proof = b""
     accepted = rpc.rpc_sync(name, stage_accept_driver, args=(proof, world_nonce), timeout=timeout_s)
     if accepted is not True:
@@ -365,10 +368,12 @@ def joined(
 # ---------------------------------------------------------------------------- stage serving
 
 _released = threading.Event()
+_release_reason: list[str] = [""]
 
 
-def release_stage() -> None:
-    """Driver -> stage: the run is over, leave the world."""
+def release_stage(reason: str = "") -> None:
+    """Driver -> stage: the run is over, leave the world (`reason`: why it failed, if it did)."""
+    _release_reason[0] = reason[:500] if isinstance(reason, str) else ""
     _released.set()
 
 
@@ -383,19 +388,30 @@ def stage_alive() -> bool:
 def serve_until_released(*, ping_s: float, timeout_s: float) -> None:
     """Stage main loop: serve RPCs until the driver releases us; raise if the driver vanishes."""
     _released.clear()
+    _release_reason[0] = ""
     while not _released.wait(ping_s):
         try:
             rpc.rpc_sync(DRIVER, driver_alive, timeout=timeout_s)
         except RuntimeError as exc:
+            if _auth.secret is not None and not _auth.driver_proved:
+                raise StageLostError(
+                    "the driver left without proving the shared secret to this stage: "
+                    "cluster.secret / LAB_SECRET must be the same on the driver and every stage"
+                ) from None
             raise StageLostError(f"the driver stopped answering ({exc}); leaving the run") from None
+    if _release_reason[0]:
+        raise StageLostError(f"the driver stopped the run: {_release_reason[0]}")
 
 
-def release_all(num_stages: int) -> None:
-    """Driver side: tell every stage to leave (best effort: some may be gone)."""
+def release_all(num_stages: int, *, reason: str = "") -> None:
+    """Driver side: tell every stage to leave, and why when the run failed (best effort: some
+    may be gone, and one that has not accepted this driver refuses it)."""
     futures = []
     for rank in range(1, num_stages + 1):
         with contextlib.suppress(RuntimeError):
-            futures.append(rpc.rpc_async(stage_name(rank), release_stage, timeout=5.0))
+            futures.append(
+                rpc.rpc_async(stage_name(rank), release_stage, args=(reason,), timeout=5.0)
+            )
     for future in futures:
         with contextlib.suppress(RuntimeError):
             future.wait()
