@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from fed_learn.aggregate import AGGREGATORS
@@ -101,9 +102,9 @@ class FedConfig:
         if self.aggregator != "mean" and self.compression != "none":
             raise ValueError(
                 f"fed.aggregator={self.aggregator} with fed.compression={self.compression}: a "
-                "sparse top-k update leaves most coordinates unsent, so their median is the old "
-                "value whatever the clients learned; use fed.compression=none or "
-                "fed.aggregator=mean"
+                f"sparse top-k update leaves most coordinates unsent, so their "
+                f"{self.aggregator.replace('_', ' ')} is the old value whatever the clients "
+                "learned; use fed.compression=none or fed.aggregator=mean"
             )
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"fed.trim_fraction={self.trim_fraction} must be in [0, 0.5)")
@@ -137,6 +138,16 @@ class FedConfig:
             raise ValueError(f"fed.fraction_fit={self.fraction_fit} must be in (0, 1]")
         if self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("fed.heartbeat_timeout_s must exceed fed.heartbeat_s")
+        per_round = max(self.min_fit_clients, math.ceil(self.num_clients * self.fraction_fit))
+        if self.aggregator == "trimmed_mean" and int(self.trim_fraction * per_round) == 0:
+            warnings.warn(
+                f"fed.aggregator=trimmed_mean with fed.trim_fraction={self.trim_fraction} trims "
+                f"nothing from {per_round} clients a round (floor({self.trim_fraction} x "
+                f"{per_round}) = 0): it is a plain unweighted mean; raise fed.trim_fraction to "
+                f"at least {1 / per_round:.2f} or use fed.aggregator=median",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -40,3 +41,12 @@ def test_robust_aggregators_combine_with_every_sync_strategy(
     strategy: str, aggregator: str
 ) -> None:
     assert FedConfig(strategy=strategy, aggregator=aggregator).aggregator == aggregator
+
+
+def test_a_trimmed_mean_that_trims_nothing_says_so() -> None:
+    """floor(0.2 x 3 clients) = 0: the run would be a plain mean without a word."""
+    with pytest.warns(UserWarning, match="trims nothing from 3 clients a round"):
+        FedConfig(aggregator="trimmed_mean", trim_fraction=0.2, num_clients=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FedConfig(aggregator="trimmed_mean", trim_fraction=0.2, num_clients=5)
