@@ -10,17 +10,19 @@ plays an honest client and times it, without the attack and then under it:
     lines). Honest: connect, authenticate, one request.
   - spec_decoding's verifier (the debug target): malformed OPEN fields, a 40,000-token
     BASELINE, q <= 0 drafts, a session growing past its cap. Honest: OPEN and one DRAFT.
-  - fed_learn's coordinator: two of five clients answer every task with a malformed RESULT or
-    a poisoned update (NaN, Inf, 3e38, a 10**12 weight, floods of unsolicited results), with
-    median aggregation on. Honest figure: the round's wall time, against a round of five
-    honest clients.
+  - fed_learn's coordinator: two of five clients (in an attacker process) answer every task
+    with a malformed RESULT or a poisoned update (NaN, Inf, 3e38) after a flood of unsolicited
+    results, with median aggregation on. Honest: a newcomer's JOIN while the rounds run,
+    against the same with five honest clients.
   - a split stage (a shared secret set): a rank without the secret calls stage functions
     unsigned, and TorchScript builtin operators, which TensorPipe runs in C++ without any Python
     check (reported as served: see the README's security section). Honest: the driver's call
     to the stage.
-Bounded counts and time (`--quick`: fewer). Prints a table (attack class, attempts, refused,
-crashes: answers `internal` or a dead server, must be 0), writes bench/results/abuse_bench.json,
-and ends with the worst surface's honest-client p50 latency under attack / without.
+Bounded counts and time (`--quick`: 300 strangers instead of 1,000, shorter attacks). Prints a
+table per attack class (attempts, refused, crashes: answers `internal` or a dead server, must be
+0; served: answered as if legitimate), then one per surface with the honest client's latency,
+writes bench/results/abuse_bench.json, and ends with the worst surface's honest-client p50
+latency under attack / without.
 """
 
 from __future__ import annotations
@@ -948,6 +950,15 @@ def main(quick: bool) -> None:
     for name, outcome in rows.items():
         print(f"{name:<62} {outcome.attempts:>8} {outcome.refused:>8} {outcome.crashes:>8} "
               f"{outcome.served:>7}")  # fmt: skip
+    print(f"\n{'surface':<14} {'classes':>7} {'attempts':>8} {'refused':>8} {'crashes':>7} "
+          f"{'served':>6} {'honest p50 without/under (ms)':>30} {'worst (ms)':>10}")  # fmt: skip
+    for surface, row in latency.items():
+        mine = [o for name, o in rows.items() if name.split(":")[0] == surface]
+        print(f"{surface:<14} {len(mine):>7} {sum(o.attempts for o in mine):>8} "
+              f"{sum(o.refused for o in mine):>8} {sum(o.crashes for o in mine):>7} "
+              f"{sum(o.served for o in mine):>6} "
+              f"{row['without_p50_ms']:>14.1f} / {row['under_p50_ms']:<13.1f} "
+              f"{row['under_max_ms']:>10.1f}")  # fmt: skip
     worst = max(latency.items(), key=lambda kv: kv[1]["under_p50_ms"] / kv[1]["without_p50_ms"])
     ratio = worst[1]["under_p50_ms"] / worst[1]["without_p50_ms"]
     write_results(
