@@ -15,9 +15,8 @@ from fed_learn.client import LoRAClient
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.lora import block_size, client_data, peft_model, train_local, validation_blocks
-from lab.config import Endpoint, to_settings
-from lab.device import apply_num_threads, share_of_cores
-from lab.launch import free_port, launch, settings_role
+from lab import experiment
+from lab.experiment import Experiment, LocalPlan, Process
 from lab.models import count_4bit_layers, load_tokenizer
 from lab.pretrain import evaluate
 from lab.tracking import METRICS_FILE, Tracker, read_records
@@ -110,59 +109,45 @@ class CoordinatorLostError(RuntimeError):
     """The coordinator could not be reached (again) within the configured wait."""
 
 
-def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
-    settings = to_settings(cfg, FedLearnRunConfig)
-    processes = settings.fed.num_clients + 1
-    if settings.role == "local" and settings.num_threads == 0:
-        settings = replace(settings, num_threads=share_of_cores(processes))
-    apply_num_threads(settings.num_threads)
-    if settings.role == "coordinator":
-        return run_coordinator(settings)
-    if settings.role == "client":
-        if settings.cluster.coordinator.port == 0:
-            raise ValueError("role=client needs cluster.coordinator.port (the coordinator's)")
-        return run_client(settings)
-    if settings.role != "local":
-        raise ValueError(f"fed_learn has roles local, coordinator, client; not {settings.role}")
-    if settings.fed.data_dir:
+def client_role(settings: FedLearnRunConfig) -> dict[str, float]:
+    if settings.cluster.coordinator.port == 0:
+        raise ValueError("role=client needs cluster.coordinator.port (the coordinator's)")
+    return run_client(settings)
+
+
+def check(settings: FedLearnRunConfig) -> None:
+    if settings.role == "local" and settings.fed.data_dir:
         raise ValueError(
             "fed.data_dir is a real client's own data (role=client); a local run deals each "
             "client its own shard of the lab's corpus"
         )
-    # Local: the coordinator and every client as their own processes on loopback.
+
+
+def prepare(settings: FedLearnRunConfig) -> None:
+    """Build the tiny models (or fetch a hub model) once, here; only the roles quantize."""
     from lab.models import load_model
 
-    # build tiny models (or fetch a hub model) once, here; only the roles quantize
     load_model(replace(settings.model, quantization="none"), cache_dir=settings.paths.cache_path)
-    host = settings.cluster.coordinator.host
-    local = replace(
-        settings, cluster=replace(settings.cluster, coordinator=Endpoint(host, free_port(host)))
-    )
-    roles = [
-        settings_role(
-            "coordinator",
-            "fed_learn",
-            local,
-            schema="fed_learn_schema",
-            overrides=["role=coordinator"],
-        )
-    ]
-    roles += [
-        settings_role(
-            f"client{i}",
-            "fed_learn",
-            local,
-            schema="fed_learn_schema",
-            overrides=["role=client", f"client_index={i}"],
-        )
+
+
+def local_plan(settings: FedLearnRunConfig) -> LocalPlan:
+    """The coordinator and every client as their own processes; then the rounds' table."""
+    clients = [
+        Process(f"client{i}", ("role=client", f"client_index={i}"))
         for i in range(settings.fed.num_clients)
     ]
-    launch(roles)
+    return LocalPlan(
+        processes=[Process("coordinator", ("role=coordinator",)), *clients], finish=finish_local
+    )
+
+
+def finish_local(local: FedLearnRunConfig) -> dict[str, float]:
+    """A local run's metrics: the coordinator's summary, its rounds as a table, the baseline."""
     records = read_records(local.paths.run_path / "coordinator" / METRICS_FILE)
     metrics = _summary(records)
-    if settings.tracking.console:
+    if local.tracking.console:
         Console().print(round_table(records))
-    if settings.fed.centralized_baseline:
+    if local.fed.centralized_baseline:
         metrics["centralized_val_loss"] = centralized_baseline(local)
         metrics["federated_over_centralized"] = (
             metrics["final_val_loss"] / metrics["centralized_val_loss"]
@@ -170,6 +155,25 @@ def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
     with Tracker.from_settings(local, job="fed_learn") as tracker:
         tracker.summary(metrics)
     return metrics
+
+
+EXPERIMENT = Experiment(
+    name="fed_learn",
+    schema=FedLearnRunConfig,
+    roles={"coordinator": run_coordinator, "client": client_role},
+    plan=local_plan,
+    endpoints=("coordinator",),
+    unread={
+        "cluster.verifier": "it talks to cluster.coordinator only",
+        "cluster.master": "it talks to cluster.coordinator only",
+    },
+    check=check,
+    prepare=prepare,
+)
+
+
+def run(cfg: DictConfig | FedLearnRunConfig) -> dict[str, float]:
+    return experiment.run(EXPERIMENT, cfg)
 
 
 def centralized_baseline(settings: FedLearnRunConfig) -> float:

@@ -231,16 +231,14 @@ class PathsConfig:
         return Path(self.run_dir)
 
 
-ROLES = ("local", "coordinator", "client", "verifier", "drafter", "driver", "stage")
-
-
 @dataclass
 class LabConfig:
     """The base of every run's config (`conf/config.yaml`)."""
 
     seed: int = 0
     role: str = "local"
-    """local starts every role on loopback; the others name one part of a multi-host run."""
+    """local starts every role on loopback; the others name one part of a multi-host run (each
+    experiment lists its roles in its `lab.experiment.Experiment`)."""
     num_threads: int = 0
     """torch intra-op threads for this process; 0 = torch's default (all cores). Local runs
     give each of their processes its share of the cores, as if each had its own machine."""
@@ -250,7 +248,6 @@ class LabConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
-        check_choice("role", self.role, ROLES)
         check_positive("num_threads", self.num_threads, allow_zero=True)
 
 

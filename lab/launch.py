@@ -41,6 +41,9 @@ class Role:
     """Extra environment variables (merged over the launcher's own)."""
     service: bool = False
     """A server: stopped (SIGTERM) once every non-service role has finished successfully."""
+    ready: str | None = None
+    """A line fragment the role prints once it serves; `ServiceGroup.wait_ready` waits for it,
+    so nothing dials a server that is still loading its model."""
 
 
 class RoleFailedError(RuntimeError):
@@ -78,6 +81,9 @@ class _Running:
         self.role = role
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.stopped_by_us = False
+        self.ready = threading.Event()
+        if role.ready is None:
+            self.ready.set()
         self.process = subprocess.Popen(
             role.argv,
             stdin=subprocess.DEVNULL,
@@ -98,6 +104,8 @@ class _Running:
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
+            if not self.ready.is_set() and self.role.ready and self.role.ready in line:
+                self.ready.set()
             with lock:
                 out.write(f"[{self.role.name}] {line}\n")
                 out.flush()
@@ -210,6 +218,17 @@ class ServiceGroup:
                 proc.finish_output()
                 raise RoleFailedError(proc.role.name, code, proc.tail)
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until every role that announces readiness has (RoleFailedError if one exits
+        first, TimeoutError naming the roles still loading after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(proc.ready.is_set() for proc in self.running):
+            self()
+            if time.monotonic() > deadline:
+                pending = [p.role.name for p in self.running if not p.ready.is_set()]
+                raise TimeoutError(f"roles {pending} not ready after {timeout_s:.0f}s")
+            time.sleep(0.05)
+
     def wait_exited(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for every role to exit on its own; True if they all did.
 
@@ -253,6 +272,7 @@ def settings_role(
     schema: str,
     overrides: Sequence[str] = (),
     service: bool = False,
+    ready: str | None = None,
 ) -> Role:
     """A role that runs `python -m module` with exactly this run's resolved settings.
 
@@ -286,4 +306,5 @@ def settings_role(
         f"paths.run_dir={child_dir}",
         f"hydra.run.dir={child_dir}",
     ]
-    return Role(name, argv, env={SECRET_ENV: secret.decode()} if secret else {}, service=service)
+    env = {SECRET_ENV: secret.decode()} if secret else {}
+    return Role(name, argv, env=env, service=service, ready=ready)

@@ -15,10 +15,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lab.config import Endpoint, to_settings
+from lab import experiment
 from lab.corpus import held_out_prompts
-from lab.device import apply_num_threads, share_of_cores
-from lab.launch import free_port, services, settings_role
+from lab.experiment import Experiment, LocalPlan, Process
+from lab.launch import free_port
 from lab.models import load_model, load_tokenizer
 from lab.tracking import Tracker
 from netproto import ConnectionClosed, NetTimeout
@@ -35,6 +35,9 @@ from spec_decoding.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
+READY_LINE = "verifier ready"
+"""What the verifier prints once it serves (local runs start drafting after it)."""
+
 
 def serve_verifier(settings: SpecDecodingRunConfig) -> None:
     """`role=verifier`: serve the target model until SIGTERM or SIGINT."""
@@ -47,7 +50,7 @@ def serve_verifier(settings: SpecDecodingRunConfig) -> None:
         signal.signal(sig, lambda *_: stop.set())
     try:
         host, port = server.address
-        print(f"verifier ready on {host}:{port} serving {settings.target.name}", flush=True)
+        print(f"{READY_LINE} on {host}:{port} serving {settings.target.name}", flush=True)
         stop.wait()
     finally:
         server.stop()
@@ -80,7 +83,7 @@ def start_verifier_process(
     tail: list[str] = []
     for line in proc.stdout:
         tail = [*tail[-20:], line]
-        if "verifier ready" in line:
+        if READY_LINE in line:
             threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, port
         if time.monotonic() > deadline:
@@ -260,39 +263,46 @@ def run_drafter(
         return metrics
 
 
-def run(cfg: DictConfig | SpecDecodingRunConfig) -> dict[str, float]:
-    settings = to_settings(cfg, SpecDecodingRunConfig)
-    if settings.role == "local" and settings.num_threads == 0:
-        settings = replace(settings, num_threads=share_of_cores(2))  # verifier + drafter
-    apply_num_threads(settings.num_threads)
+def drafter_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
     verifier = settings.cluster.verifier
-    if settings.role == "verifier":
-        serve_verifier(settings)
-        return {}
-    if settings.role == "drafter":
-        if verifier.port == 0:
-            raise ValueError("role=drafter needs cluster.verifier.port (the verifier's port)")
-        return run_drafter(settings, (verifier.host, verifier.port))
-    if settings.role != "local":
-        raise ValueError(f"spec_decoding has roles local, verifier, drafter; not {settings.role}")
-    # Local: build the models here once, then the verifier as its own process on loopback.
+    if verifier.port == 0:
+        raise ValueError("role=drafter needs cluster.verifier.port (the verifier's port)")
+    return run_drafter(settings, (verifier.host, verifier.port))
+
+
+def verifier_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
+    serve_verifier(settings)
+    return {}
+
+
+def prepare(settings: SpecDecodingRunConfig) -> None:
+    """Build the models here once (the lab's tiny pair, or a hub fetch) before the roles load."""
     load_model(replace(settings.target, quantization="none"), cache_dir=settings.paths.cache_path)
-    port = free_port(verifier.host)
-    local = replace(
-        settings, cluster=replace(settings.cluster, verifier=Endpoint(verifier.host, port))
+
+
+def local_plan(settings: SpecDecodingRunConfig) -> LocalPlan:
+    """The verifier as its own process; this process drafts once it serves."""
+    verifier = settings.cluster.verifier
+    return LocalPlan(
+        processes=[Process("verifier", ("role=verifier",), service=True, ready=READY_LINE)],
+        main=lambda local, check: run_drafter(local, (verifier.host, verifier.port), check=check),
     )
-    role = settings_role(
-        "verifier",
-        "spec_decoding",
-        local,
-        schema="spec_decoding_schema",
-        overrides=["role=verifier"],
-        service=True,
-    )
-    with services([role]) as check:
-        return run_drafter(
-            local,
-            (verifier.host, port),
-            check=check,
-            wait_s=settings.cluster.connect_timeout_s + 120,
-        )
+
+
+EXPERIMENT = Experiment(
+    name="spec_decoding",
+    schema=SpecDecodingRunConfig,
+    roles={"verifier": verifier_role, "drafter": drafter_role},
+    plan=local_plan,
+    endpoints=("verifier",),
+    unread={
+        "model": "its two models are target.* and draft.* (e.g. target.pretrained=...)",
+        "cluster.coordinator": "it talks to cluster.verifier only",
+        "cluster.master": "it talks to cluster.verifier only",
+    },
+    prepare=prepare,
+)
+
+
+def run(cfg: DictConfig | SpecDecodingRunConfig) -> dict[str, float]:
+    return experiment.run(EXPERIMENT, cfg)

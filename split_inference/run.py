@@ -4,98 +4,23 @@ from __future__ import annotations
 
 import logging
 import statistics
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
 
-from lab.config import Endpoint, LabConfig, to_settings
+from lab import experiment
 from lab.corpus import held_out_prompts
-from lab.device import apply_num_threads, detect_device
-from lab.launch import ServiceGroup, free_port, services, settings_role
-from lab.models import load_model, load_tokenizer, resolve_source
+from lab.launch import ServiceGroup
+from lab.memory import peak_memory
+from lab.models import load_model, load_tokenizer
 from lab.tracking import Tracker
-from split_inference.config import SplitConfig, SplitInferenceRunConfig
+from split_inference.config import SplitInferenceRunConfig
 from split_inference.generation import Generation, StepModel, UnsplitModel, decode
+from split_inference.roles import driving, split_experiment
 from split_inference.sharded import ShardedModel
-from split_inference.stage import StageHost, set_stage_host
-from split_inference.workers import (
-    World,
-    authenticate_stages,
-    joined,
-    release_all,
-    serve_until_released,
-)
 
 log = logging.getLogger(__name__)
-
-PING_S = 2.0
-"""How often an idle stage checks that its driver is still there."""
-
-
-def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
-    """`role=stage split.rank=K`: join the RPC world and serve until the driver is done."""
-    if not 1 <= split.rank <= split.num_stages:
-        raise ValueError(
-            f"role=stage needs split.rank in 1..split.num_stages={split.num_stages} "
-            f"(the driver is rank 0), got {split.rank}"
-        )
-    if settings.cluster.master.port == 0:
-        raise ValueError("role=stage needs cluster.master.port (the driver's rendezvous port)")
-    set_stage_host(StageHost(cache_dir=settings.paths.cache_path, device=detect_device()))
-    world = World(split.rank, settings.cluster.master, split)
-    with joined(world, secret=settings.cluster.resolved_secret()):
-        print(f"{world.name} joined the run", flush=True)
-        serve_until_released(ping_s=PING_S, timeout_s=split.rpc_timeout_s)
-
-
-@contextmanager
-def driving(
-    settings: LabConfig, split: SplitConfig, *, stages: ServiceGroup | None = None
-) -> Iterator[None]:
-    """Join as the driver (rank 0), authenticate every stage, and release them all at the end.
-
-    `stages`: the local stage processes, if this run started them (a dead one ends the wait).
-    """
-    if settings.cluster.master.port == 0:
-        raise ValueError("the driver needs cluster.master.port (where stages meet it)")
-    world = World(0, settings.cluster.master, split)
-    secret = settings.cluster.resolved_secret()
-    with joined(world, secret=secret, check=stages or (lambda: None)):
-        reason = ""
-        try:
-            authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
-            yield
-        except BaseException as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            release_all(split.num_stages, reason=reason)
-
-
-@contextmanager
-def local_stages(settings: Any, *, module: str, schema: str) -> Iterator[tuple[Any, ServiceGroup]]:
-    """Start `num_stages` stage processes on loopback; yields (driver settings, the stages)."""
-    split = settings.split
-    master = Endpoint(settings.cluster.master.host, free_port(settings.cluster.master.host))
-    local = replace(settings, cluster=replace(settings.cluster, master=master))
-    roles = [
-        settings_role(
-            f"stage{rank}",
-            module,
-            local,
-            schema=schema,
-            overrides=["role=stage", f"split.rank={rank}"],
-            service=True,
-        )
-        for rank in range(1, split.num_stages + 1)
-    ]
-    with services(roles) as check:
-        yield local, check
 
 
 def batches(
@@ -188,13 +113,23 @@ def run_driver(
                 stages.wait_exited(30.0)
             # like for like: the stages hold full-precision weights whatever model.quantization
             full = replace(settings.model, quantization="none")
-            unsplit = UnsplitModel(load_model(full, cache_dir=cache_dir))
-            warm_up(unsplit, work[0])
-            base_runs = []
-            for index, (ids, mask) in enumerate(work):
-                generator = torch.Generator().manual_seed(gen.seed + index)
-                base_runs.append(decode(unsplit, ids, mask, generator=generator, **options))
+            with peak_memory() as unsplit_memory:
+                unsplit = UnsplitModel(load_model(full, cache_dir=cache_dir))
+                warm_up(unsplit, work[0])
+                base_runs = []
+                for index, (ids, mask) in enumerate(work):
+                    generator = torch.Generator().manual_seed(gen.seed + index)
+                    base_runs.append(decode(unsplit, ids, mask, generator=generator, **options))
+                    tracker.log(latency_metrics(base_runs[-1:], prefix="unsplit_"), step=index)
             metrics.update(latency_metrics(base_runs, prefix="unsplit_"))
+            # the driver's whole RSS while it held the unsplit model, like a stage's peak RSS
+            metrics["unsplit_peak_rss_mib"] = unsplit_memory.rss_mib
+            if unsplit_memory.cuda_max_allocated_mib is not None:
+                metrics["unsplit_cuda_max_allocated_mib"] = unsplit_memory.cuda_max_allocated_mib
+            metrics["memory_ratio"] = (
+                max(metrics[f"stage{rank}_peak_rss_mib"] for rank in range(1, split.num_stages + 1))
+                / metrics["unsplit_peak_rss_mib"]
+            )
             metrics["latency_ratio"] = metrics["token_ms_p50"] / metrics["unsplit_token_ms_p50"]
             if gen.temperature == 0:
                 metrics["greedy_match"] = statistics.mean(
@@ -208,38 +143,8 @@ def run_driver(
         return metrics
 
 
-DriverFn = Callable[..., dict[str, float]]
-
-
-def run_roles(
-    settings: Any, *, module: str, run_driver: DriverFn, local_num_threads: int = 0
-) -> dict[str, float]:
-    """The roles of a split module: `stage`, `driver`, or `local` (its stages as processes on
-    loopback, this process the driver). `local_num_threads` (when num_threads is 0) is what
-    the local stage processes get."""
-    apply_num_threads(settings.num_threads)
-    if settings.model.quantization != "none" and settings.role in ("local", "driver"):
-        warnings.warn(
-            f"model.quantization={settings.model.quantization} is not applied by {module}: each "
-            "stage, and the unsplit baseline, loads the weights in full precision (model.dtype)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    if settings.role == "stage":
-        serve_stage(settings, settings.split)
-        return {}
-    if settings.role == "driver":
-        return run_driver(settings)
-    if settings.role != "local":
-        raise ValueError(f"{module} has roles local, driver, stage; not {settings.role}")
-    # Build lab: models once, here, before the stages ask; the driver loads no weights.
-    resolve_source(settings.model, cache_dir=settings.paths.cache_path)
-    if settings.num_threads == 0 and local_num_threads:
-        settings = replace(settings, num_threads=local_num_threads)
-    with local_stages(settings, module=module, schema=f"{module}_schema") as (local, stages):
-        return run_driver(local, stages=stages)
+EXPERIMENT = split_experiment("split_inference", SplitInferenceRunConfig, run_driver)
 
 
 def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:
-    settings = to_settings(cfg, SplitInferenceRunConfig)
-    return run_roles(settings, module="split_inference", run_driver=run_driver)
+    return experiment.run(EXPERIMENT, cfg)

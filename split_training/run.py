@@ -13,13 +13,13 @@ import torch
 from omegaconf import DictConfig
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from lab.config import to_settings
+from lab import experiment
 from lab.corpus import load_corpus, token_blocks
 from lab.device import detect_device, supports_bf16
 from lab.launch import ServiceGroup
 from lab.models import load_tokenizer
 from lab.tracking import Tracker
-from split_inference.run import driving, run_roles
+from split_inference.roles import driving, split_experiment
 from split_inference.sharded import ShardedModel
 from split_training.config import SplitTrainConfig, SplitTrainingRunConfig
 from split_training.trainer import DistributedTrainer, bubble_fraction
@@ -175,7 +175,9 @@ def run_driver(
         return metrics
 
 
+# Locally each stage gets one core's worth, as if on its own machine.
+EXPERIMENT = split_experiment("split_training", SplitTrainingRunConfig, run_driver, local_threads=1)
+
+
 def run(cfg: DictConfig | SplitTrainingRunConfig) -> dict[str, float]:
-    settings = to_settings(cfg, SplitTrainingRunConfig)
-    # Locally each stage gets one core's worth, as if on its own machine.
-    return run_roles(settings, module="split_training", run_driver=run_driver, local_num_threads=1)
+    return experiment.run(EXPERIMENT, cfg)

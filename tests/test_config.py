@@ -96,7 +96,6 @@ def test_unknown_key_in_a_yaml_file_fails_naming_it(tmp_path, lab_cache) -> None
     [
         ("model.quantization=8bit", "model.quantization='8bit' is not allowed; choose one of"),
         ("model.dtype=float64", "model.dtype='float64'"),
-        ("role=boss", "role='boss'"),
         ("cluster.master.port=70000", "cluster.master.port=70000 must be in 0..65535"),
         ("cluster.link.delay_ms=-5", "cluster.link.delay_ms=-5.0 must be >= 0"),
         ("pretrain.target.hidden_size=65", "hidden_size=65 must be a multiple"),

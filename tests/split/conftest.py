@@ -14,7 +14,7 @@ from lab.config import ClusterConfig, Endpoint, ModelConfig
 from lab.launch import Role, free_port, services
 from lab.pretrain import TinyModelSpec, build_llama
 from split_inference.config import SplitConfig, SplitInferenceRunConfig
-from split_inference.run import driving
+from split_inference.roles import driving
 
 NUM_LAYERS = 4
 

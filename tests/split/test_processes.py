@@ -164,14 +164,13 @@ def test_matching_secrets_let_the_run_go_on(llama_folder: Path, tmp_path: Path) 
 @pytest.mark.parametrize("module", ["split_inference", "split_training"])
 def test_4bit_asked_of_a_split_run_is_said_not_to_apply(compose_config, module: str) -> None:
     """Stages load their share in full precision: a 4-bit request is not ignored silently."""
-    from lab.config import LabConfig, to_settings
-    from split_inference.run import run_roles
+    from lab import experiment
+    from split_inference.roles import split_experiment
 
-    settings = to_settings(
-        compose_config(module, ["model.quantization=4bit", "role=driver"]), LabConfig
-    )
+    cfg = compose_config(module, ["model.quantization=4bit", "role=driver"])
+    driver_only = split_experiment(module, experiment.get(module).schema, lambda s: {"ran": 1.0})
     with pytest.warns(RuntimeWarning, match=rf"model.quantization=4bit is not applied by {module}"):
-        assert run_roles(settings, module=module, run_driver=lambda s: {"ran": 1.0}) == {"ran": 1.0}
+        assert experiment.run(driver_only, cfg) == {"ran": 1.0}
 
 
 def test_a_rank_without_the_secret_cannot_make_anyone_do_anything(
@@ -186,7 +185,7 @@ def test_a_rank_without_the_secret_cannot_make_anyone_do_anything(
     from lab.config import ClusterConfig, Endpoint
     from lab.launch import Role, free_port, services
     from split_inference.config import SplitConfig, SplitInferenceRunConfig
-    from split_inference.run import driving
+    from split_inference.roles import driving
     from tests.split.conftest import model_config, stage_role
 
     port, out = free_port(), tmp_path / "rogue.json"

@@ -1,0 +1,204 @@
+"""The experiment registry: what each module runs as, and the one dispatcher that runs it.
+
+Each experiment module declares, in its `run.py`, one `Experiment`: its config schema, the
+function behind each of its roles, the `cluster.*` endpoints its roles listen on, the config
+keys it does not read, and its local plan (which roles a `role=local` run starts as their own
+processes, and what this process does meanwhile). `run(experiment, cfg)` does the rest, the same
+way for every module: validates the config, refuses keys the experiment would ignore, picks the
+role, gives local roles free ports and their share of the cores, starts them as process groups,
+waits for servers to be ready before anything dials them, and stops everything on the way out.
+
+`python -m <module>`, the tests, the benches and `run_matrix.py` all go through it. A placement
+hook (`place`, or `LAB_PLACEMENT=module:function` in the environment) sees every role before it
+starts and may rewrite its command, e.g. to run it inside a network namespace.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from omegaconf import DictConfig
+
+from lab.config import Endpoint, LabConfig, to_settings
+from lab.device import apply_num_threads, share_of_cores
+from lab.launch import Role, ServiceGroup, free_port, launch, services, settings_role
+
+log = logging.getLogger(__name__)
+
+EXPERIMENTS = ("spec_decoding", "fed_learn", "split_inference", "split_training")
+"""The registered experiment modules; each has `EXPERIMENT` in its `run.py`."""
+
+PLACEMENT_ENV = "LAB_PLACEMENT"
+"""`package.module:function` taking and returning a `lab.launch.Role`: where local roles run."""
+
+READY_TIMEOUT_S = 300.0
+"""Longest wait for a local server role to load its model and listen."""
+
+Metrics = dict[str, float]
+Placement = Callable[[Role], Role]
+
+
+@dataclass(frozen=True)
+class Process:
+    """A role that a local run starts as its own OS process."""
+
+    name: str
+    overrides: tuple[str, ...]
+    """Hydra overrides that make it that role (`role=client`, `client_index=1`, ...)."""
+    service: bool = False
+    """A server: stopped once the run's other roles are done."""
+    ready: str | None = None
+    """A line fragment it prints once it serves: nothing else starts before it appears."""
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """What `role=local` starts, and what this process does while they run."""
+
+    processes: list[Process]
+    main: Callable[[Any, ServiceGroup], Metrics] | None = None
+    """This process's own role, run once every ready-announcing process is ready (its second
+    argument checks the processes: RoleFailedError when one has died). None: this process only
+    waits for the processes to finish, then calls `finish`."""
+    finish: Callable[[Any], Metrics] | None = None
+    """Without `main`: the run's metrics, collected after every process finished."""
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One experiment module, as the registry runs it."""
+
+    name: str
+    """The module (`python -m name`); its YAML is `conf/<name>.yaml`, its schema `<name>_schema`."""
+    schema: type[LabConfig]
+    roles: Mapping[str, Callable[[Any], Metrics]]
+    """Every role but `local`, by name, with the function that plays it."""
+    plan: Callable[[Any], LocalPlan]
+    endpoints: tuple[str, ...] = ()
+    """`cluster.<endpoint>` fields its servers listen on: a local run gives each a free port."""
+    unread: Mapping[str, str] = field(default_factory=dict)
+    """Config keys (prefixes) in its schema that it does not read, each with the reason: set on
+    the command line, or swept by run_matrix, they are refused rather than silently ignored."""
+    check: Callable[[Any], None] = lambda settings: None
+    """Validation across sections, run before anything starts (ValueError naming the keys)."""
+    prepare: Callable[[Any], None] = lambda settings: None
+    """Local runs: build or fetch what every role needs once (the models), before they start."""
+    local_threads: int | None = None
+    """torch threads per local process when `num_threads=0`: None gives each process its share
+    of the cores; 0 leaves torch's default; N pins N."""
+
+    @property
+    def schema_name(self) -> str:
+        return f"{self.name}_schema"
+
+    @property
+    def role_names(self) -> tuple[str, ...]:
+        return ("local", *self.roles)
+
+    def refuse_unread(self, keys: Sequence[str]) -> None:
+        """ValueError for the first key (dotted, as on the command line) it does not read."""
+        for key in keys:
+            for prefix, why in self.unread.items():
+                if key == prefix or key.startswith(prefix + "."):
+                    raise ValueError(f"{self.name} does not read {key}: {why}")
+
+
+def get(name: str) -> Experiment:
+    """The registered experiment `name` (imports its module)."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"no experiment {name!r}; registered: {list(EXPERIMENTS)}")
+    experiment = importlib.import_module(f"{name}.run").EXPERIMENT
+    assert isinstance(experiment, Experiment) and experiment.name == name
+    return experiment
+
+
+def override_key(override: str) -> str:
+    """The dotted key a Hydra override sets: `+a.b=1` -> `a.b`, `model@target=x` -> `target`."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    if "@" in key:  # a config group placed at another package: the package is the key
+        key = key.split("@", 1)[1]
+    return key
+
+
+def command_line_keys() -> list[str]:
+    """The keys set on this process's command line (empty when Hydra is not running)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return [override_key(o) for o in HydraConfig.get().overrides.task]
+
+
+def placement_from_env() -> Placement | None:
+    """The placement hook named by $LAB_PLACEMENT, if any."""
+    spec = os.environ.get(PLACEMENT_ENV)
+    if not spec:
+        return None
+    module, _, attribute = spec.partition(":")
+    hook = getattr(importlib.import_module(module), attribute, None)
+    if not callable(hook):
+        raise ValueError(f"{PLACEMENT_ENV}={spec!r} does not name a function (module:function)")
+    return hook
+
+
+def run(
+    experiment: Experiment, cfg: DictConfig | Any, *, place: Placement | None = None
+) -> Metrics:
+    """Run `cfg.role` of `experiment` (every role, for `local`); returns its headline metrics."""
+    settings = to_settings(cfg, experiment.schema)
+    if settings.role not in experiment.role_names:
+        raise ValueError(
+            f"{experiment.name} has roles {', '.join(experiment.role_names)}; not {settings.role}"
+        )
+    experiment.refuse_unread(command_line_keys())
+    experiment.check(settings)
+    if settings.role != "local":
+        apply_num_threads(settings.num_threads)
+        return experiment.roles[settings.role](settings)
+    return run_local(experiment, settings, place=place or placement_from_env())
+
+
+def run_local(experiment: Experiment, settings: Any, *, place: Placement | None = None) -> Metrics:
+    """Every role of `experiment` as its own process on this machine."""
+    experiment.prepare(settings)
+    cluster = settings.cluster
+    ports = {
+        name: Endpoint(getattr(cluster, name).host, free_port(getattr(cluster, name).host))
+        for name in experiment.endpoints
+    }
+    local = replace(settings, cluster=replace(cluster, **ports))
+    plan = experiment.plan(local)
+    if local.num_threads == 0 and experiment.local_threads != 0:
+        threads = experiment.local_threads or share_of_cores(
+            len(plan.processes) + (plan.main is not None)
+        )
+        local = replace(local, num_threads=threads)
+        plan = experiment.plan(local)
+    apply_num_threads(local.num_threads)
+    roles = [
+        settings_role(
+            process.name,
+            experiment.name,
+            local,
+            schema=experiment.schema_name,
+            overrides=process.overrides,
+            service=process.service,
+            ready=process.ready,
+        )
+        for process in plan.processes
+    ]
+    if place is not None:
+        roles = [place(role) for role in roles]
+    if plan.main is None:
+        if plan.finish is None:
+            raise TypeError(f"{experiment.name}'s local plan has neither main nor finish")
+        launch(roles)
+        return plan.finish(local)
+    with services(roles) as group:
+        group.wait_ready(cluster.connect_timeout_s + READY_TIMEOUT_S)
+        return plan.main(local, group)

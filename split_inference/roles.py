@@ -1,0 +1,153 @@
+"""The roles every split module shares (split_inference, split_training): a stage serving until
+its driver releases it, the driver's side of the world, and the registry entry of a split module.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from lab.config import LabConfig
+from lab.device import detect_device
+from lab.experiment import Experiment, LocalPlan, Metrics, Process
+from lab.launch import ServiceGroup
+from lab.models import resolve_source
+from split_inference.config import SplitConfig
+from split_inference.layout import stage_ranges
+from split_inference.stage import StageHost, set_stage_host
+from split_inference.workers import (
+    World,
+    authenticate_stages,
+    joined,
+    release_all,
+    serve_until_released,
+)
+
+log = logging.getLogger(__name__)
+
+PING_S = 2.0
+"""How often an idle stage checks that its driver is still there."""
+
+UNREAD = {
+    "cluster.link": "netproto's link emulator shapes netproto traffic only, and TensorPipe's "
+    "traffic between stages does not cross it",
+    "cluster.tls": "TensorPipe does not use netproto's TLS (see the README's security section)",
+    "cluster.verifier": "its roles meet at cluster.master only",
+    "cluster.coordinator": "its roles meet at cluster.master only",
+}
+"""Keys of a split module's schema that it does not read."""
+
+
+def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
+    """`role=stage split.rank=K`: join the RPC world and serve until the driver is done."""
+    if not 1 <= split.rank <= split.num_stages:
+        raise ValueError(
+            f"role=stage needs split.rank in 1..split.num_stages={split.num_stages} "
+            f"(the driver is rank 0), got {split.rank}"
+        )
+    if settings.cluster.master.port == 0:
+        raise ValueError("role=stage needs cluster.master.port (the driver's rendezvous port)")
+    set_stage_host(StageHost(cache_dir=settings.paths.cache_path, device=detect_device()))
+    world = World(split.rank, settings.cluster.master, split)
+    with joined(world, secret=settings.cluster.resolved_secret()):
+        print(f"{world.name} joined the run", flush=True)
+        serve_until_released(ping_s=PING_S, timeout_s=split.rpc_timeout_s)
+
+
+@contextmanager
+def driving(
+    settings: LabConfig, split: SplitConfig, *, stages: ServiceGroup | None = None
+) -> Iterator[None]:
+    """Join as the driver (rank 0), authenticate every stage, and release them all at the end.
+
+    `stages`: the local stage processes, if this run started them (a dead one ends the wait).
+    """
+    if settings.cluster.master.port == 0:
+        raise ValueError("the driver needs cluster.master.port (where stages meet it)")
+    world = World(0, settings.cluster.master, split)
+    secret = settings.cluster.resolved_secret()
+    with joined(world, secret=secret, check=stages or (lambda: None)):
+        reason = ""
+        try:
+            authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
+            yield
+        except BaseException as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            release_all(split.num_stages, reason=reason)
+
+
+def check_layers(settings: Any) -> None:
+    """Refuse a cut the model cannot take before any stage starts: more stages than layers, or
+    boundaries outside it. Reads config.json only (of a local folder; a hub model is checked by
+    its stages)."""
+    split: SplitConfig = settings.split
+    folder = Path(resolve_source(settings.model, cache_dir=settings.paths.cache_path))
+    if not (folder / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=settings.model.trust_remote_code)
+    num_layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    if not isinstance(num_layers, int):
+        return
+    if split.num_stages > num_layers:
+        raise ValueError(
+            f"split.num_stages={split.num_stages} needs at least as many layers, and "
+            f"{settings.model.name} has {num_layers}: use split.num_stages<={num_layers}"
+        )
+    if split.boundaries:
+        stage_ranges(list(split.boundaries), num_layers)
+
+
+def split_experiment(
+    name: str,
+    schema: type[LabConfig],
+    run_driver: Callable[..., Metrics],
+    *,
+    local_threads: int | None = None,
+) -> Experiment:
+    """The registry entry of a split module: `stage` and `driver` roles; locally, its stages
+    as processes on loopback and this process the driver."""
+
+    def stage_role(settings: Any) -> Metrics:
+        serve_stage(settings, settings.split)
+        return {}
+
+    def check(settings: Any) -> None:
+        if settings.model.quantization != "none" and settings.role in ("local", "driver"):
+            warnings.warn(
+                f"model.quantization={settings.model.quantization} is not applied by {name}: "
+                "each stage, and the unsplit baseline, loads the weights in full precision "
+                "(model.dtype)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def prepare(settings: Any) -> None:
+        # Build lab: models once, here, before the stages ask; the driver loads no weights.
+        check_layers(settings)
+
+    def plan(settings: Any) -> LocalPlan:
+        stages = [
+            Process(f"stage{rank}", ("role=stage", f"split.rank={rank}"), service=True)
+            for rank in range(1, settings.split.num_stages + 1)
+        ]
+        return LocalPlan(stages, main=lambda local, group: run_driver(local, stages=group))
+
+    return Experiment(
+        name=name,
+        schema=schema,
+        roles={"driver": run_driver, "stage": stage_role},
+        plan=plan,
+        endpoints=("master",),
+        unread=UNREAD,
+        check=check,
+        prepare=prepare,
+        local_threads=local_threads,
+    )

@@ -1,0 +1,129 @@
+"""The experiment registry: every module's roles, refused keys and local plan, dispatched once."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lab import experiment
+from lab.launch import Role, ServiceGroup, services
+
+
+@pytest.mark.parametrize("name", experiment.EXPERIMENTS)
+def test_every_module_registers_an_experiment_with_a_local_plan(compose_config, name: str) -> None:
+    """Each module's local plan starts its processes under names its roles know."""
+    exp = experiment.get(name)
+    assert exp.name == name and "local" in exp.role_names
+    settings = experiment.to_settings(compose_config(name), exp.schema)
+    plan = exp.plan(settings)
+    assert plan.processes and (plan.main is not None or plan.finish is not None)
+    for process in plan.processes:
+        role = next(o.split("=", 1)[1] for o in process.overrides if o.startswith("role="))
+        assert role in exp.roles
+
+
+@pytest.mark.parametrize("name", experiment.EXPERIMENTS)
+def test_a_role_the_experiment_does_not_have_is_refused_before_anything_runs(
+    compose_config, name: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"{name} has roles local, .*; not boss"):
+        experiment.run(experiment.get(name), compose_config(name, ["role=boss"]))
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "why"),
+    [
+        ("spec_decoding", "model.pretrained", "target.pretrained"),
+        ("split_inference", "cluster.link.delay_ms", "TensorPipe's traffic"),
+        ("split_training", "cluster.tls.enabled", "TensorPipe does not use"),
+        ("fed_learn", "cluster.verifier.port", "cluster.coordinator only"),
+    ],
+)
+def test_a_key_the_experiment_does_not_read_is_refused_naming_why(
+    name: str, key: str, why: str
+) -> None:
+    exp = experiment.get(name)
+    with pytest.raises(ValueError, match=rf"{name} does not read {key}: .*{why}"):
+        exp.refuse_unread([key])
+    exp.refuse_unread(["seed", "cluster.secret"])  # read by every experiment
+
+
+def test_override_keys_are_read_as_hydra_writes_them() -> None:
+    assert experiment.override_key("+cluster.link.delay_ms=3") == "cluster.link.delay_ms"
+    assert experiment.override_key("model@target=tinyllama") == "target"
+    assert experiment.override_key("~model.revision") == "model.revision"
+
+
+def test_the_cli_refuses_a_key_split_inference_would_ignore(tmp_path) -> None:
+    """A link delay shapes netproto's traffic, not TensorPipe's: a split run with one would
+    measure an undelayed link under a delayed label."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "split_inference", "cluster.link.delay_ms=10",
+         f"hydra.run.dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "split_inference does not read cluster.link.delay_ms" in result.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_cli_refuses_a_key_spec_decoding_would_ignore(tmp_path) -> None:
+    """`model.pretrained=/nonexistent` was accepted, recorded and ignored (spec reads target.*)."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "spec_decoding", "model.pretrained=/nonexistent",
+         f"hydra.run.dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "spec_decoding reads target.* and draft.*, not model.*" in result.stderr
+    assert not (tmp_path / "cache").exists()  # refused before building any model
+
+
+def test_a_server_that_has_not_announced_itself_is_waited_for() -> None:
+    """A client dialled the verifier before it listened (`cluster.link.delay_ms=10` failed):
+    local roles now wait for a server's ready line."""
+    slow = Role(
+        "server",
+        [sys.executable, "-c", "import time; time.sleep(1.0); print('ready now', flush=True); "
+         "time.sleep(60)"],
+        service=True, ready="ready now",
+    )  # fmt: skip
+    with services([slow], out=sys.stderr) as group:
+        assert not group.running[0].ready.is_set()
+        group.wait_ready(30)
+        assert group.running[0].ready.is_set()
+
+
+def test_a_server_that_dies_before_it_is_ready_is_reported() -> None:
+    from lab.launch import RoleFailedError
+
+    dying = Role(
+        "server", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
+        service=True, ready="ready",
+    )  # fmt: skip
+    with services([dying], out=sys.stderr) as group, pytest.raises(RoleFailedError, match="3"):
+        group.wait_ready(30)
+    assert isinstance(group, ServiceGroup)
+
+
+def test_a_placement_hook_sees_every_role_before_it_starts(compose_config, monkeypatch) -> None:
+    """run_matrix and the hosts harness put roles elsewhere (a namespace) through this hook."""
+    seen: list[str] = []
+
+    def place(role: Role) -> Role:
+        seen.append(role.name)
+        return Role(role.name, [sys.executable, "-c", "pass"], service=role.service)
+
+    exp = experiment.get("fed_learn")
+    cfg = compose_config("fed_learn", ["fed.num_clients=2"])
+    finished = experiment.Experiment(
+        name=exp.name, schema=exp.schema, roles=exp.roles, endpoints=exp.endpoints,
+        plan=lambda s: experiment.LocalPlan(exp.plan(s).processes, finish=lambda s: {"ok": 1.0}),
+    )  # fmt: skip
+    assert experiment.run(finished, cfg, place=place) == {"ok": 1.0}
+    assert seen == ["coordinator", "client0", "client1"]
