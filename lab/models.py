@@ -43,11 +43,19 @@ def resolve_source(cfg: ModelConfig, *, cache_dir: Path) -> str:
     """A local folder or hub id `from_pretrained` can take; builds `lab:` models if missing."""
     source = cfg.pretrained
     if source.startswith(LAB_PREFIX):
-        from lab.pretrain import TINY_MODELS, ensure_tiny_models, load_preset
+        from lab.pretrain import (
+            RANDOM_MODELS,
+            TINY_MODELS,
+            ensure_random_model,
+            ensure_tiny_models,
+            load_preset,
+        )
 
         name = source.removeprefix(LAB_PREFIX)
+        if name in RANDOM_MODELS:
+            return str(ensure_random_model(name, load_preset(cfg.lab_preset), cache_dir))
         if name not in TINY_MODELS:
-            known = [LAB_PREFIX + n for n in TINY_MODELS]
+            known = [LAB_PREFIX + n for n in (*TINY_MODELS, *RANDOM_MODELS)]
             raise ModelUnavailableError(f"model.pretrained={source!r}: the lab builds {known}")
         folder = ensure_tiny_models(load_preset(cfg.lab_preset), cache_dir)
         return str(folder / name)

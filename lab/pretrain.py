@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 TINY_MODELS = ("tiny_target", "tiny_draft")
 META_FILE = "lab_pretrain.json"
 
+RANDOM_MODELS = {"random_long": 4096}
+"""Untrained models of the preset's target shape and tokenizer, with a long position limit (the
+value): for measuring cost over context lengths the trained models cannot reach (run_matrix).
+Their text is noise; their cost per token is that of a trained model of the same shape."""
+
 
 @dataclass
 class TinyModelSpec:
@@ -174,6 +179,36 @@ def ensure_tiny_models(cfg: PretrainConfig, cache_dir: Path) -> Path:
         log.info("training the lab's tiny models into %s", folder)
         with atomic.staged_dir(folder) as staging:
             _build(cfg, staging)
+    return folder
+
+
+def ensure_random_model(name: str, cfg: PretrainConfig, cache_dir: Path) -> Path:
+    """The folder of random-init model `name` (see RANDOM_MODELS), built once beside the
+    preset's tiny models (whose tokenizer it shares; they are built first if missing)."""
+    if name not in RANDOM_MODELS:
+        raise ValueError(f"no random-init lab model {name!r}; choose one of {list(RANDOM_MODELS)}")
+    tiny = ensure_tiny_models(cfg, cache_dir)
+    folder = tiny / name
+    if (folder / META_FILE).is_file():
+        return folder
+    with _file_lock(tiny.parent / f".{tiny.name}-{name}.lock"):
+        if (folder / META_FILE).is_file():
+            return folder
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny / "tiny_target")
+        torch.manual_seed(cfg.seed)
+        model = build_llama(
+            cfg.target,
+            vocab_size=len(tokenizer),
+            context_length=RANDOM_MODELS[name],
+            tokenizer=tokenizer,
+        )
+        with atomic.staged_dir(folder) as staging:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            meta = {"name": name, "pretrain": asdict(cfg), "random_init": True}
+            (staging / META_FILE).write_text(json.dumps(meta, indent=2))
     return folder
 
 
