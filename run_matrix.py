@@ -1,0 +1,161 @@
+"""`python run_matrix.py [workload=...] [grid.AXIS=[...]] [overrides=[...]]`: sweep a hardware grid.
+
+Runs every cell of the grid (`conf/matrix.yaml`) as its own isolated process tree (see
+`lab/matrix.py`), appends each cell's result as it comes, then draws one heatmap per metric with
+seaborn. The last line is `cells ok: N of M`.
+
+On a cluster, hand the cells to a Hydra launcher plugin instead of running them here: every job
+runs one cell and appends to the same results table, then one plain run draws the heatmaps:
+    python run_matrix.py --multirun cell='range(0,9)' plot=false hydra/launcher=submitit_slurm
+    python run_matrix.py            # the finished cells are skipped: only draws
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from lab import matrix
+from lab.config import to_settings
+from lab.heatmaps import draw
+from lab.machine import Machine
+
+log = logging.getLogger("run_matrix")
+
+
+def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> list[dict[str, Any]]:
+    """Run the cells not yet in the results (all of them, or just `config.cell`), then draw.
+
+    Returns the sweep's latest record per cell, in grid order."""
+    console = console or Console()
+    matrix.check_sweep(config)  # a key the workload ignores is refused before any cell runs
+    out_dir = Path(config.out_dir).resolve()
+    results = matrix.Results(out_dir)
+    fingerprint = matrix.sweep_fingerprint(config)
+    grid_cells = matrix.cells(config)
+    if config.cell >= 0:
+        if config.cell >= len(grid_cells):
+            raise ValueError(f"cell={config.cell}: the grid has {len(grid_cells)} cells")
+        grid_cells = [grid_cells[config.cell]]
+    done = results.latest(fingerprint)
+    todo = [
+        cell
+        for cell in grid_cells
+        if cell.name not in done or (config.retry_failed and done[cell.name]["status"] != "ok")
+    ]
+    machine = Machine.probe().as_dict()
+    console.print(
+        f"run_matrix: {config.workload}, {len(matrix.cells(config))} cells "
+        f"({' x '.join(f'{a}={v}' for a, v in config.grid.items())}); "
+        f"{len(grid_cells) - len(todo)} already done, {len(todo)} to run; results in {out_dir}"
+    )
+    progress = Progress(
+        TextColumn("[bold]cells"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[cell]}"),
+        TextColumn("[dim]{task.fields[rss]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    with progress:
+        task = progress.add_task("cells", total=len(todo), cell="", rss="")
+        for cell in todo:
+            progress.update(task, cell=cell.name, rss="")
+
+            def sampled(total_mib: float) -> None:
+                progress.update(task, rss=f"{total_mib:,.0f} MiB")
+
+            record = matrix.run_cell(
+                config, cell, machine=machine, results=results, on_sample=sampled
+            )
+            if record["status"] != "ok":
+                progress.console.print(
+                    f"[yellow]{cell.name}: {record['status']}[/] ({record['reason']})"
+                )
+            progress.advance(task)
+    latest = results.latest(fingerprint)
+    records = [latest[c.name] for c in matrix.cells(config) if c.name in latest]
+    if config.cell < 0:
+        console.print(results_table(config, records))
+        if config.plot:
+            paths = draw(
+                records,
+                matrix.WORKLOADS[config.workload].metrics,
+                grid=config.grid,
+                axes=config.axes,
+                out_dir=out_dir / "heatmaps",
+                title=config.workload,
+            )
+            console.print(f"heatmaps: {len(paths)} PNG files in {out_dir / 'heatmaps'}")
+            if config.wandb:
+                log_to_wandb(config, records, paths, out_dir)
+    return records
+
+
+def results_table(config: matrix.MatrixConfig, records: list[dict[str, Any]]) -> Table:
+    metrics = matrix.WORKLOADS[config.workload].metrics[:4]
+    table = Table(title=f"run_matrix: {config.workload}", title_justify="left")
+    for axis in config.grid:
+        table.add_column(axis, justify="right")
+    table.add_column("status")
+    for metric in metrics:
+        table.add_column(f"{metric.key} ({metric.unit})", justify="right")
+    table.add_column("s", justify="right")
+    for record in records:
+        values = record["metrics"]
+        table.add_row(
+            *(str(record["settings"][axis]) for axis in config.grid),
+            record["status"] if record["status"] == "ok" else f"[red]{record['status']}",
+            *(f"{values[m.key]:.4g}" if m.key in values else "" for m in metrics),
+            f"{record['seconds']:.0f}",
+        )
+    return table
+
+
+def log_to_wandb(
+    config: matrix.MatrixConfig, records: list[dict[str, Any]], paths: list[Path], out_dir: Path
+) -> None:
+    """The heatmaps as images and the results as a table, in one W&B run (offline unless set up)."""
+    import wandb
+
+    from lab.tracking import resolve_wandb_mode
+
+    run = wandb.init(
+        project="distributed-llm-lab",
+        job_type="run_matrix",
+        dir=str(out_dir),
+        mode=resolve_wandb_mode("auto"),
+        config=OmegaConf.to_container(OmegaConf.structured(config), resolve=True),  # type: ignore[arg-type]
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+    try:
+        rows = [matrix.flatten(r) for r in records]
+        names = sorted({c for row in rows for c in row if not c.startswith("machine.")})
+        columns: list[str | int] = list(names)
+        table = wandb.Table(
+            columns=columns, data=[[str(row.get(c, "")) for c in names] for row in rows]
+        )
+        run.log({"results": table, **{f"heatmap/{p.stem}": wandb.Image(str(p)) for p in paths}})
+    finally:
+        run.finish()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="matrix")
+def main(cfg: DictConfig) -> None:
+    config = to_settings(cfg, matrix.MatrixConfig)
+    records = sweep(config)
+    ok = sum(r["status"] == "ok" for r in records)
+    total = len(matrix.cells(config)) if config.cell < 0 else 1
+    print(f"cells ok: {ok} of {total}")
+
+
+if __name__ == "__main__":
+    main()

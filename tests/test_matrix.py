@@ -1,0 +1,144 @@
+"""run_matrix: a real sweep of split_inference, its failure statuses, resuming, and the guards."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lab import matrix
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import run_matrix  # noqa: E402
+
+
+def config(tmp_path: Path, lab_cache: Path, **changes) -> matrix.MatrixConfig:
+    """A quick sweep of split_inference on the debug model (trained tiny models, 2 layers)."""
+    base = {
+        "workload": "split_inference",
+        "axes": {"context": "generate.prompt_tokens", "batch": "generate.batch_size",
+                 "stages": "split.num_stages", "delay": "cluster.link.delay_ms"},
+        "grid": {"context": [8, 16], "batch": [1, 2]},
+        "overrides": ["model.lab_preset=debug", f"paths.cache_dir={lab_cache}",
+                      "generate.max_new_tokens=4"],
+        "repeats": 2,
+        "out_dir": str(tmp_path / "sweep"),
+        "timeout_s": 240.0,
+    }  # fmt: skip
+    base.update(changes)
+    return matrix.MatrixConfig(**base)
+
+
+def _leftovers(out_dir: Path) -> list[str]:
+    """Processes still running whose command line names the sweep's folder."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(out_dir) in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def test_a_2x2_sweep_gives_4_rows_a_heatmap_per_metric_and_resumes(
+    tmp_path: Path, lab_cache: Path
+) -> None:
+    cfg = config(tmp_path, lab_cache)
+    records = run_matrix.sweep(cfg)
+    assert [r["status"] for r in records] == ["ok"] * 4, [r["reason"] for r in records]
+    out = Path(cfg.out_dir)
+    rows = (out / "results.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 4
+    assert "settings.context" in rows[0] and "metrics.token_ms_p50" in rows[0]
+    for record in records:
+        metrics = record["metrics"]
+        assert metrics["token_ms_p50_n"] == 2  # two measured batches, warm-up excluded
+        assert metrics["latency_ratio"] > 0 and metrics["greedy_match"] == 1.0
+        assert {"main", "stage1", "stage2"} <= set(record["peak_rss_mib"])
+        assert record["machine"]["cores"] >= 1
+    heatmaps = sorted(p.stem for p in (out / "heatmaps").glob("*.png"))
+    assert heatmaps == sorted(m.key for m in matrix.WORKLOADS["split_inference"].metrics)
+    assert all(p.stat().st_size > 5000 for p in (out / "heatmaps").glob("*.png"))
+    # the same sweep again: nothing re-runs; a wider grid runs only its new cells
+    before = (out / "results.jsonl").read_text()
+    assert run_matrix.sweep(cfg) == records
+    assert (out / "results.jsonl").read_text() == before
+    wider = config(tmp_path, lab_cache, grid={"context": [8], "batch": [1, 2, 3]})
+    assert [r["settings"]["batch"] for r in run_matrix.sweep(wider)] == [1, 2, 3]
+    assert len((out / "results.jsonl").read_text().splitlines()) == 4 + 1
+    assert not _leftovers(out)
+
+
+def test_a_failing_cell_is_marked_with_its_reason_and_the_sweep_goes_on(
+    tmp_path: Path, lab_cache: Path
+) -> None:
+    """3 stages of a 2-layer model: refused by the experiment before it starts anything."""
+    cfg = config(tmp_path, lab_cache, grid={"stages": [3, 2]}, overrides=[
+        "model.lab_preset=debug", f"paths.cache_dir={lab_cache}", "generate.max_new_tokens=2",
+        "generate.prompt_tokens=8"])  # fmt: skip
+    failed, ok = run_matrix.sweep(cfg)
+    assert failed["status"] == "error"
+    assert "split.num_stages=3 needs at least as many layers" in failed["reason"]
+    assert ok["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("changes", "status", "reason"),
+    [
+        ({"timeout_s": 6.0}, "timeout", "still running after 6s"),
+        ({"memory_mib": 150.0}, "oom", "MiB > the 150 MiB cap"),
+    ],
+)
+def test_a_cell_past_its_time_or_memory_is_killed_whole_and_marked(
+    tmp_path: Path, lab_cache: Path, changes: dict, status: str, reason: str
+) -> None:
+    cfg = config(tmp_path, lab_cache, grid={"context": [8]}, **changes)
+    (record,) = run_matrix.sweep(cfg)
+    assert record["status"] == status and reason in record["reason"]
+    assert not _leftovers(Path(cfg.out_dir))  # stage processes too, though in other sessions
+    # a failed cell is kept as failed on a re-run, and retried when asked
+    assert run_matrix.sweep(cfg)[0]["time"] == record["time"]
+    retried = config(tmp_path, lab_cache, grid={"context": [8]}, retry_failed=True, **changes)
+    assert run_matrix.sweep(retried)[0]["time"] > record["time"]
+
+
+def test_a_key_the_workload_does_not_read_is_refused_before_any_cell_runs(
+    tmp_path: Path, lab_cache: Path
+) -> None:
+    cfg = config(tmp_path, lab_cache, grid={"delay": [0, 10]})
+    with pytest.raises(ValueError, match="split_inference does not read cluster.link.delay_ms"):
+        run_matrix.sweep(cfg)
+    assert not (Path(cfg.out_dir) / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"grid": {"depth": [1]}}, "grid.depth: no such axis"),
+        ({"grid": {}}, "grid is empty"),
+        ({"workload": "pretrain"}, "workload='pretrain' is not one run_matrix can sweep"),
+        ({"repeats": 0}, "matrix.repeats=0 must be > 0"),
+    ],
+)
+def test_a_bad_sweep_is_refused_naming_the_key(
+    tmp_path: Path, lab_cache: Path, changes: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, lab_cache, **changes)
+
+
+def test_a_cell_summary_keeps_the_median_and_spread_of_its_repeats(tmp_path: Path) -> None:
+    lines = [
+        {"kind": "metrics", "step": 0, "token_ms_p50": 10.0},
+        {"kind": "metrics", "step": 1, "token_ms_p50": 30.0},
+        {"kind": "metrics", "step": 2, "token_ms_p50": 20.0},
+        {"kind": "summary", "token_ms_p50": 99.0, "stage1_peak_rss_mib": 5.0,
+         "stage2_peak_rss_mib": 7.0, "latency_ratio": 2.0},
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    metrics = matrix.summarize_cell(tmp_path)
+    assert metrics["token_ms_p50"] == 20.0 and metrics["token_ms_p50_spread"] == 1.0
+    assert metrics["token_ms_p50_n"] == 3 and metrics["latency_ratio"] == 2.0
+    assert metrics["max_stage_peak_rss_mib"] == 7.0
