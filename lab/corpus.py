@@ -249,14 +249,22 @@ def token_blocks(
 
 
 def held_out_prompts(tokenizer: Any, *, count: int, tokens: int) -> list[list[int]]:
-    """The first `tokens` tokens of the first held-out stdlib files: code the models never saw
-    (the generation experiments' prompts)."""
+    """`count` prompts of `tokens` tokens from the held-out stdlib files: code the models never
+    saw (the generation experiments' prompts). First the start of each file; when more prompts
+    are asked than files have that many tokens, the next `tokens` of each file, and so on."""
     corpus = load_corpus(val_fraction=0.05)
-    prompts = []
-    for doc in corpus.validation:
-        ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"][:tokens]
-        if len(ids) == tokens:
-            prompts.append(ids)
-        if len(prompts) == count:
-            return prompts
-    raise ValueError(f"the held-out corpus has fewer than {count} files of {tokens} tokens")
+    encoded = [
+        tokenizer(doc.text, add_special_tokens=False)["input_ids"] for doc in corpus.validation
+    ]
+    prompts: list[list[int]] = []
+    for window in range(max((len(ids) for ids in encoded), default=0) // tokens):
+        for ids in encoded:
+            piece = ids[window * tokens : (window + 1) * tokens]
+            if len(piece) == tokens:
+                prompts.append(piece)
+            if len(prompts) == count:
+                return prompts
+    raise ValueError(
+        f"the held-out corpus holds fewer than {count} prompts of {tokens} tokens "
+        f"({len(prompts)}): ask for fewer or shorter prompts"
+    )
