@@ -222,6 +222,22 @@ def check_sweep(config: MatrixConfig) -> None:
     keys = [config.axes[axis] for axis in config.grid]
     keys += [experiment.override_key(o) for o in config.overrides]
     exp.refuse_unread(keys)
+    # a key the schema does not have (or a value of the wrong type): Hydra's own one-line error,
+    # from composing the first cell's config as the cell would
+    first = cells(config)[0]
+    argv = [sys.executable, "-m", exp.name, *cell_overrides(config, first, Path("unused"))]
+    argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + ["--cfg", "job"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        lines = [
+            line.strip()
+            for line in result.stderr.splitlines()
+            if line.strip() and not line.startswith((" ", "Set the environment", "See https://"))
+        ]
+        raise ValueError(
+            f"cell {first.name} of workload={config.workload} does not compose: "
+            + (" ".join(lines[:3]) if lines else f"exit {result.returncode}")
+        )
 
 
 def cell_overrides(config: MatrixConfig, cell: Cell, run_dir: Path) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -12,12 +13,12 @@ import pytest
 from lab import matrix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import run_matrix  # noqa: E402
+import run_matrix
 
 
-def config(tmp_path: Path, lab_cache: Path, **changes) -> matrix.MatrixConfig:
+def config(tmp_path: Path, lab_cache: Path, **changes: Any) -> matrix.MatrixConfig:
     """A quick sweep of split_inference on the debug model (trained tiny models, 2 layers)."""
-    base = {
+    base: dict[str, Any] = {
         "workload": "split_inference",
         "axes": {"context": "generate.prompt_tokens", "batch": "generate.batch_size",
                  "stages": "split.num_stages", "delay": "cluster.link.delay_ms"},
@@ -108,7 +109,7 @@ def test_a_key_the_workload_does_not_read_is_refused_before_any_cell_runs(
     tmp_path: Path, lab_cache: Path
 ) -> None:
     cfg = config(tmp_path, lab_cache, grid={"delay": [0, 10]})
-    with pytest.raises(ValueError, match="split_inference does not read cluster.link.delay_ms"):
+    with pytest.raises(ValueError, match=r"split_inference does not read cluster\.link\.delay_ms"):
         run_matrix.sweep(cfg)
     assert not (Path(cfg.out_dir) / "results.jsonl").exists()
 
@@ -142,3 +143,12 @@ def test_a_cell_summary_keeps_the_median_and_spread_of_its_repeats(tmp_path: Pat
     assert metrics["token_ms_p50"] == 20.0 and metrics["token_ms_p50_spread"] == 1.0
     assert metrics["token_ms_p50_n"] == 3 and metrics["latency_ratio"] == 2.0
     assert metrics["max_stage_peak_rss_mib"] == 7.0
+
+
+def test_a_key_the_experiment_does_not_have_is_refused_before_any_cell_runs(
+    tmp_path: Path, lab_cache: Path
+) -> None:
+    cfg = config(tmp_path, lab_cache, axes={"depth": "split.depth"}, grid={"depth": [1, 2]})
+    with pytest.raises(ValueError, match=r"does not compose: .*split\.depth"):
+        run_matrix.sweep(cfg)
+    assert not (Path(cfg.out_dir) / "results.jsonl").exists()
