@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "resolved_config.yaml"
+RUN_FILE = "lab_run.json"
+"""What ran in a run directory: the job, its command line, when, and on which machine."""
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -85,6 +87,7 @@ class Tracker:
         self._started = time.time()
         self._final: dict[str, Any] = {}
         (self.run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(dict(config)))
+        self._write_run_file()
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
         self._wandb_run = None
         if tracking.wandb:
@@ -116,6 +119,21 @@ class Tracker:
         )
         log.info("W&B %s run in %s", mode, run.dir)
         return run
+
+    def _write_run_file(self) -> None:
+        import sys
+
+        from lab.machine import Machine
+
+        module = Path(sys.argv[0]).parent.name if sys.argv[0].endswith("__main__.py") else None
+        command = [f"python -m {module}" if module else f"python {sys.argv[0]}", *sys.argv[1:]]
+        record = {
+            "job": self.job,
+            "command": " ".join(command),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._started)),
+            "machine": Machine.probe().as_dict(),
+        }
+        (self.run_dir / RUN_FILE).write_text(json.dumps(record, indent=2))
 
     @property
     def wandb_dir(self) -> Path | None:
@@ -158,8 +176,21 @@ class Tracker:
         if self._wandb_run is not None:
             self._wandb_run.finish(exit_code=1 if failed else 0)
             self._wandb_run = None
+        if not failed:
+            self.draw_plots()
         if self.tracking.console and self._final and not failed:
             self.print_table()
+
+    def draw_plots(self) -> None:
+        """The job's own plots, beside its metrics (a plot that fails is a warning, not a
+        failed run)."""
+        from lab.plots import draw_run
+
+        try:
+            for path in draw_run(self.run_dir, self.job):
+                log.info("plot: %s", path)
+        except Exception as exc:
+            log.warning("could not draw %s's plots in %s: %s", self.job, self.run_dir, exc)
 
     def __enter__(self) -> Tracker:
         return self

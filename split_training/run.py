@@ -65,23 +65,6 @@ def mixed_precision(split: SplitTrainConfig) -> str:
     return "bf16" if device.type == "cuda" and supports_bf16(device) else "none"
 
 
-def save_loss_curve(losses: list[float], path: Path, *, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def run_driver(
     settings: SplitTrainingRunConfig, *, stages: ServiceGroup | None = None
 ) -> dict[str, float]:
@@ -165,12 +148,6 @@ def run_driver(
         if split.export:
             exported = trainer.export(settings.paths.run_path / "model")
             log.info("the whole trained model, as one Hugging Face folder: %s", exported)
-        if losses:
-            save_loss_curve(
-                losses,
-                settings.paths.run_path / "loss_curve.png",
-                title=f"{settings.model.name}: {split.num_stages} stages, m={split.microbatches}",
-            )
         tracker.summary(metrics)
         return metrics
 
