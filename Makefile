@@ -21,9 +21,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP) ## Create .venv and install the project (editable) with its dev tools
 
-run: $(STAMP) ## The lab tour on offline defaults: build the tiny models, then speculative decoding
-	$(PY) -m lab.pretrain
-	$(PY) -m spec_decoding
+run: $(STAMP) ## The lab tour: every experiment briefly on offline defaults, a small sweep, a report
+	$(PY) -m lab.tour
 
 test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded)
 	$(PY) -m pytest -m "not slow and not multihost" -q
@@ -51,5 +50,5 @@ lock: ## Rewrite constraints.txt from what .venv has now (after a deliberate upg
 	@echo "constraints.txt: $$(grep -c == constraints.txt) pins"
 
 clean: ## Remove caches, run outputs and the virtualenv (not the tiny-model cache)
-	rm -rf $(VENV) outputs multirun wandb .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) outputs multirun reports wandb .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -12,6 +12,7 @@ runs one cell and appends to the same results table, then one plain run draws th
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
         if config.cell >= len(grid_cells):
             raise ValueError(f"cell={config.cell}: the grid has {len(grid_cells)} cells")
         grid_cells = [grid_cells[config.cell]]
+    write_sweep_file(config, out_dir)
     done = results.latest(fingerprint)
     todo = [
         cell
@@ -98,6 +100,30 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
             if config.wandb:
                 log_to_wandb(config, records, paths, out_dir)
     return records
+
+
+def command_of(config: matrix.MatrixConfig) -> str:
+    """The command line that runs this sweep again (and skips what is done)."""
+    parts = [f"workload={config.workload}"]
+    parts += [f"grid.{axis}=[{','.join(map(str, values))}]" for axis, values in config.grid.items()]
+    parts.append("'overrides=[" + ",".join(config.overrides) + "]'")
+    parts += [f"repeats={config.repeats}", f"out_dir={config.out_dir}"]
+    return "python run_matrix.py " + " ".join(parts)
+
+
+def write_sweep_file(config: matrix.MatrixConfig, out_dir: Path) -> None:
+    from lab import atomic
+    from lab.report import SWEEP_FILE
+
+    record = {
+        "workload": config.workload,
+        "command": command_of(config),
+        "grid": config.grid,
+        "axes": config.axes,
+        "metrics": [m.key for m in matrix.WORKLOADS[config.workload].metrics],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out_dir / SWEEP_FILE, json.dumps(record, indent=2))
 
 
 def results_table(config: matrix.MatrixConfig, records: list[dict[str, Any]]) -> Table:
