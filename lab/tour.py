@@ -10,6 +10,7 @@ on with the next.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -42,7 +43,12 @@ def run_step(argv: list[str], *, log_path: Path, progress: Progress, task: TaskI
     """Run one command, its output into `log_path`, its last line shown beside the bar."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         assert proc.stdout is not None
         for line in proc.stdout:
