@@ -19,14 +19,18 @@ os.environ["WANDB_SILENT"] = "true"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-PRIMARY_CONFIGS = sorted(p.stem for p in CONF_DIR.glob("*.yaml") if p.stem != "config")
-"""Entry-point configs (`conf/<name>.yaml`); `config.yaml` is the base they all include."""
+PRIMARY_CONFIGS = sorted(
+    p.stem for p in CONF_DIR.glob("*.yaml") if p.stem not in ("config", "matrix")
+)
+"""Entry-point configs of runs (`conf/<name>.yaml`); `config.yaml` is the base they all include.
+`matrix.yaml` is run_matrix's, a sweep of runs (tests/test_matrix.py)."""
 
 
 def import_schemas() -> None:
     """Register every entry point's schema (each lives beside its module)."""
     for name in PRIMARY_CONFIGS:
         importlib.import_module("lab.pretrain" if name == "pretrain" else f"{name}.config")
+    importlib.import_module("lab.matrix")
 
 
 @pytest.fixture(scope="session")
