@@ -888,41 +888,35 @@ def main(quick: bool) -> None:
               f"{row['under_p50_ms']:.1f} ms under attack (max {row['under_max_ms']:.1f} ms "
               f"of {row['samples_under']})", flush=True)  # fmt: skip
 
-    with server_process("echo_handler") as (address, counters):
-        honest = lambda: honest_echo(address)  # noqa: E731
-        without = timed(honest, count=samples)
-        under, outcomes = under_attack(
-            honest, "attack_netproto", (address, seconds, scale), samples=samples
-        )
-    if not counters.get("alive"):
-        outcomes["netproto: server survived"] = Outcome(1, 0, 1)
-    record("netproto", without, under, outcomes)
+    def server_surface(
+        surface: str,
+        handler: str,
+        honest: Callable[[Any], Any],
+        attack: str,
+        args: tuple[Any, ...],
+        **server: Any,
+    ) -> None:
+        """A server in its own process: the honest client timed without, then under, `attack`."""
+        with server_process(handler, **server) as (address, counters):
+            probe = lambda: honest(address)  # noqa: E731
+            without = timed(probe, count=samples)
+            under, outcomes = under_attack(probe, attack, (address, *args), samples=samples)
+        if not counters.get("alive"):
+            outcomes[f"{surface}: server survived"] = Outcome(1, 0, 1)
+        record(surface, without, under, outcomes)
 
+    server_surface("netproto", "echo_handler", honest_echo, "attack_netproto", (seconds, scale))
     certificate = self_signed_certificate(Path(tempfile.mkdtemp(prefix="abuse-tls-")))
     if certificate is None:
         print("no openssl command: the TLS surface is skipped")
     else:
         ca = certificate[0]
-        with server_process("echo_handler", tls=certificate) as (address, counters):
-            honest = lambda: honest_echo(address, ca)  # noqa: E731
-            without = timed(honest, count=samples)
-            under, outcomes = under_attack(
-                honest, "attack_netproto", (address, seconds, scale, True), samples=samples
-            )
-        if not counters.get("alive"):
-            outcomes["netproto+TLS: server survived"] = Outcome(1, 0, 1)
-        record("netproto+TLS", without, under, outcomes)
-
+        server_surface("netproto+TLS", "echo_handler", lambda address: honest_echo(address, ca),
+                       "attack_netproto", (seconds, scale, True), tls=certificate)  # fmt: skip
     tokenizer_hash = _vocab_hash(cache_dir)
-    with server_process("verifier_handler", cache_dir=cache_dir) as (address, counters):
-        honest = lambda: honest_verifier(address, tokenizer_hash)  # noqa: E731
-        without = timed(honest, count=samples)
-        under, outcomes = under_attack(
-            honest, "attack_verifier", (address, seconds, tokenizer_hash), samples=samples
-        )
-    if not counters.get("alive"):
-        outcomes["verifier: server survived"] = Outcome(1, 0, 1)
-    record("verifier", without, under, outcomes)
+    server_surface("verifier", "verifier_handler",
+                   lambda address: honest_verifier(address, tokenizer_hash),
+                   "attack_verifier", (seconds, tokenizer_hash), cache_dir=cache_dir)  # fmt: skip
 
     without, _ = run_federation(False, rounds, cache_dir, samples=samples)
     under, attacked = run_federation(True, rounds, cache_dir, samples=samples)

@@ -163,10 +163,6 @@ EXPERIMENT = Experiment(
     roles={"coordinator": run_coordinator, "client": client_role},
     plan=local_plan,
     endpoints=("coordinator",),
-    unread={
-        "cluster.verifier": "it talks to cluster.coordinator only",
-        "cluster.master": "it talks to cluster.coordinator only",
-    },
     check=check,
     prepare=prepare,
 )

@@ -19,12 +19,12 @@ import importlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from omegaconf import DictConfig
 
-from lab.config import Endpoint, LabConfig, to_settings
+from lab.config import ClusterConfig, Endpoint, LabConfig, to_settings
 from lab.device import apply_num_threads, share_of_cores
 from lab.launch import Role, ServiceGroup, free_port, launch, services, settings_role
 
@@ -83,7 +83,8 @@ class Experiment:
     """`cluster.<endpoint>` fields its servers listen on: a local run gives each a free port."""
     unread: Mapping[str, str] = field(default_factory=dict)
     """Config keys (prefixes) in its schema that it does not read, each with the reason: set on
-    the command line, or swept by run_matrix, they are refused rather than silently ignored."""
+    the command line, or swept by run_matrix, they are refused rather than silently ignored.
+    The `cluster.*` endpoints not in `endpoints` need not be listed (see `unread_keys`)."""
     check: Callable[[Any], None] = lambda settings: None
     """Validation across sections, run before anything starts (ValueError naming the keys)."""
     prepare: Callable[[Any], None] = lambda settings: None
@@ -100,10 +101,21 @@ class Experiment:
     def role_names(self) -> tuple[str, ...]:
         return ("local", *self.roles)
 
+    def unread_keys(self) -> dict[str, str]:
+        """`unread`, plus every `cluster.*` endpoint but its own: its roles never dial them."""
+        own = ", ".join(f"cluster.{name}" for name in self.endpoints)
+        others = {
+            f"cluster.{f.name}": f"its roles meet at {own} only"
+            for f in fields(ClusterConfig)
+            if f.type in (Endpoint, "Endpoint") and f.name not in self.endpoints
+        }
+        return {**others, **self.unread}
+
     def refuse_unread(self, keys: Sequence[str]) -> None:
         """ValueError for the first key (dotted, as on the command line) it does not read."""
+        unread = self.unread_keys()
         for key in keys:
-            for prefix, why in self.unread.items():
+            for prefix, why in unread.items():
                 if key == prefix or key.startswith(prefix + "."):
                     raise ValueError(f"{self.name} does not read {key}: {why}")
 
@@ -172,13 +184,12 @@ def run_local(experiment: Experiment, settings: Any, *, place: Placement | None 
         for name in experiment.endpoints
     }
     local = replace(settings, cluster=replace(cluster, **ports))
-    plan = experiment.plan(local)
+    plan = experiment.plan(local)  # its processes get `local` (threads included) when they start
     if local.num_threads == 0 and experiment.local_threads != 0:
         threads = experiment.local_threads or share_of_cores(
             len(plan.processes) + (plan.main is not None)
         )
         local = replace(local, num_threads=threads)
-        plan = experiment.plan(local)
     apply_num_threads(local.num_threads)
     roles = [
         settings_role(

@@ -81,9 +81,9 @@ def draw(
             finite = values[np.isfinite(values)]
             options: dict[str, Any] = {}
             if metric.ratio and finite.size:
-                spread = max(abs(math.log(v)) for v in finite if v > 0) if (finite > 0).all() else 1
                 options = {"cmap": "RdBu_r", "center": 1.0}
-                if (finite > 0).all():
+                if (finite > 0).all():  # symmetric in log: 2x and 0.5x equally far from 1
+                    spread = max(abs(math.log(v)) for v in finite)
                     options.update(vmin=math.exp(-spread), vmax=math.exp(spread))
             else:
                 options = {"cmap": "viridis"}

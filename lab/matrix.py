@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -280,11 +281,6 @@ class CellOutcome:
     peak_total_rss_mib: float = 0.0
 
 
-Placement = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
-"""Where a cell runs: given its command and environment, the command and environment to start
-(e.g. inside a network namespace). Roles inside the cell are placed by `LAB_PLACEMENT`."""
-
-
 def _role_of(proc: psutil.Process, cell_pid: int) -> str:
     if proc.pid == cell_pid:
         return "main"
@@ -321,7 +317,6 @@ def run_cell_process(
     log_path: Path,
     timeout_s: float,
     memory_mib: float,
-    env: Mapping[str, str] | None = None,
     poll_s: float = 0.1,
     on_sample: Callable[[float], None] | None = None,
 ) -> CellOutcome:
@@ -336,7 +331,7 @@ def run_cell_process(
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
         root = psutil.Process(proc.pid)
@@ -353,6 +348,7 @@ def run_cell_process(
                     except psutil.Error:
                         continue
                     total += rss
+                    # read each time: a child just forked still shows its parent's command line
                     role = _role_of(member, proc.pid)
                     peaks[role] = max(peaks.get(role, 0.0), rss)
                 peak_total = max(peak_total, total)
@@ -523,22 +519,17 @@ def run_cell(
     *,
     machine: Mapping[str, Any],
     results: Results,
-    place: Placement | None = None,
     on_sample: Callable[[float], None] | None = None,
 ) -> dict[str, Any]:
-    """Run one cell, append its record to the results, and return the record."""
+    """Run one cell, append its record to the results, and return the record. The cell inherits
+    this process's environment, so `LAB_PLACEMENT` (lab.experiment) places its roles."""
     out_dir = Path(config.out_dir).resolve()
     run_dir = out_dir / "cells" / cell.slug
     if run_dir.exists():  # a leftover of an interrupted or retried run: start clean
-        import shutil
-
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     workload = WORKLOADS[config.workload]
     argv = [sys.executable, "-m", workload.experiment, *cell_overrides(config, cell, run_dir)]
-    env: dict[str, str] = {}
-    if place is not None:
-        argv, env = place(argv, env)
     memory_mib = config.memory_mib or 0.8 * psutil.virtual_memory().total / 2**20
     outcome = run_cell_process(
         argv,
@@ -546,7 +537,6 @@ def run_cell(
         log_path=run_dir / "cell.log",
         timeout_s=config.timeout_s,
         memory_mib=memory_mib,
-        env=env,
         on_sample=on_sample,
     )
     metrics: dict[str, float] = {}

@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import psutil
 import torch
 
 
+@dataclass
 class PeakMemory:
     """What `peak_memory()` measured: MiB, filled in when its block ends."""
 

@@ -36,8 +36,6 @@ UNREAD = {
     "cluster.link": "netproto's link emulator shapes netproto traffic only, and TensorPipe's "
     "traffic between stages does not cross it",
     "cluster.tls": "TensorPipe does not use netproto's TLS (see the README's security section)",
-    "cluster.verifier": "its roles meet at cluster.master only",
-    "cluster.coordinator": "its roles meet at cluster.master only",
 }
 """Keys of a split module's schema that it does not read."""
 

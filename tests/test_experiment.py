@@ -55,32 +55,30 @@ def test_override_keys_are_read_as_hydra_writes_them() -> None:
     assert experiment.override_key("~model.revision") == "model.revision"
 
 
-def test_the_cli_refuses_a_key_split_inference_would_ignore(tmp_path) -> None:
-    """A link delay shapes netproto's traffic, not TensorPipe's: a split run with one would
-    measure an undelayed link under a delayed label."""
+@pytest.mark.parametrize(
+    ("module", "override", "message"),
+    [
+        # a link delay shapes netproto's traffic, not TensorPipe's: a split run with one would
+        # measure an undelayed link under a delayed label
+        ("split_inference", "cluster.link.delay_ms=10",
+         "split_inference does not read cluster.link.delay_ms"),
+        # was accepted, recorded and ignored (spec reads target.* and draft.*)
+        ("spec_decoding", "model.pretrained=/nonexistent",
+         "spec_decoding reads target.* and draft.*, not model.*"),
+    ],
+)  # fmt: skip
+def test_the_cli_refuses_a_key_the_module_would_ignore(
+    tmp_path, module: str, override: str, message: str
+) -> None:
     import subprocess
 
     result = subprocess.run(
-        [sys.executable, "-m", "split_inference", "cluster.link.delay_ms=10",
+        [sys.executable, "-m", module, override,
          f"hydra.run.dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode != 0
-    assert "split_inference does not read cluster.link.delay_ms" in result.stderr
-    assert not (tmp_path / "cache").exists()
-
-
-def test_the_cli_refuses_a_key_spec_decoding_would_ignore(tmp_path) -> None:
-    """`model.pretrained=/nonexistent` was accepted, recorded and ignored (spec reads target.*)."""
-    import subprocess
-
-    result = subprocess.run(
-        [sys.executable, "-m", "spec_decoding", "model.pretrained=/nonexistent",
-         f"hydra.run.dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "spec_decoding reads target.* and draft.*, not model.*" in result.stderr
+    assert message in result.stderr
     assert not (tmp_path / "cache").exists()  # refused before building any model
 
 
