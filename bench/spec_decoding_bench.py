@@ -24,18 +24,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra import compose, initialize_config_dir
 
-from lab.config import ModelConfig, default_cache_dir
+from lab import experiment
+from lab.config import CONF_DIR, ModelConfig, default_cache_dir
 from lab.corpus import held_out_prompts
 from lab.machine import announce_machine, write_results
 from lab.models import load_model, load_tokenizer
 from netproto import Connection, LinkEmulatorProcess
-from spec_decoding.config import SpecConfig
+from spec_decoding.config import SpecConfig  # also registers the schema `compose` needs
 from spec_decoding.drafter import Drafter
 from spec_decoding.gamma import GammaController
-from spec_decoding.run import start_verifier_process, summarize
+from spec_decoding.run import EXPERIMENT, summarize
 
-RESULTS = Path(__file__).resolve().parent / "results" / "spec_decoding_bench.json"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "spec_decoding_bench.json"
+RUN_DIR = ROOT / "outputs" / "bench" / "spec_decoding"
 
 
 def hf_generate(
@@ -134,15 +138,18 @@ def main() -> None:
             "same_tokens": assisted == reference,
         },
     }
-    proc, port = start_verifier_process(
-        [
-            "num_threads=1",
-            f"target.pretrained={args.target}",
-            f"paths.cache_dir={args.cache_dir}",
-            "tracking.wandb=false",
-            "hydra.run.dir=outputs/bench/spec_verifier",
-        ]
-    )
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="spec_decoding",
+            overrides=[
+                "num_threads=1",
+                f"target.pretrained={args.target}",
+                f"draft.pretrained={args.draft}",
+                f"paths.cache_dir={args.cache_dir}",
+                f"paths.run_dir={RUN_DIR}",
+                "tracking.wandb=false",
+            ],
+        )
 
     def record(label: str, result: dict[str, Any]) -> None:
         rows[label] = {
@@ -152,8 +159,9 @@ def main() -> None:
         }
         print(f"{label}: {rows[label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
 
-    try:
-        address = ("127.0.0.1", port)
+    # the verifier started as `python -m spec_decoding` starts it, its log on stderr
+    with experiment.serving(EXPERIMENT, cfg, out=sys.stderr) as (local, _):
+        address = (local.cluster.verifier.host, local.cluster.verifier.port)
         for pipeline in (False, True):  # warm-up
             ours(address, draft, tokenizer, prompts[:1], 8, None, pipeline=pipeline)
         for pipeline, mode in ((False, "rounds"), (True, "pipelined")):
@@ -180,9 +188,6 @@ def main() -> None:
                         ours(*run, gamma, pipeline=True),
                     )
                 record(f"ours, {delay} ms, rounds, gamma=auto", ours(*run, None, pipeline=False))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
     base = rows["target-only (HF generate)"]["tokens_per_s"]
     print(f"{'method':<40}{'tokens/s':>10}{'vs target':>11}{'accept':>8}{'gamma':>7}  same")

@@ -6,12 +6,13 @@ import hydra
 from omegaconf import DictConfig
 
 import fed_learn.config  # noqa: F401  (registers the schema)
-from fed_learn.run import run
+from fed_learn.run import EXPERIMENT
+from lab import experiment
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="fed_learn")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    experiment.main(EXPERIMENT, cfg)
 
 
 if __name__ == "__main__":

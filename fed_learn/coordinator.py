@@ -40,6 +40,7 @@ from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.protocol import ClientResult, FedMsg, answers, parse_join, parse_result
 from fed_learn.strategy import Strategy
 from lab import atomic
+from lab.cli import UserError
 from lab.pretrain import evaluate
 from lab.tracking import Tracker
 from netproto import Connection, NetprotoError
@@ -71,7 +72,7 @@ def _progress() -> Progress:
     )
 
 
-class NotEnoughClientsError(RuntimeError):
+class NotEnoughClientsError(UserError, RuntimeError):
     """Fewer than `fed.min_fit_clients` clients connected within `fed.wait_clients_s`."""
 
 

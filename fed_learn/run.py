@@ -16,6 +16,7 @@ from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.lora import block_size, client_data, peft_model, train_local, validation_blocks
 from lab import experiment
+from lab.cli import ConfigError, UserError
 from lab.experiment import Experiment, LocalPlan, Process
 from lab.models import count_4bit_layers, load_tokenizer
 from lab.pretrain import evaluate
@@ -105,19 +106,19 @@ def take_part(client: LoRAClient, *, settings: FedLearnRunConfig, address: tuple
                 )
 
 
-class CoordinatorLostError(RuntimeError):
+class CoordinatorLostError(UserError, RuntimeError):
     """The coordinator could not be reached (again) within the configured wait."""
 
 
 def client_role(settings: FedLearnRunConfig) -> dict[str, float]:
     if settings.cluster.coordinator.port == 0:
-        raise ValueError("role=client needs cluster.coordinator.port (the coordinator's)")
+        raise ConfigError("role=client needs cluster.coordinator.port (the coordinator's)")
     return run_client(settings)
 
 
 def check(settings: FedLearnRunConfig) -> None:
     if settings.role == "local" and settings.fed.data_dir:
-        raise ValueError(
+        raise ConfigError(
             "fed.data_dir is a real client's own data (role=client); a local run deals each "
             "client its own shard of the lab's corpus"
         )
@@ -165,6 +166,8 @@ EXPERIMENT = Experiment(
     endpoints=("coordinator",),
     check=check,
     prepare=prepare,
+    resume="fed.resume=true",
+    resume_roles=("local", "coordinator"),
 )
 
 

@@ -257,11 +257,17 @@ SettingsT = TypeVar("SettingsT")
 def to_settings(cfg: DictConfig | Any, schema: type[SettingsT]) -> SettingsT:
     """Resolve a composed config into its schema's dataclasses, running every validation.
 
-    Raises ValueError naming the offending key (OmegaConf's own errors already name it).
+    Raises ConfigError (a ValueError) naming the offending key (OmegaConf's own errors already
+    name it).
     """
+    from lab.cli import ConfigError
+
     if isinstance(cfg, schema):
         return cfg
-    settings = OmegaConf.to_object(cfg)
+    try:
+        settings = OmegaConf.to_object(cfg)
+    except ValueError as exc:  # the schema's checks, and OmegaConf's type and value errors
+        raise ConfigError(str(exc).strip()) from exc
     if not isinstance(settings, schema):
         raise TypeError(
             f"config is a {type(settings).__name__}, expected {schema.__name__}; "

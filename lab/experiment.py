@@ -15,15 +15,18 @@ starts and may rewrite its command, e.g. to run it inside a network namespace.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+import shlex
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, TextIO
 
 from omegaconf import DictConfig
 
+from lab.cli import ConfigError, reported
 from lab.config import ClusterConfig, Endpoint, LabConfig, to_settings
 from lab.device import apply_num_threads, share_of_cores
 from lab.launch import Role, ServiceGroup, free_port, launch, services, settings_role
@@ -92,6 +95,11 @@ class Experiment:
     local_threads: int | None = None
     """torch threads per local process when `num_threads=0`: None gives each process its share
     of the cores; 0 leaves torch's default; N pins N."""
+    resume: str | None = None
+    """The override that continues an interrupted run from what it saved (`fed.resume=true`):
+    Ctrl-C then prints the command that goes on."""
+    resume_roles: tuple[str, ...] = ("local",)
+    """The roles whose run `resume` continues (the one that keeps the checkpoints)."""
 
     @property
     def schema_name(self) -> str:
@@ -117,13 +125,13 @@ class Experiment:
         for key in keys:
             for prefix, why in unread.items():
                 if key == prefix or key.startswith(prefix + "."):
-                    raise ValueError(f"{self.name} does not read {key}: {why}")
+                    raise ConfigError(f"{self.name} does not read {key}: {why}")
 
 
 def get(name: str) -> Experiment:
     """The registered experiment `name` (imports its module)."""
     if name not in EXPERIMENTS:
-        raise ValueError(f"no experiment {name!r}; registered: {list(EXPERIMENTS)}")
+        raise ConfigError(f"no experiment {name!r}; registered: {list(EXPERIMENTS)}")
     experiment = importlib.import_module(f"{name}.run").EXPERIMENT
     assert isinstance(experiment, Experiment) and experiment.name == name
     return experiment
@@ -139,11 +147,7 @@ def override_key(override: str) -> str:
 
 def command_line_keys() -> list[str]:
     """The keys set on this process's command line (empty when Hydra is not running)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return []
-    return [override_key(o) for o in HydraConfig.get().overrides.task]
+    return [override_key(o) for o in _task_overrides()]
 
 
 def placement_from_env() -> Placement | None:
@@ -154,7 +158,7 @@ def placement_from_env() -> Placement | None:
     module, _, attribute = spec.partition(":")
     hook = getattr(importlib.import_module(module), attribute, None)
     if not callable(hook):
-        raise ValueError(f"{PLACEMENT_ENV}={spec!r} does not name a function (module:function)")
+        raise ConfigError(f"{PLACEMENT_ENV}={spec!r} does not name a function (module:function)")
     return hook
 
 
@@ -164,7 +168,7 @@ def run(
     """Run `cfg.role` of `experiment` (every role, for `local`); returns its headline metrics."""
     settings = to_settings(cfg, experiment.schema)
     if settings.role not in experiment.role_names:
-        raise ValueError(
+        raise ConfigError(
             f"{experiment.name} has roles {', '.join(experiment.role_names)}; not {settings.role}"
         )
     experiment.refuse_unread(command_line_keys())
@@ -175,8 +179,10 @@ def run(
     return run_local(experiment, settings, place=place or placement_from_env())
 
 
-def run_local(experiment: Experiment, settings: Any, *, place: Placement | None = None) -> Metrics:
-    """Every role of `experiment` as its own process on this machine."""
+def _local_roles(
+    experiment: Experiment, settings: Any, place: Placement | None
+) -> tuple[Any, LocalPlan, list[Role]]:
+    """A `role=local` run's settings (free ports, thread share), its plan and its processes."""
     experiment.prepare(settings)
     cluster = settings.cluster
     ports = {
@@ -205,11 +211,82 @@ def run_local(experiment: Experiment, settings: Any, *, place: Placement | None 
     ]
     if place is not None:
         roles = [place(role) for role in roles]
+    return local, plan, roles
+
+
+def run_local(experiment: Experiment, settings: Any, *, place: Placement | None = None) -> Metrics:
+    """Every role of `experiment` as its own process on this machine."""
+    local, plan, roles = _local_roles(experiment, settings, place)
     if plan.main is None:
         if plan.finish is None:
             raise TypeError(f"{experiment.name}'s local plan has neither main nor finish")
         launch(roles)
         return plan.finish(local)
     with services(roles) as group:
-        group.wait_ready(cluster.connect_timeout_s + READY_TIMEOUT_S)
+        group.wait_ready(settings.cluster.connect_timeout_s + READY_TIMEOUT_S)
         return plan.main(local, group)
+
+
+@contextlib.contextmanager
+def serving(
+    experiment: Experiment,
+    cfg: DictConfig | Any,
+    *,
+    place: Placement | None = None,
+    out: TextIO | None = None,
+) -> Iterator[tuple[Any, ServiceGroup]]:
+    """The servers of `experiment`'s local plan alone, started exactly as `role=local` starts
+    them and ready when the block begins; yields the settings that name their ports, and the
+    group (call it to check that they still run). For benches and tests that drive the servers
+    with clients of their own. Their output goes to `out` (stdout by default), prefixed with the
+    role; every server is stopped on leaving the block."""
+    settings = to_settings(cfg, experiment.schema)
+    experiment.check(settings)
+    local, _, roles = _local_roles(experiment, settings, place or placement_from_env())
+    servers = [role for role in roles if role.service]
+    if not servers:
+        raise TypeError(f"{experiment.name}'s local plan starts no servers")
+    with services(servers, out=out) as group:
+        group.wait_ready(settings.cluster.connect_timeout_s + READY_TIMEOUT_S)
+        yield local, group
+
+
+def main(experiment: Experiment, cfg: DictConfig) -> None:
+    """`python -m <experiment>`: run it as `run` does, ending as a command should: a problem the
+    user can fix is one line on stderr (exit 2), Ctrl-C says what was kept and how to go on
+    (exit 130), a bug keeps its traceback."""
+    with reported(interrupted=interrupted_message(experiment, cfg)):
+        run(experiment, cfg)
+
+
+def interrupted_message(experiment: Experiment, cfg: DictConfig) -> str:
+    """What Ctrl-C leaves behind, and the command that continues from it where one can."""
+    role = str(cfg.get("role", "local"))
+    try:
+        run_dir = str(cfg.paths.run_dir)
+    except Exception:
+        run_dir = ""
+    if experiment.resume is None or role not in experiment.resume_roles or not run_dir:
+        where = f"; its log and metrics so far are in {run_dir}" if run_dir else ""
+        return f"interrupted{where}"
+    resume_key = override_key(experiment.resume)
+    kept = [
+        o
+        for o in _task_overrides()
+        if override_key(o) not in (resume_key, "hydra.run.dir", "paths.run_dir")
+    ]
+    command = shlex.join(
+        ["python", "-m", experiment.name, *kept, experiment.resume, f"hydra.run.dir={run_dir}"]
+    )
+    return (
+        f"interrupted; its checkpoints are kept in {run_dir}. "
+        f"Go on from the last one with:\n  {command}"
+    )
+
+
+def _task_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    return list(HydraConfig.get().overrides.task)

@@ -25,6 +25,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TextIO
 
+from lab.cli import UserError
+
 log = logging.getLogger(__name__)
 
 TAIL_LINES = 40
@@ -46,7 +48,9 @@ class Role:
     so nothing dials a server that is still loading its model."""
 
 
-class RoleFailedError(RuntimeError):
+class RoleFailedError(UserError, RuntimeError):
+    """A role's process failed: its own log, quoted, says why (its traceback too, for a bug)."""
+
     def __init__(self, role: str, returncode: int, tail: Sequence[str]) -> None:
         self.role = role
         self.returncode = returncode
@@ -217,6 +221,13 @@ class ServiceGroup:
             if code is not None and not proc.stopped_by_us:
                 proc.finish_output()
                 raise RoleFailedError(proc.role.name, code, proc.tail)
+
+    def process(self, name: str) -> subprocess.Popen[bytes]:
+        """The running process of the role called `name` (KeyError if none)."""
+        for proc in self.running:
+            if proc.role.name == name:
+                return proc.process
+        raise KeyError(f"no role {name!r} in this group")
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until every role that announces readiness has (RoleFailedError if one exits

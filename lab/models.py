@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from lab.cli import UserError
 from lab.config import ModelConfig
 from lab.device import detect_device, resolve_dtype
 from lab.quantization import configure_4bit_model, quantization_config
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 LAB_PREFIX = "lab:"
 
 
-class ModelUnavailableError(ValueError):
+class ModelUnavailableError(UserError, ValueError):
     """The configured model cannot be found (not cached offline, missing folder, bad name)."""
 
 

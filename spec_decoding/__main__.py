@@ -6,12 +6,13 @@ import hydra
 from omegaconf import DictConfig
 
 import spec_decoding.config  # noqa: F401  (registers the schema)
-from spec_decoding.run import run
+from lab import experiment
+from spec_decoding.run import EXPERIMENT
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="spec_decoding")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    experiment.main(EXPERIMENT, cfg)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lab.cli import UserError
 from lab.sampling import probs_from_logits
 from netproto import Connection, ConnectionClosed, NetTimeout, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
@@ -18,7 +19,7 @@ from spec_decoding.protocol import SpecMsg
 from spec_decoding.verifier import vocab_hash
 
 
-class VerifierLostError(RuntimeError):
+class VerifierLostError(UserError, RuntimeError):
     """The verifier went away (or stopped answering) while we needed it."""
 
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import statistics
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -16,9 +13,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lab import experiment
+from lab.cli import ConfigError
 from lab.corpus import held_out_prompts
 from lab.experiment import Experiment, LocalPlan, Process
-from lab.launch import free_port
 from lab.models import load_model, load_tokenizer
 from lab.tracking import Tracker
 from netproto import ConnectionClosed, NetTimeout
@@ -54,43 +51,6 @@ def serve_verifier(settings: SpecDecodingRunConfig) -> None:
         stop.wait()
     finally:
         server.stop()
-
-
-def start_verifier_process(
-    overrides: list[str], *, host: str = "127.0.0.1", timeout_s: float = 120.0
-) -> tuple[subprocess.Popen[str], int]:
-    """`python -m spec_decoding role=verifier` on a free port; returns once it serves.
-
-    Its output is drained in the background (a full pipe would stall it).
-    """
-    port = free_port(host)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spec_decoding",
-            "role=verifier",
-            f"cluster.verifier.host={host}",
-            f"cluster.verifier.port={port}",
-            *overrides,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    tail: list[str] = []
-    for line in proc.stdout:
-        tail = [*tail[-20:], line]
-        if READY_LINE in line:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, port
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    proc.wait()
-    raise RuntimeError("the verifier process did not start:\n" + "".join(tail))
 
 
 def summarize(
@@ -266,7 +226,7 @@ def run_drafter(
 def drafter_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
     verifier = settings.cluster.verifier
     if verifier.port == 0:
-        raise ValueError("role=drafter needs cluster.verifier.port (the verifier's port)")
+        raise ConfigError("role=drafter needs cluster.verifier.port (the verifier's port)")
     return run_drafter(settings, (verifier.host, verifier.port))
 
 

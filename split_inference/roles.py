@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lab.cli import ConfigError
 from lab.config import LabConfig
 from lab.device import detect_device
 from lab.experiment import Experiment, LocalPlan, Metrics, Process
@@ -43,12 +44,12 @@ UNREAD = {
 def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
     """`role=stage split.rank=K`: join the RPC world and serve until the driver is done."""
     if not 1 <= split.rank <= split.num_stages:
-        raise ValueError(
+        raise ConfigError(
             f"role=stage needs split.rank in 1..split.num_stages={split.num_stages} "
             f"(the driver is rank 0), got {split.rank}"
         )
     if settings.cluster.master.port == 0:
-        raise ValueError("role=stage needs cluster.master.port (the driver's rendezvous port)")
+        raise ConfigError("role=stage needs cluster.master.port (the driver's rendezvous port)")
     set_stage_host(StageHost(cache_dir=settings.paths.cache_path, device=detect_device()))
     world = World(split.rank, settings.cluster.master, split)
     with joined(world, secret=settings.cluster.resolved_secret()):
@@ -65,7 +66,7 @@ def driving(
     `stages`: the local stage processes, if this run started them (a dead one ends the wait).
     """
     if settings.cluster.master.port == 0:
-        raise ValueError("the driver needs cluster.master.port (where stages meet it)")
+        raise ConfigError("the driver needs cluster.master.port (where stages meet it)")
     world = World(0, settings.cluster.master, split)
     secret = settings.cluster.resolved_secret()
     with joined(world, secret=secret, check=stages or (lambda: None)):
@@ -95,7 +96,7 @@ def check_layers(settings: Any) -> None:
     if not isinstance(num_layers, int):
         return
     if split.num_stages > num_layers:
-        raise ValueError(
+        raise ConfigError(
             f"split.num_stages={split.num_stages} needs at least as many layers, and "
             f"{settings.model.name} has {num_layers}: use split.num_stages<={num_layers}"
         )
@@ -109,6 +110,7 @@ def split_experiment(
     run_driver: Callable[..., Metrics],
     *,
     local_threads: int | None = None,
+    resume: str | None = None,
 ) -> Experiment:
     """The registry entry of a split module: `stage` and `driver` roles; locally, its stages
     as processes on loopback and this process the driver."""
@@ -148,4 +150,6 @@ def split_experiment(
         check=check,
         prepare=prepare,
         local_threads=local_threads,
+        resume=resume,
+        resume_roles=("local", "driver"),
     )

@@ -30,6 +30,7 @@ from urllib.parse import parse_qs, urlparse
 import torch
 import torch.distributed.rpc as rpc
 
+from lab.cli import UserError
 from lab.config import Endpoint
 from netproto.auth import NONCE_BYTES, mac
 from split_inference import rpc_guard
@@ -44,7 +45,7 @@ def stage_name(rank: int) -> str:
     return f"stage{rank}"
 
 
-class StageLostError(RuntimeError):
+class StageLostError(UserError, RuntimeError):
     """A stage did not answer (it died, hung, or the network between went away)."""
 
 

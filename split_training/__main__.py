@@ -6,12 +6,13 @@ import hydra
 from omegaconf import DictConfig
 
 import split_training.config  # noqa: F401  (registers the schema)
-from split_training.run import run
+from lab import experiment
+from split_training.run import EXPERIMENT
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="split_training")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    experiment.main(EXPERIMENT, cfg)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from lab import experiment
+from lab.cli import ConfigError
 from lab.corpus import load_corpus, token_blocks
 from lab.device import detect_device, supports_bf16
 from lab.launch import ServiceGroup
@@ -96,7 +97,7 @@ def run_driver(
         )
         trainer = DistributedTrainer(sharded, split)
         if split.export and "config.json" not in sharded.call(0, "model_files"):
-            raise ValueError(  # found out now, not after the whole run
+            raise ConfigError(  # found out now, not after the whole run
                 f"split.export=true, but {settings.model.pretrained!r} has no config.json "
                 "the first stage can read"
             )
@@ -153,7 +154,13 @@ def run_driver(
 
 
 # Locally each stage gets one core's worth, as if on its own machine.
-EXPERIMENT = split_experiment("split_training", SplitTrainingRunConfig, run_driver, local_threads=1)
+EXPERIMENT = split_experiment(
+    "split_training",
+    SplitTrainingRunConfig,
+    run_driver,
+    local_threads=1,
+    resume="split.resume=true",
+)
 
 
 def run(cfg: DictConfig | SplitTrainingRunConfig) -> dict[str, float]:

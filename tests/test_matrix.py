@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,10 @@ def _leftovers(out_dir: Path) -> list[str]:
 
 
 def test_a_2x2_sweep_gives_4_rows_a_heatmap_per_metric_and_resumes(
-    tmp_path: Path, lab_cache: Path
+    tmp_path: Path, lab_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = config(tmp_path, lab_cache)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = config(tmp_path, lab_cache, wandb=True)
     records = run_matrix.sweep(cfg)
     assert [r["status"] for r in records] == ["ok"] * 4, [r["reason"] for r in records]
     out = Path(cfg.out_dir)
@@ -62,6 +64,14 @@ def test_a_2x2_sweep_gives_4_rows_a_heatmap_per_metric_and_resumes(
     heatmaps = sorted(p.stem for p in (out / "heatmaps").glob("*.png"))
     assert heatmaps == sorted(m.key for m in matrix.WORKLOADS["split_inference"].metrics)
     assert all(p.stat().st_size > 5000 for p in (out / "heatmaps").glob("*.png"))
+    # one offline W&B run for the sweep: every heatmap as an image, the results as a table
+    (wandb_run,) = (out / "wandb").glob("offline-run-*")
+    media = wandb_run / "files" / "media"
+    images = (media / "images" / "heatmap").glob("*.png")
+    logged = sorted(re.sub(r"_\d+_[0-9a-f]+$", "", p.stem) for p in images)  # W&B adds step, hash
+    assert logged == heatmaps
+    (table,) = (media / "table").glob("results_*.table.json")
+    assert len(json.loads(table.read_text())["data"]) == 4
     # the same sweep again: nothing re-runs; a wider grid runs only its new cells
     before = (out / "results.jsonl").read_text()
     assert run_matrix.sweep(cfg) == records

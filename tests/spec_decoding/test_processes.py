@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from lab.config import ModelConfig
+from lab.experiment import serving
 from lab.models import load_model, load_tokenizer
 from netproto import Connection
 from spec_decoding.drafter import Drafter, VerifierLostError
 from spec_decoding.gamma import GammaController
-from spec_decoding.run import run, start_verifier_process
+from spec_decoding.run import EXPERIMENT, run
 
 
 @pytest.mark.parametrize("pipeline", ["true", "false"], ids=["pipelined", "rounds"])
@@ -48,17 +49,6 @@ def test_local_run_end_to_end(compose_config, tiny_models: Path, pipeline: str) 
         assert metrics[key] > 0
 
 
-def start_verifier(lab_cache: Path, tmp_path: Path) -> tuple[subprocess.Popen, int]:
-    return start_verifier_process(
-        [
-            "target.lab_preset=debug",
-            f"paths.cache_dir={lab_cache}",
-            "tracking.wandb=false",
-            f"hydra.run.dir={tmp_path / 'verifier'}",
-        ]
-    )
-
-
 class KillAfter(GammaController):
     """Kills the verifier process after a few rounds: a crash in the middle of generation."""
 
@@ -76,10 +66,11 @@ class KillAfter(GammaController):
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
 def test_killed_verifier_gives_the_drafter_a_clear_error(
-    tiny_models: Path, lab_cache: Path, tmp_path: Path, pipeline: bool
+    compose_config, tiny_models: Path, lab_cache: Path, pipeline: bool
 ) -> None:
-    proc, port = start_verifier(lab_cache, tmp_path)
-    try:
+    cfg = compose_config("spec_decoding", ["tracking.wandb=false"])
+    with serving(EXPERIMENT, cfg) as (local, group):  # the verifier as `role=local` starts it
+        proc, port = group.process("verifier"), local.cluster.verifier.port
         draft_cfg = ModelConfig(pretrained="lab:tiny_draft", lab_preset="debug")
         model = load_model(draft_cfg, cache_dir=lab_cache)
         tokenizer = load_tokenizer(draft_cfg, cache_dir=lab_cache)
@@ -91,6 +82,3 @@ def test_killed_verifier_gives_the_drafter_a_clear_error(
         with pytest.raises(VerifierLostError, match=f"lost the verifier at 127.0.0.1:{port}"):
             drafter.generate([5, 6, 7, 8], max_new_tokens=56)  # 3 rounds of 3: never done
         assert time.monotonic() - started < 10  # an error, not a hang until the timeout
-    finally:
-        proc.kill()
-        proc.wait()
