@@ -40,8 +40,11 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 """`name` or `org/name`: anything else is meant as a filesystem path."""
 
 
-def resolve_source(cfg: ModelConfig, *, cache_dir: Path) -> str:
-    """A local folder or hub id `from_pretrained` can take; builds `lab:` models if missing."""
+def resolve_source(cfg: ModelConfig, *, cache_dir: Path, key: str = "model") -> str:
+    """A local folder or hub id `from_pretrained` can take; builds `lab:` models if missing.
+
+    `key`: the config section `cfg` came from (`model`, `target`, `draft`), named in errors.
+    """
     source = cfg.pretrained
     if source.startswith(LAB_PREFIX):
         from lab.pretrain import (
@@ -57,18 +60,18 @@ def resolve_source(cfg: ModelConfig, *, cache_dir: Path) -> str:
             return str(ensure_random_model(name, load_preset(cfg.lab_preset), cache_dir))
         if name not in TINY_MODELS:
             known = [LAB_PREFIX + n for n in (*TINY_MODELS, *RANDOM_MODELS)]
-            raise ModelUnavailableError(f"model.pretrained={source!r}: the lab builds {known}")
+            raise ModelUnavailableError(f"{key}.pretrained={source!r}: the lab builds {known}")
         folder = ensure_tiny_models(load_preset(cfg.lab_preset), cache_dir)
         return str(folder / name)
     local = Path(source).expanduser()
     if local.is_dir():
         return str(local)
     if not _HUB_ID.match(source):
-        raise ModelUnavailableError(f"model.pretrained={source!r} is not an existing folder")
+        raise ModelUnavailableError(f"{key}.pretrained={source!r} is not an existing folder")
     return source
 
 
-def _from_pretrained(loader, source: str, cfg: ModelConfig, **kwargs):
+def _from_pretrained(loader, source: str, cfg: ModelConfig, *, key: str = "model", **kwargs):
     """Call `loader.from_pretrained`, turning 'not here, and no way to get it' into one sentence."""
     common = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, **kwargs}
     if Path(source).is_dir():
@@ -80,7 +83,7 @@ def _from_pretrained(loader, source: str, cfg: ModelConfig, **kwargs):
             raise ModelUnavailableError(
                 f"Model {source!r} is not in the local Hugging Face cache and hub access is off "
                 f"(HF_HUB_OFFLINE); download it on a connected machine (`hf download {source}`) "
-                f"or set model.pretrained=/path/to/a/local/copy."
+                f"or set {key}.pretrained=/path/to/a/local/copy."
             ) from None
     try:
         return loader.from_pretrained(source, **common)
@@ -88,15 +91,15 @@ def _from_pretrained(loader, source: str, cfg: ModelConfig, **kwargs):
         raise ModelUnavailableError(
             f"Model {source!r} is not in the local Hugging Face cache and could not be "
             f"downloaded ({str(exc).splitlines()[0][:160]}); check the name and your network, or "
-            f"set model.pretrained=/path/to/a/local/copy."
+            f"set {key}.pretrained=/path/to/a/local/copy."
         ) from exc
 
 
-def load_tokenizer(cfg: ModelConfig, *, cache_dir: Path):
+def load_tokenizer(cfg: ModelConfig, *, cache_dir: Path, key: str = "model"):
     from transformers import AutoTokenizer
 
-    source = resolve_source(cfg, cache_dir=cache_dir)
-    tokenizer = _from_pretrained(AutoTokenizer, source, cfg)
+    source = resolve_source(cfg, cache_dir=cache_dir, key=key)
+    tokenizer = _from_pretrained(AutoTokenizer, source, cfg, key=key)
     if tokenizer.pad_token is None:  # Llama ships none; batching with padding needs one
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -108,6 +111,7 @@ def load_model(
     cache_dir: Path,
     device: torch.device | None = None,
     for_training: bool = False,
+    key: str = "model",
 ):
     """The model of `cfg` on `device` (detected when None), in its configured dtype.
 
@@ -115,16 +119,17 @@ def load_model(
     whose shape runs correctly here (probed: see `lab.quantization`), the others in full
     precision; where no layer does, it warns once and loads full precision.
     `for_training=True` leaves the model in train mode; inference models come back in eval mode.
+    `key`: the config section `cfg` came from, named in errors (`target.pretrained=...`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = device or detect_device()
     dtype = resolve_dtype(cfg.dtype, device)
-    source = resolve_source(cfg, cache_dir=cache_dir)
+    source = resolve_source(cfg, cache_dir=cache_dir, key=key)
     kwargs: dict = {"dtype": dtype}
     precision, plan = "", None
     if cfg.quantization == "4bit":
-        hf_config = _from_pretrained(AutoConfig, source, cfg)
+        hf_config = _from_pretrained(AutoConfig, source, cfg, key=key)
         if getattr(hf_config, "quantization_config", None):  # saved quantized: load as saved
             precision = "a checkpoint quantized when saved (its own quantization config)"
             kwargs["device_map"] = {"": device}
@@ -139,7 +144,7 @@ def load_model(
             if bnb_config is not None:
                 kwargs["quantization_config"] = bnb_config
                 kwargs["device_map"] = {"": device}
-    model = _from_pretrained(AutoModelForCausalLM, source, cfg, **kwargs)
+    model = _from_pretrained(AutoModelForCausalLM, source, cfg, key=key, **kwargs)
     if plan is not None:
         configure_4bit_model(model, for_training=for_training, plan=plan)
     elif "device_map" not in kwargs:

@@ -16,7 +16,7 @@ from lab import experiment
 from lab.cli import ConfigError
 from lab.corpus import held_out_prompts
 from lab.experiment import Experiment, LocalPlan, Process
-from lab.models import load_model, load_tokenizer
+from lab.models import load_model, load_tokenizer, resolve_source
 from lab.tracking import Tracker
 from netproto import ConnectionClosed, NetTimeout
 from netproto.cluster import connect_when_ready, emulated_link, serve
@@ -39,8 +39,8 @@ READY_LINE = "verifier ready"
 def serve_verifier(settings: SpecDecodingRunConfig) -> None:
     """`role=verifier`: serve the target model until SIGTERM or SIGINT."""
     cache_dir = settings.paths.cache_path
-    model = load_model(settings.target, cache_dir=cache_dir)
-    verifier = Verifier(model, load_tokenizer(settings.target, cache_dir=cache_dir))
+    model = load_model(settings.target, cache_dir=cache_dir, key="target")
+    verifier = Verifier(model, load_tokenizer(settings.target, cache_dir=cache_dir, key="target"))
     server = serve(verifier.handle, settings.cluster, settings.cluster.verifier, name="verifier")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -160,8 +160,8 @@ def run_drafter(
     """`role=drafter`: generate on the configured prompts against the verifier at `address`."""
     spec = settings.spec
     cache_dir = settings.paths.cache_path
-    model = load_model(settings.draft, cache_dir=cache_dir)
-    tokenizer = load_tokenizer(settings.draft, cache_dir=cache_dir)
+    model = load_model(settings.draft, cache_dir=cache_dir, key="draft")
+    tokenizer = load_tokenizer(settings.draft, cache_dir=cache_dir, key="draft")
     prompts = held_out_prompts(tokenizer, count=spec.num_prompts, tokens=spec.prompt_tokens)
     with (
         Tracker.from_settings(settings, job="spec_decoding") as tracker,
@@ -236,8 +236,11 @@ def verifier_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
 
 
 def prepare(settings: SpecDecodingRunConfig) -> None:
-    """Build the models here once (the lab's tiny pair, or a hub fetch) before the roles load."""
-    load_model(replace(settings.target, quantization="none"), cache_dir=settings.paths.cache_path)
+    """Build the models here once (the lab's tiny pair, or a hub fetch) before the roles load;
+    a draft that is not there is refused before the verifier starts."""
+    cache_dir = settings.paths.cache_path
+    resolve_source(settings.draft, cache_dir=cache_dir, key="draft")
+    load_model(replace(settings.target, quantization="none"), cache_dir=cache_dir, key="target")
 
 
 def local_plan(settings: SpecDecodingRunConfig) -> LocalPlan:
@@ -255,6 +258,7 @@ EXPERIMENT = Experiment(
     roles={"verifier": verifier_role, "drafter": drafter_role},
     plan=local_plan,
     endpoints=("verifier",),
+    servers=("verifier",),
     unread={
         "model": "its two models are target.* and draft.* (e.g. target.pretrained=...)",
     },

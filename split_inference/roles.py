@@ -111,15 +111,18 @@ def split_experiment(
     *,
     local_threads: int | None = None,
     resume: str | None = None,
+    check: Callable[[Any], None] = lambda settings: None,
 ) -> Experiment:
     """The registry entry of a split module: `stage` and `driver` roles; locally, its stages
-    as processes on loopback and this process the driver."""
+    as processes on loopback and this process the driver. `check`: the module's own checks
+    before anything starts."""
 
     def stage_role(settings: Any) -> Metrics:
         serve_stage(settings, settings.split)
         return {}
 
-    def check(settings: Any) -> None:
+    def check_split(settings: Any) -> None:
+        check(settings)
         if settings.model.quantization != "none" and settings.role in ("local", "driver"):
             warnings.warn(
                 f"model.quantization={settings.model.quantization} is not applied by {name}: "
@@ -146,8 +149,9 @@ def split_experiment(
         roles={"driver": run_driver, "stage": stage_role},
         plan=plan,
         endpoints=("master",),
+        servers=("driver", "stage"),  # the driver hosts the rendezvous; every rank, TensorPipe
         unread=UNREAD,
-        check=check,
+        check=check_split,
         prepare=prepare,
         local_threads=local_threads,
         resume=resume,

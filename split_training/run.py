@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import statistics
@@ -23,7 +24,7 @@ from lab.tracking import Tracker
 from split_inference.roles import driving, split_experiment
 from split_inference.sharded import ShardedModel
 from split_training.config import SplitTrainConfig, SplitTrainingRunConfig
-from split_training.trainer import DistributedTrainer, bubble_fraction
+from split_training.trainer import LATEST, DistributedTrainer, bubble_fraction
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,33 @@ def mixed_precision(split: SplitTrainConfig) -> str:
     return "bf16" if device.type == "cuda" and supports_bf16(device) else "none"
 
 
+def checkpoint_dir(settings: SplitTrainingRunConfig) -> Path:
+    """Where the driver keeps its checkpoints (`split.checkpoint_dir`, or the run's own)."""
+    split = settings.split
+    return Path(split.checkpoint_dir or settings.paths.run_path / "checkpoints").resolve()
+
+
+def check_resume(settings: SplitTrainingRunConfig) -> None:
+    """`split.resume=true` needs a checkpoint short of `split.steps`: refused before any stage
+    starts, since a finished run has nothing left to train."""
+    split = settings.split
+    if not split.resume or settings.role not in ("local", "driver"):
+        return
+    latest = checkpoint_dir(settings) / LATEST
+    if not latest.is_file():
+        raise ConfigError(
+            f"split.resume=true, but there is no checkpoint at {latest}: point hydra.run.dir "
+            "(or split.checkpoint_dir) at the run to resume"
+        )
+    step = int(json.loads(latest.read_text())["step"])
+    if step >= split.steps:
+        raise ConfigError(
+            f"nothing left to train: the checkpoint in {latest.parent} is at step {step} and "
+            f"split.steps={split.steps}; to train further, resume with split.steps={step + 20} "
+            "(or any number above the checkpoint's step)"
+        )
+
+
 def run_driver(
     settings: SplitTrainingRunConfig, *, stages: ServiceGroup | None = None
 ) -> dict[str, float]:
@@ -74,7 +102,7 @@ def run_driver(
     tokenizer = load_tokenizer(settings.model, cache_dir=settings.paths.cache_path)
     blocks = training_blocks(tokenizer, split)
     schedule = batch_schedule(len(blocks), split, seed=settings.seed)
-    checkpoints = Path(split.checkpoint_dir or settings.paths.run_path / "checkpoints").resolve()
+    checkpoints = checkpoint_dir(settings)
     lora = asdict(settings.lora) if split.lora else None
     if lora is not None:
         lora = {
@@ -160,6 +188,7 @@ EXPERIMENT = split_experiment(
     run_driver,
     local_threads=1,
     resume="split.resume=true",
+    check=check_resume,
 )
 
 

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from lab.cli import ConfigError
 from split_inference.run import run as run_inference
 from split_training.run import run as run_training
 
@@ -73,6 +74,12 @@ def test_local_split_training_checkpoints_and_resumes(
     )
     assert second["steps"] == 3
     assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 3
+    # resuming a finished run: nothing to train, said before any stage starts (was exit 0 with
+    # final_loss nan and tokens_per_s 0)
+    with pytest.raises(ConfigError, match=r"nothing left to train.* at step 3 and split\.steps=3"):
+        run_training(
+            compose_config("split_training", [*common, "split.steps=3", "split.resume=true"])
+        )
     assert 0.0 <= second["idle_share"] <= 1.0
     # split.export=true: the whole trained model as one folder that transformers loads
     from safetensors.torch import load_file

@@ -1,0 +1,118 @@
+"""How `python -m <module>` ends for a user: a problem they can fix is one line, a bug a trace."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_module(module: str, overrides: list[str], *, tmp_path: Path, lab_cache: Path, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", module, *overrides, f"hydra.run.dir={tmp_path}",
+         f"paths.cache_dir={lab_cache}", "tracking.wandb=false"],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def stderr_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize(
+    ("module", "overrides", "says"),
+    [
+        # range, choice and cross-section checks of the schemas
+        ("fed_learn", ["fed.rounds=-1"], "fed.rounds"),
+        ("fed_learn", ["fed.strategy=bogus"], "fed.strategy"),
+        ("spec_decoding", ["spec.top_p=2", "target.lab_preset=debug", "draft.lab_preset=debug"],
+         "spec.top_p"),
+        # a model that is not there names the key the user set, not always model.pretrained
+        ("split_inference", ["model.pretrained=/nonexistent"], "model.pretrained='/nonexistent'"),
+        ("spec_decoding", ["draft.pretrained=/nonexistent", "target.lab_preset=debug"],
+         "draft.pretrained='/nonexistent'"),
+        # more stages than layers: refused from config.json, before any stage process starts
+        ("split_inference", ["split.num_stages=5", "model.lab_preset=debug"],
+         "split.num_stages=5 needs at least as many layers"),
+        # a role that needs an address it was not given
+        ("fed_learn", ["role=client", "model.lab_preset=debug"], "cluster.coordinator.port"),
+    ],
+)  # fmt: skip
+def test_a_user_error_is_one_line_and_exit_2(
+    tmp_path: Path, tiny_models: Path, lab_cache: Path, module: str, overrides: list[str], says: str
+) -> None:
+    result = run_module(module, overrides, tmp_path=tmp_path, lab_cache=lab_cache)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in stderr_lines(result) if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    assert says in errors[0]
+    # refused before any role process started: none printed its `[role] ` lines
+    assert not re.search(r"^\[\w+\] ", result.stdout + result.stderr, re.MULTILINE)
+
+
+def test_hydra_full_error_shows_the_traceback_of_a_user_error(
+    tmp_path: Path, lab_cache: Path
+) -> None:
+    result = run_module(
+        "fed_learn", ["fed.rounds=-1"], tmp_path=tmp_path, lab_cache=lab_cache,
+        env={"HYDRA_FULL_ERROR": "1"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "fed.rounds" in result.stderr
+
+
+def test_a_bug_keeps_its_traceback(tmp_path: Path, lab_cache: Path) -> None:
+    # a placement hook that raises a TypeError is a bug in the hook, not a setting to fix
+    hook = tmp_path / "broken_hook.py"
+    hook.write_text("def place(role):\n    raise TypeError('placement hook bug')\n")
+    result = run_module(
+        "spec_decoding", ["target.lab_preset=debug", "draft.lab_preset=debug"],
+        tmp_path=tmp_path, lab_cache=lab_cache,
+        env={"LAB_PLACEMENT": "broken_hook:place",
+             "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )  # fmt: skip
+    assert result.returncode not in (0, 2)
+    assert "Traceback" in result.stderr and "placement hook bug" in result.stderr
+
+
+def test_ctrl_c_says_what_was_kept_and_how_to_go_on(
+    tmp_path: Path, tiny_models: Path, lab_cache: Path
+) -> None:
+    import signal
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fed_learn", "model.lab_preset=debug", "tracking.wandb=false",
+         "fed.num_clients=2", "fed.rounds=50", "fed.local_steps=5", "fed.eval_blocks=8",
+         "fed.centralized_baseline=false", f"paths.cache_dir={lab_cache}",
+         f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        latest = run_dir / "coordinator" / "checkpoints" / "latest.json"
+        deadline = time.monotonic() + 120
+        while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert latest.is_file(), "no checkpoint within 120 s"
+        roles = psutil.Process(proc.pid).children(recursive=True)
+        assert roles  # the coordinator and the clients
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the command
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert "interrupted; its checkpoints are kept in" in stderr
+    (resume,) = [line.strip() for line in stderr.splitlines() if "fed.resume=true" in line]
+    assert resume.startswith("python -m fed_learn") and f"hydra.run.dir={run_dir}" in resume
+    _, alive = psutil.wait_procs(roles, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
