@@ -164,6 +164,7 @@ EXPERIMENT = Experiment(
     roles={"coordinator": run_coordinator, "client": client_role},
     plan=local_plan,
     endpoints=("coordinator",),
+    servers=("coordinator",),
     check=check,
     prepare=prepare,
     resume="fed.resume=true",

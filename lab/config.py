@@ -31,6 +31,18 @@ def check_choice(field_name: str, value: str, allowed: Iterable[str]) -> None:
         raise ValueError(f"{field_name}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
+def is_loopback(host: str) -> bool:
+    """`host` is this machine's loopback (`localhost`, 127.0.0.0/8, ::1), not a network address."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_positive(field_name: str, value: float, *, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
@@ -116,6 +128,16 @@ class ClusterConfig:
         check_positive("cluster.connect_timeout_s", self.connect_timeout_s)
         check_positive("cluster.read_timeout_s", self.read_timeout_s)
         check_positive("cluster.max_frame_mib", self.max_frame_mib)
+
+    def open_to_the_network(self, endpoints: Iterable[str]) -> list[str]:
+        """Of `endpoints`, the `cluster.<name>.host=...` settings that are not loopback, when no
+        secret is set: whoever reaches them joins the run (empty with a secret)."""
+        if self.resolved_secret() is not None:
+            return []
+        hosts = {name: getattr(self, name).host for name in endpoints}
+        return [
+            f"cluster.{name}.host={host}" for name, host in hosts.items() if not is_loopback(host)
+        ]
 
     def resolved_secret(self) -> bytes | None:
         """The shared secret from config, else from $LAB_SECRET, else None (no auth)."""

@@ -95,6 +95,9 @@ class Experiment:
     local_threads: int | None = None
     """torch threads per local process when `num_threads=0`: None gives each process its share
     of the cores; 0 leaves torch's default; N pins N."""
+    servers: tuple[str, ...] = ()
+    """The roles that listen for peers (at `endpoints`, or TensorPipe's ports): started on a
+    network address without a secret, they warn that anyone who reaches them can join."""
     resume: str | None = None
     """The override that continues an interrupted run from what it saved (`fed.resume=true`):
     Ctrl-C then prints the command that goes on."""
@@ -174,9 +177,23 @@ def run(
     experiment.refuse_unread(command_line_keys())
     experiment.check(settings)
     if settings.role != "local":
+        if settings.role in experiment.servers:
+            warn_if_open(settings.role, settings.cluster, experiment.endpoints)
         apply_num_threads(settings.num_threads)
         return experiment.roles[settings.role](settings)
     return run_local(experiment, settings, place=place or placement_from_env())
+
+
+def warn_if_open(role: str, cluster: ClusterConfig, endpoints: Sequence[str]) -> None:
+    """Say so when `role` will listen beyond loopback with no secret set."""
+    exposed = cluster.open_to_the_network(endpoints)
+    if exposed:
+        log.warning(
+            "role=%s listens on the network (%s) without a secret: anyone who reaches its ports "
+            "can join the run. Set the same cluster.secret (or LAB_SECRET) on every host",
+            role,
+            ", ".join(exposed),
+        )
 
 
 def _local_roles(

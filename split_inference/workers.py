@@ -220,44 +220,44 @@ def _register_rendezvous() -> None:
         dist.register_rendezvous_handler(RENDEZVOUS_SCHEME, _store_on_master_host)
 
 
-@contextmanager
-def _listening_on_loopback_for_a_loopback_master(master: Endpoint) -> Iterator[None]:
-    """TensorPipe listens on the interface of this host's name unless TP_SOCKET_IFNAME names
-    one: on a host whose name resolves to its LAN address, a loopback run was reachable from
-    the LAN. When the master is on loopback, so is every rank: listen there only, while the
-    agent starts (it reads the variable then; a later world in this process decides anew)."""
-    if os.environ.get("TP_SOCKET_IFNAME") or not _is_loopback(master.host):
-        yield
-        return
+def interface_towards(host: str) -> str | None:
+    """The name of this machine's network interface that traffic to `host` leaves by (the one
+    holding the address the kernel picks as source for it); None when it cannot be told."""
     import psutil
 
-    interface = next(
-        (
-            name
-            for name, addresses in psutil.net_if_addrs().items()
-            if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
-        ),
-        None,
-    )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        target = host if family == socket.AF_INET6 else socket.gethostbyname(host)
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # sends nothing: routes only
+            probe.connect((target, 9))
+            source = probe.getsockname()[0]
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == family and a.address.split("%")[0] == source for a in addresses):
+            return name
+    return None
+
+
+@contextmanager
+def _listening_towards_the_master(master: Endpoint) -> Iterator[None]:
+    """TensorPipe listens on, and tells its peers, the address of the interface of this host's
+    name unless TP_SOCKET_IFNAME names one. On Debian the host's name resolves to 127.0.1.1, so
+    a stage on a LAN advertised loopback; on a host whose name resolves to its LAN address, a
+    loopback run was reachable from the LAN. Every rank reaches the master, so the interface
+    that leads there is the one its peers can reach it on: listen there only, while the agent
+    starts (it reads the variable then; a later world in this process decides anew).
+    A TP_SOCKET_IFNAME the user set (a VPN's `wg0`) is kept."""
+    interface = None if os.environ.get("TP_SOCKET_IFNAME") else interface_towards(master.host)
     if interface is None:
         yield
         return
+    log.info("TensorPipe listens on %s (the interface towards %s)", interface, master.host)
     os.environ["TP_SOCKET_IFNAME"] = interface
     try:
         yield
     finally:
         os.environ.pop("TP_SOCKET_IFNAME", None)
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
@@ -347,7 +347,7 @@ def joined(
     _forget_previous_world()
     _register_rendezvous()
     try:
-        with _listening_on_loopback_for_a_loopback_master(world.master):
+        with _listening_towards_the_master(world.master):
             rpc.init_rpc(
                 world.name,
                 rank=world.rank,

@@ -125,3 +125,40 @@ def test_a_placement_hook_sees_every_role_before_it_starts(compose_config, monke
     )  # fmt: skip
     assert experiment.run(finished, cfg, place=place) == {"ok": 1.0}
     assert seen == ["coordinator", "client0", "client1"]
+
+
+@pytest.mark.parametrize(
+    ("module", "role", "endpoint"),
+    [("fed_learn", "coordinator", "coordinator"), ("spec_decoding", "verifier", "verifier"),
+     ("split_inference", "stage", "master"), ("split_training", "driver", "master")],
+)  # fmt: skip
+def test_a_server_role_on_a_network_address_without_a_secret_warns(
+    compose_config, caplog, monkeypatch, module: str, role: str, endpoint: str
+) -> None:
+    from lab.config import to_settings
+
+    monkeypatch.delenv("LAB_SECRET", raising=False)
+    exp = experiment.get(module)
+    assert role in exp.servers
+    lan = f"cluster.{endpoint}.host=192.168.1.20"
+    settings = to_settings(compose_config(module, [lan]), exp.schema)
+    with caplog.at_level("WARNING", logger="lab.experiment"):
+        experiment.warn_if_open(role, settings.cluster, exp.endpoints)
+    assert f"role={role} listens on the network ({lan}) without a secret" in caplog.text
+    caplog.clear()
+    for quiet in ([lan, "cluster.secret=s3cret"], [f"cluster.{endpoint}.host=127.0.0.1"]):
+        settings = to_settings(compose_config(module, quiet), exp.schema)
+        experiment.warn_if_open(role, settings.cluster, exp.endpoints)
+    assert caplog.text == ""
+
+
+def test_tensorpipe_listens_on_the_interface_that_leads_to_the_master() -> None:
+    import psutil
+
+    from split_inference.workers import interface_towards
+
+    loopback = interface_towards("127.0.0.1")
+    addresses = [a.address for a in psutil.net_if_addrs()[loopback]]
+    assert "127.0.0.1" in addresses
+    assert interface_towards("localhost") == loopback
+    assert interface_towards("no-such-host.invalid") is None  # unresolvable: torch decides
