@@ -154,11 +154,11 @@ class Coordinator:
             self._joined.notify_all()
         conn.send_msg(FedMsg.WELCOME, {"client_id": client.client_id}, request_id=join.request_id)
         log.info(
-            "client %d (%s, %d examples) joined at round %d",
-            client.client_id,
+            "%s joined at round %d (id %d, %d examples)",
             client.name,
-            hello.num_examples,
             self.round,
+            client.client_id,
+            hello.num_examples,
         )
         try:
             while True:  # heartbeats (PINGs) are answered inside recv; silence means dead
@@ -171,9 +171,9 @@ class Coordinator:
                 client.task = None
                 client.results.put_nowait(None)  # wakes a round waiting for this client
             if self._finished.is_set():
-                log.info("client %d (%s) left", client.client_id, client.name)
+                log.info("%s (id %d) left", client.name, client.client_id)
             else:
-                log.warning("client %d (%s) is gone", client.client_id, client.name)
+                log.warning("%s (id %d) is gone", client.name, client.client_id)
 
     def _hand_in(self, client: ClientHandle, payload: Any, update: dict[str, torch.Tensor]) -> None:
         """Queue a RESULT + UPDATE as the answer to `client`'s outstanding task, checked; drop
@@ -196,10 +196,10 @@ class Coordinator:
             dropped = client.dropped
         if dropped & (dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays a trickle
             log.warning(
-                "client %d (%s): dropped a RESULT that answers no outstanding task "
+                "%s (id %d): dropped a RESULT that answers no outstanding task "
                 "(unsolicited, duplicate or late; %d so far)",
-                client.client_id,
                 client.name,
+                client.client_id,
                 dropped,
             )
 

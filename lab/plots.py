@@ -58,7 +58,10 @@ def fed_learn(run_dir: Path) -> list[Path]:
     bytes_ax.set_xlabel("round")
     bytes_ax.set_ylabel("kB per round")
     bytes_ax.set_title("traffic (adapters only)")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (loss_ax, bytes_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
         ax.grid(alpha=0.3)
     return [_save(fig, plt, run_dir / "fed_rounds.png")]
 
@@ -111,9 +114,11 @@ def split_inference(run_dir: Path) -> list[Path]:
         where = [b + 1 + offset for b in shown]
         p50 = [rows[b][f"{prefix}token_ms_p50"] for b in shown]
         p95 = [rows[b][f"{prefix}token_ms_p95"] for b in shown]
-        ax.bar(where, p50, width, label=f"{label} p50")
-        ax.plot(where, p95, "k_", markersize=12, mew=2, linestyle="none", label=f"{label} p95")
-    ax.set_xlabel("batch")
+        bars = ax.bar(where, p50, width, label=f"{label} p50 (bar)")
+        colour = bars.patches[0].get_facecolor()
+        ax.plot(where, p95, "_", color=colour, markersize=22, mew=3, linestyle="none",
+                label=f"{label} p95 (tick)")  # fmt: skip
+    ax.set_xlabel("measured batch (after the warm-up)")
     ax.set_xticks([b + 1 for b in batches])
     ax.set_ylabel("per-token latency (ms)")
     ax.set_title("decoding: split across stages vs one process")
@@ -129,12 +134,25 @@ def split_training(run_dir: Path) -> list[Path]:
         return []
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps])
+    numbers, losses = [r["step"] for r in steps], [r["loss"] for r in steps]
+    ax.plot(numbers, losses, alpha=0.35, lw=1, label="per step")
+    if len(losses) >= 5:
+        ax.plot(numbers, smoothed(losses), lw=2, label="smoothed (EMA, 0.9)")
+    ax.legend(fontsize=8)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title("split training")
     ax.grid(alpha=0.3)
     return [_save(fig, plt, run_dir / "loss_curve.png")]
+
+
+def smoothed(values: list[float], *, decay: float = 0.9) -> list[float]:
+    """An exponential moving average, bias-corrected so its first points are not pulled to 0."""
+    average, out = 0.0, []
+    for n, value in enumerate(values, start=1):
+        average = decay * average + (1 - decay) * value
+        out.append(average / (1 - decay**n))
+    return out
 
 
 def _save(fig: Any, plt: Any, path: Path) -> Path:

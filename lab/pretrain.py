@@ -29,7 +29,9 @@ import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 from lab import atomic
 from lab.config import CONF_DIR, LabConfig, check_fields_positive, register_schema, to_settings
@@ -435,8 +437,33 @@ def run(cfg: DictConfig | PretrainRunConfig) -> dict[str, float]:
         metrics = read_build_metrics(folder)
         tracker.summary(metrics)
         log.info("tiny models ready in %s", folder)
+        if settings.tracking.console:
+            Console().print(models_table(folder, metrics))
         print(f"tiny_target: {folder / 'tiny_target'}\ntiny_draft:  {folder / 'tiny_draft'}")
         return metrics
+
+
+def models_table(folder: Path, metrics: dict[str, float]) -> Table:
+    """The README's table of the tiny pair: layers, parameters, validation loss; and how often
+    the draft picks the target's greedy token."""
+    table = Table(title=f"tiny models ({folder.name})", title_justify="left")
+    for column in ("model", "layers", "parameters", "validation loss (nats/token)"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name in TINY_MODELS:
+        layers = json.loads((folder / name / "config.json").read_text())["num_hidden_layers"]
+        short = name.removeprefix("tiny_")
+        table.add_row(
+            name,
+            str(layers),
+            f"{metrics[f'{short}_params'] / 1e6:.2f} M",
+            f"{metrics[f'{short}_val_loss']:.3f}",
+        )
+    table.caption = (
+        f"the draft picks the target's greedy token at "
+        f"{metrics['draft_target_agreement']:.1%} of validation positions; "
+        f"built in {metrics['build_seconds']:.0f} s"
+    )
+    return table
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="pretrain")

@@ -128,3 +128,20 @@ def test_default_target_is_clearly_better_than_its_draft(tmp_path: Path) -> None
     metrics = json.loads((folder / "tiny_target" / META_FILE).read_text())["metrics"]
     assert metrics["target_val_loss"] < metrics["draft_val_loss"] - 0.1
     assert metrics["draft_target_agreement"] > 0.4
+
+
+def test_pretrain_prints_the_readme_table_of_the_pair(tiny_models: Path, capsys) -> None:
+    from rich.console import Console
+
+    from lab.pretrain import TINY_MODELS, models_table, read_build_metrics
+
+    metrics = read_build_metrics(tiny_models)
+    Console(width=150).print(models_table(tiny_models, metrics))
+    out = capsys.readouterr().out
+    debug = load_preset("debug")
+    layers_of = (debug.target.num_layers, debug.draft.num_layers)
+    for name, layers in zip(TINY_MODELS, layers_of, strict=True):
+        row = next(line for line in out.splitlines() if name in line)
+        short = name.removeprefix("tiny_")
+        assert f" {layers} " in row and f"{metrics[f'{short}_val_loss']:.3f}" in row
+    assert f"{metrics['draft_target_agreement']:.1%}" in out
