@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,13 @@ def peft_model(
         target_modules=list(lora.target_modules),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # PEFT (0.21.2, the newest) reads `model.is_gradient_checkpointing`, which transformers 5
+        # deprecated for `is_activation_checkpointing`: PEFT's call, and its check is right.
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        return get_peft_model(model, config)
 
 
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:
@@ -147,11 +155,12 @@ def train_local(
     seed: int,
     prox_mu: float = 0.0,
     freeze_a: bool = False,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> float:
     """Local LoRA training; returns the mean training loss.
 
     `prox_mu` > 0 adds FedProx's (mu / 2) * ||w - w_global||^2 over the adapter weights;
-    `freeze_a` trains only the B matrices (FFA-LoRA).
+    `freeze_a` trains only the B matrices (FFA-LoRA); `on_step(done, total)` after each step.
     """
     params = {n: p for n, p in model.named_parameters() if "lora_" in n}
     for name, param in params.items():
@@ -179,5 +188,7 @@ def train_local(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if on_step is not None:
+            on_step(step + 1, total)
     model.eval()
     return sum(losses) / len(losses)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from fed_learn.client import LoRAClient
@@ -137,9 +138,12 @@ def local_plan(settings: FedLearnRunConfig) -> LocalPlan:
         Process(f"client{i}", ("role=client", f"client_index={i}"))
         for i in range(settings.fed.num_clients)
     ]
-    return LocalPlan(
-        processes=[Process("coordinator", ("role=coordinator",)), *clients], finish=finish_local
+    # The coordinator's rounds reach W&B and the console through this process (`finish_local`):
+    # one W&B run and one final table per execution.
+    coordinator = Process(
+        "coordinator", ("role=coordinator", "tracking.wandb=false", "tracking.console=false")
     )
+    return LocalPlan(processes=[coordinator, *clients], finish=finish_local)
 
 
 def finish_local(local: FedLearnRunConfig) -> dict[str, float]:
@@ -148,12 +152,16 @@ def finish_local(local: FedLearnRunConfig) -> dict[str, float]:
     metrics = _summary(records)
     if local.tracking.console:
         Console().print(round_table(records))
-    if local.fed.centralized_baseline:
-        metrics["centralized_val_loss"] = centralized_baseline(local)
-        metrics["federated_over_centralized"] = (
-            metrics["final_val_loss"] / metrics["centralized_val_loss"]
-        )
     with Tracker.from_settings(local, job="fed_learn") as tracker:
+        for record in records:  # the rounds, into this run's metrics.jsonl and W&B run
+            if record.get("kind") == "metrics":
+                values = {k: v for k, v in record.items() if k not in ("kind", "time_s", "step")}
+                tracker.log(values, step=record.get("step"))
+        if local.fed.centralized_baseline:
+            metrics["centralized_val_loss"] = centralized_baseline(local)
+            metrics["federated_over_centralized"] = (
+                metrics["final_val_loss"] / metrics["centralized_val_loss"]
+            )
         tracker.summary(metrics)
     return metrics
 
@@ -199,15 +207,30 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
             for i in range(fed.num_clients)
         ]
     )
-    train_local(
-        model,
-        pooled,
-        epochs=fed.rounds * fed.local_epochs,
-        max_steps=fed.rounds * fed.num_clients * fed.local_steps,
-        batch_size=fed.batch_size,
-        lr=fed.lr,
-        seed=settings.seed,
+    log.info(
+        "centralized baseline: the same LoRA trained on all %d clients' data pooled in one "
+        "place, as many steps as the federation took (fed.centralized_baseline=false skips it)",
+        fed.num_clients,
     )
+    progress = Progress(
+        TextColumn("centralized baseline"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("baseline", total=None)
+        train_local(
+            model,
+            pooled,
+            epochs=fed.rounds * fed.local_epochs,
+            max_steps=fed.rounds * fed.num_clients * fed.local_steps,
+            batch_size=fed.batch_size,
+            lr=fed.lr,
+            seed=settings.seed,
+            on_step=lambda done, total: progress.update(task, completed=done, total=total),
+        )
     val = validation_blocks(tokenizer, block=block_size(model), count=fed.eval_blocks)
     return evaluate(model, val)
 

@@ -316,6 +316,7 @@ def settings_role(
         *overrides,
         f"paths.run_dir={child_dir}",
         f"hydra.run.dir={child_dir}",
+        f"hydra.job.name={name}",  # its log is <role>/<role>.log (python -m would say __main__)
     ]
     env = {SECRET_ENV: secret.decode()} if secret else {}
     return Role(name, argv, env=env, service=service, ready=ready)

@@ -6,10 +6,12 @@ only difference is where the folder comes from (`lab:tiny_target` is built on fi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -71,11 +73,40 @@ def resolve_source(cfg: ModelConfig, *, cache_dir: Path, key: str = "model") -> 
     return source
 
 
+QUIET_LOAD_BYTES = 256 * 2**20
+"""A local checkpoint smaller than this loads without transformers' progress bars (a blink
+each, and five of them in a local run's log); larger ones, and hub downloads, keep theirs."""
+
+
+@contextlib.contextmanager
+def without_hf_progress_bars() -> Iterator[None]:
+    """transformers' own progress bars off for the block (loading or writing a small model)."""
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def _progress_bars_for(source: str) -> contextlib.AbstractContextManager[None]:
+    folder = Path(source)
+    small = folder.is_dir() and (
+        sum(f.stat().st_size for f in folder.glob("*.safetensors")) < QUIET_LOAD_BYTES
+    )
+    return without_hf_progress_bars() if small else contextlib.nullcontext()
+
+
 def _from_pretrained(loader, source: str, cfg: ModelConfig, *, key: str = "model", **kwargs):
     """Call `loader.from_pretrained`, turning 'not here, and no way to get it' into one sentence."""
     common = {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code, **kwargs}
     if Path(source).is_dir():
-        return loader.from_pretrained(source, **common)
+        with _progress_bars_for(source):
+            return loader.from_pretrained(source, **common)
     try:
         return loader.from_pretrained(source, local_files_only=True, **common)
     except OSError:

@@ -37,6 +37,7 @@ from lab import atomic
 from lab.config import CONF_DIR, LabConfig, check_fields_positive, register_schema, to_settings
 from lab.corpus import load_corpus, token_blocks
 from lab.losses import next_token_loss
+from lab.models import without_hf_progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ def ensure_random_model(name: str, cfg: PretrainConfig, cache_dir: Path) -> Path
             context_length=RANDOM_MODELS[name],
             tokenizer=tokenizer,
         )
-        with atomic.staged_dir(folder) as staging:
+        with atomic.staged_dir(folder) as staging, without_hf_progress_bars():
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             meta = {"name": name, "pretrain": asdict(cfg), "random_init": True}
@@ -406,8 +407,9 @@ def _build(cfg: PretrainConfig, out_dir: Path) -> dict[str, Any]:
         }
         for name, model in (("tiny_target", target), ("tiny_draft", draft)):
             folder = out_dir / name
-            model.save_pretrained(folder)  # config.json + model.safetensors
-            tokenizer.save_pretrained(folder)
+            with without_hf_progress_bars():  # a blink for a tiny model
+                model.save_pretrained(folder)  # config.json + model.safetensors
+                tokenizer.save_pretrained(folder)
             meta = {
                 "name": name,
                 "pretrain": asdict(cfg),

@@ -117,7 +117,10 @@ class Tracker:
             reinit="create_new",
             settings=wandb.Settings(silent=True, console="off"),
         )
-        log.info("W&B %s run in %s", mode, run.dir)
+        if mode == "offline":  # the folder `wandb sync` takes is the run's, above its files/
+            log.info("W&B offline run in %s", Path(run.dir).parent)
+        else:
+            log.info("W&B run: %s", run.url)
         return run
 
     def _write_run_file(self) -> None:
@@ -173,24 +176,30 @@ class Tracker:
     def close(self, *, failed: bool = False) -> None:
         if not self._jsonl.closed:
             self._jsonl.close()
+        offline = None
         if self._wandb_run is not None:
+            offline = self.wandb_dir if self._wandb_run.settings.mode == "offline" else None
             self._wandb_run.finish(exit_code=1 if failed else 0)
             self._wandb_run = None
-        if not failed:
-            self.draw_plots()
+        plots = [] if failed else self.draw_plots()
         if self.tracking.console and self._final and not failed:
             self.print_table()
+        if self.tracking.console and not failed:
+            for path in plots:
+                print(f"plot: {path}")
+            if offline is not None:
+                print(f"W&B (offline): wandb sync {offline}")
 
-    def draw_plots(self) -> None:
+    def draw_plots(self) -> list[Path]:
         """The job's own plots, beside its metrics (a plot that fails is a warning, not a
-        failed run)."""
+        failed run); returns their paths."""
         from lab.plots import draw_run
 
         try:
-            for path in draw_run(self.run_dir, self.job):
-                log.info("plot: %s", path)
+            return draw_run(self.run_dir, self.job)
         except Exception as exc:
             log.warning("could not draw %s's plots in %s: %s", self.job, self.run_dir, exc)
+            return []
 
     def __enter__(self) -> Tracker:
         return self

@@ -35,9 +35,14 @@ QUICK = [
 def test_two_clients_lower_the_global_validation_loss(
     compose_config, tiny_models: Path, tmp_path: Path
 ) -> None:
-    metrics = run(compose_config("fed_learn", QUICK))
+    metrics = run(compose_config("fed_learn", [*QUICK, "tracking.wandb=true"]))
     assert metrics["final_val_loss"] < metrics["initial_val_loss"] - 0.02
     assert metrics["mean_clients_per_round"] == 2
+    # one W&B run for the execution (the coordinator's process made a second one), and this
+    # run's own metrics.jsonl holds every round, not only the summary
+    assert len(list(tmp_path.rglob("offline-run-*"))) == 1
+    rounds = [r for r in read_records(tmp_path / METRICS_FILE) if "clients" in r]
+    assert [r["step"] for r in rounds] == [1, 2]
     assert 0 < metrics["bytes_up_per_round"] < 1e6  # adapters only: never the base weights
     # the pooled-data baseline ran on the same steps, and the ratio is reported
     assert metrics["centralized_val_loss"] < metrics["initial_val_loss"]
