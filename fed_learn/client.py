@@ -73,8 +73,10 @@ class LoRAClient:
     def train_round(
         self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Local training from the global adapter: (result metadata, the new adapter)."""
-        load_adapter_state(self.model, global_state)
+        """Local training from the global adapter: (result metadata, the new adapter, or only
+        its trained tensors when A is frozen: FFA-LoRA's B)."""
+        load_adapter_state(self.model, global_state)  # only B, after the first round of ffa
+        global_state = adapter_state(self.model)  # the whole global adapter, as now held
         started = time.perf_counter()
         train_loss = train_local(
             self.model,
@@ -97,6 +99,8 @@ class LoRAClient:
             "seconds": time.perf_counter() - started,
         }
         local = adapter_state(self.model)
+        if bool(task.get("freeze_a", False)):  # A did not move: the coordinator has it
+            local = {name: t for name, t in local.items() if ".lora_A." not in name}
         method = str(task.get("compression", "none"))
         if method == "none":
             return result, local

@@ -106,6 +106,9 @@ class ClientHandle:
     alive: bool = True
     task: Task | None = None
     """The one task it has outstanding (no RESULT is taken from it otherwise)."""
+    holds_frozen: bool = False
+    """It was sent the whole adapter once on this connection: from then on it gets only the
+    tensors the strategy trains (FFA-LoRA: B; its A never changes)."""
     dropped: int = 0
     """RESULTs that answered no outstanding task (unsolicited, duplicate, late): dropped."""
     results: queue.Queue[Reply | None] = field(
@@ -265,9 +268,13 @@ class Coordinator:
             "topk_fraction": self.fed.topk_fraction,
             **self.strategy.client_options(),
         }
+        if client.holds_frozen:
+            trained = self.strategy.trained(global_state)
+            global_state = {name: global_state[name] for name in trained}
         try:
             client.conn.send_msg(FedMsg.TASK, message)
             client.conn.send_tensors(FedMsg.GLOBAL, global_state)
+            client.holds_frozen = True
         except NetprotoError as exc:
             log.warning("version %d: cannot reach client %d: %s", version, client.client_id, exc)
             self._withdraw(client, task)
@@ -662,19 +669,28 @@ class Coordinator:
         self, update: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """A client's full adapter, in the global adapter's dtypes: as sent, or global + its
-        decompressed delta. ValueError if it does not fit the global adapter's layout."""
+        decompressed delta. A client may send only the tensors the strategy trains (FFA-LoRA:
+        B); the others are the global adapter's. ValueError if it fits neither layout."""
         shapes = {name: tensor.shape for name, tensor in global_state.items()}
+        trained = {name: shapes[name] for name in self.strategy.trained(global_state)}
         if self.fed.compression == "none":
-            if {n: t.shape for n, t in update.items()} != shapes:
+            sent = {n: t.shape for n, t in update.items()}
+            if sent != shapes and sent != trained:
                 raise ValueError("adapter tensors do not match the global adapter's layout")
             if not all(t.is_floating_point() for t in update.values()):
                 raise ValueError("adapter tensors must be floating point")
-            return {name: update[name].to(global_state[name].dtype) for name in shapes}
-        delta = decompress(update, method=self.fed.compression, shapes=shapes)
+            return {
+                name: update[name].to(global_state[name].dtype) if name in update
+                else global_state[name]
+                for name in shapes
+            }  # fmt: skip
+        layout = trained if len(trained) < len(shapes) else shapes
+        delta = decompress(update, method=self.fed.compression, shapes=layout)
         return {
             name: (global_state[name].float() + delta[name]).to(global_state[name].dtype)
+            if name in delta else global_state[name]
             for name in shapes
-        }
+        }  # fmt: skip
 
     # ------------------------------------------------------------ checkpoints
 

@@ -49,6 +49,11 @@ class Strategy(ABC):
         """ValueError if a client's adapter, trained from `global_state`, breaks the strategy."""
         return None  # the default: no rule beyond the coordinator's own checks
 
+    def trained(self, global_state: Mapping[str, torch.Tensor]) -> list[str]:
+        """The adapter tensors clients change: the only ones that need to cross the network
+        once a client holds the others (the default: all of them)."""
+        return list(global_state)
+
     @abstractmethod
     def aggregate(self, updates: Sequence[Update]) -> dict[str, torch.Tensor]:
         """The next global adapter from (client adapter, num_examples) pairs."""
@@ -92,6 +97,10 @@ class FFALoRA(Strategy):
         for a_key, _b in lora_modules(global_state).values():
             if not torch.equal(update[a_key], global_state[a_key]):
                 raise ValueError(f"{a_key} moved: FFA-LoRA clients keep A frozen")
+
+    def trained(self, global_state: Mapping[str, torch.Tensor]) -> list[str]:
+        frozen = {a_key for a_key, _ in lora_modules(global_state).values()}
+        return [name for name in global_state if name not in frozen]
 
     def aggregate(self, updates: Sequence[Update]) -> dict[str, torch.Tensor]:
         return ffa_average(updates, combine=self.combine)

@@ -170,3 +170,33 @@ def test_a_client_without_a_coordinator_gives_up_with_a_clear_error(tmp_path, la
     with pytest.raises(CoordinatorLostError, match=f"no coordinator at 127.0.0.1:{port}"):
         take_part(client, settings=settings, address=("127.0.0.1", port))
     assert time.monotonic() - started < 10
+
+
+def test_ffa_sends_only_b_both_ways_once_a_client_holds_the_frozen_a(
+    federation, tmp_path, lab_cache
+) -> None:
+    """A is frozen at the shared initialization: after the first GLOBAL (whole adapter, so a
+    client that started from another A still trains from the right one), only B crosses."""
+    traffic: dict[str, list[tuple[float, float]]] = {}
+    finals = {}
+    for strategy in ("fedavg", "ffa"):
+        run_dir = tmp_path / strategy
+        settings = settings_for(run_dir, lab_cache, strategy=strategy, rounds=2, num_clients=2)
+        coordinator = federation(settings, clients=2)
+        initial = adapter_state(coordinator.model)
+        run_rounds(coordinator, run_dir)
+        rounds = [r for r in read_records(run_dir / METRICS_FILE) if "clients" in r]
+        assert [r["clients"] for r in rounds] == [2, 2]
+        traffic[strategy] = [(r["bytes_up"], r["bytes_down"]) for r in rounds]
+        finals[strategy] = (initial, adapter_state(coordinator.model))
+    a_bytes = sum(t.numel() * 4 for n, t in initial.items() if ".lora_A." in n)
+    b_bytes = sum(t.numel() * 4 for n, t in initial.items() if ".lora_B." in n)
+    for (up, _), (ffa_up, _) in zip(traffic["fedavg"], traffic["ffa"], strict=True):
+        assert ffa_up < up - 2 * a_bytes * 0.9  # two clients, no A each
+    assert traffic["ffa"][0][1] > traffic["fedavg"][0][1] * 0.95  # round 1: the whole adapter
+    assert traffic["ffa"][1][1] < traffic["fedavg"][1][1] - 2 * a_bytes * 0.9  # round 2: B
+    assert b_bytes > 0
+    initial, final = finals["ffa"]
+    for name, tensor in final.items():  # A where it started, B trained
+        moved = not torch.equal(tensor, initial[name])
+        assert moved == (".lora_B." in name), name
