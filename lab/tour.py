@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             argv_step = [sys.executable, *command, where]
             shown = " ".join(["python", *command, where])
             progress.update(task, step=name, last="")
-            progress.console.print(f"[bold]{name}[/]: {shown}")
+            progress.console.print(f"[bold]{name}[/]: {shown}", soft_wrap=True)
             step_started = time.monotonic()
             code = run_step(argv_step, log_path=runs / f"{name}.log", progress=progress, task=task)
             seconds = time.monotonic() - step_started
@@ -102,12 +102,14 @@ def main(argv: list[str] | None = None) -> None:
                 tail = deque((runs / f"{name}.log").read_text().splitlines(), maxlen=12)
                 progress.console.print(f"[red]  {name} failed (exit {code}):[/]")
                 for line in tail:
-                    progress.console.print(f"    {line}", markup=False, highlight=False)
+                    progress.console.print(
+                        f"    {line}", markup=False, highlight=False, soft_wrap=True
+                    )
             progress.advance(task)
     page = write_report(done, out) if done else None
     minutes = (time.monotonic() - started) / 60
     if page is not None:
-        console.print(f"report: {page.resolve()}  (and index.md beside it)")
+        console.print(f"report: {page.resolve()}  (and index.md beside it)", soft_wrap=True)
     console.print(
         f"tour: {len(plan) - len(failed)} of {len(plan)} steps ok in {minutes:.1f} min"
         + (f"; failed: {', '.join(failed)} (logs in {runs})" if failed else "")

@@ -116,3 +116,56 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(
     assert resume.startswith("python -m fed_learn") and f"hydra.run.dir={run_dir}" in resume
     _, alive = psutil.wait_procs(roles, timeout=10)
     assert not alive, [p.cmdline() for p in alive]
+
+
+@pytest.mark.parametrize(
+    ("module", "overrides"),
+    [
+        ("spec_decoding", ["target.lab_preset=debug", "draft.lab_preset=debug",
+                           "spec.num_prompts=2", "spec.max_new_tokens=16"]),
+        ("fed_learn", ["model.lab_preset=debug", "fed.num_clients=2", "fed.rounds=1",
+                       "fed.local_steps=5", "fed.eval_blocks=8", "fed.max_examples_per_client=64"]),
+    ],
+)  # fmt: skip
+def test_a_successful_run_prints_nothing_a_user_reads_as_an_error(
+    tmp_path: Path, tiny_models: Path, lab_cache: Path, module: str, overrides: list[str]
+) -> None:
+    from lab.readme_check import NOISE
+
+    result = run_module(module, overrides, tmp_path=tmp_path, lab_cache=lab_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert not NOISE.search(output), [m.group(0) for m in NOISE.finditer(output)]
+    assert "final metrics" in output  # the run did report, once
+    assert output.count("final metrics") == 1
+
+
+def test_a_refused_secret_is_one_line_that_says_the_secrets_differ(
+    tmp_path: Path, tiny_models: Path, lab_cache: Path
+) -> None:
+    from lab.launch import free_port
+
+    port = free_port("127.0.0.1")
+    models = ["target.lab_preset=debug", "draft.lab_preset=debug", f"cluster.verifier.port={port}"]
+    verifier = subprocess.Popen(
+        [sys.executable, "-m", "spec_decoding", "role=verifier", *models, "tracking.wandb=false",
+         f"hydra.run.dir={tmp_path / 'verifier'}", f"paths.cache_dir={lab_cache}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "LAB_SECRET": "the-verifier-s"},
+    )  # fmt: skip
+    try:
+        assert verifier.stdout is not None
+        for line in verifier.stdout:  # serving once it says so
+            if "verifier ready" in line:
+                break
+        result = run_module(
+            "spec_decoding", ["role=drafter", *models], tmp_path=tmp_path / "drafter",
+            lab_cache=lab_cache, env={"LAB_SECRET": "the-drafter-s"},
+        )  # fmt: skip
+    finally:
+        verifier.kill()
+        verifier.wait()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    (error,) = [line for line in stderr_lines(result) if line.startswith("error: ")]
+    assert "secret" in error and "differ" in error
