@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-slow lint format bench lock clean
+.PHONY: help venv run test test-slow lint format bench readme-check lock clean
 
 help: ## List every target with its one-line description
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ format: $(STAMP) ## Rewrite code in the project's style (ruff format + autofixes
 
 bench: $(STAMP) ## Run every benchmark in bench/ (tables to stdout, JSON to bench/results/)
 	@set -e; for script in bench/*_bench.py; do echo "== $$script"; $(PY) $$script; done
+
+readme-check: $(STAMP) ## Replay every README command (quick settings); last line: README commands ok: N of M
+	$(PY) -m lab.readme_check
 
 lock: ## Rewrite constraints.txt from what .venv has now (after a deliberate upgrade)
 	@test -x $(PY) || { echo "no $(VENV) yet: run make venv first"; exit 1; }

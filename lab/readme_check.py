@@ -1,0 +1,237 @@
+"""`python -m lab.readme_check`: replay the README's commands as a new user would, quickly.
+
+Every `python ...` line of the README's ```bash blocks runs as written, plus quick settings for
+the keys it does not set itself (debug models, few rounds and tokens, one repeat), each in a
+folder of its own under `--out`. Lines written as `host$ command` are a multi-machine example:
+consecutive ones run together, as separate processes on this machine, with every `cluster.*`
+endpoint moved to loopback on free ports and one shared secret. A command passes when it exits
+0 and prints nothing a user would read as an error (a traceback, a Python warning, TensorPipe's
+shutdown lines, an RRef leak, a C++ warning). Lines that need what this machine cannot have (a
+hub model, a placeholder to fill in) are listed as skipped, with why. The last line is
+`README commands ok: N of M`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from lab import experiment
+from lab.experiment import override_key
+from lab.launch import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT_DIR = "split.checkpoint_dir"
+
+QUICK: dict[str, list[str]] = {
+    "spec_decoding": [
+        "target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=2",
+        "spec.max_new_tokens=16",
+    ],
+    "fed_learn": [
+        "model.lab_preset=debug", "fed.rounds=2", "fed.local_steps=5", "fed.eval_blocks=8",
+        "fed.max_examples_per_client=64", "fed.centralized_baseline=false",
+    ],
+    # the default tiny model (4 layers: the README cuts it into 3 stages; the debug one has 2)
+    "split_inference": ["generate.num_prompts=2", "generate.max_new_tokens=8"],
+    "split_training": ["split.steps=4", "split.max_train_blocks=64"],
+    "lab.pretrain": ["pretrain=debug"],
+    "run_matrix.py": ["repeats=1"],
+}  # fmt: skip
+"""Quick settings per command, each added only where the README's line does not set that key."""
+
+NOISE = re.compile(
+    r"Traceback \(most recent call last\)|\w+Warning: |Detected RRef Leaks|Leaking RRef|"
+    r"tensorpipe_agent\.cpp|pipe closed|EOF: end of file|^\s*(\[\w+\] )?\[?[WE]\d{4} |"
+    r"^\s*(\[\w+\] )?error: |wandb: WARNING",
+    re.MULTILINE,
+)
+"""What a successful command must not print: lines a user reads as errors."""
+
+NEEDS = [
+    (re.compile(r"<[^>]+>|\.\.\.(?!\S)|=\.\.\."), "a placeholder to fill in"),
+    (re.compile(r"tinyllama|my_small_llama|llama3_8b"), "a hub model (no hub here)"),
+    (re.compile(r"bench_models/"), "the model bench/split_bench.py builds"),
+    (re.compile(r"submitit|hydra-ray"), "a Hydra launcher plugin"),
+]
+"""Lines that cannot run here as written, and why."""
+
+
+@dataclass
+class Command:
+    """One README line (or a group of `host$` lines that run together)."""
+
+    text: str
+    argvs: list[list[str]] = field(default_factory=list)
+    skipped: str = ""
+
+
+def readme_commands(readme: Path) -> list[Command]:
+    """The `python ...` lines of `readme`'s bash blocks, `host$` lines grouped."""
+    commands: list[Command] = []
+    group: Command | None = None
+    in_block = False
+    lines = readme.read_text().splitlines()
+    joined: list[str] = []
+    for line in lines:  # join `\` continuations
+        if joined and joined[-1].endswith("\\"):
+            joined[-1] = joined[-1][:-1].rstrip() + " " + line.strip()
+        else:
+            joined.append(line)
+    for line in joined:
+        if line.startswith("```"):
+            in_block = line.strip() == "```bash"
+            group = None
+            continue
+        if not in_block:
+            continue
+        text = line.split(" #", 1)[0].strip() if " #" in line else line.strip()
+        host = re.match(r"^[\w-]+\$\s+(.*)$", text)
+        body = host.group(1) if host else text
+        body = re.sub(r"^LAB_SECRET=\S+\s+", "", body)
+        if not body.startswith("python "):
+            group = None
+            continue
+        filled = body.replace(f"{CHECKPOINT_DIR}=...", "")  # one `...` this script fills in
+        skipped = next((why for pattern, why in NEEDS if pattern.search(filled)), "")
+        if host:
+            if group is None:
+                group = Command(text=text, skipped=skipped)
+                commands.append(group)
+            else:
+                group.text += "  &  " + text
+                group.skipped = group.skipped or skipped
+            group.argvs.append(shlex.split(body))
+        else:
+            group = None
+            commands.append(Command(text=text, argvs=[shlex.split(body)], skipped=skipped))
+    return commands
+
+
+def target_of(argv: list[str]) -> str:
+    """`spec_decoding` for `python -m spec_decoding ...`, `run_matrix.py` for the script."""
+    return argv[2] if argv[1] == "-m" else Path(argv[1]).name
+
+
+def with_quick(argv: list[str], *, out: Path, extra: Sequence[str] = ()) -> list[str]:
+    """`argv` plus the quick settings and `extra` for every key it does not set, into `out`."""
+    target = target_of(argv)
+    head = 3 if argv[1] == "-m" else 2
+    args = argv[head:]
+    multirun = "-m" in args or "--multirun" in args
+    given = {override_key(a) for a in args if "=" in a and not a.startswith("-")}
+    added = [o for o in [*QUICK.get(target, []), *extra] if override_key(o) not in given]
+    if target == "run_matrix.py":
+        where = [f"out_dir={out}"]
+    elif multirun:
+        where = [f"hydra.sweep.dir={out}"]
+    else:
+        where = [f"hydra.run.dir={out}"]
+    return [sys.executable, *argv[1:head], *args, *added, *where]
+
+
+def loopback_hosts(ports: dict[str, int]) -> list[str]:
+    """Every `cluster.*` endpoint on loopback, at `ports`: a multi-machine example on one host."""
+    return [
+        o for name, port in ports.items()
+        for o in (f"cluster.{name}.host=127.0.0.1", f"cluster.{name}.port={port}")
+    ]  # fmt: skip
+
+
+def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool, str]:
+    """Run `command` (its processes together); (passed, why not)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    extra: list[str] = []
+    if len(command.argvs) > 1 or any("role=" in " ".join(a) for a in command.argvs):
+        env["LAB_SECRET"] = secrets.token_hex(16)
+        endpoints = experiment.get(target_of(command.argvs[0])).endpoints  # it reads no other
+        ports = {name: free_port("127.0.0.1") for name in endpoints}
+        extra = [*loopback_hosts(ports), "num_threads=1"]
+    argvs = [
+        with_quick(argv, out=out / f"p{i}", extra=extra) for i, argv in enumerate(command.argvs)
+    ]
+    checkpoints = f"{CHECKPOINT_DIR}={out / 'checkpoints'}"  # the README's `...`, filled in
+    argvs = [[checkpoints if a == f"{CHECKPOINT_DIR}=..." else a for a in argv] for argv in argvs]
+    if "split.resume=true" in argvs[0]:  # a resume needs a run to go on from: 2 steps first
+        first = ["split.resume=false" if a == "split.resume=true" else a for a in argvs[0]]
+        first = [a for a in first if not a.startswith("split.steps=")] + ["split.steps=2"]
+        first = [f"hydra.run.dir={out / 'first'}" if a.startswith("hydra.run.dir=") else a
+                 for a in first]  # fmt: skip
+        prime = subprocess.run(first, capture_output=True, text=True, env=env, timeout=timeout_s)
+        if prime.returncode != 0:
+            return False, f"the run to resume from failed (exit {prime.returncode})"
+    logs = [out / f"p{i}.log" for i in range(len(argvs))]
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for argv, log_path in zip(argvs, logs, strict=True):
+        with open(log_path, "w") as log:
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          cwd=ROOT, start_new_session=True))  # fmt: skip
+        time.sleep(1.0 if len(argvs) > 1 else 0.0)  # servers are listed first
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                if other.poll() is None:
+                    os.killpg(other.pid, 9)
+            return False, f"still running after {timeout_s:.0f}s (logs: {out})"
+    for code, log_path in zip(codes, logs, strict=True):
+        text = log_path.read_text(errors="replace")
+        if code != 0:
+            last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
+            return False, f"exit {code}: {last[0][:200]} (log: {log_path})"
+        noise = NOISE.search(text)
+        if noise:
+            line = text[text.rfind("\n", 0, noise.start()) + 1 :].splitlines()[0]
+            return False, f"exit 0 but printed: {line.strip()[:200]} (log: {log_path})"
+    return True, ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab.readme_check", description=__doc__)
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--out", type=Path, default=None, help="default: a temporary folder")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per command")
+    parser.add_argument("--only", default="", help="run only commands containing this text")
+    args = parser.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="readme_check_"))
+    console = Console(highlight=False)
+    commands = [c for c in readme_commands(args.readme) if args.only in c.text]
+    runnable = [c for c in commands if not c.skipped]
+    for command in commands:
+        if command.skipped:
+            console.print(f"[dim]skip[/]  {command.text}  [dim]({command.skipped})[/]")
+    passed = 0
+    for number, command in enumerate(runnable, start=1):
+        console.print(f"[bold]{number}/{len(runnable)}[/] {command.text}", soft_wrap=True)
+        started = time.monotonic()
+        ok, why = run_command(command, out=out / f"{number:02d}", timeout_s=args.timeout_s)
+        seconds = time.monotonic() - started
+        passed += ok
+        if ok:
+            console.print(f"  [green]ok[/] in {seconds:.0f}s")
+        else:
+            console.print(f"  [red]FAILED[/] after {seconds:.0f}s: {why}", soft_wrap=True)
+    console.print(f"outputs and logs: {out}")
+    print(f"README commands ok: {passed} of {len(runnable)}")
+    if passed != len(runnable):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
