@@ -117,6 +117,11 @@ class Tracker:
             reinit="create_new",
             settings=wandb.Settings(silent=True, console="off"),
         )
+        # Our steps are the runs' own (round, batch, optimizer step); one run may log two series
+        # over the same steps (split vs unsplit), which W&B's own step, strictly increasing,
+        # would drop: plot every metric against ours instead.
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
         if mode == "offline":  # the folder `wandb sync` takes is the run's, above its files/
             log.info("W&B offline run in %s", Path(run.dir).parent)
         else:
@@ -156,7 +161,7 @@ class Tracker:
         record.update(metrics)
         self._write(record)
         if self._wandb_run is not None:
-            self._wandb_run.log(dict(metrics), step=step)
+            self._wandb_run.log({**metrics, **({} if step is None else {"step": step})})
 
     def summary(self, metrics: Mapping[str, Any]) -> None:
         """Record a run's final metrics (also printed as a table when the run closes)."""
