@@ -14,6 +14,7 @@ hub model, a placeholder to fill in) are listed as skipped, with why. The last l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import secrets
@@ -150,6 +151,21 @@ def loopback_hosts(ports: dict[str, int]) -> list[str]:
     ]  # fmt: skip
 
 
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill `procs` and every process under them (roles and sweep cells lead sessions of
+    their own, out of reach of a process-group kill)."""
+    import psutil
+
+    tree = []
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree += [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(tree, timeout=10)
+
+
 def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool, str]:
     """Run `command` (its processes together); (passed, why not)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -186,9 +202,7 @@ def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool,
         try:
             codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
-            for other in procs:
-                if other.poll() is None:
-                    os.killpg(other.pid, 9)
+            stop(procs)
             return False, f"still running after {timeout_s:.0f}s (logs: {out})"
     for code, log_path in zip(codes, logs, strict=True):
         text = log_path.read_text(errors="replace")
@@ -216,6 +230,15 @@ def main(argv: list[str] | None = None) -> None:
     for command in commands:
         if command.skipped:
             console.print(f"[dim]skip[/]  {command.text}  [dim]({command.skipped})[/]")
+    # As `make run` does first: the lab's tiny models, built once (minutes on 2 cores) rather
+    # than inside whichever command happens to need them first, under its time limit.
+    console.print("building the lab's tiny models first: python -m lab.pretrain (once)")
+    for preset in ("default", "debug"):
+        subprocess.run(
+            [sys.executable, "-m", "lab.pretrain", f"pretrain={preset}", "tracking.wandb=false",
+             f"hydra.run.dir={out / 'pretrain' / preset}"],
+            check=True, cwd=ROOT,
+        )  # fmt: skip
     passed = 0
     for number, command in enumerate(runnable, start=1):
         console.print(f"[bold]{number}/{len(runnable)}[/] {command.text}", soft_wrap=True)
