@@ -16,10 +16,12 @@ import contextlib
 import hmac
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from lab.cli import UserError
@@ -180,17 +183,112 @@ class World:
 
 RENDEZVOUS_SCHEME = "labtcp"
 
+_BARRIER_KEY = re.compile(r"^(.*/shutdown/(?:ACTIVE_CALLS|PROCESS_COUNT|READY)_ID_)(\d+)$")
+"""The keys of TensorPipe's shutdown barrier (`agent.join`), ending in the barrier's number."""
+
+
+class _WorldStore(dist.Store):
+    """One world's rendezvous store (a TCPStore) as torch's RPC layer sees it, except that the
+    rounds of TensorPipe's shutdown barrier are numbered from 1 in every world.
+
+    That barrier (`agent.join(shutdown=True)`, what lets every agent know the world is ending
+    before any pipe closes) names its store keys by a counter that C++ keeps per *process*
+    and that cannot be reset: fresh stage processes count from 1, a driver in its second world
+    (a sweep, a test session) from 4, and each would wait for keys nobody writes. Each world
+    has a store of its own, so the first barrier key a process uses in it sets its offset.
+
+    c10d's Python store trampoline calls these methods by their C++ names where they differ.
+    """
+
+    def __init__(self, store: dist.Store) -> None:
+        super().__init__()
+        self.store = store
+        self._offset: int | None = None
+        self._lock = threading.Lock()
+
+    def _key(self, key: str) -> str:
+        match = _BARRIER_KEY.match(key)
+        if match is None:
+            return key
+        number = int(match.group(2))
+        with self._lock:
+            if self._offset is None:
+                self._offset = number - 1
+            return f"{match.group(1)}{number - self._offset}"
+
+    def set(self, key: str, value: Any) -> None:
+        self.store.set(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(self._key(key))
+
+    def add(self, key: str, value: int) -> int:
+        return self.store.add(self._key(key), value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self.store.compare_set(self._key(key), expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check([self._key(key) for key in keys])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self.store.wait([self._key(key) for key in keys])
+        else:
+            self.store.wait([self._key(key) for key in keys], timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The store's timeout (init_rpc sets split.rpc_timeout_s): the TCPStore's own, which
+        every wait without one of its own (TensorPipe's barrier rounds) is bounded by."""
+        super().set_timeout(timeout)
+        self.store.set_timeout(timeout)
+
+    def deleteKey(self, key: str) -> bool:  # the C++ name, which the trampoline calls
+        return self.store.delete_key(self._key(key))
+
+    def getNumKeys(self) -> int:  # the C++ name, which the trampoline calls
+        return self.store.num_keys()
+
+
+LEAVE_KEY = "split/leave"
+"""The driver's word, in the world's store, on how the world ends (`ORDERLY`, `ORDERLY_KEPT`,
+`ABRUPT`)."""
+ORDERLY, ORDERLY_KEPT, ABRUPT = "orderly", "orderly, the driver's RRefs kept", "abrupt"
+LEFT_KEY = "split/left/{rank}"
+"""Set by each stage once past the shutdown barrier: the store's host waits for these before
+it lets the store go (a stage's last barrier step reads the store)."""
+LEFT_TIMEOUT_S = 10.0
+
+
+_rref_context_spent = False
+"""torch's RRef bookkeeping is one per process, bound to the first RPC agent and marked
+destroyed at the first shutdown, for good: in a later world of this process (a test session)
+the RRefs it holds can no longer be deleted on their owners."""
+
+
+@dataclass
+class _WorldEnd:
+    """How this process's current world ends (see `joined`)."""
+
+    store: _WorldStore | None = None
+    """The world's store; held here for the world's life (torch's C++ side calls back into it
+    and does not keep the Python object alive)."""
+    word: str = ABRUPT
+    """Driver: how the world ends, as `release_all` told the stages (`LEAVE_KEY`)."""
+
+
+_end = _WorldEnd()
+
 
 def _store_on_master_host(
     url: str, timeout: timedelta = timedelta(seconds=300), **_: Any
 ) -> Iterator[tuple[Any, int, int]]:
-    """torch's tcp:// rendezvous, except that rank 0's store listens on the master host only.
+    """torch's tcp:// rendezvous, except that rank 0's store listens on the master host only,
+    and that the store is a `_WorldStore`.
 
     torch's own binds the store to every interface, whatever host the URL names: a loopback run
     had its (unauthenticated) store reachable from the network.
     """
-    import torch.distributed as dist
-
     parts = urlparse(url)
     query = parse_qs(parts.query)
     rank, world_size = int(query["rank"][0]), int(query["world_size"][0])
@@ -209,13 +307,12 @@ def _store_on_master_host(
         )
     else:
         store = dist.TCPStore(host, port, world_size, False, timeout)
-    yield store, rank, world_size
+    _end.store = _WorldStore(store)
+    yield _end.store, rank, world_size
     raise RuntimeError("a split run's rendezvous cannot be repeated")
 
 
 def _register_rendezvous() -> None:
-    import torch.distributed as dist
-
     with contextlib.suppress(RuntimeError):  # already registered in this process
         dist.register_rendezvous_handler(RENDEZVOUS_SCHEME, _store_on_master_host)
 
@@ -270,17 +367,20 @@ def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
         # on one host is shared memory, whose pollers cost more CPU than they save on a small
         # box: per-token latency of a 2-stage split over loopback halved with `uv` (2 cores).
         _transports=None if world.split.transport == "auto" else ["uv"],
+        # Its default channels stay: the multiplexed one (mpt_uv) listens on 16 more ports per
+        # process, but a firewall rule has to let TensorPipe's ephemeral ports through anyway,
+        # and the basic channel cost 5% per token (8.4 vs 8.1 ms, 2 stages, loopback, 2 cores).
     )
 
 
 def _forget_previous_world() -> None:
     """Reset torch's per-process RPC counters before joining another world.
 
-    torch numbers the rendezvous keys and its all-gathers (start-up, shutdown barrier) per
-    process and per set of worker names; fresh stage processes count from 0. A driver process
-    that joins a second world (a sweep, a test session) must count from 0 as well, or it waits
-    at start or at shutdown for keys nobody writes. Each world has a store of its own, so the
-    old numbers mean nothing any more.
+    torch numbers the rendezvous keys and its RPC all-gathers (the one at start-up) per process
+    and per set of worker names; fresh stage processes count from 0. A driver process that joins
+    a second world (a sweep, a test session) must count from 0 as well, or it waits at start for
+    keys nobody writes. Each world has a store of its own, so the old numbers mean nothing any
+    more. (TensorPipe's shutdown barrier counts in C++, where it cannot be reset: `_WorldStore`.)
     """
     from torch.distributed.rpc import api as rpc_api
 
@@ -302,8 +402,12 @@ def joined(
     Joining waits for every rank. torch's rendezvous would wait 30 minutes for a missing one
     and cannot be interrupted, so a watchdog ends this process with a clear message after
     `split.join_timeout_s` instead, or as soon as `check()` raises (a local stage process that
-    died while the driver waited for it). Leaving is immediate (see the comment there).
+    died while the driver waited for it). Leaving is in order when the driver found every stage
+    there to release it, immediate otherwise (see `_leave`).
     """
+    _end.store, _end.word = None, ABRUPT
+    _released.clear()
+    _release_reason[0] = ""
     rpc_guard.install()
     rpc_guard.reset(world.name, secret)
     _auth.secret, _auth.driver_proved, _auth.nonces = secret, False, []
@@ -347,23 +451,100 @@ def joined(
     _forget_previous_world()
     _register_rendezvous()
     try:
-        with _listening_towards_the_master(world.master):
+        with _listening_towards_the_master(world.master), warnings.catch_warnings():
+            # torch's own start-up (`_tensorpipe_init_backend_handler`) hands the Gloo backend
+            # it builds to `all_gather_object`, which then warns that a Backend is used as a
+            # ProcessGroup: torch's internal call, nothing this code passes or could change.
+            warnings.filterwarnings(
+                "ignore",
+                message=r"You are using a Backend .*ProcessGroupGloo.* as a ProcessGroup",
+                category=UserWarning,
+                module=r"torch\.distributed\.distributed_c10d",
+            )
             rpc.init_rpc(
                 world.name,
                 rank=world.rank,
                 world_size=world.num_stages + 1,
                 rpc_backend_options=_options(world),
             )
+    except BaseException:
+        _end.store = None
+        raise
     finally:
         assembled.set()
     try:
         yield
     finally:
-        # Not torch's graceful shutdown: its barrier counts worlds per process in C++ (a second
-        # world in one process waits for keys nobody writes) and it waits for peers that died.
-        # The run's end is agreed explicitly instead: the driver releases every stage and waits
-        # for each to acknowledge (`release_all`) before anyone leaves.
+        _leave(world)
+
+
+def _leave(world: World) -> None:
+    """Leave the world: in order when the driver says every stage is there to, at once if not.
+
+    In order: every process drops its RRefs and waits for the deletions of those it owns to
+    arrive (torch's `_delete_all_user_and_unforked_owner_rrefs`: no RRef is left to report as
+    leaked), then all enter TensorPipe's shutdown barrier (`agent.join(shutdown=True)`, made to
+    work in any world of a process by `_WorldStore`): it waits for every call in flight to be
+    answered, and every agent marks itself as shutting down before anyone closes a pipe, so
+    the pipes closing are not reported as errors. Each wait is bounded by split.rpc_timeout_s.
+    Not torch's whole graceful shutdown: its RPC all-gather first would wait for a peer that
+    died; here the driver's word (`release_all`) says whether everyone is there.
+    Where this driver process has been in a world before (`_rref_context_spent`), its RRefs
+    cannot be deleted any more, and nobody waits for them (`ORDERLY_KEPT`): the stages then
+    report them as leaked.
+    At once (a stage died, or did not accept this driver): close now; TensorPipe then reports
+    the pipes its peers close, which that run's own error explains.
+    """
+    global _rref_context_spent
+    timeout_s = world.split.rpc_timeout_s
+    store = _end.store
+    word = _end.word if world.rank == 0 else _driver_word(timeout_s)
+    orderly = word in (ORDERLY, ORDERLY_KEPT)
+    if orderly:
+        try:
+            _leave_in_order(timeout_s, drop_rrefs=word == ORDERLY)
+        except RuntimeError as exc:
+            orderly = False
+            log.warning(
+                "%s could not leave the RPC world in order: %s",
+                world.name,
+                str(exc).splitlines()[0][:300],
+            )
+    if orderly and store is not None and world.rank != 0:
+        with contextlib.suppress(RuntimeError):
+            store.store.set(LEFT_KEY.format(rank=world.rank), "")
+    try:
         rpc.shutdown(graceful=False)
+    finally:
+        _rref_context_spent = True
+    if orderly and store is not None and world.rank == 0:
+        left = [LEFT_KEY.format(rank=rank) for rank in range(1, world.num_stages + 1)]
+        with contextlib.suppress(RuntimeError):
+            store.store.wait(left, timedelta(seconds=LEFT_TIMEOUT_S))
+    _end.store = None
+
+
+def _leave_in_order(timeout_s: float, *, drop_rrefs: bool) -> None:
+    from torch.distributed.rpc import api as rpc_api
+
+    if drop_rrefs and not _rref_context_spent:
+        rpc_api._delete_all_user_and_unforked_owner_rrefs(timedelta(seconds=timeout_s))
+    if _end.store is not None:
+        _end.store.set_timeout(timedelta(seconds=timeout_s))  # each barrier round's wait
+    rpc_api._get_current_rpc_agent().join(shutdown=True)
+
+
+def _driver_word(timeout_s: float) -> str:
+    """Stage side: how the driver, having released us, says the world ends (it says so once
+    every stage has acknowledged its release, or failed to)."""
+    store = _end.store
+    if not _released.is_set() or store is None:
+        return ABRUPT  # the driver vanished, or never released us: nobody to leave in order with
+    try:
+        store.store.wait([LEAVE_KEY], timedelta(seconds=timeout_s))
+        return store.store.get(LEAVE_KEY).decode()
+    except (RuntimeError, UnicodeDecodeError):  # the driver, who hosts the store, is gone
+        return ABRUPT
 
 
 # ---------------------------------------------------------------------------- stage serving
@@ -387,9 +568,9 @@ def stage_alive() -> bool:
 
 
 def serve_until_released(*, ping_s: float, timeout_s: float) -> None:
-    """Stage main loop: serve RPCs until the driver releases us; raise if the driver vanishes."""
-    _released.clear()
-    _release_reason[0] = ""
+    """Stage main loop: serve RPCs until the driver releases us; raise if the driver vanishes.
+    (`joined` clears the release of a previous world: one that arrives before this loop
+    starts counts.)"""
     while not _released.wait(ping_s):
         try:
             rpc.rpc_sync(DRIVER, driver_alive, timeout=timeout_s)
@@ -404,18 +585,34 @@ def serve_until_released(*, ping_s: float, timeout_s: float) -> None:
         raise StageLostError(f"the driver stopped the run: {_release_reason[0]}")
 
 
-def release_all(num_stages: int, *, reason: str = "") -> None:
+def release_all(num_stages: int, *, reason: str = "") -> bool:
     """Driver side: tell every stage to leave, and why when the run failed (best effort: some
-    may be gone, and one that has not accepted this driver refuses it)."""
+    may be gone, and one that has not accepted this driver refuses it). Then tell them all, in
+    the world's store, whether the world ends in order: only if every stage acknowledged (its
+    answer has arrived, so no stage leaves before its answer is sent). Returns that."""
     futures = []
     for rank in range(1, num_stages + 1):
         with contextlib.suppress(RuntimeError):
             futures.append(
                 rpc.rpc_async(stage_name(rank), release_stage, args=(reason,), timeout=5.0)
             )
+    acknowledged = 0
     for future in futures:
         with contextlib.suppress(RuntimeError):
             future.wait()
+            acknowledged += 1
+    # Stages wait for this driver's RRefs to be deleted only where it can still delete them
+    # (see `_rref_context_spent`); where not, they leave in order all the same.
+    word = ABRUPT
+    if acknowledged == num_stages:
+        word = ORDERLY_KEPT if _rref_context_spent else ORDERLY
+    try:
+        if _end.store is not None:
+            _end.store.store.set(LEAVE_KEY, word)
+    except RuntimeError:  # the store failed: the stages waiting for the word hear it fail
+        word = ABRUPT
+    _end.word = word if _end.store is not None else ABRUPT
+    return _end.word != ABRUPT
 
 
 def peak_memory() -> dict[str, float]:

@@ -92,6 +92,70 @@ def test_local_split_training_checkpoints_and_resumes(
     )
 
 
+ALARMING = (
+    "Detected RRef Leaks",
+    "Leaking RRef",
+    "rref_context.cpp",
+    "tensorpipe_agent.cpp",
+    "encountered error",
+    "pipe closed",
+    "EOF",
+    "won't send response",
+    "could not leave the RPC world",
+    "Traceback",
+    "as a ProcessGroup",
+)
+"""What a user reads as an error: TensorPipe's and the RRef bookkeeping's shutdown reports, a
+traceback, torch's Gloo deprecation warning from inside init_rpc."""
+
+TINY_RUNS = {
+    "split_inference": [
+        "generate.num_prompts=2",
+        "generate.max_new_tokens=6",
+        "generate.prompt_tokens=16",
+    ],
+    "split_training": [
+        "split.steps=2",
+        "split.batch_size=4",
+        "split.microbatches=2",
+        "split.block_size=16",
+        "split.max_train_blocks=64",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(TINY_RUNS))
+def test_a_successful_run_prints_nothing_that_reads_as_an_error(
+    module: str, llama_folder: Path, tmp_path: Path
+) -> None:
+    """Every process drops its RRefs and the agents agree that the world ends before any pipe
+    closes: no leak report, no TensorPipe error line, no warning from torch's RPC start-up."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            module,
+            f"model.pretrained={llama_folder}",
+            "tracking.wandb=false",
+            f"hydra.run.dir={tmp_path}",
+            f"paths.run_dir={tmp_path}",
+            *TINY_RUNS[module],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=300,
+    )
+    output = result.stdout
+    assert result.returncode == 0, output[-3000:]
+    assert "final metrics" in output
+    for stage in ("stage1", "stage2"):  # both stages did take part, and say so
+        assert f"{stage} joined the run" in output
+    alarming = [line for line in output.splitlines() if any(p in line for p in ALARMING)]
+    assert not alarming, "\n".join(alarming[:20])
+
+
 def test_a_killed_stage_ends_the_run_with_a_clear_error(llama_folder: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [
