@@ -128,8 +128,10 @@ def split_inference(run_dir: Path) -> list[Path]:
 
 
 def split_training(run_dir: Path) -> list[Path]:
-    """The training loss per optimizer step (the step numbers logged: a resumed run goes on)."""
-    steps = _steps(read_records(run_dir / METRICS_FILE), "loss")
+    """The training loss per optimizer step (the step numbers logged: a resumed run goes on),
+    smoothed, and the validation loss where it was measured."""
+    records = read_records(run_dir / METRICS_FILE)
+    steps = _steps(records, "loss")
     if not steps:
         return []
     plt = _pyplot()
@@ -138,9 +140,13 @@ def split_training(run_dir: Path) -> list[Path]:
     ax.plot(numbers, losses, alpha=0.35, lw=1, label="per step")
     if len(losses) >= 5:
         ax.plot(numbers, smoothed(losses), lw=2, label="smoothed (EMA, 0.9)")
+    val = _steps(records, "val_loss")
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color="black",
+                markersize=5, label="validation (held-out text)")  # fmt: skip
     ax.legend(fontsize=8)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)")
     ax.set_title("split training")
     ax.grid(alpha=0.3)
     return [_save(fig, plt, run_dir / "loss_curve.png")]

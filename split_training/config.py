@@ -35,6 +35,11 @@ class SplitTrainConfig(SplitConfig):
     """Train only PEFT LoRA adapters (the `lora` section) on every stage, not all weights."""
     max_train_blocks: int = 4096
     """Training sequences taken from the stdlib corpus (its training split)."""
+    eval_every: int = 10
+    """Validation loss (held-out stdlib text, forward only) every this many steps and at the
+    end; 0 = never."""
+    eval_blocks: int = 16
+    """Validation sequences of block_size tokens."""
     checkpoint_every: int = 20
     """Save every stage's weights and optimizer state every this many steps (0 = at the end
     only)."""
@@ -63,6 +68,11 @@ class SplitTrainConfig(SplitConfig):
             )
         if self.weight_decay < 0 or self.grad_clip < 0 or self.checkpoint_every < 0:
             raise ValueError("split.weight_decay, grad_clip and checkpoint_every must be >= 0")
+        if self.eval_every < 0 or self.eval_blocks < 1:
+            raise ValueError(
+                f"split.eval_every={self.eval_every} must be >= 0 and "
+                f"split.eval_blocks={self.eval_blocks} >= 1"
+            )
         check_choice("split.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.export and self.lora:
             raise ValueError(

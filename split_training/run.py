@@ -29,15 +29,23 @@ from split_training.trainer import LATEST, DistributedTrainer, bubble_fraction
 log = logging.getLogger(__name__)
 
 
-def training_blocks(tokenizer, split: SplitTrainConfig) -> torch.Tensor:
-    """(N, block_size) token ids from the stdlib corpus' training split."""
+def training_blocks(tokenizer, split: SplitTrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, block_size) token ids from the stdlib corpus' training split, and
+    (split.eval_blocks, block_size) from its validation split."""
     corpus = load_corpus(val_fraction=0.05)
-    return token_blocks(
+    train = token_blocks(
         [doc.text for doc in corpus.train],
         tokenizer,
         block_size=split.block_size,
         max_blocks=split.max_train_blocks,
     )
+    val = token_blocks(
+        [doc.text for doc in corpus.validation],
+        tokenizer,
+        block_size=split.block_size,
+        max_blocks=split.eval_blocks,
+    )
+    return train, val
 
 
 def batch_schedule(num_blocks: int, split: SplitTrainConfig, *, seed: int) -> list[list[list[int]]]:
@@ -100,7 +108,7 @@ def run_driver(
     """`role=driver`: build the split model for training and train it."""
     split = settings.split
     tokenizer = load_tokenizer(settings.model, cache_dir=settings.paths.cache_path)
-    blocks = training_blocks(tokenizer, split)
+    blocks, val_blocks = training_blocks(tokenizer, split)
     schedule = batch_schedule(len(blocks), split, seed=settings.seed)
     checkpoints = checkpoint_dir(settings)
     lora = asdict(settings.lora) if split.lora else None
@@ -133,6 +141,7 @@ def run_driver(
             manifest = trainer.load(checkpoints)
             log.info("resumed from step %d (%s)", trainer.step, checkpoints / manifest["folder"])
         losses: list[float] = []
+        val_loss = float("nan")
         tokens, seconds = 0, 0.0
         cpu_before = [s["cpu_s"] for s in sharded.stats()]
         wall_before = time.perf_counter()
@@ -155,6 +164,10 @@ def run_driver(
                     step=trainer.step,
                 )
                 progress.update(task, completed=trainer.step, loss=f"{result.loss:.3f}")
+                every = split.eval_every
+                if every and (trainer.step % every == 0 or trainer.step == split.steps):
+                    val_loss = trainer.evaluate(val_blocks, batch_size=split.batch_size)
+                    tracker.log({"val_loss": val_loss}, step=trainer.step)
                 every = split.checkpoint_every
                 if (every and trainer.step % every == 0) or trainer.step == split.steps:
                     trainer.save(checkpoints, extra={"loss": result.loss})
@@ -164,6 +177,7 @@ def run_driver(
             for s, before in zip(sharded.stats(), cpu_before, strict=True)
         ]
         metrics: dict[str, float] = {
+            **({"val_loss": val_loss} if split.eval_every else {}),
             "final_loss": losses[-1] if losses else float("nan"),
             "first_loss": losses[0] if losses else float("nan"),
             "tokens_per_s": tokens / seconds if seconds else 0.0,

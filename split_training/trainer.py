@@ -125,6 +125,15 @@ class DistributedTrainer:
                 raise StageLostError(f"a stage failed during the forward pass: {exc}") from None
         return losses
 
+    def evaluate(self, blocks: torch.Tensor, *, batch_size: int) -> float:
+        """Mean next-token loss over `blocks` (N, T): the forward alone, outside any
+        distributed autograd context (nothing is recorded for a backward)."""
+        total, tokens = 0.0, 0
+        for batch in blocks.split(batch_size):  # (b, T)
+            total += float(torch.stack(self._losses(batch, 1)).sum())
+            tokens += batch.shape[0] * (batch.shape[1] - 1)
+        return total / tokens
+
     def backward(
         self, context_id: int, batch: torch.Tensor, *, microbatches: int, scale: float
     ) -> float:

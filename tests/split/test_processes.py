@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lab.cli import ConfigError
+from lab.tracking import METRICS_FILE, read_records
 from split_inference.run import run as run_inference
 from split_training.run import run as run_training
 
@@ -62,8 +63,15 @@ def test_local_split_training_checkpoints_and_resumes(
         "split.max_train_blocks=64",
         f"split.checkpoint_dir={tmp_path / 'ckpt'}",
     ]
-    first = run_training(compose_config("split_training", [*common, "split.steps=2"]))
+    first = run_training(
+        compose_config("split_training", [*common, "split.steps=2", "split.eval_every=1"])
+    )
     assert first["steps"] == 2
+    # validation after each step: forward only, a finite loss per step, and the run's last
+    records = read_records(tmp_path / METRICS_FILE)
+    evaluated = [r for r in records if r["kind"] == "metrics" and "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [1, 2]
+    assert first["val_loss"] == evaluated[-1]["val_loss"] and 0 < first["val_loss"] < 20
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
     manifest = json.loads((tmp_path / "ckpt" / "latest.json").read_text())
     assert manifest["step"] == 2
