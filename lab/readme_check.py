@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,11 +31,14 @@ from pathlib import Path
 from rich.console import Console
 
 from lab import experiment
+from lab.cli import EXIT_INTERRUPTED
 from lab.experiment import override_key
 from lab.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT_DIR = "split.checkpoint_dir"
+SERVER_GRACE_S = 20.0
+"""How long a multi-machine example's servers get to end by themselves once the rest have."""
 
 QUICK: dict[str, list[str]] = {
     "spec_decoding": [
@@ -197,15 +201,34 @@ def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool,
                                           cwd=ROOT, start_new_session=True))  # fmt: skip
         time.sleep(1.0 if len(argvs) > 1 else 0.0)  # servers are listed first
     deadline = time.monotonic() + timeout_s
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
+    interrupted: set[int] = set()
+    while any(proc.poll() is None for proc in procs):
+        if time.monotonic() > deadline:
             stop(procs)
             return False, f"still running after {timeout_s:.0f}s (logs: {out})"
-    for code, log_path in zip(codes, logs, strict=True):
+        running = [i for i, proc in enumerate(procs) if proc.poll() is None]
+        if len(running) < len(procs) and all(procs[i].poll() is None for i in running):
+            # the others are done: a server that serves on (the verifier) gets what its user
+            # would give it, a Ctrl-C, after a grace period to end by itself
+            settle = time.monotonic() + SERVER_GRACE_S
+            while time.monotonic() < settle and any(procs[i].poll() is None for i in running):
+                time.sleep(0.2)
+            for i in running:
+                if procs[i].poll() is None:
+                    procs[i].send_signal(signal.SIGINT)
+                    interrupted.add(i)
+            for i in running:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    procs[i].wait(timeout=30)
+            if any(procs[i].poll() is None for i in running):
+                stop(procs)
+                return False, f"a server did not stop on Ctrl-C (logs: {out})"
+        time.sleep(0.2)
+    codes = [proc.returncode for proc in procs]
+    for index, (code, log_path) in enumerate(zip(codes, logs, strict=True)):
         text = log_path.read_text(errors="replace")
+        if index in interrupted and code == EXIT_INTERRUPTED:
+            code = 0  # stopped by the Ctrl-C above, as its user would, and said so cleanly
         if code != 0:
             last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
             return False, f"exit {code}: {last[0][:200]} (log: {log_path})"
