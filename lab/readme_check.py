@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from lab import experiment
 from lab.cli import EXIT_INTERRUPTED
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     runnable = [c for c in commands if not c.skipped]
     for command in commands:
         if command.skipped:
-            console.print(f"[dim]skip[/]  {command.text}  [dim]({command.skipped})[/]")
+            console.print(f"[dim]skip[/]  {escape(command.text)}  [dim]({command.skipped})[/]")
     # As `make run` does first: the lab's tiny models, built once (minutes on 2 cores) rather
     # than inside whichever command happens to need them first, under its time limit.
     console.print("building the lab's tiny models first: python -m lab.pretrain (once)")
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
     passed = 0
     for number, command in enumerate(runnable, start=1):
-        console.print(f"[bold]{number}/{len(runnable)}[/] {command.text}", soft_wrap=True)
+        console.print(f"[bold]{number}/{len(runnable)}[/] {escape(command.text)}", soft_wrap=True)
         started = time.monotonic()
         ok, why = run_command(command, out=out / f"{number:02d}", timeout_s=args.timeout_s)
         seconds = time.monotonic() - started
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         if ok:
             console.print(f"  [green]ok[/] in {seconds:.0f}s")
         else:
-            console.print(f"  [red]FAILED[/] after {seconds:.0f}s: {why}", soft_wrap=True)
+            console.print(f"  [red]FAILED[/] after {seconds:.0f}s: {escape(why)}", soft_wrap=True)
     console.print(f"outputs and logs: {out}")
     print(f"README commands ok: {passed} of {len(runnable)}")
     if passed != len(runnable):

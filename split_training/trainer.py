@@ -130,7 +130,7 @@ class DistributedTrainer:
         distributed autograd context (nothing is recorded for a backward)."""
         total, tokens = 0.0, 0
         for batch in blocks.split(batch_size):  # (b, T)
-            total += float(torch.stack(self._losses(batch, 1)).sum())
+            total += float(torch.stack(self._losses(batch, 1)).sum().detach())
             tokens += batch.shape[0] * (batch.shape[1] - 1)
         return total / tokens
 

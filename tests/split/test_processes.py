@@ -162,6 +162,9 @@ def test_a_successful_run_prints_nothing_that_reads_as_an_error(
         assert f"{stage} joined the run" in output
     alarming = [line for line in output.splitlines() if any(p in line for p in ALARMING)]
     assert not alarming, "\n".join(alarming[:20])
+    from lab.readme_check import NOISE  # and what every module's successful run must not print
+
+    assert not NOISE.search(output), [m.group(0) for m in NOISE.finditer(output)]
 
 
 def test_a_killed_stage_ends_the_run_with_a_clear_error(llama_folder: Path, tmp_path: Path) -> None:
