@@ -145,6 +145,9 @@ def split_training(run_dir: Path) -> list[Path]:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o", color="black",
                 markersize=5, label="validation (held-out text)")  # fmt: skip
     ax.legend(fontsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("split training")
