@@ -116,6 +116,15 @@ ALARMING = (
 """What a user reads as an error: TensorPipe's and the RRef bookkeeping's shutdown reports, a
 traceback, torch's Gloo deprecation warning from inside init_rpc."""
 
+
+def module_command(module: str, model: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """`python -m module` on `model`, into `run_dir`, W&B off."""
+    return [
+        sys.executable, "-m", module, f"model.pretrained={model}", "tracking.wandb=false",
+        f"hydra.run.dir={run_dir}", f"paths.run_dir={run_dir}", *overrides,
+    ]  # fmt: skip
+
+
 TINY_RUNS = {
     "split_inference": [
         "generate.num_prompts=2",
@@ -139,16 +148,7 @@ def test_a_successful_run_prints_nothing_that_reads_as_an_error(
     """Every process drops its RRefs and the agents agree that the world ends before any pipe
     closes: no leak report, no TensorPipe error line, no warning from torch's RPC start-up."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            module,
-            f"model.pretrained={llama_folder}",
-            "tracking.wandb=false",
-            f"hydra.run.dir={tmp_path}",
-            f"paths.run_dir={tmp_path}",
-            *TINY_RUNS[module],
-        ],
+        module_command(module, llama_folder, tmp_path, *TINY_RUNS[module]),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -169,19 +169,15 @@ def test_a_successful_run_prints_nothing_that_reads_as_an_error(
 
 def test_a_killed_stage_ends_the_run_with_a_clear_error(llama_folder: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
+        module_command(
             "split_inference",
-            f"model.pretrained={llama_folder}",
-            "tracking.wandb=false",
+            llama_folder,
+            tmp_path,
             "generate.baseline=false",
             "generate.num_prompts=16",
             "generate.max_new_tokens=200",
             "split.rpc_timeout_s=10",
-            f"hydra.run.dir={tmp_path}",
-            f"paths.run_dir={tmp_path}",
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
