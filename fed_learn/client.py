@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from fed_learn.aggregate import lora_modules
 from fed_learn.compression import ErrorFeedback
 from fed_learn.lora import adapter_state, load_adapter_state, train_local
 from fed_learn.protocol import FedMsg
@@ -100,7 +101,8 @@ class LoRAClient:
         }
         local = adapter_state(self.model)
         if bool(task.get("freeze_a", False)):  # A did not move: the coordinator has it
-            local = {name: t for name, t in local.items() if ".lora_A." not in name}
+            frozen = {a_key for a_key, _ in lora_modules(local).values()}
+            local = {name: t for name, t in local.items() if name not in frozen}
         method = str(task.get("compression", "none"))
         if method == "none":
             return result, local

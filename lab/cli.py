@@ -37,12 +37,6 @@ def full_errors() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def one_line(exc: BaseException) -> str:
-    """The message of `exc` on one line (a quoted role log keeps its own lines after it)."""
-    text = str(exc).strip() or type(exc).__name__
-    return text
-
-
 @contextlib.contextmanager
 def reported(*, interrupted: str = "interrupted; nothing of this run is kept") -> Iterator[None]:
     """Run a command's body: user errors become one line and exit 2, Ctrl-C prints
@@ -54,7 +48,8 @@ def reported(*, interrupted: str = "interrupted; nothing of this run is kept") -
         yield
     except user_errors() as exc:
         sys.stdout.flush()
-        print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
+        # one line, unless the error quotes a failed role's log: its lines follow
+        print(f"error: {str(exc).strip() or type(exc).__name__}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USER_ERROR) from None
     except KeyboardInterrupt:
         sys.stdout.flush()
