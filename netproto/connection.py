@@ -24,6 +24,7 @@ from netproto import auth
 from netproto.errors import (
     ConnectionClosed,
     LocalProtocolError,
+    NetprotoError,
     NetTimeout,
     PeerProtocolError,
     RemoteError,
@@ -31,25 +32,22 @@ from netproto.errors import (
 )
 from netproto.wire import (
     AUTH_LIMITS,
-    HEADER_BYTES,
     REGISTRY,
     Buffer,
+    FrameDecoder,
     Limits,
     Message,
+    MessageSpec,
     MsgType,
     PayloadKind,
     Registry,
-    decode_payload,
-    encode,
+    encode_frame,
     new_payload_buffer,
-    parse_header,
 )
 
 log = logging.getLogger(__name__)
 
 IOV_MAX = 1024
-READ_CHUNK_BYTES = 64 * 1024
-"""Frames up to this size arrive through one buffered read (header and payload together)."""
 SMALL_SEND_BYTES = 64 * 1024
 """Frames up to this size are joined and sent with one sendall."""
 REUSE_MIN_BYTES = 1 << 20
@@ -69,6 +67,8 @@ _UNSHARED_REFS = _storage_refs(torch.empty(1))
 _AUTH_TYPES = frozenset(
     {MsgType.AUTH_CHALLENGE, MsgType.AUTH_RESPONSE, MsgType.AUTH_PROOF, MsgType.AUTH_OK}
 )
+_CONTROL = frozenset({MsgType.ERROR, MsgType.PING, MsgType.PONG, MsgType.BYE} | _AUTH_TYPES)
+"""netproto's own messages, which `recv` handles itself unless the caller expects them."""
 _UNSET: Any = object()
 
 
@@ -107,8 +107,8 @@ class Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._limits = limits
-        self._active_limits = limits
         self._registry = registry
+        self._specs = registry.specs
         self._read_timeout_s = read_timeout_s
         self._send_lock = threading.Lock()
         self._request_ids = itertools.count(1)
@@ -117,13 +117,10 @@ class Connection:
         self._deadline: float | None = None  # monotonic; set while the handshake runs
         self.peer = peer or _peer_name(sock)
         self.bytes_sent = 0
-        self.bytes_received = 0
         self.last_received = time.monotonic()
         """When the last whole frame arrived (heartbeats included): for liveness checks."""
-        self._rbuf = memoryview(bytearray(READ_CHUNK_BYTES))
-        self._rpos = 0  # unread bytes are self._rbuf[self._rpos:self._rend]
-        self._rend = 0
         self._spares: list[torch.Tensor] = []  # big receive buffers, reused when unshared
+        self._reader = FrameDecoder(limits=limits, registry=registry, allocate=self._payload_buffer)
         sock.settimeout(read_timeout_s)
 
     # ------------------------------------------------------------ set-up
@@ -245,12 +242,12 @@ class Connection:
                         f"TLS handshake with {self.peer} did not finish in time"
                     ) from None
             if secret:
-                self._active_limits = AUTH_LIMITS  # nothing bigger than a handshake frame
+                self._reader.limits = AUTH_LIMITS  # nothing bigger than a handshake frame
                 if server_side:
                     auth.server_handshake(self, secret)
                 else:
                     auth.client_handshake(self, secret)
-                self._active_limits = self._limits
+                self._reader.limits = self._limits
         finally:
             self._in_handshake = False
             self._deadline = None
@@ -273,35 +270,37 @@ class Connection:
         """Send one message; the payload's encoding follows the type's registered kind.
 
         Returns the frame's size in bytes. LocalProtocolError (nothing sent) when the payload
-        does not fit the type or the limits.
+        does not fit the type or the limits. A small frame goes out in one write.
         """
-        buffers = encode(
-            Message(msg_type, payload, request_id, flags),
-            limits=self._limits,
-            registry=self._registry,
-        )
+        spec = self._specs.get(msg_type)
+        if spec is None:
+            raise LocalProtocolError(f"message type {msg_type:#06x} is not registered")
+        return self._send(spec, payload, request_id, flags)
+
+    def _send(self, spec: MessageSpec, payload: Any, request_id: int, flags: int) -> int:
+        buffers, size = encode_frame(spec, payload, request_id, flags, self._limits)
         with self._send_lock:
             if self._closed:
                 raise ConnectionClosed(f"connection to {self.peer} is closed")
             if self._deadline is not None:
                 self._arm_deadline()
             try:
-                sent = self._sendall(buffers)
+                if size <= SMALL_SEND_BYTES:
+                    self._sock.sendall(b"".join(buffers))
+                else:
+                    self._sendall(buffers)
             except OSError as exc:  # a half-sent frame cannot be taken back: close
                 raise self._lost(exc, mid_frame=True) from None
-        self.bytes_sent += sent
-        return sent
+            self.bytes_sent += size
+        return size
 
-    def _sendall(self, buffers: Sequence[Buffer]) -> int:
+    def _sendall(self, buffers: Sequence[Buffer]) -> None:
+        """A big frame: one scatter-gather write of views of its buffers (no join, no copy)."""
         views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-        total = sum(v.nbytes for v in views)
-        if total <= SMALL_SEND_BYTES:
-            self._sock.sendall(b"".join(views))
-            return total
         if isinstance(self._sock, ssl.SSLSocket):  # no sendmsg over TLS
             for view in views:
                 self._sock.sendall(view)
-            return total
+            return
         first = 0
         while first < len(views):
             sent = self._sock.sendmsg(views[first : first + IOV_MAX])
@@ -313,37 +312,37 @@ class Connection:
                 else:
                     views[first] = views[first][sent:]
                     sent = 0
-        return total
 
-    def _check_kind(self, msg_type: int, kind: PayloadKind, method: str) -> None:
-        spec = self._registry.spec(msg_type)
-        if spec is not None and spec.kind != kind:
+    def _send_kind(
+        self, msg_type: int, kind: PayloadKind, method: str, payload: Any, request_id: int
+    ) -> int:
+        spec = self._specs.get(msg_type)
+        if spec is None:
+            raise LocalProtocolError(f"message type {msg_type:#06x} is not registered")
+        if spec.kind is not kind:
             raise LocalProtocolError(
                 f"{method} cannot send {spec.name}, which carries {spec.kind.name}"
             )
+        return self._send(spec, payload, request_id, 0)
 
     def send_msg(
         self, msg_type: int, body: Mapping[str, Any] | None = None, *, request_id: int = 0
     ) -> int:
         """A small control message (a JSON object)."""
-        self._check_kind(msg_type, PayloadKind.JSON, "send_msg")
-        return self.send(msg_type, dict(body or {}), request_id=request_id)
+        return self._send_kind(msg_type, PayloadKind.JSON, "send_msg", dict(body or {}), request_id)
 
     def send_tokens(
         self, msg_type: int, tokens: Sequence[int] | torch.Tensor, *, request_id: int = 0
     ) -> int:
-        self._check_kind(msg_type, PayloadKind.TOKENS, "send_tokens")
-        return self.send(msg_type, tokens, request_id=request_id)
+        return self._send_kind(msg_type, PayloadKind.TOKENS, "send_tokens", tokens, request_id)
 
     def send_tensor(self, msg_type: int, tensor: torch.Tensor, *, request_id: int = 0) -> int:
-        self._check_kind(msg_type, PayloadKind.TENSOR, "send_tensor")
-        return self.send(msg_type, tensor, request_id=request_id)
+        return self._send_kind(msg_type, PayloadKind.TENSOR, "send_tensor", tensor, request_id)
 
     def send_tensors(
         self, msg_type: int, tensors: Mapping[str, torch.Tensor], *, request_id: int = 0
     ) -> int:
-        self._check_kind(msg_type, PayloadKind.TENSORS, "send_tensors")
-        return self.send(msg_type, tensors, request_id=request_id)
+        return self._send_kind(msg_type, PayloadKind.TENSORS, "send_tensors", tensors, request_id)
 
     def send_error(self, code: str, message: str, *, request_id: int = 0) -> None:
         """Tell the peer why we refuse or fail; best effort (the peer may be gone)."""
@@ -370,11 +369,11 @@ class Connection:
         for this call; NetTimeout when nothing arrives in time (the connection stays usable if
         no byte of a frame had arrived).
         """
-        expected = (
-            None
-            if expect is None
-            else ({int(expect)} if isinstance(expect, int) else {int(t) for t in expect})
-        )
+        expected: Collection[int] | None
+        if expect is None or isinstance(expect, int):
+            expected = None if expect is None else (expect,)
+        else:
+            expected = expect
         if timeout_s is not _UNSET:
             self._sock.settimeout(timeout_s)
         try:
@@ -382,6 +381,8 @@ class Connection:
                 message = self._recv_frame()
                 if expected is not None and message.type in expected:
                     return message
+                if expected is None and message.type not in _CONTROL and not self._in_handshake:
+                    return message  # an application message, the commonest case
                 if message.type == MsgType.ERROR:
                     body = message.payload
                     raise RemoteError(str(body.get("code", "error")), str(body.get("message", "")))
@@ -437,7 +438,7 @@ class Connection:
         """
         if self._closed:
             return True  # recv says why
-        if self._rend > self._rpos:
+        if self._reader.buffered:
             return True
         if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
             return True
@@ -445,38 +446,67 @@ class Connection:
         return bool(ready)
 
     def _recv_frame(self) -> Message:
+        """The next frame from the reader, receiving straight into where it wants the bytes:
+        one recv_into for a frame that fits the read buffer (header and payload together)."""
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed")
-        self._fill(HEADER_BYTES, started=False)
+        reader = self._reader
+        recv_into = self._sock.recv_into
         try:
-            header = parse_header(
-                self._rbuf[self._rpos : self._rpos + HEADER_BYTES],
-                limits=self._active_limits,
-                registry=self._registry,
-            )
+            message = reader.next_message()
+            while message is None:
+                if reader.in_payload:
+                    self._receive_payload(reader)
+                else:
+                    if self._deadline is not None:
+                        self._arm_deadline()
+                    try:
+                        count = recv_into(reader.writable())
+                    except OSError as exc:
+                        raise self._lost(exc, mid_frame=reader.mid_frame) from None
+                    if not count:
+                        raise self._ended(reader, mid_frame=reader.mid_frame)
+                    reader.wrote(count)
+                message = reader.next_message()
         except PeerProtocolError as exc:
+            if self._closed:  # the stream ended mid-frame: already closed
+                raise
             raise self._fail(exc) from None
-        self._rpos += HEADER_BYTES
-        length = header.length
-        payload: torch.Tensor | bytes
-        if length <= READ_CHUNK_BYTES:
-            self._fill(length, started=True)
-            payload = bytes(self._rbuf[self._rpos : self._rpos + length])
-            self._rpos += length
-        else:  # big: straight into its own buffer, after what the read buffer already holds
-            payload = self._payload_buffer(length)
-            view = payload.numpy().data
-            buffered = min(self._rend - self._rpos, length)
-            view[:buffered] = self._rbuf[self._rpos : self._rpos + buffered]
-            self._rpos += buffered
-            self._recv_exactly(view[buffered:])
-        self.bytes_received += HEADER_BYTES + length
         self.last_received = time.monotonic()
+        return message
+
+    def _receive_payload(self, reader: FrameDecoder) -> None:
+        """A big payload: a tight loop of recv_into straight into its own buffer until whole."""
+        view = reader.writable()
+        got, size, recv_into = 0, view.nbytes, self._sock.recv_into
         try:
-            value = decode_payload(header, payload, limits=self._active_limits)
-        except PeerProtocolError as exc:
-            raise self._fail(exc) from None
-        return Message(header.type, value, header.request_id, header.flags)
+            while got < size:
+                if self._deadline is not None:
+                    self._arm_deadline()
+                count = recv_into(view[got:])
+                if not count:
+                    break
+                got += count
+        except OSError as exc:
+            raise self._lost(exc, mid_frame=True) from None
+        finally:
+            reader.wrote(got)
+        if got < size:
+            raise self._ended(reader, mid_frame=True)
+
+    def _ended(self, reader: FrameDecoder, *, mid_frame: bool) -> NetprotoError:
+        """The peer closed its side: between frames a close, within one a truncation."""
+        self._abort()
+        if not mid_frame:
+            return ConnectionClosed(f"{self.peer} closed the connection")
+        return reader.fail(
+            PeerProtocolError(f"{self.peer} closed the connection mid-frame (truncated)")
+        )
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of the whole frames received (headers included)."""
+        return self._reader.frame_bytes
 
     def _payload_buffer(self, length: int) -> torch.Tensor:
         """A buffer for a big payload: a spare nobody views any more, else a new one.
@@ -496,54 +526,6 @@ class Connection:
         if length >= REUSE_MIN_BYTES:
             self._spares = [buffer, *self._spares][:NUM_SPARE_BUFFERS]
         return buffer
-
-    def _fill(self, need: int, *, started: bool) -> None:
-        """Make `need` (<= READ_CHUNK_BYTES) unread bytes available in the read buffer."""
-        if self._rend - self._rpos >= need:
-            return
-        if self._rpos:  # move the unread tail to the front
-            unread = self._rend - self._rpos
-            self._rbuf[:unread] = self._rbuf[self._rpos : self._rend]
-            self._rpos, self._rend = 0, unread
-        while self._rend < need:
-            self._rend += self._recv_some(
-                self._rbuf[self._rend :], started=started or self._rend > 0
-            )
-
-    def _recv_exactly(self, view: memoryview) -> None:
-        """Fill `view` (mid-frame): the bulk path, a tight loop of recv_into calls."""
-        got, size, recv_into = 0, view.nbytes, self._sock.recv_into
-        try:
-            while got < size:
-                if self._deadline is not None:
-                    self._arm_deadline()
-                count = recv_into(view[got:])
-                if not count:
-                    break
-                got += count
-        except OSError as exc:
-            raise self._lost(exc, mid_frame=True) from None
-        if got < size:
-            self._abort()
-            raise PeerProtocolError(
-                f"{self.peer} closed the connection mid-frame (truncated "
-                f"payload: {got} of {size} bytes)"
-            )
-
-    def _recv_some(self, view: memoryview, *, started: bool) -> int:
-        """One recv_into; `started`: bytes of this frame already arrived (EOF = truncation)."""
-        if self._deadline is not None:
-            self._arm_deadline()
-        try:
-            count = self._sock.recv_into(view)
-        except OSError as exc:
-            raise self._lost(exc, mid_frame=started) from None
-        if count == 0:
-            self._abort()
-            if not started:
-                raise ConnectionClosed(f"{self.peer} closed the connection")
-            raise PeerProtocolError(f"{self.peer} closed the connection mid-frame (truncated)")
-        return count
 
     def _lost(self, exc: OSError, *, mid_frame: bool) -> NetTimeout | ConnectionClosed:
         """The error to raise for a socket failure. A timeout between frames leaves the
@@ -568,17 +550,25 @@ class Connection:
         self._abort()
         return error
 
-    def recv_msg(self, expect: int | Collection[int], **kwargs: Any) -> dict[str, Any]:
-        return self.recv(expect=expect, **kwargs).payload
+    def recv_msg(
+        self, expect: int | Collection[int], *, timeout_s: float | None = _UNSET
+    ) -> dict[str, Any]:
+        return self.recv(expect=expect, timeout_s=timeout_s).payload
 
-    def recv_tokens(self, expect: int | Collection[int], **kwargs: Any) -> torch.Tensor:
-        return self.recv(expect=expect, **kwargs).payload
+    def recv_tokens(
+        self, expect: int | Collection[int], *, timeout_s: float | None = _UNSET
+    ) -> torch.Tensor:
+        return self.recv(expect=expect, timeout_s=timeout_s).payload
 
-    def recv_tensor(self, expect: int | Collection[int], **kwargs: Any) -> torch.Tensor:
-        return self.recv(expect=expect, **kwargs).payload
+    def recv_tensor(
+        self, expect: int | Collection[int], *, timeout_s: float | None = _UNSET
+    ) -> torch.Tensor:
+        return self.recv(expect=expect, timeout_s=timeout_s).payload
 
-    def recv_tensors(self, expect: int | Collection[int], **kwargs: Any) -> dict[str, torch.Tensor]:
-        return self.recv(expect=expect, **kwargs).payload
+    def recv_tensors(
+        self, expect: int | Collection[int], *, timeout_s: float | None = _UNSET
+    ) -> dict[str, torch.Tensor]:
+        return self.recv(expect=expect, timeout_s=timeout_s).payload
 
     def request(
         self,
@@ -619,6 +609,7 @@ class Connection:
     def _abort(self) -> None:
         self._closed = True
         self._spares = []  # up to two frame-cap-sized buffers: not kept by a closed connection
+        self._reader.release()
         with contextlib.suppress(OSError):
             self._sock.close()
 

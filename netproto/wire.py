@@ -26,7 +26,7 @@ import math
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -53,6 +53,7 @@ _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
 _U64 = struct.Struct("!Q")
 _TENSOR_META = struct.Struct("!BB")  # dtype code, ndim
+_INT32 = torch.int32
 
 
 class PayloadKind(IntEnum):
@@ -198,6 +199,11 @@ class Registry:
     def spec(self, msg_type: int) -> MessageSpec | None:
         return self._specs.get(msg_type)
 
+    @property
+    def specs(self) -> Mapping[int, MessageSpec]:
+        """Every registered type (a live view: later registrations show in it)."""
+        return self._specs
+
     def name(self, msg_type: int) -> str:
         spec = self._specs.get(msg_type)
         return spec.name if spec else f"{msg_type:#06x}"
@@ -243,6 +249,9 @@ class Message(NamedTuple):
     request_id: int = 0
     flags: int = 0
 
+
+_new_message = tuple.__new__
+"""Builds a Message from a tuple in C (NamedTuple's own __new__ is a Python function)."""
 
 # ---------------------------------------------------------------- header
 
@@ -442,23 +451,60 @@ def _encode_tensor_dict(tensors: Any, limits: Limits) -> list[Buffer]:
     return parts
 
 
-def encode(
-    message: Message, *, limits: Limits = Limits(), registry: Registry = REGISTRY
-) -> list[Buffer]:
-    """Header + payload buffers of `message` (send them in order, e.g. with sendmsg)."""
-    spec = registry.spec(message.type)
-    if spec is None:
-        raise LocalProtocolError(f"message type {message.type:#06x} is not registered")
-    if not 0 <= message.request_id <= MAX_REQUEST_ID or not 0 <= message.flags <= 255:
+def encode_frame(
+    spec: MessageSpec, payload: Any, request_id: int, flags: int, limits: Limits
+) -> tuple[list[Buffer], int]:
+    """Header + payload buffers of one frame of a registered type (send them in order), and
+    the frame's size in bytes.
+
+    This runs once per message on every connection, so it builds nothing it does not send:
+    empty messages and token ids that already are a 1-D int32 CPU tensor take a short path.
+    """
+    if not (0 <= request_id <= MAX_REQUEST_ID and 0 <= flags <= 255):
         raise LocalProtocolError("request_id must fit in uint32 and flags in uint8")
-    parts = encode_payload(spec.kind, message.payload, limits=limits)
+    kind = spec.kind
+    if payload is None and kind is PayloadKind.EMPTY:
+        return [HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, spec.type, kind, request_id, 0)], (
+            HEADER_BYTES
+        )
+    if kind is PayloadKind.TOKENS and type(payload) is torch.Tensor and payload.dtype is _INT32:
+        try:  # numpy() refuses what cannot be viewed as plain CPU memory (grad, device)
+            array = payload.numpy()
+        except (RuntimeError, TypeError):
+            array = None
+        if array is not None and array.ndim == 1:
+            data = array.tobytes()  # C order, whatever the strides
+            length = len(data)
+            if length <= limits.max_frame_bytes:
+                header = HEADER.pack(
+                    MAGIC, PROTOCOL_VERSION, flags, spec.type, kind, request_id, length
+                )
+                return [header, data], HEADER_BYTES + length
+    parts = encode_payload(kind, payload, limits=limits)
     length = sum(memoryview(p).nbytes for p in parts)
     if length > limits.max_frame_bytes:
         raise LocalProtocolError(
             f"{spec.name} of {length} bytes exceeds max_frame_bytes {limits.max_frame_bytes}"
         )
-    header = Header(message.type, spec.kind, message.flags, message.request_id, length)
-    return [pack_header(header), *parts]
+    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, spec.type, kind, request_id, length)
+    return [header, *parts], HEADER_BYTES + length
+
+
+def registered(msg_type: int, registry: Registry) -> MessageSpec:
+    """The spec of a type we are about to send; LocalProtocolError if it is not registered."""
+    spec = registry.spec(msg_type)
+    if spec is None:
+        raise LocalProtocolError(f"message type {msg_type:#06x} is not registered")
+    return spec
+
+
+def encode(
+    message: Message, *, limits: Limits = Limits(), registry: Registry = REGISTRY
+) -> list[Buffer]:
+    """Header + payload buffers of `message` (send them in order, e.g. with sendmsg)."""
+    spec = registered(message.type, registry)
+    parts, _ = encode_frame(spec, message.payload, message.request_id, message.flags, limits)
+    return parts
 
 
 def encode_bytes(message: Message, **kwargs: Any) -> bytes:
@@ -578,13 +624,28 @@ def _read_tensor(reader: _Reader, limits: Limits, *, exact: bool) -> torch.Tenso
     return typed.as_strided(shape, _contiguous_strides(shape), typed.storage_offset() + first)
 
 
-def decode_payload(header: Header, payload: torch.Tensor | Buffer, *, limits: Limits) -> Any:
+def decode_payload(
+    header: Header,
+    payload: torch.Tensor | Buffer,
+    *,
+    limits: Limits,
+    registry: Registry = REGISTRY,
+) -> Any:
     """Decode a complete payload of `header.length` bytes (a uint8 tensor, or bytes).
 
-    Tensors come back as views into a uint8 tensor payload (no copy); they keep it alive.
+    Tensors come back as views into a uint8 tensor payload (no copy); they keep it alive. A
+    payload given as bytes (or a view of a read buffer) is copied out first where needed.
     Whatever is wrong with the payload raises PeerProtocolError, never another exception.
     """
-    what = REGISTRY.name(header.type)
+    kind = header.kind
+    if kind is PayloadKind.TOKENS and not isinstance(payload, torch.Tensor):
+        # the commonest small frame, decoded without the general path's bookkeeping
+        length = header.length
+        if memoryview(payload).nbytes == length and not length % 4:
+            if not length:
+                return torch.empty(0, dtype=torch.int32)
+            return torch.frombuffer(bytearray(payload), dtype=torch.int32)
+    what = registry.name(header.type)
     try:
         return _decode_payload(header, payload, limits, what)
     except PeerProtocolError:
@@ -688,64 +749,259 @@ def new_payload_buffer(length: int) -> torch.Tensor:
     return torch.empty(length, dtype=torch.uint8)
 
 
+READ_CHUNK_BYTES = 64 * 1024
+"""A frame of up to this size (header and payload) is read into, and decoded in, one buffer."""
+
+PayloadAllocator = Callable[[int], torch.Tensor]
+
+
 class FrameDecoder:
-    """Incremental decoder: feed it bytes as they arrive, take whole messages out.
+    """The one frame reader (sans-IO): bytes in, typed messages out.
+
+    A connection receives straight into `writable()` and reports how many bytes came with
+    `wrote(n)`; tests and fuzzers `feed()` bytes. Both take the same path. A frame that fits
+    the read buffer (header and payload) is decoded where it lies, usually after one receive;
+    a bigger payload gets a buffer of its own, allocated (by `allocate`) only once its header
+    has passed the caps, and `writable()` then points into that buffer, so the rest of it is
+    received in place and its tensors are views of it.
 
     After a PeerProtocolError it stays broken (every later call raises): the caller must close
     the connection, since the byte stream can no longer be trusted.
     """
 
-    def __init__(self, *, limits: Limits = Limits(), registry: Registry = REGISTRY) -> None:
-        self.limits = limits
+    def __init__(
+        self,
+        *,
+        limits: Limits = Limits(),
+        registry: Registry = REGISTRY,
+        allocate: PayloadAllocator = new_payload_buffer,
+        chunk_bytes: int = READ_CHUNK_BYTES,
+    ) -> None:
+        if chunk_bytes < HEADER_BYTES:
+            raise ValueError(f"chunk_bytes={chunk_bytes} cannot hold a header")
         self.registry = registry
-        self._buffer = bytearray()
-        self._header: Header | None = None
+        self._specs = registry.specs
+        self.frame_bytes = 0
+        """Bytes of the whole frames decoded so far (headers included)."""
+        self._allocate = allocate
+        self._buffer = memoryview(bytearray(chunk_bytes))
+        self._pos = 0  # unread bytes are self._buffer[self._pos:self._end]
+        self._end = 0
+        self._header: Header | None = None  # parsed; its payload has not all arrived
+        self._payload: torch.Tensor | None = None  # a big payload's own buffer ...
+        self._payload_view = memoryview(b"")  # ... as bytes
+        self._payload_got = 0
+        self.in_payload = False
+        """Whether `writable()` is a big payload's own buffer (to be filled whole)."""
+        self._backlog = bytearray()  # fed bytes not yet moved into the buffer
         self._error: PeerProtocolError | None = None
+        self.limits = limits
 
-    def feed(self, data: bytes) -> None:
+    @property
+    def limits(self) -> Limits:
+        """Caps for the next header parsed (a connection narrows them during its handshake)."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: Limits) -> None:
+        self._limits = limits
+        # a frame this small, whole in the buffer, of a registered type of its kind, passes
+        # every cap of parse_header: the fast path checks exactly that much
+        self._fast_bytes = min(
+            len(self._buffer) - HEADER_BYTES, limits.max_frame_bytes, limits.max_json_bytes
+        )
+
+    # ------------------------------------------------------------ receiving into it
+
+    def writable(self) -> memoryview:
+        """Where the next received bytes go (never empty while a frame is incomplete)."""
+        if self._payload is not None:
+            return self._payload_view[self._payload_got :]
+        if self._pos == self._end:
+            self._pos = self._end = 0
+        elif self._pos:
+            header = self._header
+            need = HEADER_BYTES + (header.length if header is not None else 0)
+            if len(self._buffer) - self._pos < need:  # the frame cannot finish here: compact
+                unread = self._end - self._pos
+                self._buffer[:unread] = self._buffer[self._pos : self._end]
+                self._pos, self._end = 0, unread
+        return self._buffer[self._end :]
+
+    def wrote(self, count: int) -> None:
+        """`count` bytes were received into the view `writable()` returned."""
+        if self._payload is not None:
+            self._payload_got += count
+        else:
+            self._end += count
+
+    @property
+    def mid_frame(self) -> bool:
+        """Whether bytes of an incomplete frame have arrived (an end of stream now truncates)."""
+        return (
+            self._header is not None
+            or self._payload is not None
+            or self._end > self._pos
+            or bool(self._backlog)
+        )
+
+    @property
+    def buffered(self) -> bool:
+        """Whether a frame has begun to arrive (a whole one may be waiting, undecoded)."""
+        return self.mid_frame
+
+    def feed(self, data: Buffer) -> None:
+        """Bytes that arrived, in order (they are decoded by `next_message`)."""
         self._check()
-        self._buffer += data
+        self._backlog += data
 
-    def _check(self) -> None:
-        if self._error is not None:
-            raise PeerProtocolError(f"stream already failed: {self._error}")
+    def _pull_backlog(self) -> bool:
+        """Move fed bytes into the buffer; whether any moved."""
+        if not self._backlog:
+            return False
+        view = self.writable()
+        count = min(len(view), len(self._backlog))
+        view[:count] = self._backlog[:count]
+        del self._backlog[:count]
+        self.wrote(count)
+        return True
+
+    # ------------------------------------------------------------ messages out
 
     def next_message(self) -> Message | None:
         """The next complete message, or None until more bytes arrive."""
+        if (
+            self._error is None
+            and self._header is None
+            and self._payload is None
+            and not self._backlog
+        ):  # the common case, a small frame whole in the buffer: decoded in one go
+            pos, end = self._pos, self._end
+            if end - pos < HEADER_BYTES:
+                return None
+            magic, version, flags, msg_type, kind, request_id, length = HEADER.unpack_from(
+                self._buffer, pos
+            )
+            spec = self._specs.get(msg_type)
+            start = pos + HEADER_BYTES
+            stop = start + length
+            if (
+                stop <= end
+                and length <= self._fast_bytes
+                and spec is not None
+                and spec.kind == kind
+                and magic == MAGIC
+                and version == PROTOCOL_VERSION
+                and (kind or not length)  # an EMPTY frame carries nothing
+            ):
+                self._pos = stop
+                self.frame_bytes += HEADER_BYTES + length
+                if kind == PayloadKind.TOKENS and not length % 4:
+                    value: Any = (
+                        torch.frombuffer(bytearray(self._buffer[start:stop]), dtype=_INT32)
+                        if length
+                        else torch.empty(0, dtype=_INT32)
+                    )
+                elif kind == PayloadKind.EMPTY:
+                    value = None
+                else:
+                    header = Header(msg_type, spec.kind, flags, request_id, length)
+                    try:
+                        value = decode_payload(
+                            header,
+                            self._buffer[start:stop],
+                            limits=self._limits,
+                            registry=self.registry,
+                        )
+                    except PeerProtocolError as exc:
+                        self._error = exc
+                        raise
+                return _new_message(Message, (msg_type, value, request_id, flags))
+        # anything else: a frame still arriving, a big payload, fed bytes, or a bad header
         self._check()
         try:
-            if self._header is None:
-                if len(self._buffer) < HEADER_BYTES:
-                    return None
-                self._header = parse_header(
-                    self._buffer[:HEADER_BYTES], limits=self.limits, registry=self.registry
-                )
-                del self._buffer[:HEADER_BYTES]
-            header = self._header
-            if len(self._buffer) < header.length:
-                return None
-            payload = bytes(self._buffer[: header.length])
-            del self._buffer[: header.length]
-            self._header = None
-            value = decode_payload(header, payload, limits=self.limits)
-            return Message(header.type, value, header.request_id, header.flags)
+            while True:
+                message = self._decode_next()
+                if message is not None or not self._pull_backlog():
+                    return message
         except PeerProtocolError as exc:
             self._error = exc
             raise
+
+    def _decode_next(self) -> Message | None:
+        header = self._header
+        if self._payload is not None:  # a big payload, received in place
+            assert header is not None
+            if self._payload_got < header.length:
+                return None
+            payload: torch.Tensor | memoryview = self._payload
+            self._payload, self._payload_view = None, memoryview(b"")
+            self.in_payload = False
+        else:
+            pos = self._pos
+            if header is None:
+                if self._end - pos < HEADER_BYTES:
+                    return None
+                header = parse_header(
+                    self._buffer[pos : pos + HEADER_BYTES],
+                    limits=self.limits,
+                    registry=self.registry,
+                )
+                pos = self._pos = pos + HEADER_BYTES
+                if HEADER_BYTES + header.length > len(self._buffer):
+                    self._start_big_payload(header)
+                    return None
+                self._header = header
+            end = pos + header.length
+            if end > self._end:
+                return None
+            payload = self._buffer[pos:end]
+            self._pos = end
+        self._header = None
+        self.frame_bytes += HEADER_BYTES + header.length
+        value = decode_payload(header, payload, limits=self.limits, registry=self.registry)
+        return Message(header.type, value, header.request_id, header.flags)
+
+    def _start_big_payload(self, header: Header) -> None:
+        """A payload bigger than the buffer: its own buffer, holding what has arrived of it."""
+        length = header.length
+        payload = self._allocate(length)
+        view = payload.numpy().data
+        buffered = min(self._end - self._pos, length)
+        view[:buffered] = self._buffer[self._pos : self._pos + buffered]
+        self._pos += buffered
+        self._header, self._payload, self._payload_view = header, payload, view
+        self._payload_got = buffered
+        self.in_payload = True
 
     def __iter__(self) -> Iterator[Message]:
         while (message := self.next_message()) is not None:
             yield message
 
+    def fail(self, error: PeerProtocolError) -> PeerProtocolError:
+        """Mark the stream broken (the caller found it so); returns `error` to raise."""
+        self._error = error
+        return error
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise PeerProtocolError(f"stream already failed: {self._error}")
+
     def close(self) -> None:
         """End of stream: raises PeerProtocolError if it stopped in the middle of a frame."""
         self._check()
-        if self._header is not None or self._buffer:
-            pending = len(self._buffer)
+        if self.mid_frame:
+            pending = (self._end - self._pos) + self._payload_got + len(self._backlog)
             self._error = PeerProtocolError(
                 f"stream ended mid-frame ({pending} bytes of an incomplete frame)"
             )
             raise self._error
+
+    def release(self) -> None:
+        """Drop the buffers (a closed connection keeps no payload alive)."""
+        self._payload, self._payload_view = None, memoryview(b"")
+        self.in_payload = False
+        self._backlog = bytearray()
 
 
 def frames(messages: Sequence[Message], **kwargs: Any) -> bytes:
