@@ -22,6 +22,10 @@ class SpecConfig:
     temperature: float = 0.0
     """0: greedy (output identical to the target's own greedy decoding); > 0: sampling."""
     top_p: float = 1.0
+    draft_top_k: int = 0
+    """Sampling: the drafter drafts only from its k likeliest tokens (0: every token within
+    top_p). Output stays distributed as the target's (the drafter samples from exactly the q it
+    sends); fewer q entries travel per drafted token, at some cost in acceptance."""
     max_new_tokens: int = 64
     num_prompts: int = 4
     """Prompts taken from the held-out stdlib corpus (the start of validation files)."""
@@ -46,6 +50,8 @@ class SpecConfig:
             raise ValueError(f"spec.temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"spec.top_p={self.top_p} must be in (0, 1]")
+        if self.draft_top_k < 0:
+            raise ValueError(f"spec.draft_top_k={self.draft_top_k} must be >= 0 (0: off)")
         check_fields_positive("spec", self, ("max_new_tokens", "num_prompts", "prompt_tokens"))
 
     @property

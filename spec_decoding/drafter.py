@@ -14,6 +14,7 @@ from lab.cli import UserError
 from lab.sampling import probs_from_logits
 from netproto import Connection, ConnectionClosed, NetTimeout, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
+from spec_decoding.draft_q import encode_q
 from spec_decoding.gamma import GammaController
 from spec_decoding.protocol import SpecMsg
 from spec_decoding.verifier import vocab_hash
@@ -60,6 +61,10 @@ class Generation:
     drafted: int = 0
     draft_s: float = 0.0
     """Pipelined: tokens drafted (kept or not) and the drafter's seconds spent on them."""
+    sent_bytes: int = 0
+    """Bytes of the DRAFT or STREAM frames that carried the drafted tokens (headers included)."""
+    q_bytes: int = 0
+    """Of those, the bytes of the q entries' elements (sampling only)."""
     prefill_ms: float = 0.0
     open_rtt_s: float = 0.0
     """OPEN's round trip less the verifier's prefill."""
@@ -94,10 +99,14 @@ class Drafter:
         gamma: GammaController,
         temperature: float = 0.0,
         top_p: float = 1.0,
+        draft_top_k: int = 0,
         pipeline: bool = False,
     ) -> None:
         """`model`: a Hugging Face causal LM. `pipeline`: keep drafting while the verifier
-        checks (STREAM); else DRAFT rounds."""
+        checks (STREAM); else DRAFT rounds. `draft_top_k` (sampling): draft only from the k
+        likeliest tokens (0: all within top_p), so fewer q entries travel per token."""
+        if draft_top_k < 0:
+            raise ValueError(f"draft_top_k={draft_top_k} must be >= 0 (0: off)")
         self.model = model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.pipeline = pipeline
@@ -106,6 +115,7 @@ class Drafter:
         self.gamma = gamma
         self.temperature = temperature
         self.top_p = top_p
+        self.draft_top_k = draft_top_k
         self.eos_token_id = tokenizer.eos_token_id
         self.vocab_hash = vocab_hash(tokenizer)
 
@@ -127,7 +137,9 @@ class Drafter:
         """The draft's token from its logits (V,); with sampling, also the distribution q."""
         if self.temperature == 0:
             return int(logits.argmax()), None
-        q = probs_from_logits(logits, temperature=self.temperature, top_p=self.top_p)
+        q = probs_from_logits(
+            logits, temperature=self.temperature, top_p=self.top_p, top_k=self.draft_top_k
+        )  # the drafter samples from exactly the q it sends
         return int(torch.multinomial(q, 1, generator=generator).item()), q
 
     def _propose(
@@ -194,8 +206,10 @@ class Drafter:
             drafted_at = time.perf_counter()
             payload = {"tokens": torch.tensor(draft, dtype=torch.int32)}
             if q is not None:
-                payload["q"] = q
+                result.q_bytes += _add_q(payload, q)
+            sent_before = self.conn.bytes_sent
             verdict = self._request(SpecMsg.DRAFT, payload, expect=SpecMsg.VERDICT)
+            result.sent_bytes += self.conn.bytes_sent - sent_before
             accepted, token = int(verdict["accepted"]), self._token(verdict["token"])
             if not 0 <= accepted <= len(draft):
                 raise ValueError(f"verifier accepted {accepted} of {len(draft)} drafted tokens")
@@ -266,9 +280,9 @@ class Drafter:
                 "epoch": torch.tensor([flight.epoch], dtype=torch.int64),
             }
             if q is not None:
-                payload["q"] = q[None]
+                result.q_bytes += _add_q(payload, q[None])
             with self._verifier_lost():
-                self.conn.send(SpecMsg.STREAM, payload)
+                result.sent_bytes += self.conn.send(SpecMsg.STREAM, payload)
             flight.inflight.append(token)
             now = time.perf_counter()
             flight.sent_at.append(now)
@@ -345,3 +359,11 @@ class Drafter:
             },
             expect=SpecMsg.BASELINE_DONE,
         )
+
+
+def _add_q(payload: dict[str, torch.Tensor], q: torch.Tensor) -> int:
+    """Put `q` (k, V) into a DRAFT or STREAM payload, sparse where that is smaller; the bytes
+    of its elements."""
+    entries = encode_q(q)
+    payload.update(entries)
+    return sum(t.numel() * t.element_size() for t in entries.values())

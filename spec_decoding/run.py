@@ -64,6 +64,11 @@ def summarize(
     else:
         metrics, predicted_rate = _round_metrics(generations)
     metrics.update({"tokens_per_s": new_tokens / seconds, "new_tokens": float(new_tokens)})
+    drafted = sum(g.drafted or sum(r.drafted for r in g.rounds) for g in generations)
+    if drafted:  # what each drafted token cost on the wire
+        metrics["sent_bytes_per_drafted"] = sum(g.sent_bytes for g in generations) / drafted
+        if any(g.q_bytes for g in generations):
+            metrics["q_bytes_per_drafted"] = sum(g.q_bytes for g in generations) / drafted
     if baselines:
         target_tokens = sum(len(b["tokens"]) for b in baselines)
         target_rate = target_tokens / sum(b["seconds"] for b in baselines)
@@ -185,6 +190,7 @@ def run_drafter(
                 conn,
                 temperature=spec.temperature,
                 top_p=spec.top_p,
+                draft_top_k=spec.draft_top_k,
                 pipeline=spec.pipeline,
                 gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
             )

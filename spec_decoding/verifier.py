@@ -21,6 +21,7 @@ from lab.sampling import probs_from_logits
 from netproto import Connection, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.config import MAX_GAMMA
+from spec_decoding.draft_q import BadDraftQ, decode_q
 from spec_decoding.protocol import SpecMsg
 from spec_decoding.sampling import greedy_verdict, speculative_verdict
 
@@ -29,11 +30,9 @@ log = logging.getLogger(__name__)
 MAX_SESSION_TOKENS = 8192
 """Most tokens a session (prompt and everything generated) or a BASELINE may span."""
 MAX_BASELINE_TOKENS = 4096
-Q_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 """Sampling temperatures a session may ask for (0 is greedy): below, logits / t overflow."""
 MAX_SEED = 2**63 - 1
-Q_SUM_TOLERANCE = 1e-3
 
 
 def vocab_hash(tokenizer: Any) -> str:
@@ -278,25 +277,16 @@ class _Session:
         return _check_tokens(tokens.tolist(), self.verifier.vocab_size, what)
 
     def _draft_q(self, payload: dict[str, torch.Tensor], draft: list[int]) -> torch.Tensor | None:
-        """The drafter's distributions for its tokens: (k, V) rows of probabilities, each
-        giving its own drafted token a positive probability (q <= 0 would accept anything)."""
+        """The drafter's distributions for its tokens, dense or sparse (spec_decoding.draft_q):
+        (k, V) rows of probabilities, each giving its own drafted token a positive one."""
         if self.temperature == 0:
             return None
         if not draft:  # an empty draft (one token left): the verifier samples it alone
             return torch.empty(0, self.verifier.vocab_size)
-        q = payload.get("q")
-        if q is None or tuple(q.shape) != (len(draft), self.verifier.vocab_size):
-            raise BadRequest("sampling needs `q` of shape (k, vocab_size)")
-        if q.dtype not in Q_DTYPES:  # float8/float4 have no arithmetic to check them with
-            raise BadRequest("`q` must hold float16, bfloat16, float32 or float64 probabilities")
-        q = q.float()
-        if not torch.isfinite(q).all() or (q < 0).any():
-            raise BadRequest("`q` must hold finite, non-negative probabilities")
-        if ((q.sum(dim=-1) - 1).abs() > Q_SUM_TOLERANCE).any():
-            raise BadRequest("each row of `q` must sum to 1")
-        if (q[torch.arange(len(draft)), torch.tensor(draft)] <= 0).any():
-            raise BadRequest("`q` gives a drafted token no probability")
-        return q
+        try:
+            return decode_q(payload, draft, self.verifier.vocab_size)
+        except BadDraftQ as exc:
+            raise BadRequest(str(exc)) from None
 
     def _check_room(self, more: int) -> None:
         """A session spans at most the target's context (and MAX_SESSION_TOKENS)."""

@@ -70,6 +70,7 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
         temperature: float = 0.0,
         top_p: float = 1.0,
         pipeline: bool = False,
+        draft_top_k: int = 0,
     ) -> Drafter:
         conn = Connection.connect(*verifier_server.address)
         conns.append(conn)
@@ -81,6 +82,7 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
             temperature=temperature,
             top_p=top_p,
             pipeline=pipeline,
+            draft_top_k=draft_top_k,
         )
 
     yield _make

@@ -229,13 +229,15 @@ def test_unchecked_stream_is_bounded(verifier_server, tokenizer) -> None:
         session.stream(payload)
 
 
+@pytest.mark.parametrize("draft_top_k", [0, 3], ids=["dense_q", "sparse_q"])
 @pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
 def test_sampling_gives_the_targets_joint_distribution(
-    make_drafter, drafts, target, tokenizer, pipeline: bool
+    make_drafter, drafts, target, tokenizer, pipeline: bool, draft_top_k: int
 ) -> None:
     """End to end, over the wire: the first two tokens of many seeded generations follow the
     target's own p(x1) p(x2 | x1), though the draft's law is far from it. (Two tokens also
-    make rounds send an empty draft when one token is left.)"""
+    make rounds send an empty draft when one token is left.) With `draft_top_k` the drafter
+    samples from, and sends, a q of 3 tokens: the target's law must not change."""
     from scipy.stats import chisquare
 
     # a random-init target is nearly flat (logit std 0.15): a low temperature gives it peaks
@@ -260,17 +262,29 @@ def test_sampling_gives_the_targets_joint_distribution(
         for pair, e in zip(bins, expected[:-1], strict=True)
     )
     assert len(bins) >= 4 and drift > 10 * len(bins)
-    drafter = make_drafter(drafts["noisy"], gamma=4, temperature=temperature, pipeline=pipeline)
+    drafter = make_drafter(
+        drafts["noisy"],
+        gamma=4,
+        temperature=temperature,
+        pipeline=pipeline,
+        draft_top_k=draft_top_k,
+    )
     counts = dict.fromkeys(bins, 0)
-    other = 0
+    other, q_bytes, drafted = 0, 0, 0
     for seed in range(runs):
-        pair = tuple(drafter.generate(prompt, max_new_tokens=2, seed=seed).tokens)
+        generation = drafter.generate(prompt, max_new_tokens=2, seed=seed)
+        q_bytes += generation.q_bytes
+        drafted += generation.drafted or sum(r.drafted for r in generation.rounds)
+        pair = tuple(generation.tokens)
         if pair in counts:
             counts[pair] += 1
         else:
             other += 1
     observed = [*counts.values(), other]
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
+    # the support travelled (at most 3 float32 values, uint16 indices and a count), not the row
+    bytes_per_token = q_bytes / drafted
+    assert bytes_per_token <= 3 * 6 + 4 if draft_top_k else bytes_per_token == 4 * len(tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -357,6 +371,14 @@ def test_bad_baseline_fields_are_refused_before_any_work(
     )
 
 
+def _sparse_q(index: list[int], value: list[float]) -> dict[str, torch.Tensor]:
+    return {
+        "q_rows": torch.tensor([len(index)], dtype=torch.int32),
+        "q_index": torch.tensor(index, dtype=torch.int32),
+        "q_value": torch.tensor(value),
+    }
+
+
 def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.Tensor:
     q = torch.full((1, vocab), fill)
     q[0, token] = own
@@ -374,6 +396,9 @@ def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.
         (lambda v: _q(v, 5).to(torch.float8_e4m3fn), "float32 or float64 probabilities"),
         (lambda v: torch.zeros(1, v, dtype=torch.float4_e2m1fn_x2), "float32 or float64"),
         (lambda v: torch.ones(2, v) / v, "shape (k, vocab_size)"),
+        (lambda v: _sparse_q([6, 7], [0.5, 0.5]), "gives a drafted token no probability"),
+        (lambda v: _sparse_q([5, 5], [0.5, 0.5]), "ascend strictly"),
+        (lambda v: _sparse_q([5, v], [0.5, 0.5]), "outside 0.."),
     ],
     ids=[
         "q_zero",
@@ -384,6 +409,9 @@ def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.
         "q_float8",
         "q_float4",
         "q_shape",
+        "sparse_q_misses_its_token",
+        "sparse_q_index_twice",
+        "sparse_q_index_out_of_range",
     ],
 )
 @pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
@@ -397,7 +425,9 @@ def test_a_q_that_would_make_the_verifier_accept_anything_is_refused(
     def send(conn: Connection) -> None:
         body = open_body(tokenizer, temperature=1.0, pipeline=pipeline)
         conn.request(SpecMsg.OPEN, body, expect=SpecMsg.OPENED)
-        payload = {"tokens": torch.tensor([5], dtype=torch.int32), "q": make_q(vocab)}
+        q = make_q(vocab)
+        entries = q if isinstance(q, dict) else {"q": q}
+        payload = {"tokens": torch.tensor([5], dtype=torch.int32), **entries}
         if pipeline:
             conn.send(SpecMsg.STREAM, {**payload, "epoch": torch.tensor([0])})
             conn.recv_msg(SpecMsg.PROGRESS)
