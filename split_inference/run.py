@@ -16,7 +16,7 @@ from lab.memory import peak_memory
 from lab.models import load_model, load_tokenizer
 from lab.tracking import Tracker
 from split_inference.config import SplitInferenceRunConfig
-from split_inference.generation import Generation, StepModel, UnsplitModel, decode
+from split_inference.generation import Generation, Sampling, StepModel, UnsplitModel, decode
 from split_inference.roles import driving, split_experiment
 from split_inference.sharded import ShardedModel
 
@@ -43,10 +43,13 @@ def batches(
     return out
 
 
-def warm_up(model: StepModel, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+def warm_up(model: StepModel | ShardedModel, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
     """A short untimed generation: first calls pay for lazy initialisation, on both sides."""
     ids, mask = batch
-    decode(model, ids[:1], mask[:1], max_new_tokens=3)
+    if isinstance(model, ShardedModel):
+        model.generate(ids[:1], mask[:1], max_new_tokens=3)
+    else:
+        decode(model, ids[:1], mask[:1], max_new_tokens=3)
 
 
 LAST_STEPS = 8
@@ -83,20 +86,21 @@ def run_driver(
     work = batches(prompts, batch_size=gen.batch_size, pad_token_id=pad)
     options = {
         "max_new_tokens": gen.max_new_tokens,
-        "temperature": gen.temperature,
-        "top_p": gen.top_p,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": pad,
         "kv_cache": gen.kv_cache,
     }
+
+    def sampling(index: int) -> Sampling:  # the same draws, split or not
+        return Sampling(gen.temperature, gen.top_p, seed=gen.seed + index)
+
     with Tracker.from_settings(settings, job="split_inference") as tracker:
         with driving(settings, split, stages=stages):
             sharded = ShardedModel.build(settings.model, split)
             warm_up(sharded, work[0])
             split_runs = []
             for index, (ids, mask) in enumerate(work):
-                generator = torch.Generator().manual_seed(gen.seed + index)
-                split_runs.append(decode(sharded, ids, mask, generator=generator, **options))
+                split_runs.append(sharded.generate(ids, mask, sampling=sampling(index), **options))
                 tracker.log(latency_metrics(split_runs[-1:]), step=index)
             stage_stats = sharded.stats()
             traffic = sharded.bytes_between_stages(stage_stats)
@@ -118,8 +122,9 @@ def run_driver(
                 warm_up(unsplit, work[0])
                 base_runs = []
                 for index, (ids, mask) in enumerate(work):
-                    generator = torch.Generator().manual_seed(gen.seed + index)
-                    base_runs.append(decode(unsplit, ids, mask, generator=generator, **options))
+                    base_runs.append(
+                        decode(unsplit, ids, mask, sampling=sampling(index), **options)
+                    )
                     tracker.log(latency_metrics(base_runs[-1:], prefix="unsplit_"), step=index)
             metrics.update(latency_metrics(base_runs, prefix="unsplit_"))
             # the driver's whole RSS while it held the unsplit model, like a stage's peak RSS

@@ -8,7 +8,6 @@ per step.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from dataclasses import asdict
@@ -20,7 +19,7 @@ from torch.distributed.rpc import RRef
 
 from lab.config import ModelConfig
 from split_inference.config import SplitConfig
-from split_inference.generation import positions_from_mask
+from split_inference.generation import Generation, Sampling, positions_from_mask
 from split_inference.layout import StageCosts, balance_boundaries, stage_ranges
 from split_inference.stage import Stage, describe_model
 from split_inference.workers import StageLostError, free_memory_bytes, stage_alive, stage_name
@@ -187,24 +186,42 @@ class ShardedModel:
             attention_mask = torch.ones_like(input_ids)
         return self.run_stages(input_ids, attention_mask, positions_from_mask(attention_mask))
 
-    def step(
+    def generate(
         self,
-        feed: torch.Tensor,
+        input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
         *,
-        request: int | None,
-    ) -> torch.Tensor:
-        """One decode step for `generation.decode`: last-position logits (B, 1, V)."""
-        return self.run_stages(feed, attention_mask, position_ids, request=request, last_only=True)
-
-    def new_request(self) -> int:
-        return next(self._requests)
-
-    def end_request(self, request: int) -> None:
-        for index in range(len(self.stages)):
-            with contextlib.suppress(RuntimeError):  # a stage that is gone took its cache along
-                self.call_async(index, "end_request", request)
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        eos_token_id: int | None = None,
+        pad_token_id: int = 0,
+        kv_cache: bool = True,
+    ) -> Generation:
+        """`generation.decode` across the stages, its loop run by the first stage (one call
+        from here per generation; per token, one hop down the chain and back, tokens picked
+        on the last stage). Step times are measured where the loop runs."""
+        request = next(self._requests)
+        # the whole generation is one call: up to rpc_timeout_s for each token (each hop
+        # between stages has its own rpc_timeout_s, and a stage that dies ends it at once)
+        timeout = self.timeout_s * (1 + max_new_tokens)
+        try:
+            reply = (
+                self.stages[0]
+                .rpc_sync(timeout=timeout)
+                .decode(
+                    input_ids,
+                    attention_mask,
+                    request=request,
+                    sampling=sampling.as_dict(),
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id,
+                    kv_cache=kv_cache,
+                )
+            )
+        except RuntimeError as exc:
+            raise self._lost(0, exc) from None
+        return Generation.from_dict(reply)
 
     def stats(self) -> list[dict[str, float]]:
         return self.call_all("stats")

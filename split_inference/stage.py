@@ -24,6 +24,7 @@ from lab.config import ModelConfig, PathsConfig
 from lab.device import detect_device, resolve_dtype, supports_bf16
 from lab.losses import next_token_loss
 from lab.models import hub_offline, resolve_source
+from split_inference.generation import Sampling, TokenPicker, decode
 from split_inference.layout import build_stage_model, full_model_name, stage_costs
 from split_inference.rpc_guard import never_sent
 from split_inference.workers import peak_memory, require_driver
@@ -146,6 +147,8 @@ class Stage:
         if self.tied and self.first and self.last:  # one stage holds both ends: one matrix
             self.head.weight = getattr(self.decoder, layout.embeddings[0]).weight
         self.caches: dict[int, Any] = {}
+        self.pickers: dict[int, TokenPicker] = {}
+        """The last stage picks each request's next tokens (`open_request`)."""
         self._stashed: dict[str, torch.Tensor] = {}
         self.next: RRef | None = None
         self.next_timeout_s = 60.0
@@ -176,46 +179,54 @@ class Stage:
         labels: torch.Tensor | None = None,
         last_only: bool = False,
         chain: bool = False,
+        pick: bool = False,
     ) -> torch.Tensor:
         """Run this stage on token ids (first stage) or hidden states (the others).
 
         Returns hidden states in the wire dtype (B, T, H), or on the last stage logits (B, T, V)
-        (B, 1, V with `last_only`), or with `labels` the summed token loss (a scalar). With
-        `request`, keys and values are kept for that request's next call. `x` may be an RRef
-        to the previous stage's output (pipelined training): it is fetched straight from there.
-        With `chain`, the output goes on to the next stage (see `link`) and what comes back is
-        the last stage's: activations travel stage to stage, not through the driver.
+        (B, 1, V with `last_only`), with `labels` the summed token loss (a scalar), or with
+        `pick` the next token of each row (B,), picked by the request's picker. A request
+        opened with a KV cache (`open_request`) keeps its keys and values for its next call.
+        `x` may be an RRef to the previous stage's output (pipelined training): it is fetched
+        straight from there. With `chain`, the output goes on to the next stage (see `link`)
+        and what comes back is the last stage's: activations travel stage to stage, not
+        through the driver.
         """
         if not isinstance(x, torch.Tensor):  # an RRef (torch hands us its C++ PyRRef)
             x = x.to_here()
         assert isinstance(x, torch.Tensor)
         self.bytes_received += x.numel() * x.element_size()
         grad = self.training and torch.is_grad_enabled()
+        cache = self.caches.get(request) if request is not None else None
         with self.lock, torch.set_grad_enabled(grad), self._autocast():
             inputs: dict[str, Any] = {
                 "attention_mask": None
                 if attention_mask is None
                 else attention_mask.to(self.device),
                 "position_ids": position_ids.to(self.device),
-                "use_cache": request is not None,
+                "use_cache": cache is not None,
+                "past_key_values": cache,
             }
-            if request is not None:
-                inputs["past_key_values"] = self.caches.get(request)
             if self.first:
                 inputs["input_ids"] = x.to(self.device)
             else:
                 inputs["inputs_embeds"] = x.to(self.device, self.dtype)  # (B, T, H)
             out = self.decoder(**inputs)
-            if request is not None:
-                self.caches[request] = out.past_key_values
+            if cache is not None:
+                self.caches[request] = out.past_key_values  # type: ignore[index]
             hidden = out.last_hidden_state  # (B, T, H)
             if not self.last:
                 result = hidden.to(self.wire_dtype).cpu()
             else:
-                if last_only:
+                if last_only or pick:
                     hidden = hidden[:, -1:]  # (B, 1, H)
                 logits = self.head(hidden)  # (B, T, V)
-                result = logits.float().cpu() if labels is None else self._loss(logits, labels)
+                if pick:
+                    result = self.pickers[request](logits[:, -1]).cpu()  # type: ignore[index]
+                elif labels is None:
+                    result = logits.float().cpu()
+                else:
+                    result = self._loss(logits, labels)
         self.bytes_sent += result.numel() * result.element_size()
         if chain and self.next is not None:  # outside the lock: this stage is free again
             return self.next.rpc_sync(timeout=self.next_timeout_s).forward(
@@ -226,8 +237,54 @@ class Stage:
                 labels=labels,
                 last_only=last_only,
                 chain=True,
+                pick=pick,
             )
         return result
+
+    def open_request(self, request: int, sampling: dict[str, Any], kv_cache: bool) -> None:
+        """Get ready for a generation request on this stage and every later one: its KV cache
+        (with `kv_cache`), and on the last stage its token picker."""
+        from transformers import DynamicCache
+
+        picker = TokenPicker(Sampling.from_dict(sampling))
+        with self.lock:
+            if kv_cache:
+                self.caches[request] = DynamicCache()
+            if self.last:
+                self.pickers[request] = picker
+        if self.next is not None:
+            self.next.rpc_sync(timeout=self.next_timeout_s).open_request(
+                request, sampling, kv_cache
+            )
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        *,
+        request: int,
+        sampling: dict[str, Any],
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        pad_token_id: int,
+        kv_cache: bool,
+    ) -> dict[str, Any]:
+        """A whole generation, run from the first stage: the decode loop lives here and the last
+        stage picks each token, so a token costs one call down the chain and its answer (no
+        driver in between, no logits on the wire). Returns `Generation.as_dict()`."""
+        if not self.first:
+            raise ValueError("decode runs on the first stage, which holds the embeddings")
+        generation = decode(
+            _Chain(self, request),
+            input_ids,
+            attention_mask,
+            max_new_tokens=max_new_tokens,
+            sampling=Sampling.from_dict(sampling),
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            kv_cache=kv_cache,
+        )
+        return generation.as_dict()
 
     def link(self, next_stage: RRef, timeout_s: float) -> None:
         """Where `forward(..., chain=True)` sends this stage's output."""
@@ -243,9 +300,15 @@ class Stage:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def end_request(self, request: int) -> None:
-        """Free a finished request's KV cache."""
-        self.caches.pop(request, None)
+    def end_request(self, request: int, *, chain: bool = False) -> None:
+        """Free a finished request's KV cache and picker (with `chain`, on every later stage
+        too; a later stage that is gone took its state along)."""
+        with self.lock:
+            self.caches.pop(request, None)
+            self.pickers.pop(request, None)
+        if chain and self.next is not None:
+            with contextlib.suppress(RuntimeError):
+                self.next.rpc_sync(timeout=self.next_timeout_s).end_request(request, chain=True)
 
     # ------------------------------------------------------------------ introspection
 
@@ -268,7 +331,7 @@ class Stage:
             bytes_received=float(self.bytes_received),
             bytes_sent=float(self.bytes_sent),
             params=float(sum(p.numel() for p in self.model.parameters())),
-            open_requests=float(len(self.caches)),
+            open_requests=float(len(self.caches) + len(self.pickers)),
         )
         return stats
 
@@ -457,3 +520,31 @@ def _refuse_adapting_a_tied_matrix(lora: dict[str, Any], layout: Any) -> None:
             "each end would get an adapter of its own and the tie would break: leave them out "
             "(LoRA trains the other layers; the tied matrix stays frozen)"
         )
+
+
+class _Chain:
+    """The split model as `decode` sees it from inside the first stage: one request, whose
+    tokens come back from the end of the chain already picked."""
+
+    def __init__(self, stage: Stage, request: int) -> None:
+        self.stage = stage
+        self.request = request
+
+    def new_request(self, sampling: Sampling, *, kv_cache: bool) -> int:
+        self.stage.open_request(self.request, sampling.as_dict(), kv_cache)
+        return self.request
+
+    def next_token(
+        self,
+        feed: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        request: int,
+    ) -> torch.Tensor:
+        return self.stage.forward(
+            feed, attention_mask, position_ids, request=request, chain=True, pick=True
+        )
+
+    def end_request(self, request: int) -> None:
+        self.stage.end_request(request, chain=True)

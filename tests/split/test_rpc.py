@@ -6,12 +6,13 @@ training on freshly built stages in the same stage processes.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from split_inference.generation import UnsplitModel, decode
+from split_inference.generation import Sampling, UnsplitModel, decode
 from split_inference.run import batches
 from split_inference.sharded import ShardedModel
 from split_training.config import SplitTrainConfig
@@ -64,7 +65,7 @@ def test_split_greedy_generation_equals_hf_generate(
         batch_size=batch_size,
         pad_token_id=tokenizer.pad_token_id,
     ):
-        got = decode(sharded, ids, mask, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+        got = sharded.generate(ids, mask, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
         expected = unsplit.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -80,8 +81,8 @@ def test_kv_cache_and_recomputation_agree_and_caches_are_freed(sharded, tokenize
     ((ids, mask),) = batches(
         prompts(tokenizer, 2), batch_size=2, pad_token_id=tokenizer.pad_token_id
     )
-    cached = decode(sharded, ids, mask, max_new_tokens=8, kv_cache=True)
-    recomputed = decode(sharded, ids, mask, max_new_tokens=8, kv_cache=False)
+    cached = sharded.generate(ids, mask, max_new_tokens=8, kv_cache=True)
+    recomputed = sharded.generate(ids, mask, max_new_tokens=8, kv_cache=False)
     assert torch.equal(cached.tokens, recomputed.tokens)
     assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
 
@@ -90,14 +91,14 @@ def test_sampling_follows_the_same_distribution_path(sharded, unsplit, tokenizer
     ((ids, mask),) = batches(
         prompts(tokenizer, 2), batch_size=2, pad_token_id=tokenizer.pad_token_id
     )
-    options: dict = {"max_new_tokens": 10, "temperature": 0.8, "top_p": 0.9}
-    got = decode(sharded, ids, mask, generator=torch.Generator().manual_seed(7), **options)
-    again = decode(sharded, ids, mask, generator=torch.Generator().manual_seed(7), **options)
-    local = decode(
-        UnsplitModel(unsplit), ids, mask, generator=torch.Generator().manual_seed(7), **options
-    )
+    sampling = Sampling(temperature=0.8, top_p=0.9, seed=7)
+    got = sharded.generate(ids, mask, max_new_tokens=10, sampling=sampling)
+    again = sharded.generate(ids, mask, max_new_tokens=10, sampling=sampling)
+    local = decode(UnsplitModel(unsplit), ids, mask, max_new_tokens=10, sampling=sampling)
+    other = sharded.generate(ids, mask, max_new_tokens=10, sampling=replace(sampling, seed=8))
     assert torch.equal(got.tokens, again.tokens)
-    assert torch.equal(got.tokens, local.tokens)
+    assert torch.equal(got.tokens, local.tokens)  # picked on the last stage: the same draws
+    assert not torch.equal(got.tokens, other.tokens)
 
 
 def test_each_stage_holds_only_its_layers(sharded, unsplit) -> None:
