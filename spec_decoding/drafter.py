@@ -14,7 +14,7 @@ from lab.cli import UserError
 from lab.sampling import probs_from_logits
 from netproto import Connection, ConnectionClosed, NetTimeout, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
-from spec_decoding.draft_q import encode_q
+from spec_decoding.draft_q import as_probabilities, encode_q, quantize
 from spec_decoding.gamma import GammaController
 from spec_decoding.protocol import SpecMsg
 from spec_decoding.verifier import vocab_hash
@@ -134,18 +134,21 @@ class Drafter:
     def _pick(
         self, logits: torch.Tensor, generator: torch.Generator
     ) -> tuple[int, torch.Tensor | None]:
-        """The draft's token from its logits (V,); with sampling, also the distribution q."""
+        """The draft's token from its logits (V,); with sampling, also the integer weights of
+        the distribution it was drawn from (spec_decoding.draft_q), which is what is sent."""
         if self.temperature == 0:
             return int(logits.argmax()), None
         q = probs_from_logits(
             logits, temperature=self.temperature, top_p=self.top_p, top_k=self.draft_top_k
-        )  # the drafter samples from exactly the q it sends
-        return int(torch.multinomial(q, 1, generator=generator).item()), q
+        )
+        weights = quantize(q[None])[0]  # (V,): the drafter samples from exactly what it sends
+        token = torch.multinomial(as_probabilities(weights), 1, generator=generator).item()
+        return int(token), weights
 
     def _propose(
         self, decoder: CachedDecoder, gamma: int, generator: torch.Generator
     ) -> tuple[list[int], torch.Tensor | None]:
-        """Draft `gamma` tokens autoregressively; with sampling, also their distributions q."""
+        """Draft `gamma` tokens autoregressively; with sampling, also their q weights."""
         draft: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(gamma):
@@ -153,7 +156,7 @@ class Drafter:
             draft.append(token)
             if q is not None:
                 rows.append(q)
-        return draft, (torch.stack(rows) if rows else None)  # q: (gamma, V)
+        return draft, (torch.stack(rows) if rows else None)  # q weights: (gamma, V)
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> Generation:
         started = time.perf_counter()
@@ -361,9 +364,8 @@ class Drafter:
         )
 
 
-def _add_q(payload: dict[str, torch.Tensor], q: torch.Tensor) -> int:
-    """Put `q` (k, V) into a DRAFT or STREAM payload, sparse where that is smaller; the bytes
-    of its elements."""
-    entries = encode_q(q)
+def _add_q(payload: dict[str, torch.Tensor], weights: torch.Tensor) -> int:
+    """Put q's weights (k, V) into a DRAFT or STREAM payload; the bytes of its elements."""
+    entries = encode_q(weights)
     payload.update(entries)
     return sum(t.numel() * t.element_size() for t in entries.values())

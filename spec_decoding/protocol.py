@@ -3,7 +3,7 @@
     drafter -> verifier  OPEN      JSON  {"prompt": [ids], "temperature", "top_p", "seed",
                                           "vocab_hash", ["pipeline"]}
                                                              -> OPENED {"vocab_size", "prefill_ms"}
-    drafter -> verifier  DRAFT     TENSORS {"tokens": int32 (k,), ["q": float32 (k, V)]}
+    drafter -> verifier  DRAFT     TENSORS {"tokens": int32 (k,), [q]}
                                                              -> VERDICT {"accepted", "token",
                                                                          "verify_ms"}
     drafter -> verifier  BASELINE  JSON  {"prompt", "max_new_tokens", "temperature", "top_p",
@@ -12,8 +12,8 @@
 
 Pipelined sessions (`spec.pipeline`) stream instead of DRAFT/VERDICT rounds:
 
-    drafter -> verifier  STREAM    TENSORS {"tokens": int32 (k,), "epoch": int64 (1,),
-                                            ["q": float32 (k, V)]}      (no reply of its own)
+    drafter -> verifier  STREAM    TENSORS {"tokens": int32 (k,), "epoch": int64 (1,), [q]}
+                                                                        (no reply of its own)
     verifier -> drafter  PROGRESS  JSON  {"epoch", "accepted", ["token"], "fed", "verify_ms",
                                           "held_ms"}
 
@@ -26,7 +26,10 @@ rejected prefix. `fed` is the tokens the forward pass ran (0: checked against th
 already held), `held_ms` how long the last token checked waited at the verifier.
 
 One session per connection: the verifier's KV cache for it lives and dies with the connection.
-`q`, the draft's probabilities for its tokens, is sent only when sampling (temperature > 0).
+q, the draft's probabilities for its tokens, is sent only when sampling (temperature > 0):
+dense as `"q": float32 (k, V)`, or as its support, `"q_rows": int32 (k,)` entries per row,
+`"q_index": uint16 or int32 (n,)` ascending within a row, `"q_value": float32 (n,)`, whichever
+is smaller (spec_decoding/draft_q.py).
 """
 
 from __future__ import annotations

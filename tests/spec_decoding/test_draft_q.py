@@ -1,14 +1,16 @@
-"""q on the wire: the support travels, the verifier rebuilds exactly the q the drafter sampled
-from, and every malformed sparse q is refused with its reason."""
+"""q on the wire: integer weights over q's support, so the verifier rebuilds bit for bit the q
+the drafter sampled from; every malformed q is refused with its reason."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lab.sampling import probs_from_logits
 from netproto.wire import REGISTRY, Limits, encode_frame
-from spec_decoding.draft_q import BadDraftQ, decode_q, encode_q, index_dtype
+from spec_decoding.draft_q import TOTAL, BadDraftQ, as_probabilities, decode_q, encode_q, quantize
 from spec_decoding.protocol import SpecMsg
 
 VOCAB = 1000
@@ -19,29 +21,44 @@ def nucleus(k: int = 2, vocab: int = VOCAB, *, top_p: float = 0.9, top_k: int = 
     return probs_from_logits(logits, temperature=0.8, top_p=top_p, top_k=top_k)
 
 
-def test_a_sparse_q_comes_back_bit_for_bit() -> None:
+def sent(weights: torch.Tensor) -> torch.Tensor:
+    """What the verifier rebuilds from the entries the drafter sends."""
+    draft = [int(row.argmax()) for row in weights]
+    return decode_q(encode_q(weights), draft, weights.size(-1))
+
+
+def test_the_verifier_rebuilds_bit_for_bit_the_q_the_drafter_samples_from() -> None:
+    weights = quantize(nucleus())
+    assert (weights.sum(dim=-1) == TOTAL).all()
+    assert torch.equal(sent(weights), as_probabilities(weights))
+
+
+def test_quantizing_moves_each_probability_by_less_than_one_weight() -> None:
     q = nucleus()
-    payload = encode_q(q)
-    assert set(payload) == {"q_rows", "q_index", "q_value"}
-    assert payload["q_index"].dtype == torch.uint16
-    draft = [int(row.argmax()) for row in q]
-    assert torch.equal(decode_q(payload, draft, VOCAB), q)
+    assert ((as_probabilities(quantize(q)) - q).abs() < 1 / TOTAL).all()
 
 
-def test_a_q_over_most_of_the_vocabulary_goes_dense() -> None:
-    q = nucleus(top_p=1.0)  # every token has some probability
-    payload = encode_q(q)
-    assert set(payload) == {"q"}
-    assert torch.equal(decode_q(payload, [0, 1], VOCAB), q)
+def test_a_certain_token_weighs_the_whole_total() -> None:
+    q = torch.zeros(1, VOCAB)
+    q[0, 7] = 1.0
+    assert torch.equal(sent(quantize(q)), q)
 
 
-def test_a_vocabulary_past_uint16_gets_int32_indices() -> None:
-    assert index_dtype(2**16) == torch.uint16
-    assert index_dtype(2**16 + 1) == torch.int32
-    q = nucleus(1, 70_000, top_k=8)
-    payload = encode_q(q)
-    assert payload["q_index"].dtype == torch.int32
-    assert torch.equal(decode_q(payload, [int(q[0].argmax())], 70_000), q)
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 70_000 - 1), min_size=1, max_size=40, unique=True))
+def test_any_support_comes_back_at_its_ids(ids: list[int]) -> None:
+    """Gaps of any size: one byte below 255, escapes above (a 70k vocabulary)."""
+    q = torch.zeros(1, 70_000)
+    q[0, ids] = 1.0 / len(ids)
+    weights = quantize(q)
+    assert torch.equal(sent(weights).nonzero()[:, 1], torch.tensor(sorted(ids)))
+
+
+def test_rows_are_independent() -> None:
+    weights = quantize(nucleus(3, top_p=1.0, top_k=5))
+    rebuilt = sent(weights)
+    assert torch.equal(rebuilt, as_probabilities(weights))
+    assert ((rebuilt > 0).sum(dim=-1) == 5).all()
 
 
 def test_top_k_keeps_k_tokens_renormalized() -> None:
@@ -50,88 +67,99 @@ def test_top_k_keeps_k_tokens_renormalized() -> None:
     assert torch.allclose(q.sum(dim=-1), torch.ones(3))
 
 
+def q_bytes(q: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in encode_q(quantize(q)).values())
+
+
 def stream_bytes(q: torch.Tensor) -> int:
     payload = {
         "tokens": torch.tensor([int(q[0].argmax())], dtype=torch.int32),
         "epoch": torch.tensor([0]),
-        **encode_q(q),
+        **encode_q(quantize(q)),
     }
     spec = REGISTRY.spec(SpecMsg.STREAM)
     assert spec is not None
     return encode_frame(spec, payload, 0, 0, Limits())[1]
 
 
+def test_an_entry_costs_about_three_bytes() -> None:
+    q = nucleus(1, top_p=0.95)
+    entries = int((quantize(q) > 0).sum())
+    assert q_bytes(q) <= 3 * entries + 4 + 8  # weight, a gap byte, the row count (+ escapes)
+
+
 def test_with_draft_top_k_64_a_32k_vocabulary_token_travels_in_under_a_kibibyte() -> None:
-    """The whole STREAM frame of one drafted token, header and q included; dense it is 128 KiB."""
-    q = nucleus(1, 32_000, top_p=0.95, top_k=64)
-    assert stream_bytes(q) <= 1024
-    assert stream_bytes(nucleus(1, 32_000, top_p=1.0)) > 32_000 * 4
+    """The whole STREAM frame of one drafted token, header and q included; a dense float32 row
+    would be 125 KiB."""
+    assert stream_bytes(nucleus(1, 32_000, top_p=0.95, top_k=64)) <= 1024
 
 
-def sparse(rows, index, value, *, index_dtype=torch.int32) -> dict[str, torch.Tensor]:
+def dense(rows: int = 1) -> dict[str, torch.Tensor]:
+    return {"q": torch.full((rows, VOCAB), 1.0 / VOCAB)}
+
+
+def weights_payload(rows, weight, gap) -> dict[str, torch.Tensor]:
     return {
         "q_rows": torch.tensor(rows, dtype=torch.int32),
-        "q_index": torch.tensor(index, dtype=index_dtype),
-        "q_value": torch.tensor(value, dtype=torch.float32),
+        "q_weight": torch.tensor(weight, dtype=torch.int64).to(torch.uint16),
+        "q_gap": torch.tensor(gap, dtype=torch.uint8),
     }
+
+
+HALF = TOTAL // 2 - 1  # a weight of 2^15, as sent (w - 1)
 
 
 @pytest.mark.parametrize(
     ("payload", "error"),
     [
         ({}, "sampling needs q"),
-        ({"q": torch.ones(1, 4) / 4, **sparse([1], [5], [1.0])}, "dense .* or sparse"),
-        ({**sparse([1], [5], [1.0]), "q_rows": torch.tensor([1])}, "`q_rows` must be int32"),
-        (sparse([1, 1], [5, 6], [1.0, 1.0]), r"`q_rows` must be int32 of shape \(k,\)"),
-        ({**sparse([1], [5], [1.0]), "q_index": torch.tensor([5.0])}, "uint16 or int32"),
-        (
-            {**sparse([1], [5], [1.0]), "q_value": torch.tensor([1.0], dtype=torch.float64)},
-            "float32",
-        ),
-        (sparse([1], [5], [0.5, 0.5]), "as long as `q_index`"),
-        (sparse([0], [], []), "1..1000 entries"),
-        (sparse([1001], list(range(1001)), [1 / 1001] * 1001), "1..1000 entries"),
-        (sparse([2], [5], [1.0]), "add up to the entries"),
-        (sparse([1], [1000], [1.0]), "outside 0..999"),
-        (sparse([1], [-1], [1.0]), "outside 0..999"),
-        (sparse([2], [5, 5], [0.5, 0.5]), "ascend strictly"),
-        (sparse([2], [6, 5], [0.5, 0.5]), "ascend strictly"),
-        (sparse([2], [5, 6], [1.0, 0.0]), "finite, positive"),
-        (sparse([2], [5, 6], [2.0, -1.0]), "finite, positive"),
-        (sparse([1], [5], [float("nan")]), "finite, positive"),
-        (sparse([1], [5], [float("inf")]), "finite, positive"),
-        (sparse([2], [5, 6], [0.5, 0.25]), "must sum to 1"),
-        (sparse([2], [6, 7], [0.5, 0.5]), "gives a drafted token no probability"),
+        ({**dense(), **weights_payload([1], [TOTAL - 1], [5])}, "dense .* or as weights"),
+        ({"q": torch.ones(1, VOCAB, dtype=torch.int64)}, "float32 or float64"),
+        ({"q": torch.ones(2, VOCAB) / VOCAB}, r"shape \(k, vocab_size\)"),
+        ({"q": torch.full((1, VOCAB), 0.5)}, "must sum to 1"),
+        ({**weights_payload([1], [TOTAL - 1], [5]), "q_rows": torch.tensor([1])}, "int32"),
+        (weights_payload([1, 1], [HALF, HALF], [5, 0]), r"int32 of shape \(k,\)"),
+        ({**weights_payload([1], [0], [5]), "q_weight": torch.tensor([TOTAL - 1])}, "uint16"),
+        ({**weights_payload([1], [TOTAL - 1], [5]), "q_gap": torch.tensor([5])}, "uint8"),
+        (weights_payload([0], [], []), "1..1000 entries"),
+        (weights_payload([2], [TOTAL - 1], [5]), "add up to the entries"),
+        (weights_payload([2], [HALF, HALF], [5]), "one index per entry"),
+        (weights_payload([2], [HALF, HALF], [5, 0, 1]), "one index per entry"),
+        (weights_payload([1], [TOTAL - 1], [5, 255]), "one index per entry"),
+        (weights_payload([1], [TOTAL - 1], [255] * 3 + [250]), "ids outside 0..999"),
+        (weights_payload([1], [TOTAL - 1], [255] * 50 + [5]), "longer than its indices"),
+        (weights_payload([2], [HALF, HALF - 1], [5, 0]), "sum to exactly 65536"),
+        (weights_payload([1], [TOTAL - 2], [5]), "sum to exactly 65536"),
+        (weights_payload([2], [HALF, HALF], [6, 0]), "gives a drafted token no probability"),
     ],
     ids=[
         "none",
         "both",
+        "dense_integer",
+        "dense_shape",
+        "dense_not_a_distribution",
         "rows_dtype",
         "rows_shape",
-        "index_dtype",
-        "value_dtype",
-        "value_length",
+        "weight_dtype",
+        "gap_dtype",
         "empty_row",
-        "row_over_vocab",
         "count_mismatch",
+        "fewer_indices",
+        "more_indices",
+        "unfinished_escape",
         "index_over_vocab",
-        "index_negative",
-        "index_twice",
-        "index_descending",
-        "value_zero",
-        "value_negative",
-        "value_nan",
-        "value_inf",
-        "not_a_distribution",
+        "gap_too_long",
+        "weights_short",
+        "weight_short",
         "drafted_token_outside_support",
     ],
 )
-def test_a_malformed_sparse_q_is_refused_with_its_reason(payload, error: str) -> None:
+def test_a_malformed_q_is_refused_with_its_reason(payload, error: str) -> None:
     with pytest.raises(BadDraftQ, match=error):
         decode_q(payload, [5], VOCAB)
 
 
-def test_rows_ascend_independently() -> None:
-    """Row 2 may start below where row 1 ended: only indices within a row must ascend."""
-    q = decode_q(sparse([2, 2], [7, 9, 3, 4], [0.5, 0.5, 0.25, 0.75]), [7, 4], VOCAB)
-    assert q[0, 7] == q[0, 9] == 0.5 and q[1, 3] == 0.25 and q[1, 4] == 0.75
+def test_gaps_restart_in_each_row() -> None:
+    """Row 2's first index counts from -1 again: 5 is 5, not 5 + 7 + 1."""
+    q = decode_q(weights_payload([2, 1], [HALF, HALF, TOTAL - 1], [5, 1, 5]), [5, 5], VOCAB)
+    assert q[0, 5] == q[0, 7] == 0.5 and q[1, 5] == 1.0

@@ -282,9 +282,9 @@ def test_sampling_gives_the_targets_joint_distribution(
             other += 1
     observed = [*counts.values(), other]
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
-    # the support travelled (at most 3 float32 values, uint16 indices and a count), not the row
+    # the support travelled: with draft_top_k at most 3 weights, gap bytes and a row count
     bytes_per_token = q_bytes / drafted
-    assert bytes_per_token <= 3 * 6 + 4 if draft_top_k else bytes_per_token == 4 * len(tokenizer)
+    assert bytes_per_token <= 3 * 3 + 4 if draft_top_k else bytes_per_token > 3 * 3 + 4
 
 
 @pytest.mark.parametrize(
@@ -371,11 +371,12 @@ def test_bad_baseline_fields_are_refused_before_any_work(
     )
 
 
-def _sparse_q(index: list[int], value: list[float]) -> dict[str, torch.Tensor]:
+def _weights(weights: list[int], gaps: list[int]) -> dict[str, torch.Tensor]:
+    """q as the drafter sends it (spec_decoding.draft_q): weights - 1, index gaps."""
     return {
-        "q_rows": torch.tensor([len(index)], dtype=torch.int32),
-        "q_index": torch.tensor(index, dtype=torch.int32),
-        "q_value": torch.tensor(value),
+        "q_rows": torch.tensor([len(weights)], dtype=torch.int32),
+        "q_weight": torch.tensor([w - 1 for w in weights]).to(torch.uint16),
+        "q_gap": torch.tensor(gaps, dtype=torch.uint8),
     }
 
 
@@ -396,9 +397,9 @@ def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.
         (lambda v: _q(v, 5).to(torch.float8_e4m3fn), "float32 or float64 probabilities"),
         (lambda v: torch.zeros(1, v, dtype=torch.float4_e2m1fn_x2), "float32 or float64"),
         (lambda v: torch.ones(2, v) / v, "shape (k, vocab_size)"),
-        (lambda v: _sparse_q([6, 7], [0.5, 0.5]), "gives a drafted token no probability"),
-        (lambda v: _sparse_q([5, 5], [0.5, 0.5]), "ascend strictly"),
-        (lambda v: _sparse_q([5, v], [0.5, 0.5]), "outside 0.."),
+        (lambda v: _weights([2**15, 2**15], [6, 0]), "gives a drafted token no probability"),
+        (lambda v: _weights([2**15, 2**15 - 1], [5, 0]), "sum to exactly 65536"),
+        (lambda v: _weights([2**16], [255] * (v // 255) + [254]), "ids outside 0.."),
     ],
     ids=[
         "q_zero",
@@ -409,9 +410,9 @@ def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.
         "q_float8",
         "q_float4",
         "q_shape",
-        "sparse_q_misses_its_token",
-        "sparse_q_index_twice",
-        "sparse_q_index_out_of_range",
+        "weights_miss_the_drafted_token",
+        "weights_short_of_the_total",
+        "weights_index_out_of_range",
     ],
 )
 @pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
