@@ -1,25 +1,37 @@
-"""Speculative decoding vs target-only vs HF assisted generation.
+"""Speculative decoding vs target-only vs HF assisted generation, on two pairs.
 
 Run: `python bench/spec_decoding_bench.py [--quick]`.
 
-One run, the same held-out prompts and the same tiny_target / tiny_draft pair (greedy, so every
-method must produce the same tokens, which is checked):
-  1. target-only greedy with Hugging Face `generate`, in this process;
-  2. Hugging Face assisted generation (`generate(assistant_model=draft)`), in this process;
-  3. ours: the verifier in its own process, the drafter here, over loopback, both in rounds
-     (draft, then wait for the verdict) and pipelined (keep drafting while the verifier checks,
-     the default), each with `gamma=auto`; with the speedup our cost model predicts for each;
-  4. ours pipelined through the link emulator at 2, 10 and 50 ms one-way delay, fixed windows
-     vs `auto`, and rounds with `auto` next to them.
-Every process uses one thread, as if each were its own small machine. Prints a table, writes
-bench/results/spec_decoding_bench.json, and ends with our loopback speedup over target-only.
+The realistic pair (`lab.pretrain` preset `bench`, built once and cached, about 13 minutes on 2
+cores) has a target whose forward step costs about ten times its draft's, as real pairs do;
+the tiny pair (the lab's default models) costs a third to a half, mostly per-call overhead.
+For each pair the bench measures c, the draft's forward step over the target's (one thread
+each, KV cache, one token), on this machine. On the same held-out prompts, in one run:
+  1. target-only with Hugging Face `generate`, in this process, with one thread and with two
+     (ours uses two processes on two cores: ours is judged against the faster);
+  2. Hugging Face assisted generation (`generate(assistant_model=draft)`), one and two threads;
+  3. ours: the verifier in its own process, the drafter here, over loopback, in rounds and
+     pipelined, `gamma=auto`, with the speedup the cost model predicts (from the run's own
+     measurements, against the one-thread target the verifier runs);
+  4. realistic pair: pipelined at 0, 2, 10 and 50 ms one-way (the link emulator in its own
+     process), fixed windows next to `auto`, and rounds;
+  5. realistic pair, sampling (temperature 0.8, top-p 0.95): target-only sampling vs ours, with
+     the bytes each drafted token's q costs against a dense q row;
+  6. the q bytes per drafted token of a 32k-vocabulary random-init draft at the same settings,
+     dense and with `draft_top_k=64` (bytes do not depend on training).
+Greedy methods must produce the same tokens (checked). Every process uses one thread unless a
+row says two. Prints a table, writes bench/results/spec_decoding_bench.json, and ends with our
+loopback speedup over target-only on the realistic pair.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +43,11 @@ from lab.config import CONF_DIR, ModelConfig, default_cache_dir
 from lab.corpus import held_out_prompts
 from lab.machine import announce_machine, write_results
 from lab.models import load_model, load_tokenizer
+from lab.sampling import probs_from_logits
 from netproto import Connection, LinkEmulatorProcess
+from spec_decoding.cache import CachedDecoder
 from spec_decoding.config import SpecConfig  # also registers the schema `compose` needs
+from spec_decoding.draft_q import encode_q, quantize
 from spec_decoding.drafter import Drafter
 from spec_decoding.gamma import GammaController
 from spec_decoding.run import EXPERIMENT, summarize
@@ -40,28 +55,67 @@ from spec_decoding.run import EXPERIMENT, summarize
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "spec_decoding_bench.json"
 RUN_DIR = ROOT / "outputs" / "bench" / "spec_decoding"
+SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+VOCAB_32K = 32_000
+TOP_K = 64
+
+
+@contextmanager
+def threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.inference_mode()
+def step_ms(model: Any, prompt: list[int], *, steps: int = 24) -> float:
+    """Median ms of one decode step (one token, KV cache) as both sides run it."""
+    decoder = CachedDecoder(model, prompt)
+    decoder.prefill()
+    times = []
+    for token in prompt[:steps]:  # any tokens: the cost does not depend on which
+        started = time.perf_counter()
+        decoder.extend([])
+        times.append(time.perf_counter() - started)
+        decoder.commit([token])
+    return statistics.median(times[2:]) * 1e3
 
 
 def hf_generate(
-    model: Any, prompts: list[list[int]], max_new: int, tokenizer: Any, **kwargs: Any
-) -> tuple[list[list[int]], list[float]]:
-    outputs, seconds = [], []
-    for prompt in prompts:
+    model: Any,
+    prompts: list[list[int]],
+    max_new: int,
+    tokenizer: Any,
+    *,
+    sample: bool = False,
+    **kwargs: Any,
+) -> tuple[list[list[int]], float, list[dict[str, Any]]]:
+    """Outputs and total seconds of Hugging Face `generate` on each prompt, and each prompt's
+    tokens and seconds (a baseline `summarize` takes)."""
+    outputs, seconds, each = [], 0.0, []
+    for index, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], device=model.device)
+        mode = {"do_sample": True, **SAMPLING} if sample else {"do_sample": False}
+        torch.manual_seed(index)
         started = time.perf_counter()
         with torch.inference_mode():  # as our decoding runs: like for like
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new,
-                do_sample=False,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
+                **mode,
                 **kwargs,
             )
-        seconds.append(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        seconds += elapsed
         outputs.append(out[0, len(prompt) :].tolist())
-    return outputs, seconds
+        each.append({"tokens": outputs[-1], "seconds": elapsed})
+    return outputs, seconds, each
 
 
 def ours(
@@ -74,6 +128,7 @@ def ours(
     *,
     pipeline: bool,
     baselines: list[dict[str, Any]] | None = None,
+    sample: bool = False,
 ) -> dict[str, Any]:
     with Connection.connect(*address, read_timeout_s=120) as conn:
         drafter = Drafter(
@@ -82,17 +137,22 @@ def ours(
             conn,
             gamma=GammaController(fixed=gamma, max_gamma=SpecConfig().max_gamma),
             pipeline=pipeline,
+            temperature=SAMPLING["temperature"] if sample else 0.0,
+            top_p=SAMPLING["top_p"] if sample else 1.0,
         )
         generations = [
             drafter.generate(prompt, max_new_tokens=max_new, seed=index)
             for index, prompt in enumerate(prompts)
         ]
-    metrics = summarize(generations, baselines or [], greedy=True)
+    # the model's prediction is against the one-thread target alone, timed on these prompts
+    metrics = summarize(generations, baselines or [], greedy=not sample)
     row = {
         "outputs": [g.tokens for g in generations],
         "seconds": sum(g.seconds for g in generations),
         "acceptance": metrics["acceptance_rate"],
         "mean_gamma": metrics["mean_gamma"],
+        "sent_bytes_per_drafted": metrics.get("sent_bytes_per_drafted"),
+        "q_bytes_per_drafted": metrics.get("q_bytes_per_drafted"),
     }
     if baselines:
         row["predicted_speedup"] = metrics["predicted_speedup"]
@@ -100,136 +160,293 @@ def ours(
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer prompts and delays")
-    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
-    parser.add_argument(
-        "--target",
-        default="lab:tiny_target",
-        help="hub id, local folder or lab: model (default: lab:tiny_target)",
-    )
-    parser.add_argument("--draft", default="lab:tiny_draft", help="same, for the draft model")
-    args = parser.parse_args()
-    machine = announce_machine()
-    torch.set_num_threads(1)
-    num_prompts, max_new = (2, 32) if args.quick else (4, 64)
-    delays = (10,) if args.quick else (2, 10, 50)
-    gammas = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
+class Pair:
+    """One target/draft pair: its models, c, and the rows measured with it."""
 
-    target_cfg = ModelConfig(name="target", pretrained=args.target)
-    draft_cfg = ModelConfig(name="draft", pretrained=args.draft)
-    target = load_model(target_cfg, cache_dir=args.cache_dir)  # CUDA, MPS or CPU: detected
-    draft = load_model(draft_cfg, cache_dir=args.cache_dir)
-    tokenizer = load_tokenizer(draft_cfg, cache_dir=args.cache_dir)
-    prompts = held_out_prompts(tokenizer, count=num_prompts, tokens=32)
+    def __init__(self, label: str, target: str, draft: str, preset: str, cache_dir: Path) -> None:
+        self.label = label
+        self.preset = preset
+        self.target_source, self.draft_source = target, draft
+        target_cfg = ModelConfig(name="target", pretrained=target, lab_preset=preset)
+        draft_cfg = ModelConfig(name="draft", pretrained=draft, lab_preset=preset)
+        self.target = load_model(target_cfg, cache_dir=cache_dir)  # CUDA, MPS or CPU: detected
+        self.draft = load_model(draft_cfg, cache_dir=cache_dir)
+        self.tokenizer = load_tokenizer(draft_cfg, cache_dir=cache_dir)
+        self.params = {
+            name: sum(p.numel() for p in model.parameters())
+            for name, model in (("target", self.target), ("draft", self.draft))
+        }
+        self.rows: dict[str, dict[str, Any]] = {}
 
-    hf_generate(target, prompts[:1], 8, tokenizer)  # warm-up
-    reference, target_s = hf_generate(target, prompts, max_new, tokenizer)
-    assisted, assisted_s = hf_generate(target, prompts, max_new, tokenizer, assistant_model=draft)
-    baselines = [
-        {"tokens": out, "seconds": sec} for out, sec in zip(reference, target_s, strict=True)
-    ]
+    def measure_c(self, prompt: list[int]) -> dict[str, float]:
+        target_ms, draft_ms = step_ms(self.target, prompt), step_ms(self.draft, prompt)
+        return {"target_step_ms": target_ms, "draft_step_ms": draft_ms, "c": draft_ms / target_ms}
+
+    def compose(self, cache_dir: Path) -> Any:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(
+                config_name="spec_decoding",
+                overrides=[
+                    "num_threads=1",
+                    f"target.pretrained={self.target_source}",
+                    f"target.lab_preset={self.preset}",
+                    f"draft.pretrained={self.draft_source}",
+                    f"draft.lab_preset={self.preset}",
+                    f"paths.cache_dir={cache_dir}",
+                    f"paths.run_dir={RUN_DIR}",
+                    "tracking.wandb=false",
+                ],
+            )
+
+
+def bench_pair(
+    pair: Pair,
+    prompts: list[list[int]],
+    max_new: int,
+    *,
+    cache_dir: Path,
+    delays: tuple[int, ...],
+    gammas: tuple[int, ...],
+    sampling: bool,
+) -> dict[str, Any]:
+    """Every row of one pair; returns its headline figures."""
+    model, draft, tokenizer, rows = pair.target, pair.draft, pair.tokenizer, pair.rows
+    print(f"== {pair.label}: measuring c", file=sys.stderr)
+    costs = pair.measure_c(prompts[0])
+    hf_generate(model, prompts[:1], 8, tokenizer)  # warm-up
+    reference, target_1, baselines = hf_generate(model, prompts, max_new, tokenizer)
+    with threads(2):
+        same_2, target_2, _ = hf_generate(model, prompts, max_new, tokenizer)
+    assisted, assisted_1, _ = hf_generate(model, prompts, max_new, tokenizer, assistant_model=draft)
+    with threads(2):
+        _, assisted_2, _ = hf_generate(model, prompts, max_new, tokenizer, assistant_model=draft)
     tokens = sum(len(o) for o in reference)
-    rows: dict[str, dict[str, Any]] = {
-        "target-only (HF generate)": {"tokens_per_s": tokens / sum(target_s)},
-        "HF assisted generation": {
-            "tokens_per_s": tokens / sum(assisted_s),
-            "same_tokens": assisted == reference,
-        },
+    rows["target-only, 1 thread"] = {"tokens_per_s": tokens / target_1}
+    rows["target-only, 2 threads"] = {
+        "tokens_per_s": tokens / target_2,
+        "same": same_2 == reference,
     }
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name="spec_decoding",
-            overrides=[
-                "num_threads=1",
-                f"target.pretrained={args.target}",
-                f"draft.pretrained={args.draft}",
-                f"paths.cache_dir={args.cache_dir}",
-                f"paths.run_dir={RUN_DIR}",
-                "tracking.wandb=false",
-            ],
+    rows["HF assisted, 1 thread"] = {
+        "tokens_per_s": tokens / assisted_1,
+        "same": assisted == reference,
+    }
+    rows["HF assisted, 2 threads"] = {"tokens_per_s": tokens / assisted_2}
+
+    def record(
+        label: str, result: dict[str, Any], reference_tokens: list[list[int]] | None
+    ) -> None:
+        outputs = result.pop("outputs")
+        generated = sum(len(o) for o in outputs)
+        rows[label] = {"tokens_per_s": generated / result.pop("seconds"), **result}
+        if reference_tokens is not None:
+            rows[label]["same"] = outputs == reference_tokens
+        print(
+            f"{pair.label} / {label}: {rows[label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr
         )
 
-    def record(label: str, result: dict[str, Any]) -> None:
-        rows[label] = {
-            "tokens_per_s": tokens / result.pop("seconds"),
-            "same_tokens": result.pop("outputs") == reference,
-            **result,
-        }
-        print(f"{label}: {rows[label]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
-
+    cfg = pair.compose(cache_dir)
     # the verifier started as `python -m spec_decoding` starts it, its log on stderr
     with experiment.serving(EXPERIMENT, cfg, out=sys.stderr) as (local, _):
         address = (local.cluster.verifier.host, local.cluster.verifier.port)
         for pipeline in (False, True):  # warm-up
             ours(address, draft, tokenizer, prompts[:1], 8, None, pipeline=pipeline)
         for pipeline, mode in ((False, "rounds"), (True, "pipelined")):
-            record(
-                f"ours, loopback, {mode}, auto",
-                ours(
-                    address,
-                    draft,
-                    tokenizer,
-                    prompts,
-                    max_new,
-                    None,
-                    pipeline=pipeline,
-                    baselines=baselines,
-                ),
-            )
+            result = ours(
+                address, draft, tokenizer, prompts, max_new, None,
+                pipeline=pipeline, baselines=baselines,
+            )  # fmt: skip
+            record(f"ours, {mode}, auto", result, reference)
         for delay in delays:
-            with LinkEmulatorProcess(address, delay_ms=delay) as link:
-                run = (link.address, draft, tokenizer, prompts, max_new)
+            emulator = LinkEmulatorProcess(address, delay_ms=delay) if delay else nullcontext()
+            with emulator as link:
+                run = (link.address if link else address, draft, tokenizer, prompts, max_new)
                 for gamma in (*gammas, None):
-                    name = "auto" if gamma is None else gamma
-                    record(
-                        f"ours, {delay} ms, pipelined, gamma={name}",
-                        ours(*run, gamma, pipeline=True),
-                    )
-                record(f"ours, {delay} ms, rounds, gamma=auto", ours(*run, None, pipeline=False))
+                    name = "auto" if gamma is None else str(gamma)
+                    label = f"ours, {delay} ms, pipelined, gamma={name}"
+                    record(label, ours(*run, gamma, pipeline=True), reference)
+                record(
+                    f"ours, {delay} ms, rounds, auto", ours(*run, None, pipeline=False), reference
+                )
+        if sampling:
+            _, sample_1, sampled = hf_generate(model, prompts, max_new, tokenizer, sample=True)
+            with threads(2):
+                _, sample_2, _ = hf_generate(model, prompts, max_new, tokenizer, sample=True)
+            rows["sampling: target-only, 1 thread"] = {"tokens_per_s": tokens / sample_1}
+            rows["sampling: target-only, 2 threads"] = {"tokens_per_s": tokens / sample_2}
+            result = ours(
+                address, draft, tokenizer, prompts, max_new, None,
+                pipeline=True, baselines=sampled, sample=True,
+            )  # fmt: skip
+            record("sampling: ours, pipelined, auto", result, None)
 
-    base = rows["target-only (HF generate)"]["tokens_per_s"]
-    print(f"{'method':<40}{'tokens/s':>10}{'vs target':>11}{'accept':>8}{'gamma':>7}  same")
-    nan = float("nan")
-    for label, row in rows.items():
-        row["speedup"] = row["tokens_per_s"] / base
-        print(
-            f"{label:<40}{row['tokens_per_s']:>10.1f}{row['speedup']:>10.2f}x"
-            f"{row.get('acceptance', nan):>8.2f}{row.get('mean_gamma', nan):>7.2f}"
-            f"  {row.get('same_tokens', True)}"
-        )
-    for mode in ("rounds", "pipelined"):
-        row = rows[f"ours, loopback, {mode}, auto"]
-        print(
-            f"{mode}: measured / predicted speedup {row['measured_over_predicted']:.2f} "
-            f"(predicted {row['predicted_speedup']:.2f}x)"
-        )
-    auto_vs_best = {}
+    target_best = max(rows[f"target-only, {n}"]["tokens_per_s"] for n in ("1 thread", "2 threads"))
+    assisted_best = max(
+        rows[f"HF assisted, {n}"]["tokens_per_s"] for n in ("1 thread", "2 threads")
+    )
+    headline = rows["ours, pipelined, auto"]
+    figures: dict[str, Any] = {
+        **costs,
+        "params": pair.params,
+        "acceptance": headline["acceptance"],
+        "speedup_vs_target_best": headline["tokens_per_s"] / target_best,
+        "speedup_vs_target_1_thread": headline["tokens_per_s"]
+        / rows["target-only, 1 thread"]["tokens_per_s"],
+        "speedup_vs_assisted_best": headline["tokens_per_s"] / assisted_best,
+        "measured_over_predicted": {
+            mode: rows[f"ours, {mode}, auto"]["measured_over_predicted"]
+            for mode in ("rounds", "pipelined")
+        },
+        "predicted_speedup": {
+            mode: rows[f"ours, {mode}, auto"]["predicted_speedup"]
+            for mode in ("rounds", "pipelined")
+        },
+    }
+    auto_vs_best, pipelined_vs_rounds = {}, {}
     for delay in delays:
         fixed = [rows[f"ours, {delay} ms, pipelined, gamma={g}"]["tokens_per_s"] for g in gammas]
         auto = rows[f"ours, {delay} ms, pipelined, gamma=auto"]["tokens_per_s"]
         auto_vs_best[delay] = auto / max(fixed)
-        rounds = rows[f"ours, {delay} ms, rounds, gamma=auto"]["tokens_per_s"]
-        print(
-            f"{delay} ms: auto / best fixed window {auto_vs_best[delay]:.2f}; "
-            f"pipelined / rounds {auto / rounds:.2f}"
+        pipelined_vs_rounds[delay] = auto / rows[f"ours, {delay} ms, rounds, auto"]["tokens_per_s"]
+    figures["auto_vs_best_fixed"] = auto_vs_best
+    figures["pipelined_vs_rounds"] = pipelined_vs_rounds
+    if sampling:
+        ours_sampled = rows["sampling: ours, pipelined, auto"]
+        sample_best = max(
+            rows[f"sampling: target-only, {n}"]["tokens_per_s"] for n in ("1 thread", "2 threads")
         )
-    headline = rows["ours, loopback, pipelined, auto"]
-    ours_speedup = headline["speedup"]
-    vs_assisted = headline["tokens_per_s"] / rows["HF assisted generation"]["tokens_per_s"]
-    print(f"ours / HF assisted generation (loopback): {vs_assisted:.2f}x")
+        vocab = int(model.get_input_embeddings().num_embeddings)
+        figures["sampling"] = {
+            "speedup_vs_target_best": ours_sampled["tokens_per_s"] / sample_best,
+            "acceptance": ours_sampled["acceptance"],
+            "q_bytes_per_drafted": ours_sampled["q_bytes_per_drafted"],
+            "dense_q_row_bytes": 4 * vocab,
+            "q_bytes_vs_dense": ours_sampled["q_bytes_per_drafted"] / (4 * vocab),
+            "sent_bytes_per_drafted": ours_sampled["sent_bytes_per_drafted"],
+        }
+    return figures
+
+
+def q_bytes_32k(prompts: list[list[int]], tokenizer: Any) -> dict[str, float]:
+    """q bytes per drafted token of a random-init draft over a 32k vocabulary, as the drafter
+    encodes them (dense, and cut to the top 64), at the sampling settings above."""
+    from lab.pretrain import TinyModelSpec, build_llama
+
+    torch.manual_seed(0)
+    spec = TinyModelSpec(num_layers=1, hidden_size=64, num_heads=2, intermediate_size=128)
+    model = build_llama(spec, vocab_size=VOCAB_32K, context_length=256, tokenizer=tokenizer).eval()
+    with torch.inference_mode():
+        logits = torch.cat([model(input_ids=torch.tensor([p])).logits[0] for p in prompts])
+    result = {}
+    for label, top_k in (("dense", 0), (f"draft_top_k={TOP_K}", TOP_K)):
+        q = probs_from_logits(logits, top_k=top_k, **SAMPLING)  # (tokens, V)
+        sizes = [
+            sum(t.numel() * t.element_size() for t in encode_q(quantize(row[None])).values())
+            for row in q
+        ]
+        result[label] = statistics.mean(sizes)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer prompts, delays and windows")
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    parser.add_argument(
+        "--preset", default="bench", help="lab.pretrain preset of the realistic pair"
+    )
+    parser.add_argument(
+        "--target",
+        default="lab:tiny_target",
+        help="realistic pair's target: hub id, folder or lab:",
+    )
+    parser.add_argument("--draft", default="lab:tiny_draft", help="same, for its draft")
+    args = parser.parse_args()
+    machine = announce_machine()
+    torch.set_num_threads(1)
+    num_prompts, max_new = (2, 32) if args.quick else (4, 64)
+    delays = (0, 10) if args.quick else (0, 2, 10, 50)
+    gammas = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
+
+    print("loading (the realistic pair is built on first use: ~13 min)", file=sys.stderr)
+    pairs = {
+        "realistic": Pair("realistic", args.target, args.draft, args.preset, args.cache_dir),
+        "tiny": Pair("tiny", "lab:tiny_target", "lab:tiny_draft", "default", args.cache_dir),
+    }
+    figures: dict[str, Any] = {}
+    for name, pair in pairs.items():
+        prompts = held_out_prompts(pair.tokenizer, count=num_prompts, tokens=32)
+        realistic = name == "realistic"
+        figures[name] = bench_pair(
+            pair,
+            prompts,
+            max_new,
+            cache_dir=args.cache_dir,
+            delays=delays if realistic else (),
+            gammas=gammas,
+            sampling=realistic,
+        )
+    tokenizer = pairs["realistic"].tokenizer
+    figures["q_bytes_32k_vocab"] = q_bytes_32k(
+        held_out_prompts(tokenizer, count=num_prompts, tokens=32), tokenizer
+    )
+
+    nan = float("nan")
+    for name, pair in pairs.items():
+        fig = figures[name]
+        print(
+            f"\n{name} pair: target {pair.params['target'] / 1e6:.2f} M, draft "
+            f"{pair.params['draft'] / 1e6:.2f} M parameters; step {fig['target_step_ms']:.2f} ms "
+            f"vs {fig['draft_step_ms']:.2f} ms: c = {fig['c']:.3f}"
+        )
+        base = pair.rows["target-only, 1 thread"]["tokens_per_s"]
+        print(f"{'method':<42}{'tokens/s':>10}{'vs 1 thread':>12}{'accept':>8}{'gamma':>7}  same")
+        for label, row in pair.rows.items():
+            row["vs_target_1_thread"] = row["tokens_per_s"] / base
+            print(
+                f"{label:<42}{row['tokens_per_s']:>10.1f}{row['vs_target_1_thread']:>11.2f}x"
+                f"{row.get('acceptance', nan):>8.2f}{row.get('mean_gamma', nan):>7.2f}"
+                f"  {row.get('same', '')}"
+            )
+        print(
+            f"{name}: ours / faster target-only {fig['speedup_vs_target_best']:.2f}x, "
+            f"/ faster HF assisted {fig['speedup_vs_assisted_best']:.2f}x; measured / predicted "
+            + ", ".join(
+                f"{mode} {fig['measured_over_predicted'][mode]:.2f} "
+                f"(predicted {fig['predicted_speedup'][mode]:.2f}x)"
+                for mode in ("rounds", "pipelined")
+            )
+        )
+        for delay, ratio in fig["auto_vs_best_fixed"].items():
+            print(
+                f"{name}, {delay} ms: auto / best fixed window {ratio:.2f}; "
+                f"pipelined / rounds {fig['pipelined_vs_rounds'][delay]:.2f}"
+            )
+        if "sampling" in fig:
+            s = fig["sampling"]
+            print(
+                f"{name}, sampling (t={SAMPLING['temperature']}, top_p={SAMPLING['top_p']}): "
+                f"ours / faster target-only {s['speedup_vs_target_best']:.2f}x, acceptance "
+                f"{s['acceptance']:.2f}; q {s['q_bytes_per_drafted']:.0f} bytes per drafted token, "
+                f"{s['q_bytes_vs_dense']:.3f} of a dense row ({s['dense_q_row_bytes']} bytes); "
+                f"{s['sent_bytes_per_drafted']:.0f} bytes sent per drafted token in all"
+            )
+    q32 = figures["q_bytes_32k_vocab"]
+    print(
+        f"32k-vocabulary draft, q bytes per drafted token: dense {q32['dense']:.0f}, "
+        f"draft_top_k={TOP_K} {q32[f'draft_top_k={TOP_K}']:.0f}"
+    )
     write_results(
         RESULTS,
         {
-            "rows": rows,
-            "auto_vs_best_fixed": auto_vs_best,
+            "figures": figures,
+            "rows": {name: pair.rows for name, pair in pairs.items()},
             "prompts": num_prompts,
             "max_new_tokens": max_new,
         },
         machine=machine,
     )
-    print(f"our speedup over target-only (loopback): {ours_speedup:.2f}x")
+    speedup = figures["realistic"]["speedup_vs_target_best"]
+    print(f"our speedup over target-only (loopback, realistic pair): {speedup:.2f}x")
 
 
 if __name__ == "__main__":
