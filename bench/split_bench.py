@@ -38,8 +38,29 @@ RUNS = Path("outputs/bench/split")
 CACHE = default_cache_dir()
 
 
+SHAPE_1B = {
+    "hidden": 2048,
+    "layers": 22,
+    "intermediate": 5632,
+    "heads": 32,
+    "kv_heads": 4,
+    "vocab": 32000,
+}
+"""TinyLlama-1.1B's config (hub id TinyLlama/TinyLlama-1.1B-Chat-v1.0), built random-init:
+`--shape 1b`, for a GPU (make gpu-check)."""
+
+
 def random_llama(
-    folder: Path, *, hidden: int, layers: int, context: int, tokenizer_from: Path
+    folder: Path,
+    *,
+    hidden: int,
+    layers: int,
+    context: int,
+    tokenizer_from: Path,
+    intermediate: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    vocab: int | None = None,
 ) -> Path:
     """A random-init Llama saved as an HF folder (built once per shape, then reused)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -48,12 +69,12 @@ def random_llama(
         return folder
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=max(vocab or 0, len(tokenizer)),
         hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3 // 64 * 64 or 64,
+        intermediate_size=intermediate or hidden * 8 // 3 // 64 * 64 or 64,
         num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 64),
+        num_attention_heads=heads or max(1, hidden // 64),
+        num_key_value_heads=kv_heads or heads or max(1, hidden // 64),
         max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -120,6 +141,12 @@ def _unsplit_peak_main(folder: Path, new_tokens: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer tokens")
+    parser.add_argument(
+        "--shape",
+        choices=("default", "1b"),
+        default="default",
+        help="1b: every part on a random-init TinyLlama-1.1B shape (for a GPU: make gpu-check)",
+    )
     parser.add_argument("--models", type=Path, default=CACHE / "bench_models")
     parser.add_argument("--unsplit-peak", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=4, help=argparse.SUPPRESS)
@@ -146,6 +173,13 @@ def main() -> None:
         context=512,
         tokenizer_from=tokenizer_from,
     )
+    if args.shape == "1b":
+        medium = big = random_llama(
+            args.models / "llama-1b-tinyllama-shape",
+            context=2048,
+            tokenizer_from=tokenizer_from,
+            **SHAPE_1B,
+        )
     rows: dict[str, dict[str, Any]] = {}
 
     # 1. Per-token latency, split vs unsplit, in one run (the driver times both).
@@ -264,7 +298,11 @@ def main() -> None:
         f"{t4['idle_share_gpipe_m4']:.2f} GPipe's (p-1)/(m+p-1); m=1: {t4['idle_share_m1']:.2f}"
     )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    write_results(RESULTS, {"rows": rows, "quick": args.quick}, machine=machine)
+    write_results(
+        RESULTS.with_name("split_bench_1b.json") if args.shape == "1b" else RESULTS,
+        {"rows": rows, "quick": args.quick, "shape": args.shape},
+        machine=machine,
+    )
     print(f"split/unsplit per-token latency: {rows['decode latency']['ratio']:.2f}x")
 
 

@@ -26,6 +26,23 @@ PRIMARY_CONFIGS = sorted(
 `matrix.yaml` is run_matrix's, a sweep of runs (tests/test_matrix.py)."""
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`cuda` tests need a CUDA GPU: elsewhere they are skipped, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    built = torch.version.cuda
+    why = f"torch built for CUDA {built}, no device found" if built else "a CPU build of torch"
+    reason = (
+        f"needs a CUDA GPU: torch.cuda.is_available() is False here ({why}); "
+        "`make gpu-check` runs these where a GPU is"
+    )
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 def import_schemas() -> None:
     """Register every entry point's schema (each lives beside its module)."""
     for name in PRIMARY_CONFIGS:
