@@ -70,6 +70,10 @@ NEEDS = [
     (re.compile(r"<[^>]+>|\.\.\.(?!\S)|=\.\.\."), "a placeholder to fill in"),
     (re.compile(r"tinyllama|my_small_llama|llama3_8b"), "a hub model (no hub here)"),
     (re.compile(r"bench_models/"), "the model bench/split_bench.py builds"),
+    (
+        re.compile(r"bench_target|bench_draft|pretrain=bench"),
+        "the bench pair (built once in about 13 minutes: too long for a quick replay)",
+    ),
     (re.compile(r"submitit|hydra-ray"), "a Hydra launcher plugin"),
 ]
 """Lines that cannot run here as written, and why."""

@@ -83,5 +83,7 @@ def test_bad_source_is_a_clear_error(source: str, lab_cache: Path) -> None:
 
 
 def test_unknown_lab_preset_names_the_choices(lab_cache: Path) -> None:
-    with pytest.raises(ValueError, match=r"model.lab_preset='huge' .* \['debug', 'default'\]"):
+    with pytest.raises(
+        ValueError, match=r"model.lab_preset='huge' .* \['bench', 'debug', 'default'\]"
+    ):
         load_model(ModelConfig(lab_preset="huge"), cache_dir=lab_cache)
