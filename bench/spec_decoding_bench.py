@@ -49,7 +49,7 @@ from spec_decoding.cache import CachedDecoder
 from spec_decoding.config import SpecConfig  # also registers the schema `compose` needs
 from spec_decoding.draft_q import encode_q, quantize
 from spec_decoding.drafter import Drafter
-from spec_decoding.gamma import GammaController
+from spec_decoding.gamma import GammaController, PipelineModel
 from spec_decoding.run import EXPERIMENT, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,7 +146,7 @@ def ours(
         ]
     # the model's prediction is against the one-thread target alone, timed on these prompts
     metrics = summarize(generations, baselines or [], greedy=not sample)
-    row = {
+    row: dict[str, Any] = {
         "outputs": [g.tokens for g in generations],
         "seconds": sum(g.seconds for g in generations),
         "acceptance": metrics["acceptance_rate"],
@@ -157,7 +157,32 @@ def ours(
     if baselines:
         row["predicted_speedup"] = metrics["predicted_speedup"]
         row["measured_over_predicted"] = metrics["measured_over_predicted"]
+    if pipeline:
+        row["costs"] = {
+            key: metrics[key]
+            for key in ("draft_ms_per_token", "verify_base_ms", "verify_per_token_ms", "rtt_ms")
+        }
     return row
+
+
+def acceptance_needed(costs: dict[str, float], target_rate: float, speedup: float) -> float | None:
+    """The least acceptance rate at which the pipeline model, fed this run's measured costs,
+    predicts `speedup` over `target_rate` (None: not below 0.995)."""
+    for step in range(100, 200):
+        alpha = step / 200
+        model = PipelineModel(
+            alpha=alpha,
+            draft_s=costs["draft_ms_per_token"] / 1e3,
+            verify_base_s=costs["verify_base_ms"] / 1e3,
+            verify_per_token_s=costs["verify_per_token_ms"] / 1e3,
+            one_way_s=costs["rtt_ms"] / 2e3,
+        )
+        if (
+            model.tokens_per_second(model.best_window(SpecConfig().max_gamma))
+            >= speedup * target_rate
+        ):
+            return alpha
+    return None
 
 
 class Pair:
@@ -284,7 +309,9 @@ def bench_pair(
         rows[f"HF assisted, {n}"]["tokens_per_s"] for n in ("1 thread", "2 threads")
     )
     headline = rows["ours, pipelined, auto"]
+    target_rate = rows["target-only, 1 thread"]["tokens_per_s"]  # what the verifier runs
     figures: dict[str, Any] = {
+        "acceptance_needed_for_2x": acceptance_needed(headline["costs"], target_rate, 2.0),
         **costs,
         "params": pair.params,
         "acceptance": headline["acceptance"],
@@ -415,6 +442,12 @@ def main() -> None:
                 f"(predicted {fig['predicted_speedup'][mode]:.2f}x)"
                 for mode in ("rounds", "pipelined")
             )
+        )
+        needed = fig["acceptance_needed_for_2x"]
+        print(
+            f"{name}: at this run's measured costs the pipeline model reaches 2x the one-thread "
+            f"target from an acceptance of {needed if needed is not None else '> 0.995'} "
+            f"(this pair: {fig['acceptance']:.2f})"
         )
         for delay, ratio in fig["auto_vs_best_fixed"].items():
             print(

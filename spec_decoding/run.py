@@ -151,6 +151,9 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         "rounds": float(len(checks)),
         "forward_share": len(forwards) / len(checks),
         "drafted_per_token": drafted / max(1, tokens),
+        # the pipeline model's costs, as fitted here (a forward of n tokens: base + n * slope)
+        "verify_base_ms": base * 1e3,
+        "verify_per_token_ms": slope * 1e3,
     }
     return metrics, tokens / predicted_s
 
