@@ -11,13 +11,14 @@ whatever either side's float kernels, and the rule stays exact.
 
 Per message, for k drafted tokens and n support entries in all:
 
-    "q_rows"   int32 (k,)    entries per row
-    "q_weight" uint16 (n,)   w - 1 (so that w = 2^16, a certain token, fits)
-    "q_gap"    uint8 (>= n)  the indices, ascending within each row, as gaps: g = index -
-                             previous index - 1 (the first of a row from -1), written as
-                             g // 255 bytes of 255 then one byte g % 255 (under 255)
+    "q_rows"   int32 (k,)   entries per row
+    "q_index"  uint8 (...)  n varints: each index less the previous one in its row, less 1
+                            (the first of a row counts from -1), ascending within a row
+    "q_weight" uint8 (...)  n varints: w - 1 (0..65535)
 
-About 3 bytes per entry. A dense float32 row (`"q": (k, V)`) is still accepted.
+A varint is LEB128: 7 bits a byte, low bits first, the high bit set on every byte but the last.
+A nucleus's indices lie close together and most of its weights are small, so an entry costs
+about two and a half bytes. A dense float32 row (`"q": (k, V)`) is still accepted.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ Q_SUM_TOLERANCE = 1e-3
 WEIGHT_BITS = 16
 TOTAL = 1 << WEIGHT_BITS
 """Every row's integer weights sum to exactly this."""
-ESCAPE = 255
-SPARSE_KEYS = ("q_rows", "q_weight", "q_gap")
+MAX_VARINT_BYTES = 5
+"""Enough for any index below 2^35 and any weight: a longer varint is refused."""
+SPARSE_KEYS = ("q_rows", "q_index", "q_weight")
 
 
 class BadDraftQ(ValueError):
@@ -56,28 +58,45 @@ def as_probabilities(weights: torch.Tensor) -> torch.Tensor:
     return weights.float() * (1.0 / TOTAL)
 
 
+def to_varints(values: torch.Tensor) -> torch.Tensor:
+    """Non-negative int64 values (n,) -> their LEB128 bytes, in order (uint8)."""
+    values = values.to(torch.int64)
+    lengths = torch.ones_like(values)
+    for shift in range(7, 7 * MAX_VARINT_BYTES, 7):
+        lengths += (values >> shift) > 0
+    owner = torch.repeat_interleave(torch.arange(values.numel()), lengths)  # byte -> value
+    starts = torch.cumsum(lengths, 0) - lengths
+    place = torch.arange(int(lengths.sum())) - starts[owner]  # byte's place in its varint
+    more = place < lengths[owner] - 1
+    return (((values[owner] >> (7 * place)) & 0x7F) | (more.long() << 7)).to(torch.uint8)
+
+
+def from_varints(data: torch.Tensor, count: int, what: str) -> torch.Tensor:
+    """LEB128 bytes (uint8) -> exactly `count` int64 values; BadDraftQ if they are not that."""
+    raw = data.to(torch.int64)
+    last = (raw & 0x80) == 0  # the final byte of each varint
+    if int(last.sum()) != count or (raw.numel() and not bool(last[-1])):
+        raise BadDraftQ(f"`{what}` must hold exactly {count} varints")
+    owner = torch.cumsum(last.long(), 0) - last.long()  # byte -> its varint
+    starts = torch.zeros(count, dtype=torch.int64)
+    starts[1:] = torch.nonzero(last).squeeze(-1)[:-1] + 1
+    place = torch.arange(raw.numel()) - starts[owner]
+    if raw.numel() and int(place.max()) >= MAX_VARINT_BYTES:
+        raise BadDraftQ(f"`{what}` holds a varint longer than {MAX_VARINT_BYTES} bytes")
+    parts = (raw & 0x7F) << (7 * place)
+    return torch.zeros(count, dtype=torch.int64).index_add_(0, owner, parts)
+
+
 def encode_q(weights: torch.Tensor) -> dict[str, torch.Tensor]:
     """(k, V) integer weights (see `quantize`) as the TENSORS entries to send."""
-    rows, index = (weights > 0).nonzero(as_tuple=True)  # row-major: ascending within each row
-    counts = (weights > 0).sum(dim=-1)  # (k,)
+    support = weights > 0
+    rows, index = support.nonzero(as_tuple=True)  # row-major: ascending within each row
     previous = torch.cat([torch.tensor([-1]), index[:-1]])
-    first = torch.ones_like(index, dtype=torch.bool)
-    first[1:] = rows[1:] != rows[:-1]
-    previous[first] = -1
-    gaps = index - previous - 1  # (n,) >= 0
-    if not gaps.numel() or int(gaps.max()) < ESCAPE:  # the usual case: a byte each
-        encoded = gaps.to(torch.uint8)
-    else:
-        raw = bytearray()
-        for gap in gaps.tolist():
-            escapes, rest = divmod(gap, ESCAPE)
-            raw += b"\xff" * escapes
-            raw.append(rest)
-        encoded = torch.frombuffer(raw, dtype=torch.uint8)
+    previous[1:][rows[1:] != rows[:-1]] = -1  # each row's first index counts from -1
     return {
-        "q_rows": counts.to(torch.int32),
-        "q_weight": (weights[rows, index] - 1).to(torch.uint16),
-        "q_gap": encoded,
+        "q_rows": support.sum(dim=-1).to(torch.int32),
+        "q_index": to_varints(index - previous - 1),
+        "q_weight": to_varints(weights[rows, index] - 1),
     }
 
 
@@ -88,7 +107,7 @@ def decode_q(payload: dict[str, torch.Tensor], draft: list[int], vocab_size: int
     k = len(draft)
     if "q" in payload:
         if any(name in payload for name in SPARSE_KEYS):
-            raise BadDraftQ("send q dense (`q`) or as weights (`q_rows`, `q_weight`, `q_gap`)")
+            raise BadDraftQ("send q dense (`q`) or as weights (`q_rows`, `q_index`, `q_weight`)")
         q = payload["q"]
         if tuple(q.shape) != (k, vocab_size):
             raise BadDraftQ("sampling needs `q` of shape (k, vocab_size)")
@@ -107,38 +126,35 @@ def decode_q(payload: dict[str, torch.Tensor], draft: list[int], vocab_size: int
 
 
 def _decode_weights(payload: dict[str, torch.Tensor], k: int, vocab_size: int) -> torch.Tensor:
-    rows, weight, gap = (payload.get(name) for name in SPARSE_KEYS)
-    if rows is None or weight is None or gap is None:
+    rows, index_bytes, weight_bytes = (payload.get(name) for name in SPARSE_KEYS)
+    if rows is None or index_bytes is None or weight_bytes is None:
         raise BadDraftQ(
-            "sampling needs q: `q` (k, vocab_size), or `q_rows`, `q_weight` and `q_gap`"
+            "sampling needs q: `q` (k, vocab_size), or `q_rows`, `q_index` and `q_weight`"
         )
     if rows.dtype != torch.int32 or tuple(rows.shape) != (k,):
         raise BadDraftQ("`q_rows` must be int32 of shape (k,)")
-    if weight.dtype != torch.uint16 or weight.dim() != 1:
-        raise BadDraftQ("`q_weight` must be a uint16 vector")
-    if gap.dtype != torch.uint8 or gap.dim() != 1:
-        raise BadDraftQ("`q_gap` must be a uint8 vector")
+    for name, data in (("q_index", index_bytes), ("q_weight", weight_bytes)):
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise BadDraftQ(f"`{name}` must be a uint8 vector of varints")
     counts = rows.to(torch.int64)
     if k and ((counts < 1).any() or (counts > vocab_size).any()):
         raise BadDraftQ(f"each row of q holds 1..{vocab_size} entries")
     entries = int(counts.sum())
-    if weight.numel() != entries:
-        raise BadDraftQ("`q_rows` must add up to the entries of `q_weight`")
-    if gap.numel() > entries * (1 + vocab_size // ESCAPE):  # more than any index could need
-        raise BadDraftQ("`q_gap` is longer than its indices could need")
-    ends = gap != ESCAPE  # each index ends at its first byte below 255
-    if int(ends.sum()) != entries or (entries and not bool(ends[-1])):
-        raise BadDraftQ("`q_gap` must hold exactly one index per entry")
-    # index = (sum of its row's gap bytes so far) + (its place in the row)
-    total = gap.to(torch.int64).cumsum(0)[ends]  # (n,): bytes summed up to each index's end
+    for name, data in (("q_index", index_bytes), ("q_weight", weight_bytes)):
+        if data.numel() > entries * MAX_VARINT_BYTES:
+            raise BadDraftQ(f"`{name}` is longer than {entries} varints can be")
+    gaps = from_varints(index_bytes, entries, "q_index")
+    weights = from_varints(weight_bytes, entries, "q_weight") + 1
+    if entries and int(weights.max()) > TOTAL:
+        raise BadDraftQ(f"`q_weight` holds a weight over {TOTAL}")
+    # index = its row's gaps so far + its place in the row (each step is gap + 1)
     row_of = torch.repeat_interleave(torch.arange(k), counts)  # (n,)
     row_start = torch.cumsum(counts, 0) - counts  # (k,): first entry of each row
-    before = torch.cat([torch.zeros(1, dtype=torch.int64), total])[row_start]  # (k,)
-    place = torch.arange(entries) - row_start[row_of]
-    index = total - before[row_of] + place
+    steps = torch.cumsum(gaps + 1, 0)  # (n,)
+    before = torch.cat([torch.zeros(1, dtype=torch.int64), steps])[row_start]  # (k,)
+    index = steps - before[row_of] - 1
     if entries and int(index.max()) >= vocab_size:
-        raise BadDraftQ(f"`q_gap` leads to ids outside 0..{vocab_size - 1}")
-    weights = weight.to(torch.int64) + 1
+        raise BadDraftQ(f"`q_index` leads to ids outside 0..{vocab_size - 1}")
     sums = torch.zeros(k, dtype=torch.int64).index_add_(0, row_of, weights)
     if (sums != TOTAL).any():
         raise BadDraftQ(f"each row's weights must sum to exactly {TOTAL}")

@@ -10,7 +10,16 @@ from hypothesis import strategies as st
 
 from lab.sampling import probs_from_logits
 from netproto.wire import REGISTRY, Limits, encode_frame
-from spec_decoding.draft_q import TOTAL, BadDraftQ, as_probabilities, decode_q, encode_q, quantize
+from spec_decoding.draft_q import (
+    TOTAL,
+    BadDraftQ,
+    as_probabilities,
+    decode_q,
+    encode_q,
+    from_varints,
+    quantize,
+    to_varints,
+)
 from spec_decoding.protocol import SpecMsg
 
 VOCAB = 1000
@@ -82,10 +91,15 @@ def stream_bytes(q: torch.Tensor) -> int:
     return encode_frame(spec, payload, 0, 0, Limits())[1]
 
 
-def test_an_entry_costs_about_three_bytes() -> None:
-    q = nucleus(1, top_p=0.95)
+def test_an_entry_costs_under_three_bytes_and_varints_round_trip() -> None:
+    """A language model's nucleus: many entries, close together, most of them small."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
+    q = probs_from_logits(logits, temperature=0.8, top_p=0.95)
     entries = int((quantize(q) > 0).sum())
-    assert q_bytes(q) <= 3 * entries + 4 + 8  # weight, a gap byte, the row count (+ escapes)
+    assert q_bytes(q) < 3 * entries + 4  # the row count, then a gap and a weight per entry
+    values = torch.tensor([0, 127, 128, 16383, 16384, TOTAL - 1, 2**34])
+    assert torch.equal(from_varints(to_varints(values), len(values), "x"), values)
+    assert to_varints(torch.tensor([127, 128])).tolist() == [127, 128, 1]  # 7 bits a byte
 
 
 def test_with_draft_top_k_64_a_32k_vocabulary_token_travels_in_under_a_kibibyte() -> None:
@@ -98,38 +112,51 @@ def dense(rows: int = 1) -> dict[str, torch.Tensor]:
     return {"q": torch.full((rows, VOCAB), 1.0 / VOCAB)}
 
 
-def weights_payload(rows, weight, gap) -> dict[str, torch.Tensor]:
+def weights_payload(rows, weights, gaps) -> dict[str, torch.Tensor]:
+    """q as the drafter sends it: true weights and gaps here, encoded as varints."""
     return {
         "q_rows": torch.tensor(rows, dtype=torch.int32),
-        "q_weight": torch.tensor(weight, dtype=torch.int64).to(torch.uint16),
-        "q_gap": torch.tensor(gap, dtype=torch.uint8),
+        "q_index": to_varints(torch.tensor(gaps, dtype=torch.int64)),
+        "q_weight": to_varints(torch.tensor(weights, dtype=torch.int64) - 1),
     }
 
 
-HALF = TOTAL // 2 - 1  # a weight of 2^15, as sent (w - 1)
+def raw(payload: dict[str, torch.Tensor], **entries: list[int]) -> dict[str, torch.Tensor]:
+    """`payload` with some entries replaced by hand-made bytes."""
+    return {**payload, **{k: torch.tensor(v, dtype=torch.uint8) for k, v in entries.items()}}
+
+
+HALF = TOTAL // 2
+ONE = weights_payload([1], [TOTAL], [5])
 
 
 @pytest.mark.parametrize(
     ("payload", "error"),
     [
         ({}, "sampling needs q"),
-        ({**dense(), **weights_payload([1], [TOTAL - 1], [5])}, "dense .* or as weights"),
+        ({**dense(), **ONE}, "dense .* or as weights"),
         ({"q": torch.ones(1, VOCAB, dtype=torch.int64)}, "float32 or float64"),
         ({"q": torch.ones(2, VOCAB) / VOCAB}, r"shape \(k, vocab_size\)"),
         ({"q": torch.full((1, VOCAB), 0.5)}, "must sum to 1"),
-        ({**weights_payload([1], [TOTAL - 1], [5]), "q_rows": torch.tensor([1])}, "int32"),
-        (weights_payload([1, 1], [HALF, HALF], [5, 0]), r"int32 of shape \(k,\)"),
-        ({**weights_payload([1], [0], [5]), "q_weight": torch.tensor([TOTAL - 1])}, "uint16"),
-        ({**weights_payload([1], [TOTAL - 1], [5]), "q_gap": torch.tensor([5])}, "uint8"),
+        ({**ONE, "q_rows": torch.tensor([1])}, "int32"),
+        (weights_payload([1, 1], [TOTAL, TOTAL], [5, 5]), r"int32 of shape \(k,\)"),
+        ({**ONE, "q_weight": torch.tensor([TOTAL - 1], dtype=torch.int32)}, "uint8 vector"),
+        ({**ONE, "q_index": torch.tensor([[5]], dtype=torch.uint8)}, "uint8 vector"),
         (weights_payload([0], [], []), "1..1000 entries"),
-        (weights_payload([2], [TOTAL - 1], [5]), "add up to the entries"),
-        (weights_payload([2], [HALF, HALF], [5]), "one index per entry"),
-        (weights_payload([2], [HALF, HALF], [5, 0, 1]), "one index per entry"),
-        (weights_payload([1], [TOTAL - 1], [5, 255]), "one index per entry"),
-        (weights_payload([1], [TOTAL - 1], [255] * 3 + [250]), "ids outside 0..999"),
-        (weights_payload([1], [TOTAL - 1], [255] * 50 + [5]), "longer than its indices"),
+        (weights_payload([2], [TOTAL], [5]), "exactly 2 varints"),
+        (weights_payload([2], [HALF, HALF], [5]), "exactly 2 varints"),
+        (weights_payload([2], [HALF, HALF], [5, 0, 1]), "exactly 2 varints"),
+        (raw(ONE, q_index=[0x85]), "exactly 1 varints"),
+        (raw(ONE, q_index=[0x80] * 7 + [1]), "longer than 1 varints can be"),
+        (
+            raw(weights_payload([2], [HALF, HALF], [5, 0]), q_index=[0x80] * 5 + [1, 0]),
+            "longer than 5 bytes",
+        ),
+        (weights_payload([1], [TOTAL], [VOCAB]), "ids outside 0..999"),
+        (weights_payload([2], [HALF, HALF], [5, VOCAB - 6]), "ids outside 0..999"),
+        (raw(ONE, q_weight=[0x80, 0x80, 0x04]), "a weight over 65536"),
         (weights_payload([2], [HALF, HALF - 1], [5, 0]), "sum to exactly 65536"),
-        (weights_payload([1], [TOTAL - 2], [5]), "sum to exactly 65536"),
+        (weights_payload([1], [TOTAL - 1], [5]), "sum to exactly 65536"),
         (weights_payload([2], [HALF, HALF], [6, 0]), "gives a drafted token no probability"),
     ],
     ids=[
@@ -141,14 +168,17 @@ HALF = TOTAL // 2 - 1  # a weight of 2^15, as sent (w - 1)
         "rows_dtype",
         "rows_shape",
         "weight_dtype",
-        "gap_dtype",
+        "index_shape",
         "empty_row",
-        "count_mismatch",
+        "fewer_weights",
         "fewer_indices",
         "more_indices",
-        "unfinished_escape",
+        "unfinished_varint",
+        "varints_too_long",
+        "varint_too_long",
         "index_over_vocab",
-        "gap_too_long",
+        "second_index_over_vocab",
+        "weight_over_total",
         "weights_short",
         "weight_short",
         "drafted_token_outside_support",
@@ -161,5 +191,5 @@ def test_a_malformed_q_is_refused_with_its_reason(payload, error: str) -> None:
 
 def test_gaps_restart_in_each_row() -> None:
     """Row 2's first index counts from -1 again: 5 is 5, not 5 + 7 + 1."""
-    q = decode_q(weights_payload([2, 1], [HALF, HALF, TOTAL - 1], [5, 1, 5]), [5, 5], VOCAB)
+    q = decode_q(weights_payload([2, 1], [HALF, HALF, TOTAL], [5, 1, 5]), [5, 5], VOCAB)
     assert q[0, 5] == q[0, 7] == 0.5 and q[1, 5] == 1.0
