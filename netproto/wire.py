@@ -936,6 +936,7 @@ class FrameDecoder:
                 return None
             payload: torch.Tensor | memoryview = self._payload
             self._payload, self._payload_view = None, memoryview(b"")
+            self._payload_got = 0  # else close() would count it as part of the next frame
             self.in_payload = False
         else:
             pos = self._pos
