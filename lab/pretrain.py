@@ -328,13 +328,19 @@ def train_lm(
     return loss_value
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def evaluate(model, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
-    """Mean next-token cross-entropy (nats) over `blocks`."""
+    """Mean next-token cross-entropy (nats) over `blocks` (moved, a batch at a time, to the
+    model's device: a coordinator's model may sit on a GPU while its data is on the CPU)."""
     model.eval()
+    device = _device_of(model)
     total, count = 0.0, 0
     for start in range(0, len(blocks), batch_size):
-        batch = blocks[start : start + batch_size]
+        batch = blocks[start : start + batch_size].to(device)
         logits = model(input_ids=batch).logits  # (B, T, V)
         total += next_token_loss(logits, batch, reduction="sum").item()
         count += batch[:, 1:].numel()
@@ -344,9 +350,10 @@ def evaluate(model, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
 @torch.no_grad()
 def greedy_agreement(draft, target, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
     """Share of positions where draft and target pick the same next token (greedy)."""
+    device = _device_of(target)
     same, count = 0, 0
     for start in range(0, len(blocks), batch_size):
-        batch = blocks[start : start + batch_size]
+        batch = blocks[start : start + batch_size].to(device)
         same += (
             (draft(input_ids=batch).logits.argmax(-1) == target(input_ids=batch).logits.argmax(-1))
             .sum()

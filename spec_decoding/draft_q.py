@@ -49,7 +49,8 @@ def quantize(q: torch.Tensor) -> torch.Tensor:
     short = TOTAL - weights.sum(dim=-1)  # (k,): 0 <= short < entries with a remainder
     remainder = scaled - weights
     order = remainder.argsort(dim=-1, descending=True)  # (k, V)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(q.size(-1)).expand_as(order))
+    places = torch.arange(q.size(-1), device=q.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, places)
     return weights + (rank < short[:, None]).long()
 
 

@@ -138,8 +138,11 @@ class Drafter:
         the distribution it was drawn from (spec_decoding.draft_q), which is what is sent."""
         if self.temperature == 0:
             return int(logits.argmax()), None
-        q = probs_from_logits(
-            logits, temperature=self.temperature, top_p=self.top_p, top_k=self.draft_top_k
+        q = probs_from_logits(  # on the CPU, whatever the model's device: it is sent from there
+            logits.float().cpu(),  # and the generator is a CPU one (a seed draws the same anywhere)
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.draft_top_k,
         )
         weights = quantize(q[None])[0]  # (V,): the drafter samples from exactly what it sends
         token = torch.multinomial(as_probabilities(weights), 1, generator=generator).item()

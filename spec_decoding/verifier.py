@@ -304,7 +304,9 @@ class _Session:
         if self.temperature == 0:
             return greedy_verdict(logits, draft, bonus=bonus)
         assert q is not None
-        p = probs_from_logits(logits, temperature=self.temperature, top_p=self.top_p)
+        # the rule runs on the CPU: q arrived there, the generator is a CPU one, and its steps
+        # are sequential scalar reads (on a GPU, each would be a sync)
+        p = probs_from_logits(logits.float().cpu(), temperature=self.temperature, top_p=self.top_p)
         return speculative_verdict(p, q, draft, generator=self.generator, bonus=bonus)
 
     def verify(self, payload: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -66,6 +66,35 @@ def test_speculative_decoding_on_the_gpu_keeps_the_targets_greedy_output(
         assert metrics["new_tokens"] == 24
 
 
+@pytest.mark.parametrize("draft_top_k", [0, 8])
+def test_sampled_speculative_decoding_runs_on_the_gpu(
+    compose_config, tiny_models: Path, draft_top_k: int
+) -> None:
+    """Sampling: both sides' models on the GPU, q and the rule's draws on the CPU (the first
+    GPU run failed here: the drafter's q and the verifier's p were on the GPU beside a CPU
+    generator and a CPU q)."""
+    from spec_decoding.run import run
+
+    for pipeline in ("true", "false"):
+        cfg = compose_config(
+            "spec_decoding",
+            [
+                f"spec.pipeline={pipeline}",
+                "tracking.wandb=false",
+                "spec.temperature=0.8",
+                "spec.top_p=0.95",
+                f"spec.draft_top_k={draft_top_k}",
+                "spec.num_prompts=2",
+                "spec.max_new_tokens=12",
+                "spec.prompt_tokens=16",
+            ],
+        )
+        metrics = run(cfg)
+        assert metrics["new_tokens"] > 0
+        assert 0.0 < metrics["acceptance_rate"] <= 1.0
+        assert metrics["q_bytes_per_drafted"] > 0
+
+
 @pytest.fixture(scope="module")
 def llama_folder(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer
