@@ -72,13 +72,14 @@ def threads(count: int) -> Iterator[None]:
 
 @torch.inference_mode()
 def step_ms(model: Any, prompt: list[int], *, steps: int = 24) -> float:
-    """Median ms of one decode step (one token, KV cache) as both sides run it."""
+    """Median ms of one decode step (one token, KV cache) as both sides run it: the step's token
+    read back (on a GPU, without that read only the kernel launches would be timed)."""
     decoder = CachedDecoder(model, prompt)
     decoder.prefill()
     times = []
     for token in prompt[:steps]:  # any tokens: the cost does not depend on which
         started = time.perf_counter()
-        decoder.extend([])
+        int(decoder.extend([])[-1].argmax())
         times.append(time.perf_counter() - started)
         decoder.commit([token])
     return statistics.median(times[2:]) * 1e3
