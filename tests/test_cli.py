@@ -90,25 +90,28 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(
     import psutil
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fed_learn", "model.lab_preset=debug", "tracking.wandb=false",
-         "fed.num_clients=2", "fed.rounds=50", "fed.local_steps=5", "fed.eval_blocks=8",
-         "fed.centralized_baseline=false", f"paths.cache_dir={lab_cache}",
-         f"hydra.run.dir={run_dir}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    log = tmp_path / "stderr.log"  # read after the run; its tail says why if no checkpoint came
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fed_learn", "model.lab_preset=debug", "tracking.wandb=false",
+             "fed.num_clients=2", "fed.rounds=50", "fed.local_steps=5", "fed.eval_blocks=8",
+             "fed.centralized_baseline=false", f"paths.cache_dir={lab_cache}",
+             f"hydra.run.dir={run_dir}"],
+            stdout=subprocess.DEVNULL, stderr=err, text=True,
+        )  # fmt: skip
     try:
         latest = run_dir / "coordinator" / "checkpoints" / "latest.json"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # generous: a loaded 2-core machine is slow, not wrong
         while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert latest.is_file(), "no checkpoint within 120 s"
+        assert latest.is_file(), f"no checkpoint (exit {proc.poll()}): {log.read_text()[-3000:]}"
         roles = psutil.Process(proc.pid).children(recursive=True)
         assert roles  # the coordinator and the clients
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the command
-        _, stderr = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         proc.kill()
+    stderr = log.read_text()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     assert "interrupted; its checkpoints are kept in" in stderr
