@@ -14,7 +14,7 @@ import math
 import netrc
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "resolved_config.yaml"
 RUN_FILE = "lab_run.json"
+OUTPUTS_FILE = "outputs.jsonl"
+"""What a generating run produced: one JSON object per prompt (its new token ids and text)."""
 """What ran in a run directory: the job, its command line, when, and on which machine."""
 
 
@@ -169,6 +171,14 @@ class Tracker:
         self._write({"kind": "summary", "time_s": round(time.time() - self._started, 6), **metrics})
         if self._wandb_run is not None:
             self._wandb_run.summary.update(dict(metrics))
+
+    def outputs(self, rows: Iterable[Mapping[str, Any]]) -> Path:
+        """Write what the run generated, one row per prompt, to `<run_dir>/outputs.jsonl`:
+        what a user reads, and what two runs of the same settings compare by."""
+        path = self.run_dir / OUTPUTS_FILE
+        lines = [json.dumps({k: _jsonable(v) for k, v in row.items()}) for row in rows]
+        path.write_text("".join(line + "\n" for line in lines))
+        return path
 
     def print_table(self, console: Console | None = None) -> None:
         table = Table(title=f"{self.job}: final metrics", title_justify="left")

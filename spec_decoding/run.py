@@ -222,6 +222,10 @@ def run_drafter(
                 )
             if generations:
                 log.info("sample output: %r", tokenizer.decode(generations[0].tokens))
+            tracker.outputs(
+                {"prompt": index, "tokens": list(g.tokens), "text": tokenizer.decode(g.tokens)}
+                for index, g in enumerate(generations)
+            )
         except VerifierLostError:
             check()  # a verifier process that died says why
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import replace
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -72,6 +73,16 @@ def latency_metrics(generations: list[Generation], prefix: str = "") -> dict[str
     }
 
 
+def _texts(generation: Generation, tokenizer: Any, pad: int | None) -> list[tuple[list[int], str]]:
+    """Each row's new ids (up to its padding: a row that stopped early is padded) and text."""
+    rows = []
+    for row in generation.tokens.tolist():
+        while row and pad is not None and row[-1] == pad:
+            row.pop()
+        rows.append((row, tokenizer.decode(row)))
+    return rows
+
+
 def run_driver(
     settings: SplitInferenceRunConfig,
     *,
@@ -102,6 +113,11 @@ def run_driver(
             for index, (ids, mask) in enumerate(work):
                 split_runs.append(sharded.generate(ids, mask, sampling=sampling(index), **options))
                 tracker.log(latency_metrics(split_runs[-1:]), step=index)
+            tracker.outputs(
+                {"prompt": index * gen.batch_size + row, "tokens": ids, "text": text}
+                for index, generation in enumerate(split_runs)
+                for row, (ids, text) in enumerate(_texts(generation, tokenizer, pad))
+            )
             stage_stats = sharded.stats()
             traffic = sharded.bytes_between_stages(stage_stats)
         metrics = latency_metrics(split_runs)

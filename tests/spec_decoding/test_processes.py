@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -9,10 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from lab.config import ModelConfig
 from lab.experiment import serving
 from lab.models import load_model, load_tokenizer
+from lab.tracking import OUTPUTS_FILE
 from netproto import Connection
 from spec_decoding.drafter import Drafter, VerifierLostError
 from spec_decoding.gamma import GammaController
@@ -20,7 +23,9 @@ from spec_decoding.run import EXPERIMENT, run
 
 
 @pytest.mark.parametrize("pipeline", ["true", "false"], ids=["pipelined", "rounds"])
-def test_local_run_end_to_end(compose_config, tiny_models: Path, pipeline: str) -> None:
+def test_local_run_end_to_end(
+    compose_config, tiny_models: Path, tmp_path: Path, pipeline: str
+) -> None:
     cfg = compose_config(
         "spec_decoding",
         [
@@ -36,6 +41,12 @@ def test_local_run_end_to_end(compose_config, tiny_models: Path, pipeline: str) 
     metrics = run(cfg)
     assert metrics["greedy_match"] == 1.0
     assert metrics["new_tokens"] == 24
+    # what it generated, a row per prompt, readable: the tokens and their text
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "tiny_draft")
+    rows = [json.loads(line) for line in (tmp_path / OUTPUTS_FILE).read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == [0, 1]
+    assert all(len(row["tokens"]) == 12 for row in rows)
+    assert [row["text"] for row in rows] == [tokenizer.decode(row["tokens"]) for row in rows]
     assert 0.0 <= metrics["acceptance_rate"] <= 1.0
     assert metrics["drafted_per_token"] > 0
     assert ("forward_share" in metrics) == (pipeline == "true")

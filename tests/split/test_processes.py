@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lab.cli import ConfigError
-from lab.tracking import METRICS_FILE, read_records
+from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
 from split_inference.run import run as run_inference
 from split_training.run import run as run_training
 
@@ -37,6 +37,9 @@ def test_local_split_inference_end_to_end(
     )
     metrics = run_inference(cfg)
     assert metrics["greedy_match"] == 1.0
+    rows = [json.loads(line) for line in (tmp_path / OUTPUTS_FILE).read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == [0, 1]
+    assert all(0 < len(row["tokens"]) <= 6 and row["text"] for row in rows)
     for key in (
         "prefill_ms",
         "token_ms_p50",
