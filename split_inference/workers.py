@@ -336,25 +336,35 @@ def interface_towards(host: str) -> str | None:
     return None
 
 
+INTERFACE_VARIABLES = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+"""What picks the interface each of torch.distributed.rpc's two networks listens on and
+advertises: TensorPipe's, and the Gloo group `init_rpc` builds beside it."""
+
+
 @contextmanager
 def _listening_towards_the_master(master: Endpoint) -> Iterator[None]:
-    """TensorPipe listens on, and tells its peers, the address of the interface of this host's
-    name unless TP_SOCKET_IFNAME names one. On Debian the host's name resolves to 127.0.1.1, so
-    a stage on a LAN advertised loopback; on a host whose name resolves to its LAN address, a
+    """TensorPipe, and the Gloo group init_rpc builds beside it, listen on and tell their peers
+    the address of the interface of this host's name unless TP_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
+    name one. On Debian the host's name resolves to 127.0.1.1, so a stage on a LAN advertised
+    loopback (Gloo's full mesh then failed with "connection refused, remote=127.0.0.1", found
+    by `python -m lab.hosts check`); on a host whose name resolves to its LAN address, a
     loopback run was reachable from the LAN. Every rank reaches the master, so the interface
-    that leads there is the one its peers can reach it on: listen there only, while the agent
-    starts (it reads the variable then; a later world in this process decides anew).
-    A TP_SOCKET_IFNAME the user set (a VPN's `wg0`) is kept."""
-    interface = None if os.environ.get("TP_SOCKET_IFNAME") else interface_towards(master.host)
-    if interface is None:
+    that leads there is the one its peers can reach it on: both listen there only, while the
+    agent starts (they read the variables then; a later world in this process decides anew).
+    A variable the user set (a VPN's `wg0`) is kept."""
+    interface = interface_towards(master.host)
+    unset = [name for name in INTERFACE_VARIABLES if not os.environ.get(name)]
+    if interface is None or not unset:
         yield
         return
     log.info("TensorPipe listens on %s (the interface towards %s)", interface, master.host)
-    os.environ["TP_SOCKET_IFNAME"] = interface
+    for name in unset:
+        os.environ[name] = interface
     try:
         yield
     finally:
-        os.environ.pop("TP_SOCKET_IFNAME", None)
+        for name in unset:
+            os.environ.pop(name, None)
 
 
 def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
@@ -367,9 +377,12 @@ def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
         # on one host is shared memory, whose pollers cost more CPU than they save on a small
         # box: per-token latency of a 2-stage split over loopback halved with `uv` (2 cores).
         _transports=None if world.split.transport == "auto" else ["uv"],
-        # Its default channels stay: the multiplexed one (mpt_uv) listens on 16 more ports per
-        # process, but a firewall rule has to let TensorPipe's ephemeral ports through anyway,
-        # and the basic channel cost 5% per token (8.4 vs 8.1 ms, 2 stages, loopback, 2 cores).
+        # And the channels that carry tensors over that transport, as between real hosts: left
+        # to itself TensorPipe also offers `cma` (process_vm_readv), which it picks whenever two
+        # processes share a boot id, so a run across network namespaces of one machine moved
+        # its tensors without touching the network. `mpt_uv` (multiplexed TCP, 16 more ports a
+        # process) before `basic` (tensors inline on the transport's connection).
+        _channels=None if world.split.transport == "auto" else ["mpt_uv", "basic"],
     )
 
 
