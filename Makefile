@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-slow gpu-check lint format bench readme-check lock clean
+.PHONY: help venv run test test-slow test-multihost gpu-check lint format bench readme-check lock clean
 
 help: ## List every target with its one-line description
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` exclude
 
 test-slow: $(STAMP) ## Run only the slow tests (minutes)
 	$(PY) -m pytest -m "slow" -q
+
+test-multihost: $(STAMP) ## The modules across network namespaces (root, iproute2; else skipped, saying why)
+	$(PY) -m pytest -m multihost -q -rs tests/multihost
 
 gpu-check: $(STAMP) ## On a CUDA GPU: the cuda tests, then every bench on it (without one: says so)
 	$(PY) -m lab.gpu_check

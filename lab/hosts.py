@@ -1,0 +1,774 @@
+"""`python -m lab.hosts`: the lab's modules across separate network hosts, on one Linux machine.
+
+Loopback hides whole classes of bugs: a server bound to 127.0.0.1, a hard-coded localhost, an
+address that differs per host, a peer that advertises the wrong interface, a refused connection.
+Here each host is a network namespace: a network stack of its own (its own loopback, no route to
+the others' loopbacks), one interface (`eth0`) with its own address on a bridge that joins the
+hosts, and its own HOME, model cache, temporary and run folders (namespaces share the filesystem;
+separate HOMEs keep "the model is missing on host B" visible). A host's link can be capped with
+`tc tbf` (`--rate`). Roles run as users run them, the commands of docs/two_machines.md
+(`python -m <module> role=... cluster=hosts`), with a `conf/cluster/hosts.yaml` of their own
+that names the hosts' addresses, a shared secret, and TLS for the netproto modules (`--tls`).
+
+    python -m lab.hosts check                # the four modules across hosts, each vs loopback
+    python -m lab.hosts check --tls --rate 100mbit --only spec_decoding
+
+`check` prints one line per module and ends with `modules identical across hosts: N of M`; each
+role's log, metrics and outputs are kept under `--out`. Everything the harness made (namespaces,
+bridge, processes) is removed on the way out, after a failure or Ctrl-C too, and namespaces left
+by a harness killed outright (SIGKILL) are removed by the next one. It needs root and iproute2;
+without them it says why and does nothing.
+
+What the namespaces do not model: link delay (netem is missing on the lab's machines and tbf's
+`latency` only bounds a queue), and cores: every host shares this machine's CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+ROOT = Path(__file__).resolve().parent.parent
+PREFIX = "dllab"
+"""Every namespace the harness makes is named `dllab<pid>-<name>`: the pid says whose it is."""
+SUBNET = "10.213.0"
+"""The hosts' addresses: 10.213.0.1, .2, ... on a /24 (inside the namespaces only)."""
+BRIDGE = "br0"
+CLUSTER_NAME = "hosts"
+NOT_INHERITED = (
+    "LAB_CACHE",
+    "LAB_SECRET",
+    "HF_HOME",
+    "XDG_CACHE_HOME",
+    "TP_SOCKET_IFNAME",
+    "GLOO_SOCKET_IFNAME",
+)
+"""This machine's settings a host does not get: its own cache, and only the secret it is given."""
+MODULES = ("spec_decoding", "fed_learn", "split_inference", "split_training")
+LOSS_RTOL = 1e-4
+"""Training losses across hosts equal those on loopback within this relative tolerance: the
+same arithmetic on the same machine, but the order in which a coordinator's updates arrive (and
+are summed) may differ between runs."""
+
+
+class HostsError(RuntimeError):
+    """The harness could not build or run its hosts."""
+
+
+def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    command = ["ip", *(["-n", netns] if netns else []), *args]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if check and result.returncode != 0:
+        raise HostsError(f"`{' '.join(command)}` failed: {result.stderr.strip()}")
+    return result
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot make network namespaces, or None when it can (it tries one)."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces are Linux's ({sys.platform} here)"
+    if os.geteuid() != 0:
+        return "network namespaces need root (`ip netns add`)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` failed here: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces of harnesses that are no longer running; returns their names."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    removed = []
+    for line in listed:
+        name = line.split(" ", 1)[0]
+        if not name.startswith(PREFIX):
+            continue
+        owner = name[len(PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+@dataclass
+class Host:
+    """One network host: a namespace with an address and folders of its own."""
+
+    name: str
+    netns: str
+    address: str
+    root: Path
+    procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def cache(self) -> Path:
+        """This host's model cache: the lab's default, under its own HOME."""
+        return self.home / ".cache" / "distributed-llm-lab"
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment its commands get: this machine's, with HOME, caches and temp moved
+        to the host's own folders (nothing of the caller's cache leaks in)."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in NOT_INHERITED and not k.startswith(("MASTER_", "WANDB_"))
+        }
+        tmp = self.root / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env.update({"HOME": str(self.home), "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
+        env.update(extra or {})
+        return env
+
+    def start(
+        self, argv: Sequence[str], log: Path, *, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """`argv` in this host's namespace, from the repository's root, its output to `log`."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as out:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.netns, *argv],
+                cwd=ROOT,
+                env=self.env(env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: stopped as one
+            )
+        self.procs.append(proc)
+        return proc
+
+    def run(self, argv: Sequence[str], *, timeout_s: float = 120.0) -> str:
+        """`argv` in this host's namespace, to completion; its output (raises if it fails)."""
+        result = subprocess.run(
+            ["ip", "netns", "exec", self.netns, *argv],
+            cwd=ROOT,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise HostsError(
+                f"on {self.name}: `{' '.join(argv)}` exited {result.returncode}: "
+                f"{(result.stdout + result.stderr)[-2000:]}"
+            )
+        return result.stdout
+
+    def stop(self) -> None:
+        """Stop every process started here (SIGTERM, then SIGKILL after 10 s)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class Network:
+    """`count` hosts joined by a bridge, built on entering and removed on leaving.
+
+    `rate` (a tc rate: `100mbit`, `10mbit`) caps what each host sends (tbf on its `eth0`).
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        addresses: Sequence[str] | None = None,
+        rate: str | None = None,
+        root: Path | None = None,
+    ) -> None:
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"hosts need distinct names, got {list(names)}")
+        if len(names) > 250:
+            raise ValueError("at most 250 hosts on one /24")
+        self.addresses = list(addresses or [f"{SUBNET}.{i}" for i in range(1, len(names) + 1)])
+        if (
+            len(self.addresses) != len(names)
+            or len({a.rsplit(".", 1)[0] for a in self.addresses}) != 1
+        ):
+            raise ValueError(f"one IPv4 address per host, all on one /24: {self.addresses}")
+        self.names = list(names)
+        self.rate = rate
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self._root_given = root
+        self.root = root or Path(tempfile.mkdtemp(prefix="lab-hosts-"))
+        self.switch = f"{self.tag}-switch"
+        self.hosts: dict[str, Host] = {}
+        self._made: list[str] = []
+        self._previous_term: Any = None
+
+    def __enter__(self) -> Network:
+        why = unavailable()
+        if why is not None:
+            raise HostsError(why)
+        remove_stale()
+        # SIGTERM (a CI job cancelled, `kill`) unwinds like Ctrl-C, so __exit__ cleans up
+        self._previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            self._build()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def _build(self) -> None:
+        _ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        _ip("link", "add", BRIDGE, "type", "bridge", netns=self.switch)
+        _ip("link", "set", BRIDGE, "up", netns=self.switch)
+        for index, name in enumerate(self.names, start=1):
+            netns = f"{self.tag}-{name}"
+            _ip("netns", "add", netns)
+            self._made.append(netns)
+            port = f"p{index}"  # its end on the bridge, in the switch namespace
+            _ip("link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.switch,
+                netns=netns)  # fmt: skip
+            _ip("link", "set", port, "master", BRIDGE, "up", netns=self.switch)
+            address = self.addresses[index - 1]
+            _ip("addr", "add", f"{address}/24", "dev", "eth0", netns=netns)
+            _ip("link", "set", "eth0", "up", netns=netns)
+            _ip("link", "set", "lo", "up", netns=netns)
+            if self.rate:
+                shaped = subprocess.run(
+                    ["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", "eth0", "root",
+                     "tbf", "rate", self.rate, "burst", "64kb", "latency", "100ms"],
+                    capture_output=True, text=True, check=False,
+                )  # fmt: skip
+                if shaped.returncode != 0:
+                    raise HostsError(f"tc tbf rate {self.rate} failed: {shaped.stderr.strip()}")
+            root = self.root / name
+            (root / "home").mkdir(parents=True, exist_ok=True)
+            self.hosts[name] = Host(name, netns, address, root)
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        for host in self.hosts.values():
+            host.stop()
+        for netns in reversed(self._made):
+            _ip("netns", "del", netns, check=False)
+        self._made.clear()
+        if self._previous_term is not None:
+            signal.signal(signal.SIGTERM, self._previous_term)
+            self._previous_term = None
+        if self._root_given is None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __getitem__(self, name: str) -> Host:
+        return self.hosts[name]
+
+    def namespaces(self) -> list[str]:
+        """The namespaces this network made and still holds."""
+        return list(self._made)
+
+
+# --------------------------------------------------------------------------- running modules
+
+
+@dataclass
+class Security:
+    """What every run gets: a shared secret, and for netproto modules optionally TLS."""
+
+    secret: str
+    tls: bool = False
+    cert_dir: Path | None = None
+
+    def tls_overrides(self, server: Host, *, serving: bool) -> list[str]:
+        if not self.tls:
+            return []
+        assert self.cert_dir is not None
+        cert, key = self.cert_dir / "cert.pem", self.cert_dir / "key.pem"
+        if serving:
+            return ["cluster.tls.enabled=true", f"cluster.tls.cert={cert}",
+                    f"cluster.tls.key={key}"]  # fmt: skip
+        return ["cluster.tls.enabled=true", f"cluster.tls.ca={cert}"]
+
+
+def make_certificate(folder: Path, address: str) -> None:
+    """A self-signed certificate for `address` (openssl): what a user makes for a LAN server."""
+    if shutil.which("openssl") is None:
+        raise HostsError("--tls needs the openssl command")
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", f"/CN={address}", "-addext", f"subjectAltName=IP:{address}",
+         "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
+def write_cluster(folder: Path, server: Host, ports: dict[str, int]) -> Path:
+    """`<folder>/cluster/hosts.yaml`: every serving role on `server`, as a user's
+    conf/cluster/mine.yaml would say (docs/two_machines.md, step 3)."""
+    lines = [f"name: {CLUSTER_NAME}"]
+    lines += [f"{role}: {{host: {server.address}, port: {port}}}" for role, port in ports.items()]
+    lines.append("read_timeout_s: 120.0")
+    path = folder / "cluster" / f"{CLUSTER_NAME}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@dataclass
+class Outcome:
+    module: str
+    identical: bool
+    detail: str
+    seconds: float
+
+
+@dataclass
+class Scenario:
+    """One module across hosts: the hosts it needs and the roles each runs."""
+
+    module: str
+    hosts: tuple[str, ...]
+    roles: list[tuple[str, str, list[str]]]
+    """(host, role name, overrides) in start order; the first is the serving role."""
+    common: list[str]
+    compare: Callable[[Path, Path], tuple[bool, str]]
+    """(the cross-host run's result folder, the loopback run's) -> (same?, what was compared)."""
+    result_role: str
+    """The role whose run folder holds what is compared."""
+    netproto: bool = True
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "outputs.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _records(run_dir: Path, key: str) -> list[float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    values = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "metrics" and isinstance(record.get(key), int | float):
+            values.append(float(record[key]))
+    return values
+
+
+def same_outputs(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
+    ours, theirs = _rows(hosts_dir), _rows(local_dir)
+    if not ours or not theirs:
+        return False, f"no outputs.jsonl to compare ({len(ours)} rows across hosts, {len(theirs)})"
+    equal = sum(a["tokens"] == b["tokens"] for a, b in zip(ours, theirs, strict=False))
+    same = equal == len(ours) == len(theirs)
+    return same, f"{equal} of {len(theirs)} generations token for token as on loopback"
+
+
+def same_losses(key: str) -> Callable[[Path, Path], tuple[bool, str]]:
+    def compare(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
+        ours, theirs = _records(hosts_dir, key), _records(local_dir, key)
+        if not ours or len(ours) != len(theirs):
+            return False, f"{len(ours)} {key} values across hosts, {len(theirs)} on loopback"
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs, strict=True))
+        same = worst <= LOSS_RTOL and all(map(math.isfinite, ours))
+        return same, (
+            f"{len(ours)} {key} values, largest relative difference {worst:.1e} "
+            f"(tolerance {LOSS_RTOL:.0e})"
+        )
+
+    return compare
+
+
+def scenarios(quick: bool = True) -> dict[str, Scenario]:
+    """The four modules, each on the hosts docs/two_machines.md puts its roles on."""
+    threads = ["num_threads=1"]
+    return {
+        "spec_decoding": Scenario(
+            "spec_decoding",
+            ("desktop", "laptop"),
+            [
+                ("desktop", "verifier", ["role=verifier"]),
+                ("laptop", "drafter", ["role=drafter"]),
+            ],
+            [
+                "target.lab_preset=debug",
+                "draft.lab_preset=debug",
+                "spec.num_prompts=2",
+                "spec.max_new_tokens=16",
+                *threads,
+            ],
+            same_outputs,
+            result_role="drafter",
+        ),
+        "fed_learn": Scenario(
+            "fed_learn",
+            ("desktop", "laptop", "pc"),
+            [
+                ("desktop", "coordinator", ["role=coordinator"]),
+                ("laptop", "client0", ["role=client", "client_index=0"]),
+                ("pc", "client1", ["role=client", "client_index=1"]),
+            ],
+            [
+                "model.lab_preset=debug",
+                "fed.num_clients=2",
+                "fed.min_fit_clients=2",
+                "fed.rounds=2",
+                "fed.local_steps=5",
+                "fed.eval_blocks=8",
+                "fed.max_examples_per_client=64",
+                "fed.centralized_baseline=false",
+                *threads,
+            ],
+            same_losses("val_loss"),
+            result_role="coordinator",
+        ),
+        "split_inference": Scenario(
+            "split_inference",
+            ("desktop", "laptop", "pc"),
+            [
+                ("desktop", "driver", ["role=driver"]),
+                ("laptop", "stage1", ["role=stage", "split.rank=1"]),
+                ("pc", "stage2", ["role=stage", "split.rank=2"]),
+            ],
+            [
+                "model.lab_preset=debug",
+                "split.num_stages=2",
+                "generate.num_prompts=2",
+                "generate.max_new_tokens=8",
+                *threads,
+            ],
+            same_outputs,
+            result_role="driver",
+            netproto=False,
+        ),
+        "split_training": Scenario(
+            "split_training",
+            ("desktop", "laptop", "pc"),
+            [
+                ("desktop", "driver", ["role=driver"]),
+                ("laptop", "stage1", ["role=stage", "split.rank=1"]),
+                ("pc", "stage2", ["role=stage", "split.rank=2"]),
+            ],
+            ["model.lab_preset=debug", "split.num_stages=2", *threads],
+            same_losses("loss"),
+            result_role="driver",
+            netproto=False,
+        ),
+    }
+
+
+SERVING_ENDPOINT = {
+    "spec_decoding": "verifier",
+    "fed_learn": "coordinator",
+    "split_inference": "master",
+    "split_training": "master",
+}
+PORTS = {"coordinator": 29510, "verifier": 29520, "master": 29530}
+
+
+def provision(network: Network, *, log: TextIO) -> None:
+    """docs/two_machines.md step 1: build the tiny models on the first host, copy them to the
+    others (their weights depend on the CPU: every host must load the same files)."""
+    first, *others = network.hosts.values()
+    started = time.perf_counter()
+    first.run([sys.executable, "-m", "lab.pretrain", "pretrain=debug"], timeout_s=600)
+    for host in others:
+        shutil.copytree(first.cache, host.cache, dirs_exist_ok=True)
+    print(f"models built on {first.name} and copied to the others "
+          f"({time.perf_counter() - started:.0f} s)", file=log)  # fmt: skip
+
+
+def _wait(procs: dict[str, subprocess.Popen], waited_for: Sequence[str], timeout_s: float) -> None:
+    """Until every role in `waited_for` has exited; a role that fails ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = {name: procs[name].poll() for name in waited_for}
+        failed = [name for name, code in codes.items() if code not in (None, 0)]
+        if failed:
+            raise HostsError(f"role {failed[0]} exited {codes[failed[0]]}")
+        gone = [name for name, proc in procs.items() if proc.poll() not in (None, 0)]
+        if gone:
+            raise HostsError(f"role {gone[0]} exited {procs[gone[0]].poll()}")
+        if all(code == 0 for code in codes.values()):
+            return
+        if time.monotonic() > deadline:
+            raise HostsError(f"roles {waited_for} still running after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def run_across(
+    network: Network, scenario: Scenario, security: Security, out: Path, *, timeout_s: float
+) -> Path:
+    """Each role of `scenario` on its host, as a user types it; the result role's run folder."""
+    server = network[scenario.roles[0][0]]
+    endpoint = SERVING_ENDPOINT[scenario.module]
+    conf = write_cluster(out / "conf", server, {endpoint: PORTS[endpoint]})
+    procs: dict[str, subprocess.Popen] = {}
+    run_dirs: dict[str, Path] = {}
+    for index, (host_name, role, overrides) in enumerate(scenario.roles):
+        host = network[host_name]
+        run_dirs[role] = out / f"{host_name}-{role}"
+        tls = security.tls_overrides(server, serving=index == 0) if scenario.netproto else []
+        argv = [sys.executable, "-m", scenario.module, *overrides, f"cluster={CLUSTER_NAME}",
+                f"hydra.searchpath=[file://{conf}]", *scenario.common, *tls,
+                f"hydra.run.dir={run_dirs[role]}", "tracking.wandb=false"]  # fmt: skip
+        procs[role] = host.start(
+            argv, out / f"{host_name}-{role}.log", env={"LAB_SECRET": security.secret}
+        )
+    # the serving role of a netproto module serves until stopped; the others finish
+    finishing = [role for _, role, _ in scenario.roles[1:]] if scenario.netproto else list(procs)
+    try:
+        _wait(procs, finishing, timeout_s)
+    finally:
+        for host_name in scenario.hosts:
+            network[host_name].stop()
+    return run_dirs[scenario.result_role]
+
+
+def run_loopback(network: Network, scenario: Scenario, out: Path, *, timeout_s: float) -> Path:
+    """The same settings as one `role=local` run on the first host's loopback."""
+    host = network[scenario.hosts[0]]
+    run_dir = out / "loopback"
+    argv = [sys.executable, "-m", scenario.module, *scenario.common,
+            f"hydra.run.dir={run_dir}", "tracking.wandb=false"]  # fmt: skip
+    proc = host.start(argv, out / "loopback.log")
+    try:
+        _wait({"local": proc}, ["local"], timeout_s)
+    finally:
+        host.stop()
+    role_dir = run_dir / scenario.result_role
+    return role_dir if (role_dir / "metrics.jsonl").is_file() else run_dir
+
+
+def check_module(
+    network: Network, scenario: Scenario, security: Security, out: Path, *, timeout_s: float
+) -> Outcome:
+    started = time.perf_counter()
+    folder = out / scenario.module
+    try:
+        hosts_dir = run_across(network, scenario, security, folder / "hosts", timeout_s=timeout_s)
+        local_dir = run_loopback(network, scenario, folder, timeout_s=timeout_s)
+        same, detail = scenario.compare(hosts_dir, local_dir)
+    except HostsError as exc:
+        same, detail = False, f"failed: {exc} (logs in {folder})"
+    placed = ", ".join(f"{role} on {host}" for host, role, _ in scenario.roles)
+    return Outcome(scenario.module, same, f"{placed}: {detail}", time.perf_counter() - started)
+
+
+def check(
+    modules: Sequence[str],
+    *,
+    out: Path,
+    tls: bool = False,
+    rate: str | None = None,
+    timeout_s: float = 600.0,
+    log: TextIO = sys.stdout,
+) -> list[Outcome]:
+    """Run `modules` across hosts and on loopback; one line per module, then the total."""
+    chosen = scenarios()
+    unknown = [m for m in modules if m not in chosen]
+    if unknown:
+        raise ValueError(f"unknown module {unknown[0]!r}; choose from {', '.join(chosen)}")
+    names = sorted(
+        {h for m in modules for h in chosen[m].hosts}, key=("desktop", "laptop", "pc").index
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    with Network(names, rate=rate, root=out / "hosts") as network:
+        addresses = ", ".join(f"{h.name} {h.address}" for h in network.hosts.values())
+        shaped = f", each link capped at {rate}" if rate else ""
+        print(f"hosts: {addresses} (network namespaces on one bridge{shaped})", file=log)
+        provision(network, log=log)
+        security = Security(secret=secrets.token_hex(16), tls=tls)
+        if tls:
+            security.cert_dir = out / "tls"
+            make_certificate(security.cert_dir, network[names[0]].address)
+        for module in modules:
+            outcome = check_module(network, chosen[module], security, out, timeout_s=timeout_s)
+            outcomes.append(outcome)
+            secured = "secret" + (", TLS" if tls and chosen[module].netproto else "")
+            verdict = "identical" if outcome.identical else "DIFFERENT"
+            print(f"{module:<16} {verdict:<9} ({secured}; {outcome.seconds:.0f} s) "
+                  f"{outcome.detail}", file=log, flush=True)  # fmt: skip
+    same = sum(o.identical for o in outcomes)
+    print(f"modules identical across hosts: {same} of {len(outcomes)}", file=log, flush=True)
+    return outcomes
+
+
+DOCUMENTED = ("docs/two_machines.md", "README.md")
+"""Where the commands a user types on each machine are written (`host$ python -m ...` lines)."""
+DOC_SERVER = "192.168.1.20"
+"""The serving host's address in conf/cluster/two_hosts.yaml and docs/two_machines.md; the
+other hosts get 192.168.1.10, .11, ... (inside the namespaces only: nothing leaves them)."""
+SERVING_ROLES = ("role=verifier", "role=coordinator")
+"""Roles that serve until stopped; every other documented role finishes by itself."""
+
+
+@dataclass
+class Documented:
+    source: str
+    text: str
+    lines: list[tuple[str, list[str]]]
+    """(host, argv) in the order written."""
+
+
+def documented_runs(paths: Sequence[str] = DOCUMENTED) -> list[Documented]:
+    """Each group of `host$ python -m <module> role=...` lines in `paths`: one run on several
+    machines, as written (readme_check reads the same blocks)."""
+    from lab.readme_check import readme_commands
+
+    runs = []
+    for path in paths:
+        for command in readme_commands(ROOT / path):
+            hosts = [part.strip().split("$", 1)[0] for part in command.text.split("  &  ")]
+            multi = len(set(hosts)) > 1 and all(h.isidentifier() for h in hosts)
+            if multi and not command.skipped and len(hosts) == len(command.argvs):
+                runs.append(
+                    Documented(path, command.text, list(zip(hosts, command.argvs, strict=True)))
+                )
+    return runs
+
+
+def run_documented(
+    run: Documented, out: Path, *, rate: str | None = None, timeout_s: float = 600.0
+) -> tuple[bool, str]:
+    """`run`'s lines, each in its host's namespace, the serving host at the address the cluster
+    file names; `cluster=mine` is conf/cluster/two_hosts.yaml copied (docs step 3)."""
+    from lab.readme_check import with_quick
+
+    names = list(dict.fromkeys(host for host, _ in run.lines))
+    others = iter(range(10, 250))
+    addresses = [DOC_SERVER if name == run.lines[0][0] else f"192.168.1.{next(others)}"
+                 for name in names]  # fmt: skip
+    conf = out / "conf" / "cluster"
+    conf.mkdir(parents=True, exist_ok=True)
+    example = (ROOT / "conf" / "cluster" / "two_hosts.yaml").read_text()
+    (conf / "mine.yaml").write_text(example.replace("name: two_hosts", "name: mine"))
+    quick = ["model.lab_preset=debug", "tracking.wandb=false"]  # split: the 2-layer debug model
+    with Network(names, addresses=addresses, rate=rate, root=out / "hosts") as network:
+        provision(network, log=io.StringIO())
+        procs: dict[str, subprocess.Popen] = {}
+        for index, (host, argv) in enumerate(run.lines):
+            module = argv[2]
+            extra = quick if module.startswith("split") else ["tracking.wandb=false"]
+            full = with_quick(argv, out=out / f"{index}-{host}", extra=extra)
+            full.append(f"hydra.searchpath=[file://{out / 'conf'}]")
+            name = f"{index}-{host}"
+            procs[name] = network[host].start(
+                full, out / f"{name}.log", env={"LAB_SECRET": "a-secret-both-hosts-share"}
+            )
+        finishing = [
+            name
+            for name, (_, argv) in zip(procs, run.lines, strict=True)
+            if not any(role in argv for role in SERVING_ROLES)
+        ]
+        try:
+            _wait(procs, finishing, timeout_s)
+        except HostsError as exc:
+            return False, f"{exc} (logs in {out})"
+    where = ", ".join(f"{n} {a}" for n, a in zip(names, addresses, strict=True))
+    return True, f"every role finished on its host ({where})"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lab.hosts", description=(__doc__ or "").splitlines()[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("check", help="every module across hosts, compared with loopback")
+    run.add_argument("--only", action="append", choices=MODULES, help="a module (repeatable)")
+    run.add_argument("--tls", action="store_true", help="TLS on the netproto modules too")
+    run.add_argument("--rate", help="cap each host's link (a tc rate: 100mbit, 10mbit)")
+    run.add_argument("--out", type=Path, default=Path("outputs/hosts"), help="logs and results")
+    run.add_argument("--timeout-s", type=float, default=600.0, help="per module")
+    docs = sub.add_parser("docs", help="the documented two-machine commands, each on its host")
+    docs.add_argument("--out", type=Path, default=Path("outputs/hosts-docs"))
+    docs.add_argument("--timeout-s", type=float, default=600.0, help="per run")
+    args = parser.parse_args(argv)
+    why = unavailable()
+    if why is not None:
+        print(f"lab.hosts: skipped: {why}", file=sys.stderr)
+        return 0
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    if args.command == "docs":
+        return _docs_main(args.out.resolve(), args.timeout_s)
+    try:
+        outcomes = check(
+            args.only or MODULES,
+            out=args.out.resolve(),
+            tls=args.tls,
+            rate=args.rate,
+            timeout_s=args.timeout_s,
+        )
+    except KeyboardInterrupt:
+        print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
+        return 130
+    except HostsError as exc:
+        print(f"lab.hosts: {exc}", file=sys.stderr)
+        return 1
+    return 0 if all(o.identical for o in outcomes) else 1
+
+
+def _docs_main(out: Path, timeout_s: float) -> int:
+    runs = documented_runs()
+    passed = 0
+    try:
+        for index, run in enumerate(runs):
+            ok, detail = run_documented(run, out / str(index), timeout_s=timeout_s)
+            passed += ok
+            print(f"{'ok' if ok else 'FAILED':<6} {run.source}: {run.text}\n       {detail}",
+                  flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
+        return 130
+    print(f"documented commands ok across hosts: {passed} of {len(runs)}", flush=True)
+    return 0 if passed == len(runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
