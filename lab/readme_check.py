@@ -145,6 +145,8 @@ def with_quick(argv: list[str], *, out: Path, extra: Sequence[str] = ()) -> list
     added = [o for o in [*QUICK.get(target, []), *extra] if override_key(o) not in given]
     if target == "run_matrix.py":
         where = [f"out_dir={out}"]
+    elif target == "lab.hosts":  # argparse, not Hydra
+        where = ["--out", str(out)]
     elif multirun:
         where = [f"hydra.sweep.dir={out}"]
     else:
