@@ -189,6 +189,12 @@ class Host:
             )
         return result.stdout
 
+    def link_bytes(self) -> int:
+        """Bytes sent and received on this host's link (`eth0`) since it was made."""
+        counters = "/sys/class/net/eth0/statistics"
+        text = self.run(["cat", f"{counters}/rx_bytes", f"{counters}/tx_bytes"], timeout_s=30)
+        return sum(int(value) for value in text.split())
+
     def stop(self) -> None:
         """Stop every process started here (SIGTERM, then SIGKILL after 10 s)."""
         for proc in self.procs:
@@ -363,6 +369,10 @@ class Outcome:
     identical: bool
     detail: str
     seconds: float
+    link_bytes: dict[str, int] = field(default_factory=dict)
+    """What crossed each host's link during the cross-host run."""
+    run_dir: Path | None = None
+    """The result role's run folder (metrics, outputs) of the cross-host run."""
 
 
 @dataclass
@@ -478,8 +488,13 @@ def scenarios(quick: bool = True) -> dict[str, Scenario]:
             [
                 "model.lab_preset=debug",
                 "split.num_stages=2",
+                "split.channels=network",
+                # recomputed, not cached: each token's activations are then big enough (about
+                # 600 KB in all) that a channel bypassing the links shows in their byte counts
+                "generate.kv_cache=false",
+                "generate.prompt_tokens=64",
                 "generate.num_prompts=2",
-                "generate.max_new_tokens=8",
+                "generate.max_new_tokens=16",
                 *threads,
             ],
             same_outputs,
@@ -494,7 +509,7 @@ def scenarios(quick: bool = True) -> dict[str, Scenario]:
                 ("laptop", "stage1", ["role=stage", "split.rank=1"]),
                 ("pc", "stage2", ["role=stage", "split.rank=2"]),
             ],
-            ["model.lab_preset=debug", "split.num_stages=2", *threads],
+            ["model.lab_preset=debug", "split.num_stages=2", "split.channels=network", *threads],
             same_losses("loss"),
             result_role="driver",
             netproto=False,
@@ -550,6 +565,7 @@ def run_across(
     conf = write_cluster(out / "conf", server, {endpoint: PORTS[endpoint]})
     procs: dict[str, subprocess.Popen] = {}
     run_dirs: dict[str, Path] = {}
+    before = {name: network[name].link_bytes() for name in scenario.hosts}
     for index, (host_name, role, overrides) in enumerate(scenario.roles):
         host = network[host_name]
         run_dirs[role] = out / f"{host_name}-{role}"
@@ -567,6 +583,8 @@ def run_across(
     finally:
         for host_name in scenario.hosts:
             network[host_name].stop()
+    crossed = {name: network[name].link_bytes() - before[name] for name in scenario.hosts}
+    (out / "link_bytes.json").write_text(json.dumps(crossed, indent=2))
     return run_dirs[scenario.result_role]
 
 
@@ -590,14 +608,24 @@ def check_module(
 ) -> Outcome:
     started = time.perf_counter()
     folder = out / scenario.module
+    hosts_dir, crossed = None, {}
     try:
         hosts_dir = run_across(network, scenario, security, folder / "hosts", timeout_s=timeout_s)
+        crossed = json.loads((folder / "hosts" / "link_bytes.json").read_text())
         local_dir = run_loopback(network, scenario, folder, timeout_s=timeout_s)
         same, detail = scenario.compare(hosts_dir, local_dir)
+        detail += f"; {sum(crossed.values()) / 2e6:.2f} MB crossed the links"
     except HostsError as exc:
         same, detail = False, f"failed: {exc} (logs in {folder})"
     placed = ", ".join(f"{role} on {host}" for host, role, _ in scenario.roles)
-    return Outcome(scenario.module, same, f"{placed}: {detail}", time.perf_counter() - started)
+    return Outcome(
+        scenario.module,
+        same,
+        f"{placed}: {detail}",
+        time.perf_counter() - started,
+        link_bytes=crossed,
+        run_dir=hosts_dir,
+    )
 
 
 def check(
@@ -689,7 +717,8 @@ def run_documented(
     conf.mkdir(parents=True, exist_ok=True)
     example = (ROOT / "conf" / "cluster" / "two_hosts.yaml").read_text()
     (conf / "mine.yaml").write_text(example.replace("name: two_hosts", "name: mine"))
-    quick = ["model.lab_preset=debug", "tracking.wandb=false"]  # split: the 2-layer debug model
+    # split: the 2-layer debug model, tensors on TensorPipe's network channels (not cma's copy)
+    quick = ["model.lab_preset=debug", "split.channels=network", "tracking.wandb=false"]
     with Network(names, addresses=addresses, rate=rate, root=out / "hosts") as network:
         provision(network, log=io.StringIO())
         procs: dict[str, subprocess.Popen] = {}

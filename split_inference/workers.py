@@ -377,12 +377,12 @@ def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
         # on one host is shared memory, whose pollers cost more CPU than they save on a small
         # box: per-token latency of a 2-stage split over loopback halved with `uv` (2 cores).
         _transports=None if world.split.transport == "auto" else ["uv"],
-        # And the channels that carry tensors over that transport, as between real hosts: left
-        # to itself TensorPipe also offers `cma` (process_vm_readv), which it picks whenever two
-        # processes share a boot id, so a run across network namespaces of one machine moved
-        # its tensors without touching the network. `mpt_uv` (multiplexed TCP, 16 more ports a
-        # process) before `basic` (tensors inline on the transport's connection).
-        _channels=None if world.split.transport == "auto" else ["mpt_uv", "basic"],
+        # The channels that carry tensors: left to itself TensorPipe also offers `cma`
+        # (process_vm_readv), which it picks whenever two processes share a boot id, so a run
+        # across network namespaces of one machine moved its tensors without touching the
+        # network. `network`: `mpt_uv` (multiplexed TCP, 16 more ports a process), then `basic`
+        # (tensors inline on the transport's connection), as between real hosts.
+        _channels=["mpt_uv", "basic"] if world.split.channels == "network" else None,
     )
 
 

@@ -4,6 +4,7 @@ the secret, and each module's result across hosts against the same run on loopba
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from lab.hosts import (
     run_documented,
     scenarios,
 )
+from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
 
 pytestmark = pytest.mark.multihost
 
@@ -174,6 +176,18 @@ def test_a_module_across_hosts_gives_what_it_gives_on_loopback(tmp_path: Path, m
 
     (outcome,) = check([module], out=tmp_path, tls=netproto, log=Log())  # type: ignore[arg-type]
     assert outcome.identical, outcome.detail
+    # every host's link carried traffic; a split's activations all crossed the stage hosts'
+    # (with split.channels=auto, TensorPipe's cma copy left about 800 KB of them off the links)
+    assert outcome.link_bytes and all(count > 0 for count in outcome.link_bytes.values())
+    if module == "split_inference":
+        assert outcome.run_dir is not None
+        summary = [
+            r for r in read_records(outcome.run_dir / METRICS_FILE) if r["kind"] == "summary"
+        ]
+        rows = (outcome.run_dir / OUTPUTS_FILE).read_text().splitlines()
+        tokens = sum(len(json.loads(row)["tokens"]) for row in rows)  # padding left out: fewer
+        between = summary[-1]["bytes_between_stages_per_token"] * tokens
+        assert outcome.link_bytes["laptop"] >= between and outcome.link_bytes["pc"] >= between
     assert "".join(lines).strip().endswith("modules identical across hosts: 1 of 1")
 
 
