@@ -43,6 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import psutil
+
+from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
+
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "dllab"
 """Every namespace the harness makes is named `dllab<pid>-<name>`: the pid says whose it is."""
@@ -95,16 +99,6 @@ def unavailable() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> list[str]:
     """Delete the namespaces of harnesses that are no longer running; returns their names."""
     listed = _ip("netns", "list", check=False).stdout.split("\n")
@@ -114,7 +108,7 @@ def remove_stale() -> list[str]:
         if not name.startswith(PREFIX):
             continue
         owner = name[len(PREFIX) :].split("-", 1)[0]
-        if owner.isdigit() and not _pid_alive(int(owner)):
+        if owner.isdigit() and not psutil.pid_exists(int(owner)):
             _ip("netns", "del", name, check=False)
             removed.append(name)
     return removed
@@ -217,7 +211,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 class Network:
-    """`count` hosts joined by a bridge, built on entering and removed on leaving.
+    """Hosts `names` joined by a bridge, built on entering and removed on leaving.
 
     `rate` (a tc rate: `100mbit`, `10mbit`) caps what each host sends (tbf on its `eth0`).
     """
@@ -327,7 +321,7 @@ class Security:
     tls: bool = False
     cert_dir: Path | None = None
 
-    def tls_overrides(self, server: Host, *, serving: bool) -> list[str]:
+    def tls_overrides(self, *, serving: bool) -> list[str]:
         if not self.tls:
             return []
         assert self.cert_dir is not None
@@ -380,7 +374,8 @@ class Scenario:
     """One module across hosts: the hosts it needs and the roles each runs."""
 
     module: str
-    hosts: tuple[str, ...]
+    endpoint: str
+    """The `cluster.*` endpoint its serving role (the first) listens on."""
     roles: list[tuple[str, str, list[str]]]
     """(host, role name, overrides) in start order; the first is the serving role."""
     common: list[str]
@@ -390,24 +385,25 @@ class Scenario:
     """The role whose run folder holds what is compared."""
     netproto: bool = True
 
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The hosts its roles run on, the serving one first."""
+        return tuple(dict.fromkeys(host for host, _, _ in self.roles))
+
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "outputs.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    path = run_dir / OUTPUTS_FILE
+    return read_records(path) if path.is_file() else []
 
 
 def _records(run_dir: Path, key: str) -> list[float]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    values = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("kind") == "metrics" and isinstance(record.get(key), int | float):
-            values.append(float(record[key]))
-    return values
+    path = run_dir / METRICS_FILE
+    records = read_records(path) if path.is_file() else []
+    return [
+        float(r[key])
+        for r in records
+        if r.get("kind") == "metrics" and isinstance(r.get(key), int | float)
+    ]
 
 
 def same_outputs(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
@@ -434,13 +430,18 @@ def same_losses(key: str) -> Callable[[Path, Path], tuple[bool, str]]:
     return compare
 
 
-def scenarios(quick: bool = True) -> dict[str, Scenario]:
+def scenarios() -> dict[str, Scenario]:
     """The four modules, each on the hosts docs/two_machines.md puts its roles on."""
     threads = ["num_threads=1"]
+    split_roles = [
+        ("desktop", "driver", ["role=driver"]),
+        ("laptop", "stage1", ["role=stage", "split.rank=1"]),
+        ("pc", "stage2", ["role=stage", "split.rank=2"]),
+    ]
     return {
         "spec_decoding": Scenario(
             "spec_decoding",
-            ("desktop", "laptop"),
+            "verifier",
             [
                 ("desktop", "verifier", ["role=verifier"]),
                 ("laptop", "drafter", ["role=drafter"]),
@@ -457,7 +458,7 @@ def scenarios(quick: bool = True) -> dict[str, Scenario]:
         ),
         "fed_learn": Scenario(
             "fed_learn",
-            ("desktop", "laptop", "pc"),
+            "coordinator",
             [
                 ("desktop", "coordinator", ["role=coordinator"]),
                 ("laptop", "client0", ["role=client", "client_index=0"]),
@@ -479,12 +480,8 @@ def scenarios(quick: bool = True) -> dict[str, Scenario]:
         ),
         "split_inference": Scenario(
             "split_inference",
-            ("desktop", "laptop", "pc"),
-            [
-                ("desktop", "driver", ["role=driver"]),
-                ("laptop", "stage1", ["role=stage", "split.rank=1"]),
-                ("pc", "stage2", ["role=stage", "split.rank=2"]),
-            ],
+            "master",
+            split_roles,
             [
                 "model.lab_preset=debug",
                 "split.num_stages=2",
@@ -503,12 +500,8 @@ def scenarios(quick: bool = True) -> dict[str, Scenario]:
         ),
         "split_training": Scenario(
             "split_training",
-            ("desktop", "laptop", "pc"),
-            [
-                ("desktop", "driver", ["role=driver"]),
-                ("laptop", "stage1", ["role=stage", "split.rank=1"]),
-                ("pc", "stage2", ["role=stage", "split.rank=2"]),
-            ],
+            "master",
+            split_roles,
             ["model.lab_preset=debug", "split.num_stages=2", "split.channels=network", *threads],
             same_losses("loss"),
             result_role="driver",
@@ -517,12 +510,6 @@ def scenarios(quick: bool = True) -> dict[str, Scenario]:
     }
 
 
-SERVING_ENDPOINT = {
-    "spec_decoding": "verifier",
-    "fed_learn": "coordinator",
-    "split_inference": "master",
-    "split_training": "master",
-}
 PORTS = {"coordinator": 29510, "verifier": 29520, "master": 29530}
 
 
@@ -542,14 +529,11 @@ def _wait(procs: dict[str, subprocess.Popen], waited_for: Sequence[str], timeout
     """Until every role in `waited_for` has exited; a role that fails ends the wait."""
     deadline = time.monotonic() + timeout_s
     while True:
-        codes = {name: procs[name].poll() for name in waited_for}
+        codes = {name: proc.poll() for name, proc in procs.items()}
         failed = [name for name, code in codes.items() if code not in (None, 0)]
         if failed:
             raise HostsError(f"role {failed[0]} exited {codes[failed[0]]}")
-        gone = [name for name, proc in procs.items() if proc.poll() not in (None, 0)]
-        if gone:
-            raise HostsError(f"role {gone[0]} exited {procs[gone[0]].poll()}")
-        if all(code == 0 for code in codes.values()):
+        if all(codes[name] == 0 for name in waited_for):
             return
         if time.monotonic() > deadline:
             raise HostsError(f"roles {waited_for} still running after {timeout_s:.0f} s")
@@ -558,18 +542,18 @@ def _wait(procs: dict[str, subprocess.Popen], waited_for: Sequence[str], timeout
 
 def run_across(
     network: Network, scenario: Scenario, security: Security, out: Path, *, timeout_s: float
-) -> Path:
-    """Each role of `scenario` on its host, as a user types it; the result role's run folder."""
-    server = network[scenario.roles[0][0]]
-    endpoint = SERVING_ENDPOINT[scenario.module]
-    conf = write_cluster(out / "conf", server, {endpoint: PORTS[endpoint]})
+) -> tuple[Path, dict[str, int]]:
+    """Each role of `scenario` on its host, as a user types it: the result role's run folder,
+    and the bytes that crossed each host's link (also in `<out>/link_bytes.json`)."""
+    server = network[scenario.hosts[0]]
+    conf = write_cluster(out / "conf", server, {scenario.endpoint: PORTS[scenario.endpoint]})
     procs: dict[str, subprocess.Popen] = {}
     run_dirs: dict[str, Path] = {}
     before = {name: network[name].link_bytes() for name in scenario.hosts}
     for index, (host_name, role, overrides) in enumerate(scenario.roles):
         host = network[host_name]
         run_dirs[role] = out / f"{host_name}-{role}"
-        tls = security.tls_overrides(server, serving=index == 0) if scenario.netproto else []
+        tls = security.tls_overrides(serving=index == 0) if scenario.netproto else []
         argv = [sys.executable, "-m", scenario.module, *overrides, f"cluster={CLUSTER_NAME}",
                 f"hydra.searchpath=[file://{conf}]", *scenario.common, *tls,
                 f"hydra.run.dir={run_dirs[role]}", "tracking.wandb=false"]  # fmt: skip
@@ -585,7 +569,7 @@ def run_across(
             network[host_name].stop()
     crossed = {name: network[name].link_bytes() - before[name] for name in scenario.hosts}
     (out / "link_bytes.json").write_text(json.dumps(crossed, indent=2))
-    return run_dirs[scenario.result_role]
+    return run_dirs[scenario.result_role], crossed
 
 
 def run_loopback(network: Network, scenario: Scenario, out: Path, *, timeout_s: float) -> Path:
@@ -608,10 +592,12 @@ def check_module(
 ) -> Outcome:
     started = time.perf_counter()
     folder = out / scenario.module
-    hosts_dir, crossed = None, {}
+    hosts_dir: Path | None = None
+    crossed: dict[str, int] = {}
     try:
-        hosts_dir = run_across(network, scenario, security, folder / "hosts", timeout_s=timeout_s)
-        crossed = json.loads((folder / "hosts" / "link_bytes.json").read_text())
+        hosts_dir, crossed = run_across(
+            network, scenario, security, folder / "hosts", timeout_s=timeout_s
+        )
         local_dir = run_loopback(network, scenario, folder, timeout_s=timeout_s)
         same, detail = scenario.compare(hosts_dir, local_dir)
         detail += f"; {sum(crossed.values()) / 2e6:.2f} MB crossed the links"

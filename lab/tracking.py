@@ -37,7 +37,7 @@ OUTPUTS_FILE = "outputs.jsonl"
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records a Tracker wrote to `path` (a metrics.jsonl), in order."""
+    """The records a Tracker wrote to `path` (its metrics.jsonl or outputs.jsonl), in order."""
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

@@ -4,7 +4,6 @@ the secret, and each module's result across hosts against the same run on loopba
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
@@ -184,8 +183,8 @@ def test_a_module_across_hosts_gives_what_it_gives_on_loopback(tmp_path: Path, m
         summary = [
             r for r in read_records(outcome.run_dir / METRICS_FILE) if r["kind"] == "summary"
         ]
-        rows = (outcome.run_dir / OUTPUTS_FILE).read_text().splitlines()
-        tokens = sum(len(json.loads(row)["tokens"]) for row in rows)  # padding left out: fewer
+        rows = read_records(outcome.run_dir / OUTPUTS_FILE)
+        tokens = sum(len(row["tokens"]) for row in rows)  # padding left out: fewer
         between = summary[-1]["bytes_between_stages_per_token"] * tokens
         assert outcome.link_bytes["laptop"] >= between and outcome.link_bytes["pc"] >= between
     assert "".join(lines).strip().endswith("modules identical across hosts: 1 of 1")
