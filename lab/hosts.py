@@ -53,6 +53,8 @@ PREFIX = "dllab"
 SUBNET = "10.213.0"
 """The hosts' addresses: 10.213.0.1, .2, ... on a /24 (inside the namespaces only)."""
 BRIDGE = "br0"
+TUN = "tun0"
+ROUTE_TABLE = "100"
 CLUSTER_NAME = "hosts"
 NOT_INHERITED = (
     "LAB_CACHE",
@@ -100,7 +102,8 @@ def unavailable() -> str | None:
 
 
 def remove_stale() -> list[str]:
-    """Delete the namespaces of harnesses that are no longer running; returns their names."""
+    """Delete the namespaces of harnesses that are no longer running, and stop what still runs
+    in them (a role, the delaying forwarder); returns their names."""
     listed = _ip("netns", "list", check=False).stdout.split("\n")
     removed = []
     for line in listed:
@@ -109,6 +112,9 @@ def remove_stale() -> list[str]:
             continue
         owner = name[len(PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not psutil.pid_exists(int(owner)):
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             _ip("netns", "del", name, check=False)
             removed.append(name)
     return removed
@@ -214,6 +220,10 @@ class Network:
     """Hosts `names` joined by a bridge, built on entering and removed on leaving.
 
     `rate` (a tc rate: `100mbit`, `10mbit`) caps what each host sends (tbf on its `eth0`).
+    `delay_ms` (0 included) builds a routed network instead: the switch namespace routes every
+    packet between hosts through a TUN device where `lab.linkdelay` holds it `delay_ms` before
+    sending it on (one-way; a round trip gains twice that), whatever protocol carries it.
+    `set_link` changes both while the hosts run.
     """
 
     def __init__(
@@ -222,6 +232,7 @@ class Network:
         *,
         addresses: Sequence[str] | None = None,
         rate: str | None = None,
+        delay_ms: float | None = None,
         root: Path | None = None,
     ) -> None:
         if len(set(names)) != len(names) or not names:
@@ -234,8 +245,13 @@ class Network:
             or len({a.rsplit(".", 1)[0] for a in self.addresses}) != 1
         ):
             raise ValueError(f"one IPv4 address per host, all on one /24: {self.addresses}")
+        if delay_ms is not None and not 0.0 <= delay_ms <= 10_000.0:
+            raise ValueError(f"delay_ms must be within 0..10000, got {delay_ms}")
         self.names = list(names)
         self.rate = rate
+        self.delay_ms = delay_ms
+        self.routed = delay_ms is not None
+        self._forwarder: subprocess.Popen | None = None
         self.tag = f"{PREFIX}{os.getpid()}"
         self._root_given = root
         self.root = root or Path(tempfile.mkdtemp(prefix="lab-hosts-"))
@@ -261,8 +277,11 @@ class Network:
     def _build(self) -> None:
         _ip("netns", "add", self.switch)
         self._made.append(self.switch)
-        _ip("link", "add", BRIDGE, "type", "bridge", netns=self.switch)
-        _ip("link", "set", BRIDGE, "up", netns=self.switch)
+        if self.routed:
+            self._build_router()
+        else:
+            _ip("link", "add", BRIDGE, "type", "bridge", netns=self.switch)
+            _ip("link", "set", BRIDGE, "up", netns=self.switch)
         for index, name in enumerate(self.names, start=1):
             netns = f"{self.tag}-{name}"
             _ip("netns", "add", netns)
@@ -270,22 +289,108 @@ class Network:
             port = f"p{index}"  # its end on the bridge, in the switch namespace
             _ip("link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.switch,
                 netns=netns)  # fmt: skip
-            _ip("link", "set", port, "master", BRIDGE, "up", netns=self.switch)
             address = self.addresses[index - 1]
             _ip("addr", "add", f"{address}/24", "dev", "eth0", netns=netns)
             _ip("link", "set", "eth0", "up", netns=netns)
             _ip("link", "set", "lo", "up", netns=netns)
-            if self.rate:
-                shaped = subprocess.run(
-                    ["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", "eth0", "root",
-                     "tbf", "rate", self.rate, "burst", "64kb", "latency", "100ms"],
-                    capture_output=True, text=True, check=False,
-                )  # fmt: skip
-                if shaped.returncode != 0:
-                    raise HostsError(f"tc tbf rate {self.rate} failed: {shaped.stderr.strip()}")
+            if self.routed:
+                self._route_port(port, address, netns)
+            else:
+                _ip("link", "set", port, "master", BRIDGE, "up", netns=self.switch)
+            self._shape(netns, self.rate)
             root = self.root / name
             (root / "home").mkdir(parents=True, exist_ok=True)
             self.hosts[name] = Host(name, netns, address, root)
+        if self.routed:
+            self._start_forwarder()
+
+    def _sysctl(self, *settings: str) -> None:
+        for setting in settings:
+            _ip("netns", "exec", self.switch, "sysctl", "-qw", setting)
+
+    def _build_router(self) -> None:
+        """The switch as a router: every packet from a host port goes through `tun0`."""
+        self._sysctl("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
+                     "net.ipv4.conf.default.rp_filter=0")  # fmt: skip
+        # an address of its own, for the ARP it sends on the ports (none of the hosts')
+        subnet = self.addresses[0].rsplit(".", 1)[0]
+        taken = {int(a.rsplit(".", 1)[1]) for a in self.addresses}
+        own = next(i for i in range(254, 0, -1) if i not in taken)
+        _ip("addr", "add", f"{subnet}.{own}/32", "dev", "lo", netns=self.switch)
+        _ip("link", "set", "lo", "up", netns=self.switch)
+        _ip("tuntap", "add", "dev", TUN, "mode", "tun", netns=self.switch)
+        # deep enough for a window of 10 ms at 1 Gbit/s: the forwarder, not the queue, sets the pace
+        _ip("link", "set", TUN, "txqueuelen", "10000", "up", netns=self.switch)
+        _ip("route", "add", "default", "dev", TUN, "table", ROUTE_TABLE, netns=self.switch)
+
+    def _route_port(self, port: str, address: str, netns: str) -> None:
+        """Host port `port`: answered for the other hosts (proxy ARP), its host reached directly,
+        and what comes in through it sent to the delaying TUN device."""
+        _ip("link", "set", port, "up", netns=self.switch)
+        self._sysctl(f"net.ipv4.conf.{port}.proxy_arp=1", f"net.ipv4.conf.{port}.rp_filter=0")
+        mac = _ip("-j", "link", "show", "eth0", netns=netns).stdout
+        _ip("route", "add", f"{address}/32", "dev", port, netns=self.switch)
+        _ip("neigh", "replace", address, "lladdr", json.loads(mac)[0]["address"], "dev", port,
+            "nud", "permanent", netns=self.switch)  # fmt: skip
+        _ip("rule", "add", "iif", port, "lookup", ROUTE_TABLE, netns=self.switch)
+
+    def _start_forwarder(self) -> None:
+        assert self.delay_ms is not None
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, sys.executable, "-m", "lab.linkdelay",
+             "forward", "--dev", TUN, "--delay-ms", f"{self.delay_ms:g}"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self._forwarder = proc
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "attached" once packets flow, or its error and EOF
+        if "attached" not in line:
+            rest = proc.stdout.read() if proc.wait(timeout=30) is not None else ""
+            raise HostsError(f"the delaying forwarder did not start: {(line + rest).strip()}")
+
+    def _stop_forwarder(self) -> None:
+        proc, self._forwarder = self._forwarder, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    @staticmethod
+    def _shape(netns: str, rate: str | None) -> None:
+        """Cap what `netns` sends at `rate` (tbf on its eth0), or uncap it (None)."""
+        if rate is None:
+            subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", "eth0",
+                            "root"], capture_output=True, check=False)  # fmt: skip
+            return
+        shaped = subprocess.run(
+            ["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", "eth0", "root",
+             "tbf", "rate", rate, "burst", "64kb", "latency", "100ms"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if shaped.returncode != 0:
+            raise HostsError(f"tc tbf rate {rate} failed: {shaped.stderr.strip()}")
+
+    def set_link(self, *, delay_ms: float | None = None, rate: str | None = None) -> None:
+        """Every host's link from now on: `rate` (None: uncapped) and, on a routed network,
+        a one-way `delay_ms` (None: unchanged)."""
+        for host in self.hosts.values():
+            self._shape(host.netns, rate)
+        self.rate = rate
+        if delay_ms is not None and delay_ms != self.delay_ms:
+            if not self.routed:
+                raise HostsError("link delay needs a routed network: Network(..., delay_ms=0)")
+            self._stop_forwarder()
+            self.delay_ms = delay_ms
+            self._start_forwarder()
 
     def __exit__(self, *exc: object) -> None:
         self._remove()
@@ -293,6 +398,7 @@ class Network:
     def _remove(self) -> None:
         for host in self.hosts.values():
             host.stop()
+        self._stop_forwarder()
         for netns in reversed(self._made):
             _ip("netns", "del", netns, check=False)
         self._made.clear()
@@ -654,6 +760,45 @@ def check(
     return outcomes
 
 
+PROBE_PORT = 29590
+
+
+def measure_link(network: Network, sender: str, receiver: str) -> dict[str, float]:
+    """Round trip (ms) and the rate of one 4 MiB transfer (Mbit/s) from `sender` to `receiver`,
+    measured with TCP between their namespaces (lab.linkdelay probe)."""
+    server = network[receiver].start(
+        [sys.executable, "-m", "lab.linkdelay", "probe-server", "--port", str(PROBE_PORT)],
+        network.root / f"probe-{receiver}.log",
+    )
+    try:
+        text = network[sender].run(
+            [sys.executable, "-m", "lab.linkdelay", "probe",
+             "--to", f"{network[receiver].address}:{PROBE_PORT}"], timeout_s=120,
+        )  # fmt: skip
+        server.wait(timeout=30)
+    finally:
+        network[receiver].stop()
+    return dict(json.loads(text.strip().splitlines()[-1]))
+
+
+def link(delays_ms: Sequence[float], rates: Sequence[str | None], *, log: TextIO = sys.stdout
+         ) -> list[dict[str, Any]]:  # fmt: skip
+    """The emulated link itself, per (delay, rate): the round trip and transfer rate TCP sees
+    between two hosts, next to what was asked for."""
+    rows = []
+    with Network(["desktop", "laptop"], delay_ms=delays_ms[0]) as network:
+        print(f"{'delay ms':>8} {'rate':>8} {'rtt ms':>8} {'(2 x delay)':>11} "
+              f"{'4 MiB Mbit/s':>12}", file=log, flush=True)  # fmt: skip
+        for delay in delays_ms:
+            for rate in rates:
+                network.set_link(delay_ms=delay, rate=rate)
+                got = measure_link(network, "laptop", "desktop")
+                rows.append({"delay_ms": delay, "rate": rate or "none", **got})
+                print(f"{delay:>8g} {rate or 'none':>8} {got['rtt_ms']:>8.2f} {2 * delay:>11g} "
+                      f"{got['mbit_s']:>12.1f}", file=log, flush=True)  # fmt: skip
+    return rows
+
+
 DOCUMENTED = ("docs/two_machines.md", "README.md")
 """Where the commands a user types on each machine are written (`host$ python -m ...` lines)."""
 DOC_SERVER = "192.168.1.20"
@@ -741,6 +886,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--rate", help="cap each host's link (a tc rate: 100mbit, 10mbit)")
     run.add_argument("--out", type=Path, default=Path("outputs/hosts"), help="logs and results")
     run.add_argument("--timeout-s", type=float, default=600.0, help="per module")
+    probe = sub.add_parser("link", help="the emulated link: round trip and rate per setting")
+    probe.add_argument("--delay-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0, 50.0])
+    probe.add_argument("--rate", nargs="+", default=["none", "1gbit", "100mbit", "10mbit"],
+                       help="tc rates; none: uncapped")
     docs = sub.add_parser("docs", help="the documented two-machine commands, each on its host")
     docs.add_argument("--out", type=Path, default=Path("outputs/hosts-docs"))
     docs.add_argument("--timeout-s", type=float, default=600.0, help="per run")
@@ -752,6 +901,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.command == "docs":
         return _docs_main(args.out.resolve(), args.timeout_s)
+    if args.command == "link":
+        try:
+            link(args.delay_ms, [None if r == "none" else r for r in args.rate])
+        except KeyboardInterrupt:
+            print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
+            return 130
+        return 0
     try:
         outcomes = check(
             args.only or MODULES,

@@ -4,6 +4,7 @@ the secret, and each module's result across hosts against the same run on loopba
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from lab.hosts import (
@@ -20,6 +22,7 @@ from lab.hosts import (
     Network,
     check,
     documented_runs,
+    measure_link,
     remove_stale,
     run_documented,
     scenarios,
@@ -84,6 +87,22 @@ def test_a_rate_cap_shapes_each_hosts_link(tmp_path: Path) -> None:
             assert "tbf" in shown and "rate 10Mbit" in shown
 
 
+def test_a_delayed_link_holds_every_packet_and_a_rate_cap_holds_with_it(tmp_path: Path) -> None:
+    """The routed network's forwarder delays each direction: a round trip cannot take less than
+    twice the one-way delay (a floor, not a timing: nothing arrives before it is released), and
+    changing the link between runs takes effect."""
+    with Network(["a", "b"], delay_ms=0, root=tmp_path) as net:
+        fast = measure_link(net, "a", "b")
+        net.set_link(delay_ms=20, rate="10mbit")
+        slow = measure_link(net, "a", "b")
+        shown = net["a"].run(["tc", "qdisc", "show", "dev", "eth0"])
+        forwarder = net._forwarder
+        assert forwarder is not None and forwarder.poll() is None
+    assert forwarder.poll() is not None  # stopped with the network
+    assert fast["rtt_ms"] < 20 <= slow["rtt_ms"] / 2
+    assert slow["mbit_s"] < 10.5 and "rate 10Mbit" in shown
+
+
 def test_everything_is_removed_after_an_error(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="boom"), Network(["a", "b"], root=tmp_path) as net:
         made = set(net.namespaces())
@@ -97,17 +116,24 @@ def test_everything_is_removed_after_an_error(tmp_path: Path) -> None:
 def test_namespaces_of_a_harness_killed_outright_are_removed_by_the_next(tmp_path: Path) -> None:
     script = (
         "import sys, time; from lab.hosts import Network; "
-        f"net = Network(['a'], root=__import__('pathlib').Path({str(tmp_path)!r})).__enter__(); "
-        "print(net.tag, flush=True); time.sleep(600)"
+        f"net = Network(['a'], delay_ms=1, root=__import__('pathlib').Path({str(tmp_path)!r}))"
+        ".__enter__(); print(net.tag, net._forwarder.pid, flush=True); time.sleep(600)"
     )
     proc = subprocess.Popen([PYTHON, "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    tag = proc.stdout.readline().strip()
+    tag, forwarder = proc.stdout.readline().split()
     proc.kill()  # SIGKILL: no cleanup ran
     proc.wait()
     left = {name for name in namespaces() if name.startswith(f"{tag}-")}
     assert left  # what a harness killed outright leaves
+    assert psutil.pid_exists(int(forwarder))  # its delaying forwarder, still holding packets
     assert set(remove_stale()) >= left
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(int(forwarder)) and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(int(forwarder)).wait(timeout=0.1)  # reaped if it was our child
+        time.sleep(0.05)
+    assert not psutil.pid_exists(int(forwarder))
     assert not {name for name in namespaces() if name.startswith(f"{tag}-")}
 
 
