@@ -888,8 +888,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--timeout-s", type=float, default=600.0, help="per module")
     probe = sub.add_parser("link", help="the emulated link: round trip and rate per setting")
     probe.add_argument("--delay-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0, 50.0])
-    probe.add_argument("--rate", nargs="+", default=["none", "1gbit", "100mbit", "10mbit"],
-                       help="tc rates; none: uncapped")
+    probe.add_argument(
+        "--rate",
+        nargs="+",
+        default=["none", "1gbit", "100mbit", "10mbit"],
+        help="tc rates; none: uncapped",
+    )
     docs = sub.add_parser("docs", help="the documented two-machine commands, each on its host")
     docs.add_argument("--out", type=Path, default=Path("outputs/hosts-docs"))
     docs.add_argument("--timeout-s", type=float, default=600.0, help="per run")

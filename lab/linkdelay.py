@@ -1,4 +1,4 @@
-"""`python -m lab.linkdelay forward --dev tun0 --delay-ms D`: hold every packet D ms, then send it on.
+"""`python -m lab.linkdelay forward --delay-ms D`: hold every packet D ms, then send it on.
 
 The delaying path of lab.hosts' routed network (netem is missing on the lab's machines, and
 netproto's own link emulator does not carry TensorPipe's traffic): the switch namespace routes
