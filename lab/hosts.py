@@ -445,17 +445,17 @@ def make_certificate(folder: Path, address: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", f"/CN={address}", "-addext", f"subjectAltName=IP:{address}",
+         "-subj", f"/CN={address}", "-addext", f"subjectAltName=IP:{address},IP:127.0.0.1",
          "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem")],
         check=True, capture_output=True,
     )  # fmt: skip
 
 
-def write_cluster(folder: Path, server: Host, ports: dict[str, int]) -> Path:
-    """`<folder>/cluster/hosts.yaml`: every serving role on `server`, as a user's
+def write_cluster(folder: Path, address: str, ports: dict[str, int]) -> Path:
+    """`<folder>/cluster/hosts.yaml`: every serving role at `address`, as a user's
     conf/cluster/mine.yaml would say (docs/two_machines.md, step 3)."""
     lines = [f"name: {CLUSTER_NAME}"]
-    lines += [f"{role}: {{host: {server.address}, port: {port}}}" for role, port in ports.items()]
+    lines += [f"{role}: {{host: {address}, port: {port}}}" for role, port in ports.items()]
     lines.append("read_timeout_s: 120.0")
     path = folder / "cluster" / f"{CLUSTER_NAME}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -646,36 +646,202 @@ def _wait(procs: dict[str, subprocess.Popen], waited_for: Sequence[str], timeout
         time.sleep(0.2)
 
 
-def run_across(
-    network: Network, scenario: Scenario, security: Security, out: Path, *, timeout_s: float
-) -> tuple[Path, dict[str, int]]:
-    """Each role of `scenario` on its host, as a user types it: the result role's run folder,
-    and the bytes that crossed each host's link (also in `<out>/link_bytes.json`)."""
-    server = network[scenario.hosts[0]]
-    conf = write_cluster(out / "conf", server, {scenario.endpoint: PORTS[scenario.endpoint]})
-    procs: dict[str, subprocess.Popen] = {}
-    run_dirs: dict[str, Path] = {}
-    before = {name: network[name].link_bytes() for name in scenario.hosts}
-    for index, (host_name, role, overrides) in enumerate(scenario.roles):
-        host = network[host_name]
-        run_dirs[role] = out / f"{host_name}-{role}"
-        tls = security.tls_overrides(serving=index == 0) if scenario.netproto else []
-        argv = [sys.executable, "-m", scenario.module, *overrides, f"cluster={CLUSTER_NAME}",
-                f"hydra.searchpath=[file://{conf}]", *scenario.common, *tls,
-                f"hydra.run.dir={run_dirs[role]}", "tracking.wandb=false"]  # fmt: skip
-        procs[role] = host.start(
-            argv, out / f"{host_name}-{role}.log", env={"LAB_SECRET": security.secret}
+class Roles:
+    """The roles of one run as they go: started, killed, restarted (what a fault does)."""
+
+    def __init__(
+        self,
+        network: Network,
+        scenario: Scenario,
+        security: Security,
+        out: Path,
+        *,
+        on_host: str | None = None,
+    ) -> None:
+        self.network, self.scenario, self.security, self.out = network, scenario, security, out
+        self.on_host = on_host
+        server = network[on_host or scenario.hosts[0]]
+        # all on one host: the serving role at its loopback, as a single machine would say
+        address = "127.0.0.1" if on_host else server.address
+        self.conf = write_cluster(
+            out / "conf", address, {scenario.endpoint: PORTS[scenario.endpoint]}
         )
-    # the serving role of a netproto module serves until stopped; the others finish
-    finishing = [role for _, role, _ in scenario.roles[1:]] if scenario.netproto else list(procs)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.run_dirs: dict[str, Path] = {}
+        self.placed = {
+            role: (on_host or host, overrides) for host, role, overrides in scenario.roles
+        }
+        self.serving = scenario.roles[0][1]
+
+    def start(self, role: str, extra: Sequence[str] = (), *, log_suffix: str = "") -> None:
+        host_name, overrides = self.placed[role]
+        host = self.network[host_name]
+        self.run_dirs[role] = self.out / f"{host_name}-{role}"
+        tls = self.security.tls_overrides(serving=role == self.serving)
+        argv = [sys.executable, "-m", self.scenario.module, *overrides, f"cluster={CLUSTER_NAME}",
+                f"hydra.searchpath=[file://{self.conf}]", *self.scenario.common,
+                *(tls if self.scenario.netproto else []), *extra,
+                f"hydra.run.dir={self.run_dirs[role]}", "tracking.wandb=false"]  # fmt: skip
+        self.procs[role] = host.start(
+            argv, self.out / f"{host_name}-{role}{log_suffix}.log",
+            env={"LAB_SECRET": self.security.secret},
+        )  # fmt: skip
+
+    def kill(self, role: str) -> None:
+        """SIGKILL `role`'s processes, as a machine's power going off would (no goodbye)."""
+        proc = self.procs.pop(role)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+Fault = Callable[[Roles, float], None]
+"""Run while a scenario's roles are up (given them and the deadline): kills or restarts roles."""
+
+
+def run_across(
+    network: Network,
+    scenario: Scenario,
+    security: Security,
+    out: Path,
+    *,
+    timeout_s: float,
+    on_host: str | None = None,
+    fault: Fault | None = None,
+) -> tuple[Path, dict[str, int]]:
+    """Each role of `scenario` on its host (or all on `on_host`, through its loopback), as a user
+    types it; `fault` meddles while they run. Returns the result role's run folder and the bytes
+    that crossed each host's link (also in `<out>/link_bytes.json`)."""
+    roles = Roles(network, scenario, security, out, on_host=on_host)
+    before = {name: network[name].link_bytes() for name in scenario.hosts}
+    deadline = time.monotonic() + timeout_s
     try:
-        _wait(procs, finishing, timeout_s)
+        for _, role, _ in scenario.roles:
+            roles.start(role)
+        if fault is not None:
+            fault(roles, deadline)
+        # the serving role of a netproto module serves until stopped; the others finish
+        finishing = [r for r in roles.procs if r != roles.serving or not scenario.netproto]
+        _wait(roles.procs, finishing, max(1.0, deadline - time.monotonic()))
     finally:
         for host_name in scenario.hosts:
             network[host_name].stop()
     crossed = {name: network[name].link_bytes() - before[name] for name in scenario.hosts}
     (out / "link_bytes.json").write_text(json.dumps(crossed, indent=2))
-    return run_dirs[scenario.result_role], crossed
+    return roles.run_dirs[scenario.result_role], crossed
+
+
+def _await_round(roles: Roles, round_number: int, deadline: float) -> None:
+    """Until the coordinator has checkpointed round `round_number` (1-based)."""
+    latest = roles.run_dirs["coordinator"] / "checkpoints" / "latest.json"
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if json.loads(latest.read_text())["round"] >= round_number:
+                return
+        failed = [r for r, p in roles.procs.items() if p.poll() not in (None, 0)]
+        if failed:
+            raise HostsError(f"role {failed[0]} exited {roles.procs[failed[0]].poll()}")
+        time.sleep(0.05)
+    raise HostsError(f"round {round_number} never completed")
+
+
+def kill_client_mid_round(roles: Roles, deadline: float) -> None:
+    """client1's machine goes off as round 2 begins (round 1 checkpointed, round 2 being sent
+    out or trained): the rounds from 2 on aggregate client0's update alone."""
+    _await_round(roles, 1, deadline)
+    roles.kill("client1")
+
+
+def kill_and_resume_coordinator(roles: Roles, deadline: float) -> None:
+    """The coordinator's machine goes off once round 1 is checkpointed; it is started again
+    with `fed.resume=true` on the same host and folder, and the clients, still up, redial it."""
+    _await_round(roles, 1, deadline)
+    roles.kill("coordinator")
+    roles.start("coordinator", ["fed.resume=true"], log_suffix="-resumed")
+
+
+FAULT_COMMON = ["fed.rounds=3", "fed.local_steps=15", "fed.heartbeat_s=0.5",
+                "fed.heartbeat_timeout_s=15", "fed.wait_clients_s=60"]  # fmt: skip
+"""A fault run's fed settings over the scenario's: rounds enough to go on after the fault, and
+local training long enough (about a second) that round 2 is under way when the kill lands."""
+
+
+@dataclass
+class FaultCase:
+    fault: Fault
+    settings: list[str]
+    reference: str
+    """`same fault`: the reference run suffers the same fault on one host's loopback;
+    `uninterrupted`: the reference is the plain loopback run (nothing may differ at all)."""
+
+
+FAULTS = {
+    "client killed mid-round": FaultCase(
+        kill_client_mid_round, ["fed.min_fit_clients=1"], "same fault"
+    ),
+    "coordinator killed and resumed": FaultCase(kill_and_resume_coordinator, [], "uninterrupted"),
+}
+
+
+def round_losses(run_dir: Path) -> dict[int, float]:
+    """The coordinator's validation loss after each round (a resumed run's re-evaluation of the
+    checkpoint it loaded counts as that round's: it must equal what was saved)."""
+    path = run_dir / METRICS_FILE
+    records = read_records(path) if path.is_file() else []
+    return {
+        int(r["step"]): float(r["val_loss"])
+        for r in records
+        if r.get("kind") == "metrics" and isinstance(r.get("val_loss"), int | float)
+    }
+
+
+def round_clients(run_dir: Path) -> list[int]:
+    path = run_dir / METRICS_FILE
+    records = read_records(path) if path.is_file() else []
+    return [int(r["clients"]) for r in records if r.get("kind") == "metrics" and "clients" in r]
+
+
+def check_fault(
+    network: Network, name: str, security: Security, out: Path, *, timeout_s: float
+) -> Outcome:
+    """fed_learn across three hosts with fault `name` (FAULTS), against its reference run."""
+    case = FAULTS[name]
+    base = scenarios()["fed_learn"]
+    scenario = Scenario(
+        base.module, base.endpoint, base.roles, [*base.common, *FAULT_COMMON, *case.settings],
+        same_losses("val_loss"), base.result_role,
+    )  # fmt: skip
+    folder = out / "fed_learn-faults" / name.replace(" ", "-")
+    started = time.perf_counter()
+    try:
+        hosts_dir, _ = run_across(
+            network, scenario, security, folder / "hosts", timeout_s=timeout_s, fault=case.fault
+        )
+        if case.reference == "same fault":
+            local_dir, _ = run_across(
+                network, scenario, security, folder / "loopback", timeout_s=timeout_s,
+                on_host=scenario.hosts[0], fault=case.fault,
+            )  # fmt: skip
+        else:
+            local_dir = run_loopback(network, scenario, folder, timeout_s=timeout_s)
+        ours, theirs = round_losses(hosts_dir), round_losses(local_dir)
+        rounds = int(FAULT_COMMON[0].split("=")[1])
+        worst = max(
+            (abs(ours[k] - theirs[k]) / abs(theirs[k]) for k in theirs if k in ours), default=0.0
+        )
+        clients = round_clients(hosts_dir)
+        same = (
+            sorted(ours) == sorted(theirs) == list(range(rounds + 1))
+            and worst <= LOSS_RTOL
+            and clients[-rounds:] == round_clients(local_dir)[-rounds:]
+        )
+        detail = (
+            f"val loss after rounds {sorted(ours)} vs {sorted(theirs)} ({case.reference}), "
+            f"largest relative difference {worst:.1e}; clients per round {clients}"
+        )
+    except HostsError as exc:
+        same, detail = False, f"failed: {exc} (logs in {folder})"
+    return Outcome(f"fed_learn, {name}", same, detail, time.perf_counter() - started)
 
 
 def run_loopback(network: Network, scenario: Scenario, out: Path, *, timeout_s: float) -> Path:
@@ -757,6 +923,30 @@ def check(
                   f"{outcome.detail}", file=log, flush=True)  # fmt: skip
     same = sum(o.identical for o in outcomes)
     print(f"modules identical across hosts: {same} of {len(outcomes)}", file=log, flush=True)
+    return outcomes
+
+
+def faults(
+    names: Sequence[str], *, out: Path, tls: bool = False, timeout_s: float = 600.0,
+    log: TextIO = sys.stdout,
+) -> list[Outcome]:  # fmt: skip
+    """fed_learn across three hosts with each fault of `names`; one line each, then the total."""
+    out.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    with Network(["desktop", "laptop", "pc"], root=out / "hosts") as network:
+        provision(network, log=log)
+        security = Security(secret=secrets.token_hex(16), tls=tls)
+        if tls:
+            security.cert_dir = out / "tls"
+            make_certificate(security.cert_dir, network["desktop"].address)
+        for name in names:
+            outcome = check_fault(network, name, security, out, timeout_s=timeout_s)
+            outcomes.append(outcome)
+            verdict = "same" if outcome.identical else "DIFFERENT"
+            print(f"{outcome.module}: {verdict} ({outcome.seconds:.0f} s) {outcome.detail}",
+                  file=log, flush=True)  # fmt: skip
+    print(f"faults recovered as on loopback: {sum(o.identical for o in outcomes)} of "
+          f"{len(outcomes)}", file=log, flush=True)  # fmt: skip
     return outcomes
 
 
@@ -886,6 +1076,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--rate", help="cap each host's link (a tc rate: 100mbit, 10mbit)")
     run.add_argument("--out", type=Path, default=Path("outputs/hosts"), help="logs and results")
     run.add_argument("--timeout-s", type=float, default=600.0, help="per module")
+    hurt = sub.add_parser("faults", help="fed_learn across hosts: a client killed mid-round, "
+                          "the coordinator killed and resumed")  # fmt: skip
+    hurt.add_argument("--tls", action="store_true", help="TLS on too")
+    hurt.add_argument("--out", type=Path, default=Path("outputs/hosts-faults"))
+    hurt.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     probe = sub.add_parser("link", help="the emulated link: round trip and rate per setting")
     probe.add_argument("--delay-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0, 50.0])
     probe.add_argument(
@@ -905,6 +1100,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.command == "docs":
         return _docs_main(args.out.resolve(), args.timeout_s)
+    if args.command == "faults":
+        try:
+            done = faults(list(FAULTS), out=args.out.resolve(), tls=args.tls,
+                          timeout_s=args.timeout_s)  # fmt: skip
+        except KeyboardInterrupt:
+            print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
+            return 130
+        return 0 if all(o.identical for o in done) else 1
     if args.command == "link":
         try:
             link(args.delay_ms, [None if r == "none" else r for r in args.rate])

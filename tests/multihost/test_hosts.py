@@ -16,12 +16,14 @@ import psutil
 import pytest
 
 from lab.hosts import (
+    FAULTS,
     MODULES,
     PREFIX,
     Documented,
     Network,
     check,
     documented_runs,
+    faults,
     measure_link,
     remove_stale,
     run_documented,
@@ -237,3 +239,17 @@ def test_the_documents_hold_a_multi_machine_run_of_each_serving_module() -> None
             "fed_learn",
             "split_inference",
         }
+
+
+def test_fed_learn_across_hosts_recovers_from_a_dead_client_and_a_dead_coordinator(
+    tmp_path: Path,
+) -> None:
+    """Three hosts, secret and TLS on. A client's machine dies as round 2 begins: the rounds go
+    on with the other client, exactly as the same fault on one machine's loopback. The
+    coordinator's machine dies after round 1 and comes back with fed.resume=true: the clients
+    redial it and every round's validation loss is the uninterrupted loopback run's."""
+    outcomes = faults(list(FAULTS), out=tmp_path, tls=True, timeout_s=300)
+    assert [o.identical for o in outcomes] == [True, True], [o.detail for o in outcomes]
+    assert "clients per round [2, 1, 1]" in outcomes[0].detail
+    resumed = tmp_path / "fed_learn-faults" / "coordinator-killed-and-resumed" / "hosts"
+    assert "(round 1)" in (resumed / "desktop-coordinator-resumed.log").read_text()
