@@ -950,6 +950,114 @@ def faults(
     return outcomes
 
 
+CURVE_DELAYS_MS = (0.0, 2.0, 10.0, 50.0)
+CURVE_RATES = ("1gbit", "100mbit", "10mbit")
+
+
+@dataclass
+class Variant:
+    """One curve: a module with settings of its own, and the headline figure it is judged by."""
+
+    name: str
+    module: str
+    settings: list[str]
+    headline: str
+    """What `headline(run_dir)` reads (lab.costmodel.HEADLINES names them)."""
+
+
+def curve_variants() -> dict[str, Variant]:
+    debug_spec = ["target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=2",
+                  "spec.max_new_tokens=32", "num_threads=1"]  # fmt: skip
+    fed = ["model.lab_preset=debug", "fed.num_clients=2", "fed.min_fit_clients=2",
+           "fed.rounds=2", "fed.local_steps=5", "fed.eval_blocks=8",
+           "fed.max_examples_per_client=64", "fed.centralized_baseline=false", "num_threads=1"]  # fmt: skip
+    split = ["model.lab_preset=debug", "split.num_stages=2", "split.channels=network",
+             "num_threads=1"]  # fmt: skip
+    return {
+        "spec_rounds": Variant("spec_rounds", "spec_decoding", [*debug_spec, "spec.pipeline=false"],
+                               "speedup"),  # fmt: skip
+        "spec_pipelined": Variant("spec_pipelined", "spec_decoding", debug_spec, "speedup"),
+        "split_inference": Variant(
+            "split_inference", "split_inference",
+            [*split, "generate.num_prompts=1", "generate.max_new_tokens=24",
+             "generate.baseline=false"], "token_ms",
+        ),  # fmt: skip
+        "split_training": Variant("split_training", "split_training", [*split, "split.steps=8"],
+                                  "step_ms"),  # fmt: skip
+        "fed_none": Variant("fed_none", "fed_learn", fed, "round_s"),
+        "fed_topk_int8": Variant("fed_topk_int8", "fed_learn", [*fed, "fed.compression=topk_int8"],
+                                 "round_s"),  # fmt: skip
+    }
+
+
+def curves(
+    names: Sequence[str],
+    *,
+    out: Path,
+    delays_ms: Sequence[float] = CURVE_DELAYS_MS,
+    rates: Sequence[str] = CURVE_RATES,
+    timeout_s: float = 600.0,
+    log: TextIO = sys.stdout,
+) -> None:
+    """Each variant's calibration run on one host's loopback, then its runs across hosts on
+    every (delay, rate) of the grid; results in `<out>/<variant>/results.jsonl` (run_matrix's
+    format: re-running skips the cells already done), then measured-vs-predicted heatmaps."""
+    from lab import costmodel, matrix
+
+    chosen = curve_variants()
+    out.mkdir(parents=True, exist_ok=True)
+    base = scenarios()
+    with Network(["desktop", "laptop", "pc"], delay_ms=0, root=out / "hosts") as network:
+        provision(network, log=log)
+        security = Security(secret=secrets.token_hex(16))
+        for name in names:
+            variant = chosen[name]
+            template = base[variant.module]
+            scenario = Scenario(template.module, template.endpoint, template.roles,
+                                variant.settings, template.compare, template.result_role,
+                                template.netproto)  # fmt: skip
+            folder = out / name
+            results = matrix.Results(folder)
+            done = {r["cell"] for r in results.records() if r.get("status") == "ok"}
+            calibration = folder / "calibration"
+            if not (calibration / "done").is_file():
+                network.set_link(delay_ms=0, rate=None)
+                run_dir = run_loopback(network, scenario, calibration, timeout_s=timeout_s)
+                (calibration / "done").write_text(str(run_dir))
+            run_dir = Path((calibration / "done").read_text())
+            local = costmodel.headline(variant.headline, run_dir)
+            print(f"{name}: calibrated on one host's loopback: {variant.headline} {local:.4g}",
+                  file=log, flush=True)  # fmt: skip
+            for delay in delays_ms:
+                for rate in rates:
+                    cell = f"delay={delay:g},rate={rate}"
+                    if cell in done:
+                        continue
+                    network.set_link(delay_ms=delay, rate=rate)
+                    started = time.perf_counter()
+                    cell_dir = folder / "cells" / cell.replace("=", "-").replace(",", "_")
+                    shutil.rmtree(cell_dir, ignore_errors=True)
+                    status, reason, metrics = "ok", "", {}
+                    try:
+                        result_dir, crossed = run_across(
+                            network, scenario, security, cell_dir, timeout_s=timeout_s
+                        )
+                        metrics = {"measured": costmodel.headline(variant.headline, result_dir),
+                                   "link_mb": sum(crossed.values()) / 2e6}  # fmt: skip
+                    except (HostsError, ValueError, OSError) as exc:
+                        status, reason = "error", str(exc)
+                    results.append(matrix.clean_json({
+                        "workload": name, "cell": cell, "status": status, "reason": reason,
+                        "settings": {"delay_ms": delay, "rate": rate}, "metrics": metrics,
+                        "seconds": round(time.perf_counter() - started, 1),
+                        "run_dir": str(cell_dir), "calibration": str(run_dir),
+                        "time": time.time(),
+                    }))  # fmt: skip
+                    shown = f"{metrics['measured']:.4g}" if metrics else f"failed: {reason}"
+                    print(f"{name} {cell}: {variant.headline} {shown} "
+                          f"({time.perf_counter() - started:.0f} s)", file=log, flush=True)  # fmt: skip
+
+
 PROBE_PORT = 29590
 
 
@@ -1076,6 +1184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--rate", help="cap each host's link (a tc rate: 100mbit, 10mbit)")
     run.add_argument("--out", type=Path, default=Path("outputs/hosts"), help="logs and results")
     run.add_argument("--timeout-s", type=float, default=600.0, help="per module")
+    grid = sub.add_parser("curves", help="each module over link delay x rate, with predictions")
+    grid.add_argument("--only", action="append", help="a variant (repeatable)")
+    grid.add_argument("--delay-ms", type=float, nargs="+", default=list(CURVE_DELAYS_MS))
+    grid.add_argument("--rate", nargs="+", default=list(CURVE_RATES))
+    grid.add_argument("--out", type=Path, default=Path("outputs/hosts-curves"))
+    grid.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     hurt = sub.add_parser("faults", help="fed_learn across hosts: a client killed mid-round, "
                           "the coordinator killed and resumed")  # fmt: skip
     hurt.add_argument("--tls", action="store_true", help="TLS on too")
@@ -1100,6 +1214,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     if args.command == "docs":
         return _docs_main(args.out.resolve(), args.timeout_s)
+    if args.command == "curves":
+        names = args.only or list(curve_variants())
+        unknown = [n for n in names if n not in curve_variants()]
+        if unknown:
+            parser.error(f"unknown variant {unknown[0]!r}; choose from {list(curve_variants())}")
+        try:
+            curves(names, out=args.out.resolve(), delays_ms=args.delay_ms, rates=args.rate,
+                   timeout_s=args.timeout_s)  # fmt: skip
+        except KeyboardInterrupt:
+            print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
+            return 130
+        from lab import costmodel
+
+        return costmodel.report(args.out.resolve(), names)
     if args.command == "faults":
         try:
             done = faults(list(FAULTS), out=args.out.resolve(), tls=args.tls,
