@@ -966,28 +966,23 @@ class Variant:
 
 
 def curve_variants() -> dict[str, Variant]:
-    debug_spec = ["target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=2",
-                  "spec.max_new_tokens=32", "num_threads=1"]  # fmt: skip
+    spec = ["target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=2",
+            "spec.max_new_tokens=32", "num_threads=1"]  # fmt: skip
     fed = ["model.lab_preset=debug", "fed.num_clients=2", "fed.min_fit_clients=2",
-           "fed.rounds=2", "fed.local_steps=5", "fed.eval_blocks=8",
-           "fed.max_examples_per_client=64", "fed.centralized_baseline=false", "num_threads=1"]  # fmt: skip
+           "fed.rounds=2", "fed.local_steps=5", "fed.eval_blocks=8", "num_threads=1",
+           "fed.max_examples_per_client=64", "fed.centralized_baseline=false"]  # fmt: skip
     split = ["model.lab_preset=debug", "split.num_stages=2", "split.channels=network",
              "num_threads=1"]  # fmt: skip
-    return {
-        "spec_rounds": Variant("spec_rounds", "spec_decoding", [*debug_spec, "spec.pipeline=false"],
-                               "speedup"),  # fmt: skip
-        "spec_pipelined": Variant("spec_pipelined", "spec_decoding", debug_spec, "speedup"),
-        "split_inference": Variant(
-            "split_inference", "split_inference",
-            [*split, "generate.num_prompts=1", "generate.max_new_tokens=24",
-             "generate.baseline=false"], "token_ms",
-        ),  # fmt: skip
-        "split_training": Variant("split_training", "split_training", [*split, "split.steps=8"],
-                                  "step_ms"),  # fmt: skip
-        "fed_none": Variant("fed_none", "fed_learn", fed, "round_s"),
-        "fed_topk_int8": Variant("fed_topk_int8", "fed_learn", [*fed, "fed.compression=topk_int8"],
-                                 "round_s"),  # fmt: skip
-    }
+    generate = ["generate.num_prompts=1", "generate.max_new_tokens=24", "generate.baseline=false"]
+    variants = [
+        Variant("spec_rounds", "spec_decoding", [*spec, "spec.pipeline=false"], "speedup"),
+        Variant("spec_pipelined", "spec_decoding", spec, "speedup"),
+        Variant("split_inference", "split_inference", [*split, *generate], "token_ms"),
+        Variant("split_training", "split_training", [*split, "split.steps=8"], "step_ms"),
+        Variant("fed_none", "fed_learn", fed, "round_s"),
+        Variant("fed_topk_int8", "fed_learn", [*fed, "fed.compression=topk_int8"], "round_s"),
+    ]
+    return {v.name: v for v in variants}
 
 
 def curves(
@@ -1054,8 +1049,9 @@ def curves(
                         "time": time.time(),
                     }))  # fmt: skip
                     shown = f"{metrics['measured']:.4g}" if metrics else f"failed: {reason}"
-                    print(f"{name} {cell}: {variant.headline} {shown} "
-                          f"({time.perf_counter() - started:.0f} s)", file=log, flush=True)  # fmt: skip
+                    took = time.perf_counter() - started
+                    print(f"{name} {cell}: {variant.headline} {shown} ({took:.0f} s)",
+                          file=log, flush=True)  # fmt: skip
 
 
 PROBE_PORT = 29590
