@@ -5,6 +5,7 @@ the secret, and each module's result across hosts against the same run on loopba
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lab.costmodel import report
 from lab.hosts import (
     FAULTS,
     MODULES,
@@ -22,6 +24,7 @@ from lab.hosts import (
     Documented,
     Network,
     check,
+    curves,
     documented_runs,
     faults,
     measure_link,
@@ -253,3 +256,24 @@ def test_fed_learn_across_hosts_recovers_from_a_dead_client_and_a_dead_coordinat
     assert "clients per round [2, 1, 1]" in outcomes[0].detail
     resumed = tmp_path / "fed_learn-faults" / "coordinator-killed-and-resumed" / "hosts"
     assert "(round 1)" in (resumed / "desktop-coordinator-resumed.log").read_text()
+
+
+def test_curves_put_a_link_under_every_protocol_and_predict_it_from_the_local_run(
+    tmp_path: Path,
+) -> None:
+    """split_inference's TensorPipe traffic crosses the delaying router too: at 25 ms one way a
+    token, which waits for stage 1 -> stage 2 and back, cannot take less than 50 ms (a floor,
+    not a timing). The report sets the prediction from the local run beside it and draws it."""
+    curves(["split_inference"], out=tmp_path, delays_ms=[25.0], rates=["100mbit"])
+    report(tmp_path, ["split_inference"])
+    rows = read_records(tmp_path / "split_inference" / "report" / "results.jsonl")
+    assert [r["status"] for r in rows] == ["ok"]
+    metrics = rows[0]["metrics"]
+    assert metrics["measured"] >= 50.0
+    assert metrics["predicted"] >= 50.0 and math.isfinite(metrics["measured_over_predicted"])
+    drawn = tmp_path / "split_inference" / "report" / "heatmaps"
+    assert {p.name for p in drawn.glob("*.png")} == {
+        "measured.png",
+        "predicted.png",
+        "measured_over_predicted.png",
+    }
