@@ -17,11 +17,11 @@ The per-module counts (sequential one-way crossings per step):
 - split_inference (KV cache on, N stages): the driver asks stage 1 once per generation, and
   each token then goes stage 1 -> ... -> stage N and its answer back: 2 (N - 1) crossings, with
   the hidden state of the batch's new positions each way forward.
-- split_training (2 stages): forward (driver -> stage 1 -> stage 2, fetched by stage 2: 4),
-  distributed backward (driver -> stage 2 -> stage 1 and the acknowledgements back: 4), the tied
-  gradients' sync (4), the gradient-norm clip (2, and 2 more on steps where it clips), and
-  DistributedOptimizer.step (2): 16 to 18; the activations cross forward and their gradients
-  backward (batch x block x hidden float32 each way).
+- split_training (2 stages): forward (driver -> stage 1, its output handed to stage 2 as an
+  RRef, confirmed and fetched, the loss back: 5), distributed backward (4), the gradient norm (2,
+  and 2 more on steps where it clips), DistributedOptimizer.step (2), and for a tied embedding
+  the gradient sync (8): 13 to 23; the activations cross forward and their gradients backward
+  (batch x block x hidden float32 each way).
 - fed_learn (synchronous rounds): the coordinator sends each client its task and the global
   adapter (one crossing, the adapters out through its own link in turn), the client trains and
   answers (one crossing, each client on its own link): 2 crossings, each after an idle spell.
@@ -61,17 +61,28 @@ class Link:
     def serialize_s(self, nbytes: float) -> float:
         return 0.0 if self.rate_bps is None else nbytes * 8 / self.rate_bps
 
+    def slow_start_s(self, nbytes: float) -> float:
+        """The round trips a connection starting from the initial window waits before its
+        window covers `nbytes` (or the bandwidth-delay product, past which the rate limits)."""
+        if nbytes <= INITIAL_WINDOW:
+            return 0.0
+        covered = nbytes
+        if self.rate_bps is not None:
+            covered = min(nbytes, self.rate_bps / 8 * self.rtt_s)
+        rounds = math.ceil(math.log2(max(covered, 1.0) / INITIAL_WINDOW + 1)) - 1
+        return max(0, rounds) * self.rtt_s
+
     def transfer_s(self, nbytes: float, *, after_idle: bool) -> float:
         """One message of `nbytes` that the receiver waits for: its delay, its bytes at the
         link's rate, and after an idle spell the round trips slow start adds."""
-        extra = 0.0
-        if after_idle and nbytes > INITIAL_WINDOW:
-            covered = nbytes
-            if self.rate_bps is not None:  # the window stops limiting once it holds a BDP
-                covered = min(nbytes, self.rate_bps / 8 * self.rtt_s)
-            rounds = math.ceil(math.log2(covered / INITIAL_WINDOW + 1)) - 1
-            extra = max(0, rounds) * self.rtt_s
+        extra = self.slow_start_s(nbytes) if after_idle else 0.0
         return self.one_way_s + self.serialize_s(nbytes) + extra
+
+    @property
+    def rto_s(self) -> float:
+        """Linux's retransmission timeout on a quiet path: the round trip plus 200 ms. A
+        connection idle for longer restarts from a small window (tcp_slow_start_after_idle)."""
+        return self.rtt_s + MIN_RTO_S
 
 
 def parse_rate(rate: str | None) -> float | None:
@@ -190,13 +201,35 @@ def predict_token_ms(run_dir: Path, link: Link) -> float:
     return float(summary["token_ms_p50"]) + 1e3 * (2 * hops * link.one_way_s + hops * per_hop)
 
 
-SPLIT_TRAINING_CROSSINGS = 16
-"""Per step with 2 stages: forward 4, backward 4, tied-gradient sync 4, clip 2, optimizer 2."""
+SPLIT_TRAINING_CROSSINGS = 13
+"""Per step with 2 stages: forward 5 (driver -> stage 1; stage 1's output, an RRef the driver
+hands stage 2, confirmed with its owner and fetched; the loss back), backward 4, the gradient
+norm 2 and DistributedOptimizer.step 2."""
+CLIP_CROSSINGS = 2
+"""On steps where the norm exceeds split.grad_clip: the scaling, on both stages."""
+TIE_CROSSINGS = 8
+"""A tied embedding / head: stage 1 fetches stage 2's gradient and hands back the sum, two
+nested RPCs through an RRef the driver passed (each with its owner's confirmation)."""
+
+
+def _tied(config: dict[str, Any]) -> bool:
+    """Whether the model ties its embedding and head (the lab's tiny models do not)."""
+    import json
+
+    model = config["model"]
+    if str(model.get("pretrained", "")).startswith("lab:"):
+        return False
+    path = Path(str(model["pretrained"])) / "config.json"
+    if path.is_file():
+        return bool(json.loads(path.read_text()).get("tie_word_embeddings", True))
+    return True  # transformers' default
 
 
 def predict_step_ms(run_dir: Path, link: Link) -> float:
-    """split_training: the local step plus 16 crossings (18 when the gradient is clipped) and the
-    activations forward and their gradients backward at the link's rate."""
+    """split_training: the local step plus its sequential crossings (13; 2 more where the
+    gradient is clipped, 8 more for a tied embedding) and the activations forward and their
+    gradients backward at the link's rate. The counts were read from the code and checked once
+    with each phase of a step timed at 20 ms one way, a delay outside the judged grid."""
     config = _run_config(run_dir)
     split = config["split"]
     if int(split["num_stages"]) != 2 or int(split.get("grad_accum_steps", 1)) != 1:
@@ -208,7 +241,7 @@ def predict_step_ms(run_dir: Path, link: Link) -> float:
         if clip > 0 and steps
         else 0.0
     )
-    crossings = SPLIT_TRAINING_CROSSINGS + 2 * clipped
+    crossings = SPLIT_TRAINING_CROSSINGS + CLIP_CROSSINGS * clipped + TIE_CROSSINGS * _tied(config)
     activations = int(split["batch_size"]) * int(split["block_size"]) * _hidden_size(config) * 4
     return _step_ms(run_dir) + 1e3 * (
         crossings * link.one_way_s + 2 * link.serialize_s(activations)
@@ -216,53 +249,109 @@ def predict_step_ms(run_dir: Path, link: Link) -> float:
 
 
 def predict_round_s(run_dir: Path, link: Link) -> float:
-    """fed_learn, synchronous: the local round plus the global adapters out through the
-    coordinator's link (all clients' in turn) and one client's update back through its own,
-    each after the idle spell of a round's training (slow start)."""
+    """fed_learn, synchronous: each local round plus the global adapters out through the
+    coordinator's link (every client's, one after the other) and a client's update back through
+    its own. Each connection starts its transfer from the initial window in the first round
+    (a new connection) and in any round after an idle spell longer than the link's RTO (a
+    round's training: the local round's time); otherwise its window is still open."""
     rounds = _steps(run_dir, "round_s")
     if not rounds:
         raise ValueError(f"no rounds in {run_dir}")
-    down = statistics.mean(float(r["bytes_down"]) for r in rounds)
-    up = statistics.mean(float(r["bytes_up"]) / max(1.0, float(r["clients"])) for r in rounds)
-    return (
-        _round_s(run_dir)
-        + link.transfer_s(down, after_idle=True)
-        + link.transfer_s(up, after_idle=True)
-    )
+    seconds = []
+    for index, r in enumerate(rounds):
+        clients = max(1.0, float(r["clients"]))
+        down, up = float(r["bytes_down"]), float(r["bytes_up"]) / clients
+        local = float(r["round_s"])
+        cold = index == 0 or local > link.rto_s
+        wait = link.slow_start_s(down / clients) + link.slow_start_s(up) if cold else 0.0
+        seconds.append(
+            local + 2 * link.one_way_s + link.serialize_s(down) + link.serialize_s(up) + wait
+        )
+    return statistics.mean(seconds)
+
+
+FIRST_GAMMA = 4
+"""What `gamma=auto` drafts before it has measured anything (spec_decoding.gamma)."""
+
+
+def _rounds_seconds(model: Any, *, tokens: int, prompts: int, max_gamma: int) -> float:
+    """Seconds of DRAFT rounds for `prompts` generations of `tokens` each, in expectation: the
+    first round drafts FIRST_GAMMA, then the model's best length, cut to what a generation still
+    needs (on short generations and long round trips the cut, not the best, sets the rounds)."""
+    from spec_decoding.gamma import expected_tokens
+
+    best = model.best_gamma(max_gamma)
+    seconds, first = 0.0, True
+    for _ in range(prompts):
+        done = 0.0
+        while done < tokens - 1e-9:
+            gamma = min(FIRST_GAMMA if first else best, max(0, math.ceil(tokens - done) - 1))
+            first = False
+            seconds += model.round_seconds(gamma)
+            done += expected_tokens(model.alpha, gamma)
+    return seconds
+
+
+def _pipelined_seconds(model: Any, *, tokens: int, prompts: int, max_gamma: int) -> float:
+    """Seconds of `prompts` pipelined generations of `tokens` each, in expectation, at the window
+    `gamma=auto` would choose: each is a run of epochs (gamma.PipelineModel: from a correction
+    to the next wrong guess), cut short where the generation ends: a short generation over a
+    long link pays each epoch's round trip without the steady state's overlap. A generation's
+    first epoch starts as the drafter opens it, one way earlier than after a correction; it
+    ends when the drafter hears the last verdict, one way after the verifier knows it."""
+    window = model.best_window(max_gamma)
+    detect = model.detection_times(window)
+    alpha, horizon = model.alpha, len(detect)
+    remaining = [0.0] * (tokens + 1)  # expected seconds to produce r more tokens from an epoch
+    for r in range(1, tokens + 1):
+        total = 0.0
+        for j in range(1, min(r, horizon) + 1):  # the first wrong guess is the j-th drafted
+            total += alpha ** (j - 1) * (1 - alpha) * (detect[j - 1] + remaining[r - j])
+        if r <= horizon:
+            total += alpha**r * detect[r - 1]
+        else:
+            total += alpha**horizon * (detect[-1] + remaining[r - horizon])
+        remaining[r] = total
+    return prompts * remaining[tokens]  # - one way at the start, + one way at the end
 
 
 def predict_speedup(run_dir: Path, link: Link) -> float:
     """spec_decoding: spec_decoding/gamma.py's model of the run's mode, given the local run's
-    acceptance rate and costs and the link's round trip (its own loopback one added), with the
-    draft length it would choose there; scaled by the local run's measured/predicted ratio (the
-    costs the model leaves out, measured once, locally). Each prompt's opening adds a round
-    trip."""
+    acceptance rate and costs and the link's round trip (its own loopback one added). Rounds:
+    each generation's rounds as `gamma=auto` would draft them there (`_rounds_seconds`).
+    Pipelined: each generation's epochs at the window it would choose (`_pipelined_seconds`).
+    Scaled by the local run's
+    measured/modelled ratio (the costs the model leaves out, measured once, locally); each
+    generation's opening adds a round trip."""
     from spec_decoding.gamma import CostModel, PipelineModel
 
     s, config = _summary(run_dir), _run_config(run_dir)
     spec = config["spec"]
-    alpha = min(max(float(s["acceptance_rate"]), 0.0), 1.0)
-    local_rtt = float(s["rtt_ms"]) / 1e3
+    alpha = min(max(float(s["acceptance_rate"]), 0.0), 0.999)
     draft = float(s["draft_ms_per_token"]) / 1e3
     drafted_bytes = float(s.get("sent_bytes_per_drafted", 0.0))
     max_gamma = int(spec["max_gamma"])
+    prompts = int(spec["num_prompts"])
+    tokens = float(s["new_tokens"])
 
-    def rate(rtt: float) -> float:
+    def seconds(rtt: float) -> float:
         if spec.get("pipeline", True):
             model = PipelineModel(
                 alpha, draft + link.serialize_s(drafted_bytes),
                 float(s["verify_base_ms"]) / 1e3, float(s["verify_per_token_ms"]) / 1e3, rtt / 2,
             )  # fmt: skip
-            return model.tokens_per_second(model.best_window(max_gamma))
+            return _pipelined_seconds(
+                model, tokens=round(tokens / prompts), prompts=prompts, max_gamma=max_gamma
+            )
         rounds = CostModel(alpha, draft, float(s["verify_ms_per_round"]) / 1e3, 0.0, rtt)
-        return rounds.tokens_per_second(rounds.best_gamma(max_gamma))
+        return _rounds_seconds(
+            rounds, tokens=round(tokens / prompts), prompts=prompts, max_gamma=max_gamma
+        )
 
-    tokens, prompts = float(s["new_tokens"]), float(spec["num_prompts"])
-    local_model = rate(local_rtt)
-    scale = float(s["tokens_per_s"]) / local_model  # measured / modelled, on the local run
-    remote_rtt = local_rtt + link.rtt_s
-    seconds = tokens / (scale * rate(remote_rtt)) + prompts * link.rtt_s
-    return tokens / seconds / float(s["target_tokens_per_s"])
+    local_rtt = float(s["rtt_ms"]) / 1e3
+    scale = (tokens / float(s["tokens_per_s"])) / seconds(local_rtt)  # measured / modelled
+    remote = scale * seconds(local_rtt + link.rtt_s) + prompts * link.rtt_s
+    return tokens / remote / float(s["target_tokens_per_s"])
 
 
 PREDICTORS: dict[str, Callable[[Path, Link], float]] = {
@@ -308,15 +397,18 @@ def report(out: Path, names: Sequence[str], *, log: Any = None) -> int:
             print(f"{name}: no results under {folder}", file=log)
             continue
         kind = variants[name].headline
-        calibration = Path(done.read_text())
+        calibrations = [Path(line) for line in done.read_text().split()]
         latest = {r["cell"]: r for r in records}
         rows = []
         for record in latest.values():
             settings = record["settings"]
             metrics = dict(record.get("metrics", {}))
             if record["status"] == "ok":
-                predicted = predict(kind, calibration, delay_ms=float(settings["delay_ms"]),
-                                    rate=str(settings["rate"]))  # fmt: skip
+                delay, rate = float(settings["delay_ms"]), str(settings["rate"])
+                # from each local run, the middle prediction
+                predicted = statistics.median(
+                    predict(kind, c, delay_ms=delay, rate=rate) for c in calibrations
+                )
                 metrics.update(predicted=predicted,
                                measured_over_predicted=metrics["measured"] / predicted)  # fmt: skip
             rows.append({**record, "metrics": metrics})
@@ -348,7 +440,7 @@ def report(out: Path, names: Sequence[str], *, log: Any = None) -> int:
             out_dir=report_dir / "heatmaps",
             title=f"{name} across three network namespaces (lab.hosts curves)",
         )
-        local = headline(kind, calibration)
+        local = statistics.median(headline(kind, c) for c in calibrations)
         print(f"\n{name}: {HEADLINES[kind][1]}; local run {local:.4g}; "
               "measured / predicted per cell", file=log)  # fmt: skip
         print(f"{'delay':>8} " + " ".join(f"{r:>22}" for r in rates), file=log)

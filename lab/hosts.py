@@ -19,8 +19,14 @@ bridge, processes) is removed on the way out, after a failure or Ctrl-C too, and
 by a harness killed outright (SIGKILL) are removed by the next one. It needs root and iproute2;
 without them it says why and does nothing.
 
-What the namespaces do not model: link delay (netem is missing on the lab's machines and tbf's
-`latency` only bounds a queue), and cores: every host shares this machine's CPUs.
+    python -m lab.hosts link                 # the emulated link itself: round trip, TCP rate
+    python -m lab.hosts faults --tls         # fed_learn with a client, then the coordinator, killed
+    python -m lab.hosts curves               # each module over delay x rate, vs its cost model
+
+Link delay: netem is missing on the lab's machines (and tbf's `latency` only bounds a queue), so
+`Network(delay_ms=...)` makes the switch a router that sends every packet between hosts through
+a TUN device, where `lab.linkdelay` holds it for the delay: TensorPipe's traffic as well as
+netproto's. What the namespaces do not model: cores (every host shares this machine's CPUs).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import os
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -371,9 +378,15 @@ class Network:
             subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", "eth0",
                             "root"], capture_output=True, check=False)  # fmt: skip
             return
+        # a bucket of one millisecond at the rate (two full frames at least): a link serializes
+        # what it sends; tc's customary 64 kB would let a round's adapter through at no cost
+        from lab.costmodel import parse_rate
+
+        bits = parse_rate(rate)
+        burst = max(3028, int((bits or 0) / 8 / 1000))
         shaped = subprocess.run(
             ["ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", "eth0", "root",
-             "tbf", "rate", rate, "burst", "64kb", "latency", "100ms"],
+             "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         if shaped.returncode != 0:
@@ -991,14 +1004,19 @@ def curves(
     out: Path,
     delays_ms: Sequence[float] = CURVE_DELAYS_MS,
     rates: Sequence[str] = CURVE_RATES,
+    repeats: int = 1,
     timeout_s: float = 600.0,
     log: TextIO = sys.stdout,
 ) -> None:
-    """Each variant's calibration run on one host's loopback, then its runs across hosts on
-    every (delay, rate) of the grid; results in `<out>/<variant>/results.jsonl` (run_matrix's
-    format: re-running skips the cells already done), then measured-vs-predicted heatmaps."""
+    """Each variant's calibration runs (`repeats` of them) on one host's loopback, then its runs
+    across hosts on every (delay, rate) of the grid, `repeats` per cell (the median is the
+    cell's figure, (max - min) / median its spread); results in `<out>/<variant>/results.jsonl`
+    (run_matrix's format: re-running skips the cells already done). `lab.costmodel.report`
+    then sets each cell beside its prediction and draws the heatmaps."""
     from lab import costmodel, matrix
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     chosen = curve_variants()
     out.mkdir(parents=True, exist_ok=True)
     base = scenarios()
@@ -1017,12 +1035,15 @@ def curves(
             calibration = folder / "calibration"
             if not (calibration / "done").is_file():
                 network.set_link(delay_ms=0, rate=None)
-                run_dir = run_loopback(network, scenario, calibration, timeout_s=timeout_s)
-                (calibration / "done").write_text(str(run_dir))
-            run_dir = Path((calibration / "done").read_text())
-            local = costmodel.headline(variant.headline, run_dir)
-            print(f"{name}: calibrated on one host's loopback: {variant.headline} {local:.4g}",
-                  file=log, flush=True)  # fmt: skip
+                local_dirs = [
+                    run_loopback(network, scenario, calibration / str(i), timeout_s=timeout_s)
+                    for i in range(repeats)
+                ]
+                (calibration / "done").write_text("\n".join(map(str, local_dirs)))
+            local_dirs = [Path(line) for line in (calibration / "done").read_text().split()]
+            local = [costmodel.headline(variant.headline, d) for d in local_dirs]
+            print(f"{name}: calibrated on one host's loopback: {variant.headline} "
+                  f"{statistics.median(local):.4g}", file=log, flush=True)  # fmt: skip
             for delay in delays_ms:
                 for rate in rates:
                     cell = f"delay={delay:g},rate={rate}"
@@ -1034,18 +1055,25 @@ def curves(
                     shutil.rmtree(cell_dir, ignore_errors=True)
                     status, reason, metrics = "ok", "", {}
                     try:
-                        result_dir, crossed = run_across(
-                            network, scenario, security, cell_dir, timeout_s=timeout_s
-                        )
-                        metrics = {"measured": costmodel.headline(variant.headline, result_dir),
-                                   "link_mb": sum(crossed.values()) / 2e6}  # fmt: skip
+                        measured, crossed = [], []
+                        for i in range(repeats):
+                            result_dir, link_bytes = run_across(
+                                network, scenario, security, cell_dir / str(i),
+                                timeout_s=timeout_s,
+                            )  # fmt: skip
+                            measured.append(costmodel.headline(variant.headline, result_dir))
+                            crossed.append(sum(link_bytes.values()) / 2e6)
+                        middle = statistics.median(measured)
+                        metrics = {"measured": middle, "link_mb": statistics.median(crossed)}
+                        if repeats > 1:
+                            metrics["measured_spread"] = (max(measured) - min(measured)) / middle
                     except (HostsError, ValueError, OSError) as exc:
                         status, reason = "error", str(exc)
                     results.append(matrix.clean_json({
                         "workload": name, "cell": cell, "status": status, "reason": reason,
                         "settings": {"delay_ms": delay, "rate": rate}, "metrics": metrics,
-                        "seconds": round(time.perf_counter() - started, 1),
-                        "run_dir": str(cell_dir), "calibration": str(run_dir),
+                        "repeats": repeats, "seconds": round(time.perf_counter() - started, 1),
+                        "run_dir": str(cell_dir), "calibration": [str(d) for d in local_dirs],
                         "time": time.time(),
                     }))  # fmt: skip
                     shown = f"{metrics['measured']:.4g}" if metrics else f"failed: {reason}"
@@ -1184,6 +1212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid.add_argument("--only", action="append", help="a variant (repeatable)")
     grid.add_argument("--delay-ms", type=float, nargs="+", default=list(CURVE_DELAYS_MS))
     grid.add_argument("--rate", nargs="+", default=list(CURVE_RATES))
+    grid.add_argument("--repeats", type=int, default=3, help="runs per cell (the median counts)")
     grid.add_argument("--out", type=Path, default=Path("outputs/hosts-curves"))
     grid.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     hurt = sub.add_parser("faults", help="fed_learn across hosts: a client killed mid-round, "
@@ -1217,7 +1246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown variant {unknown[0]!r}; choose from {list(curve_variants())}")
         try:
             curves(names, out=args.out.resolve(), delays_ms=args.delay_ms, rates=args.rate,
-                   timeout_s=args.timeout_s)  # fmt: skip
+                   repeats=args.repeats, timeout_s=args.timeout_s)  # fmt: skip
         except KeyboardInterrupt:
             print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
             return 130
