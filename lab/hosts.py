@@ -1005,18 +1005,20 @@ def curves(
     delays_ms: Sequence[float] = CURVE_DELAYS_MS,
     rates: Sequence[str] = CURVE_RATES,
     repeats: int = 1,
+    calibration_runs: int = 3,
     timeout_s: float = 600.0,
     log: TextIO = sys.stdout,
 ) -> None:
-    """Each variant's calibration runs (`repeats` of them) on one host's loopback, then its runs
+    """Each variant's calibration runs (`calibration_runs` of them; each predicts, the median
+    prediction counts) on one host's loopback, then its runs
     across hosts on every (delay, rate) of the grid, `repeats` per cell (the median is the
     cell's figure, (max - min) / median its spread); results in `<out>/<variant>/results.jsonl`
     (run_matrix's format: re-running skips the cells already done). `lab.costmodel.report`
     then sets each cell beside its prediction and draws the heatmaps."""
     from lab import costmodel, matrix
 
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if repeats < 1 or calibration_runs < 1:
+        raise ValueError(f"repeats ({repeats}) and calibration_runs ({calibration_runs}) >= 1")
     chosen = curve_variants()
     out.mkdir(parents=True, exist_ok=True)
     base = scenarios()
@@ -1037,7 +1039,7 @@ def curves(
                 network.set_link(delay_ms=0, rate=None)
                 local_dirs = [
                     run_loopback(network, scenario, calibration / str(i), timeout_s=timeout_s)
-                    for i in range(repeats)
+                    for i in range(calibration_runs)
                 ]
                 (calibration / "done").write_text("\n".join(map(str, local_dirs)))
             local_dirs = [Path(line) for line in (calibration / "done").read_text().split()]
@@ -1212,7 +1214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid.add_argument("--only", action="append", help="a variant (repeatable)")
     grid.add_argument("--delay-ms", type=float, nargs="+", default=list(CURVE_DELAYS_MS))
     grid.add_argument("--rate", nargs="+", default=list(CURVE_RATES))
-    grid.add_argument("--repeats", type=int, default=3, help="runs per cell (the median counts)")
+    grid.add_argument("--repeats", type=int, default=1, help="runs per cell (the median counts)")
+    grid.add_argument("--calibration-runs", type=int, default=3, help="local runs per variant")
     grid.add_argument("--out", type=Path, default=Path("outputs/hosts-curves"))
     grid.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     hurt = sub.add_parser("faults", help="fed_learn across hosts: a client killed mid-round, "
@@ -1246,7 +1249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown variant {unknown[0]!r}; choose from {list(curve_variants())}")
         try:
             curves(names, out=args.out.resolve(), delays_ms=args.delay_ms, rates=args.rate,
-                   repeats=args.repeats, timeout_s=args.timeout_s)  # fmt: skip
+                   repeats=args.repeats, calibration_runs=args.calibration_runs,
+                   timeout_s=args.timeout_s)  # fmt: skip
         except KeyboardInterrupt:
             print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
             return 130
