@@ -320,9 +320,8 @@ def predict_speedup(run_dir: Path, link: Link) -> float:
     acceptance rate and costs and the link's round trip (its own loopback one added). Rounds:
     each generation's rounds as `gamma=auto` would draft them there (`_rounds_seconds`).
     Pipelined: each generation's epochs at the window it would choose (`_pipelined_seconds`).
-    Scaled by the local run's
-    measured/modelled ratio (the costs the model leaves out, measured once, locally); each
-    generation's opening adds a round trip."""
+    Compute costs are scaled to the local run's measured time (what the model leaves out,
+    measured once, locally); each generation's opening adds a round trip."""
     from spec_decoding.gamma import CostModel, PipelineModel
 
     s, config = _summary(run_dir), _run_config(run_dir)
@@ -334,23 +333,35 @@ def predict_speedup(run_dir: Path, link: Link) -> float:
     prompts = int(spec["num_prompts"])
     tokens = float(s["new_tokens"])
 
-    def seconds(rtt: float) -> float:
+    def seconds(rtt: float, c: float) -> float:
+        """The model's seconds for the run's tokens at round trip `rtt`, compute costs x c."""
         if spec.get("pipeline", True):
             model = PipelineModel(
-                alpha, draft + link.serialize_s(drafted_bytes),
-                float(s["verify_base_ms"]) / 1e3, float(s["verify_per_token_ms"]) / 1e3, rtt / 2,
+                alpha, c * draft + link.serialize_s(drafted_bytes),
+                c * float(s["verify_base_ms"]) / 1e3, c * float(s["verify_per_token_ms"]) / 1e3,
+                rtt / 2,
             )  # fmt: skip
-            return _pipelined_seconds(
+            # before its first verdict, `auto` allows FIRST_GAMMA drafted tokens in flight: the
+            # run's first epoch stalls until that verdict is back
+            ramp = max(0.0, rtt + model._verify_s(1) - FIRST_GAMMA * model.draft_s)
+            return ramp + _pipelined_seconds(
                 model, tokens=round(tokens / prompts), prompts=prompts, max_gamma=max_gamma
             )
-        rounds = CostModel(alpha, draft, float(s["verify_ms_per_round"]) / 1e3, 0.0, rtt)
+        rounds = CostModel(alpha, c * draft, c * float(s["verify_ms_per_round"]) / 1e3, 0.0, rtt)
         return _rounds_seconds(
             rounds, tokens=round(tokens / prompts), prompts=prompts, max_gamma=max_gamma
         )
 
+    # What the model leaves out of compute (Python between steps, messages' handling) shows as
+    # the local run taking longer than modelled: the compute costs are scaled until the model
+    # gives the local run's measured time; the link's time is not scaled.
     local_rtt = float(s["rtt_ms"]) / 1e3
-    scale = (tokens / float(s["tokens_per_s"])) / seconds(local_rtt)  # measured / modelled
-    remote = scale * seconds(local_rtt + link.rtt_s) + prompts * link.rtt_s
+    measured = tokens / float(s["tokens_per_s"])
+    low, high = 0.05, 20.0
+    for _ in range(40):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if seconds(local_rtt, middle) < measured else (low, middle)
+    remote = seconds(local_rtt + link.rtt_s, low) + prompts * link.rtt_s
     return tokens / remote / float(s["target_tokens_per_s"])
 
 

@@ -1225,6 +1225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hurt.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     probe = sub.add_parser("link", help="the emulated link: round trip and rate per setting")
     probe.add_argument("--delay-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0, 50.0])
+    probe.add_argument("--out", type=Path, default=Path("outputs/hosts-link"),
+                       help="where link.json (the table's rows) goes")  # fmt: skip
     probe.add_argument(
         "--rate",
         nargs="+",
@@ -1267,7 +1269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if all(o.identical for o in done) else 1
     if args.command == "link":
         try:
-            link(args.delay_ms, [None if r == "none" else r for r in args.rate])
+            rows = link(args.delay_ms, [None if r == "none" else r for r in args.rate])
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "link.json").write_text(json.dumps(rows, indent=2))
         except KeyboardInterrupt:
             print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
             return 130

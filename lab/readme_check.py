@@ -75,6 +75,10 @@ NEEDS = [
         "the bench pair (built once in about 13 minutes: too long for a quick replay)",
     ),
     (re.compile(r"submitit|hydra-ray"), "a Hydra launcher plugin"),
+    (
+        re.compile(r"lab\.hosts curves"),
+        "the delay x rate grid of every module: an hour (tests/multihost runs one cell)",
+    ),
 ]
 """Lines that cannot run here as written, and why."""
 
