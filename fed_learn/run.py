@@ -22,7 +22,7 @@ from lab.experiment import Experiment, LocalPlan, Process
 from lab.models import count_4bit_layers, load_tokenizer
 from lab.pretrain import evaluate
 from lab.tracking import METRICS_FILE, Tracker, read_records
-from netproto import ConnectionClosed, NetTimeout
+from netproto import ConnectionClosed, NetTimeout, TruncatedFrame
 from netproto.cluster import connect_when_ready, emulated_link, serve
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,8 @@ def take_part(client: LoRAClient, *, settings: FedLearnRunConfig, address: tuple
                 return client.run(
                     conn, heartbeat_s=fed.heartbeat_s, timeout_s=fed.heartbeat_timeout_s
                 )
-            except (ConnectionClosed, NetTimeout) as exc:
+            except (ConnectionClosed, NetTimeout, TruncatedFrame) as exc:
+                # a coordinator killed while sending the global adapter ends mid-frame
                 log.warning(
                     "lost the coordinator after %d rounds (%s); dialing it again for up to %.0fs",
                     client.rounds,

@@ -1242,6 +1242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lab.hosts: skipped: {why}", file=sys.stderr)
         return 0
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Ctrl-C unwinds and cleans up even where SIGINT came in ignored (a script's `cmd &`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.command == "docs":
         return _docs_main(args.out.resolve(), args.timeout_s)
     if args.command == "curves":

@@ -16,6 +16,7 @@ from netproto.errors import (
     PeerProtocolError,
     ProtocolError,
     RemoteError,
+    TruncatedFrame,
 )
 from netproto.link import LinkEmulator, LinkEmulatorProcess
 from netproto.server import Server
@@ -53,6 +54,7 @@ __all__ = [
     "Registry",
     "RemoteError",
     "Server",
+    "TruncatedFrame",
     "client_ssl_context",
     "decode_payload",
     "encode",

@@ -28,6 +28,7 @@ from netproto.errors import (
     NetTimeout,
     PeerProtocolError,
     RemoteError,
+    TruncatedFrame,
     peer_text,
 )
 from netproto.wire import (
@@ -500,7 +501,7 @@ class Connection:
         if not mid_frame:
             return ConnectionClosed(f"{self.peer} closed the connection")
         return reader.fail(
-            PeerProtocolError(f"{self.peer} closed the connection mid-frame (truncated)")
+            TruncatedFrame(f"{self.peer} closed the connection mid-frame (truncated)")
         )
 
     @property

@@ -34,6 +34,11 @@ class PeerProtocolError(ProtocolError):
     that lies, bad JSON, an unknown type...). The connection it came on is closed."""
 
 
+class TruncatedFrame(PeerProtocolError):
+    """The peer's side ended inside a frame: its process died while sending (or it cut the
+    frame on purpose). The connection is lost, like a close, but nothing of the frame is used."""
+
+
 class LocalProtocolError(ProtocolError):
     """We tried to send something the protocol cannot carry (too big, unknown type or dtype).
     Nothing was sent; the connection is still usable."""

@@ -81,26 +81,24 @@ class DistributedTrainer:
         finally:
             quiet.setLevel(level)
         self.step = 0
-        self.tied = self._check_tie()
+        self._check_tie()
 
-    def _check_tie(self) -> bool:
-        """Whether a trained matrix is tied across the first and the last stage. Refuses a tied
-        model whose two ends the stages did not load equal: the run could not keep the tie,
-        and would silently train a different, untied model."""
+    def _check_tie(self) -> None:
+        """Refuse to train a tied model whose two ends the stages did not load equal: the run
+        could not keep the tie, and would silently train a different, untied model."""
         last = len(self.sharded.stages) - 1
         if last == 0:
-            return False
+            return
         first_end = self.sharded.call(0, "tied_weight")
         last_end = self.sharded.call(last, "tied_weight")
         if first_end is None and last_end is None:
-            return False  # not tied, or the matrix is frozen (LoRA)
+            return  # not tied, or the matrix is frozen (LoRA)
         if first_end is None or last_end is None or not torch.equal(first_end, last_end):
             raise ValueError(
                 "this model ties its input embedding and LM head, but the first and last "
                 "stages did not load equal copies of it, so the split run cannot keep the "
                 "tie; refusing to train an untied model instead"
             )
-        return True
 
     # ------------------------------------------------------------------ one step
 
@@ -155,10 +153,9 @@ class DistributedTrainer:
         """A tied embedding / LM head lives on the first and the last stage: give both copies
         the sum of their gradients, as the one matrix of the unsplit model gets, so that
         both take the identical optimizer step and stay equal bit for bit. The two stages
-        exchange the gradient directly; one stage holding both ends, or a model without a tie,
-        has nothing to sync (and spends no round trips on it: 8 one-way delays a step)."""
+        exchange the gradient directly; one stage holding both ends has nothing to sync."""
         last = len(self.sharded.stages) - 1
-        if last > 0 and self.tied:
+        if last > 0:
             self.sharded.call(
                 0, "sum_tied_grad", context_id, self.sharded.stages[last], self.sharded.timeout_s
             )

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from netproto import Connection, MsgType, PeerProtocolError
+from netproto import Connection, MsgType, PeerProtocolError, TruncatedFrame
 from netproto.wire import HEADER_BYTES, READ_CHUNK_BYTES, FrameDecoder, Message, frames
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -133,6 +133,9 @@ def test_a_frame_cut_inside_its_header_ends_as_a_truncation_not_a_close() -> Non
     theirs.sendall(data[: HEADER_BYTES - 1])
     theirs.close()
     conn = Connection(ours, read_timeout_s=10, peer="test peer")
-    with pytest.raises(PeerProtocolError, match="mid-frame"):
+    # a TruncatedFrame: still a PeerProtocolError, and what a client treats as a lost peer (its
+    # process died sending), never as a frame to use
+    with pytest.raises(TruncatedFrame, match="mid-frame"):
         conn.recv()
+    assert issubclass(TruncatedFrame, PeerProtocolError)
     assert conn.closed

@@ -246,21 +246,3 @@ def test_accumulated_and_pipelined_gradients_of_the_tied_matrix_are_the_plain_on
         embedding, head = grads["stage1.model.embed_tokens.weight"], grads["stage2.lm_head.weight"]
         assert torch.equal(embedding, head)  # both ends got the summed gradient
         torch.testing.assert_close(embedding, plain["stage1.model.embed_tokens.weight"])
-
-
-def test_only_a_tied_model_spends_round_trips_on_the_tie(world, tied_folders, llama_folder) -> None:
-    """The sync is two nested RPCs (8 one-way delays a step across hosts): a model without a
-    tie (the lab's tiny Llamas untie their head) must not pay them for nothing."""
-    for folder, tied in ((tied_folders["llama"], True), (llama_folder, False)):
-        trainer = _trainer(folder, 2)
-        assert trainer.tied is tied
-        calls: list[str] = []
-        call = trainer.sharded.call
-
-        def recording(index, name, *args, call=call, calls=calls):
-            calls.append(name)
-            return call(index, name, *args)
-
-        trainer.sharded.call = recording  # type: ignore[method-assign]
-        trainer.train_step(training_batches(256, steps=1))
-        assert ("sum_tied_grad" in calls) is tied
