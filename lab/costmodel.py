@@ -8,8 +8,8 @@ the module's protocol, below), and each transfer's bytes over the link's rate. T
 a user feels: after an idle spell (longer than its retransmission timeout, 200 ms at least) a
 connection starts again from a 10-segment window and doubles it every round trip, so a transfer
 of n bytes waits extra round trips until the window covers n or the link's bandwidth-delay
-product (`transfer_s`). Calibrated only on the local run; nothing is fitted to the link grid it
-is judged on.
+product (`Link.slow_start_s`). Calibrated only on the local run; nothing is fitted to the link
+grid it is judged on.
 
     python -m lab.costmodel split_training outputs/run/... --delay-ms 10 --rate 100mbit
 
@@ -71,12 +71,6 @@ class Link:
             covered = min(nbytes, self.rate_bps / 8 * self.rtt_s)
         rounds = math.ceil(math.log2(max(covered, 1.0) / INITIAL_WINDOW + 1)) - 1
         return max(0, rounds) * self.rtt_s
-
-    def transfer_s(self, nbytes: float, *, after_idle: bool) -> float:
-        """One message of `nbytes` that the receiver waits for: its delay, its bytes at the
-        link's rate, and after an idle spell the round trips slow start adds."""
-        extra = self.slow_start_s(nbytes) if after_idle else 0.0
-        return self.one_way_s + self.serialize_s(nbytes) + extra
 
     @property
     def rto_s(self) -> float:
@@ -162,12 +156,14 @@ def headline(kind: str, run_dir: Path) -> float:
 
 def _run_config(run_dir: Path) -> dict[str, Any]:
     """The resolved config of a run (Hydra's `.hydra/config.yaml`, beside it or above it)."""
-    import yaml
+    from omegaconf import OmegaConf
 
     for folder in (run_dir, run_dir.parent):
         path = folder / ".hydra" / "config.yaml"
         if path.is_file():
-            return dict(yaml.safe_load(path.read_text()))
+            config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            assert isinstance(config, dict)
+            return {str(k): v for k, v in config.items()}
     raise ValueError(f"no .hydra/config.yaml at {run_dir} or above it")
 
 
@@ -444,14 +440,14 @@ def report(out: Path, names: Sequence[str], *, log: Any = None) -> int:
         print(f"\n{name}: {HEADLINES[kind][1]}; local run {local:.4g}; "
               "measured / predicted per cell", file=log)  # fmt: skip
         print(f"{'delay':>8} " + " ".join(f"{r:>22}" for r in rates), file=log)
+        by_cell = {(r["settings"]["delay"], r["settings"]["rate"]): r for r in rows}
         for delay in delays:
             cells = []
             for rate in rates:
-                row = next((r for r in rows if r["settings"] == {"delay": f"{delay:g} ms",
-                            "rate": rate}), None)  # fmt: skip
-                m = row["metrics"] if row else {}
+                row = by_cell.get((f"{delay:g} ms", rate), {"status": "not run"})
+                m = row.get("metrics", {})
                 if "predicted" not in m:
-                    cells.append(f"{(row or {}).get('status', 'not run'):>22}")
+                    cells.append(f"{row['status']:>22}")
                     continue
                 ratio = m["measured_over_predicted"]
                 total += 1

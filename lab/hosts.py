@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -515,14 +515,15 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return read_records(path) if path.is_file() else []
 
 
-def _records(run_dir: Path, key: str) -> list[float]:
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's per-step rows (`kind: metrics`); none if it wrote no metrics file."""
     path = run_dir / METRICS_FILE
     records = read_records(path) if path.is_file() else []
-    return [
-        float(r[key])
-        for r in records
-        if r.get("kind") == "metrics" and isinstance(r.get(key), int | float)
-    ]
+    return [r for r in records if r.get("kind") == "metrics"]
+
+
+def _records(run_dir: Path, key: str) -> list[float]:
+    return [float(r[key]) for r in _metrics(run_dir) if isinstance(r.get(key), int | float)]
 
 
 def same_outputs(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
@@ -644,14 +645,20 @@ def provision(network: Network, *, log: TextIO) -> None:
           f"({time.perf_counter() - started:.0f} s)", file=log)  # fmt: skip
 
 
+def _raise_if_failed(procs: dict[str, subprocess.Popen]) -> dict[str, int | None]:
+    """Each role's exit code (None: running); raises if one exited with an error."""
+    codes = {name: proc.poll() for name, proc in procs.items()}
+    failed = [name for name, code in codes.items() if code not in (None, 0)]
+    if failed:
+        raise HostsError(f"role {failed[0]} exited {codes[failed[0]]}")
+    return codes
+
+
 def _wait(procs: dict[str, subprocess.Popen], waited_for: Sequence[str], timeout_s: float) -> None:
     """Until every role in `waited_for` has exited; a role that fails ends the wait."""
     deadline = time.monotonic() + timeout_s
     while True:
-        codes = {name: proc.poll() for name, proc in procs.items()}
-        failed = [name for name, code in codes.items() if code not in (None, 0)]
-        if failed:
-            raise HostsError(f"role {failed[0]} exited {codes[failed[0]]}")
+        codes = _raise_if_failed(procs)
         if all(codes[name] == 0 for name in waited_for):
             return
         if time.monotonic() > deadline:
@@ -672,7 +679,6 @@ class Roles:
         on_host: str | None = None,
     ) -> None:
         self.network, self.scenario, self.security, self.out = network, scenario, security, out
-        self.on_host = on_host
         server = network[on_host or scenario.hosts[0]]
         # all on one host: the serving role at its loopback, as a single machine would say
         address = "127.0.0.1" if on_host else server.address
@@ -751,9 +757,7 @@ def _await_round(roles: Roles, round_number: int, deadline: float) -> None:
         with contextlib.suppress(OSError, ValueError, KeyError):
             if json.loads(latest.read_text())["round"] >= round_number:
                 return
-        failed = [r for r, p in roles.procs.items() if p.poll() not in (None, 0)]
-        if failed:
-            raise HostsError(f"role {failed[0]} exited {roles.procs[failed[0]].poll()}")
+        _raise_if_failed(roles.procs)
         time.sleep(0.05)
     raise HostsError(f"round {round_number} never completed")
 
@@ -799,19 +803,15 @@ FAULTS = {
 def round_losses(run_dir: Path) -> dict[int, float]:
     """The coordinator's validation loss after each round (a resumed run's re-evaluation of the
     checkpoint it loaded counts as that round's: it must equal what was saved)."""
-    path = run_dir / METRICS_FILE
-    records = read_records(path) if path.is_file() else []
     return {
         int(r["step"]): float(r["val_loss"])
-        for r in records
-        if r.get("kind") == "metrics" and isinstance(r.get("val_loss"), int | float)
+        for r in _metrics(run_dir)
+        if isinstance(r.get("val_loss"), int | float)
     }
 
 
 def round_clients(run_dir: Path) -> list[int]:
-    path = run_dir / METRICS_FILE
-    records = read_records(path) if path.is_file() else []
-    return [int(r["clients"]) for r in records if r.get("kind") == "metrics" and "clients" in r]
+    return [int(r["clients"]) for r in _metrics(run_dir) if "clients" in r]
 
 
 def check_fault(
@@ -820,10 +820,7 @@ def check_fault(
     """fed_learn across three hosts with fault `name` (FAULTS), against its reference run."""
     case = FAULTS[name]
     base = scenarios()["fed_learn"]
-    scenario = Scenario(
-        base.module, base.endpoint, base.roles, [*base.common, *FAULT_COMMON, *case.settings],
-        same_losses("val_loss"), base.result_role,
-    )  # fmt: skip
+    scenario = replace(base, common=[*base.common, *FAULT_COMMON, *case.settings])
     folder = out / "fed_learn-faults" / name.replace(" ", "-")
     started = time.perf_counter()
     try:
@@ -1027,10 +1024,7 @@ def curves(
         security = Security(secret=secrets.token_hex(16))
         for name in names:
             variant = chosen[name]
-            template = base[variant.module]
-            scenario = Scenario(template.module, template.endpoint, template.roles,
-                                variant.settings, template.compare, template.result_role,
-                                template.netproto)  # fmt: skip
+            scenario = replace(base[variant.module], common=variant.settings)
             folder = out / name
             results = matrix.Results(folder)
             done = {r["cell"] for r in results.records() if r.get("status") == "ok"}
@@ -1244,6 +1238,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     # Ctrl-C unwinds and cleans up even where SIGINT came in ignored (a script's `cmd &`)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _run_command(parser, args)
+    except KeyboardInterrupt:
+        print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
+        return 130
+    except HostsError as exc:
+        print(f"lab.hosts: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The chosen subcommand; its exit status (Ctrl-C and harness errors: `main`'s)."""
     if args.command == "docs":
         return _docs_main(args.out.resolve(), args.timeout_s)
     if args.command == "curves":
@@ -1251,62 +1257,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = [n for n in names if n not in curve_variants()]
         if unknown:
             parser.error(f"unknown variant {unknown[0]!r}; choose from {list(curve_variants())}")
-        try:
-            curves(names, out=args.out.resolve(), delays_ms=args.delay_ms, rates=args.rate,
-                   repeats=args.repeats, calibration_runs=args.calibration_runs,
-                   timeout_s=args.timeout_s)  # fmt: skip
-        except KeyboardInterrupt:
-            print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
-            return 130
+        curves(names, out=args.out.resolve(), delays_ms=args.delay_ms, rates=args.rate,
+               repeats=args.repeats, calibration_runs=args.calibration_runs,
+               timeout_s=args.timeout_s)  # fmt: skip
         from lab import costmodel
 
         return costmodel.report(args.out.resolve(), names)
     if args.command == "faults":
-        try:
-            done = faults(list(FAULTS), out=args.out.resolve(), tls=args.tls,
-                          timeout_s=args.timeout_s)  # fmt: skip
-        except KeyboardInterrupt:
-            print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
-            return 130
+        done = faults(list(FAULTS), out=args.out.resolve(), tls=args.tls, timeout_s=args.timeout_s)
         return 0 if all(o.identical for o in done) else 1
     if args.command == "link":
-        try:
-            rows = link(args.delay_ms, [None if r == "none" else r for r in args.rate])
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "link.json").write_text(json.dumps(rows, indent=2))
-        except KeyboardInterrupt:
-            print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
-            return 130
+        rows = link(args.delay_ms, [None if r == "none" else r for r in args.rate])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "link.json").write_text(json.dumps(rows, indent=2))
         return 0
-    try:
-        outcomes = check(
-            args.only or MODULES,
-            out=args.out.resolve(),
-            tls=args.tls,
-            rate=args.rate,
-            timeout_s=args.timeout_s,
-        )
-    except KeyboardInterrupt:
-        print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
-        return 130
-    except HostsError as exc:
-        print(f"lab.hosts: {exc}", file=sys.stderr)
-        return 1
+    outcomes = check(
+        args.only or MODULES,
+        out=args.out.resolve(),
+        tls=args.tls,
+        rate=args.rate,
+        timeout_s=args.timeout_s,
+    )
     return 0 if all(o.identical for o in outcomes) else 1
 
 
 def _docs_main(out: Path, timeout_s: float) -> int:
     runs = documented_runs()
     passed = 0
-    try:
-        for index, run in enumerate(runs):
-            ok, detail = run_documented(run, out / str(index), timeout_s=timeout_s)
-            passed += ok
-            print(f"{'ok' if ok else 'FAILED':<6} {run.source}: {run.text}\n       {detail}",
-                  flush=True)  # fmt: skip
-    except KeyboardInterrupt:
-        print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
-        return 130
+    for index, run in enumerate(runs):
+        ok, detail = run_documented(run, out / str(index), timeout_s=timeout_s)
+        passed += ok
+        print(f"{'ok' if ok else 'FAILED':<6} {run.source}: {run.text}\n       {detail}",
+              flush=True)  # fmt: skip
     print(f"documented commands ok across hosts: {passed} of {len(runs)}", flush=True)
     return 0 if passed == len(runs) else 1
 

@@ -20,21 +20,22 @@ def test_rates_read_as_tc_writes_them() -> None:
             parse_rate(bad)
 
 
-def test_a_transfer_costs_its_delay_its_bytes_and_slow_start_after_idle() -> None:
+def test_a_transfer_costs_its_bytes_at_the_rate_and_slow_start_after_idle() -> None:
     link = Link(one_way_s=0.010, rate_bps=1e9)
     small = INITIAL_WINDOW // 2
-    assert link.transfer_s(small, after_idle=True) == pytest.approx(0.010 + small * 8 / 1e9)
+    assert link.serialize_s(small) == pytest.approx(small * 8 / 1e9)
+    assert link.slow_start_s(small) == 0.0  # within the initial window: no wait
     # 1 MB after an idle spell: the window doubles from 10 segments; it covers 1 MB in the 7th
     # flight, so 6 round trips of 20 ms wait on top of the delay and the bytes
     n = 1_000_000
-    assert link.transfer_s(n, after_idle=True) == pytest.approx(0.010 + n * 8 / 1e9 + 6 * 0.020)
-    assert link.transfer_s(n, after_idle=False) == pytest.approx(0.010 + n * 8 / 1e9)
+    assert link.serialize_s(n) == pytest.approx(n * 8 / 1e9)
+    assert link.slow_start_s(n) == pytest.approx(6 * 0.020)
     # on a thin link the window stops limiting at the bandwidth-delay product (25 kB here)
     thin = Link(one_way_s=0.010, rate_bps=10e6)
     bdp_rounds = math.ceil(math.log2(10e6 / 8 * 0.020 / INITIAL_WINDOW + 1)) - 1
-    assert thin.transfer_s(n, after_idle=True) == pytest.approx(
-        0.010 + n * 8 / 10e6 + bdp_rounds * 0.020
-    )
+    assert thin.serialize_s(n) == pytest.approx(n * 8 / 10e6)
+    assert thin.slow_start_s(n) == pytest.approx(bdp_rounds * 0.020)
+    assert Link(one_way_s=0.0, rate_bps=None).serialize_s(n) == 0.0  # uncapped
 
 
 def split_inference_run(folder: Path, *, token_ms: float, kv_cache: bool = True) -> Path:
