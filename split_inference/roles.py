@@ -25,6 +25,7 @@ from split_inference.workers import (
     authenticate_stages,
     joined,
     release_all,
+    safe_master,
     serve_until_released,
 )
 
@@ -51,10 +52,14 @@ def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
     if settings.cluster.master.port == 0:
         raise ConfigError("role=stage needs cluster.master.port (the driver's rendezvous port)")
     set_stage_host(StageHost(cache_dir=settings.paths.cache_path, device=detect_device()))
-    world = World(split.rank, settings.cluster.master, split)
-    with joined(world, secret=settings.cluster.resolved_secret()):
-        print(f"{world.name} joined the run", flush=True)
-        serve_until_released(ping_s=PING_S, timeout_s=split.rpc_timeout_s)
+    with safe_master(
+        settings.cluster, rank=split.rank, num_stages=split.num_stages,
+        timeout_s=split.join_timeout_s,
+    ) as master:  # fmt: skip
+        world = World(split.rank, master, split)
+        with joined(world, secret=settings.cluster.resolved_secret()):
+            print(f"{world.name} joined the run", flush=True)
+            serve_until_released(ping_s=PING_S, timeout_s=split.rpc_timeout_s)
 
 
 @contextmanager
@@ -67,9 +72,13 @@ def driving(
     """
     if settings.cluster.master.port == 0:
         raise ConfigError("the driver needs cluster.master.port (where stages meet it)")
-    world = World(0, settings.cluster.master, split)
     secret = settings.cluster.resolved_secret()
-    with joined(world, secret=secret, check=stages or (lambda: None)):
+    with (
+        safe_master(
+            settings.cluster, rank=0, num_stages=split.num_stages, timeout_s=split.join_timeout_s
+        ) as master,
+        joined(World(0, master, split), secret=secret, check=stages or (lambda: None)),
+    ):
         reason = ""
         try:
             authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)

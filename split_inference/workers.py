@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from lab.cli import UserError
-from lab.config import Endpoint
+from lab.cli import ConfigError, UserError
+from lab.config import ClusterConfig, Endpoint, is_loopback
 from netproto.auth import NONCE_BYTES, mac
 from split_inference import rpc_guard
 from split_inference.config import SplitConfig
@@ -275,6 +275,10 @@ class _WorldEnd:
     and does not keep the Python object alive)."""
     word: str = ABRUPT
     """Driver: how the world ends, as `release_all` told the stages (`LEAVE_KEY`)."""
+    server: Any = None
+    """Driver: the world's store server (`store.StoreServer`), stopped when the world ends."""
+    client: Any = None
+    """This rank's connection to the store, closed when the world ends."""
 
 
 _end = _WorldEnd()
@@ -283,31 +287,44 @@ _end = _WorldEnd()
 def _store_on_master_host(
     url: str, timeout: timedelta = timedelta(seconds=300), **_: Any
 ) -> Iterator[tuple[Any, int, int]]:
-    """torch's tcp:// rendezvous, except that rank 0's store listens on the master host only,
-    and that the store is a `_WorldStore`.
+    """The rendezvous of a split run: rank 0 serves the lab's store (`store.StoreServer`,
+    netproto with the shared secret, keys and values capped) on the master host only, and every
+    rank, rank 0 too, reaches it through a `NetprotoStoreClient` wrapped in a `_WorldStore`.
 
-    torch's own binds the store to every interface, whatever host the URL names: a loopback run
-    had its (unauthenticated) store reachable from the network.
-    """
+    torch's own tcp:// rendezvous serves a TCPStore: C++, unauthenticated, uncapped, and bound
+    to every interface whatever host the URL names."""
+    from netproto import Connection
+    from netproto.errors import ConnectionClosed, NetTimeout
+    from split_inference.store import MAX_FRAME_BYTES, NetprotoStoreClient, StoreServer
+
     parts = urlparse(url)
     query = parse_qs(parts.query)
     rank, world_size = int(query["rank"][0]), int(query["world_size"][0])
     host, port = parts.hostname or "127.0.0.1", int(parts.port or 0)
+    secret = _auth.secret
     if rank == 0:
-        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            listener.bind((host, port))
-            listener.listen(128)
+            _end.server = StoreServer(
+                host=host, port=port, secret=secret, timeout_s=timeout.total_seconds()
+            ).start()
         except OSError as exc:
-            listener.close()
             raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
-        store = dist.TCPStore(
-            host, port, world_size, True, timeout, master_listen_fd=listener.detach()
-        )
-    else:
-        store = dist.TCPStore(host, port, world_size, False, timeout)
-    _end.store = _WorldStore(store)
+    from netproto.wire import Limits
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:  # the driver's store may not be up yet
+        try:
+            conn = Connection.connect(
+                host, port, secret=secret, connect_timeout_s=10.0, read_timeout_s=60.0,
+                limits=Limits(max_frame_bytes=MAX_FRAME_BYTES, max_json_bytes=4096),
+            )  # fmt: skip
+            break
+        except (ConnectionClosed, NetTimeout):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    _end.client = NetprotoStoreClient(conn, timeout=timeout)
+    _end.store = _WorldStore(_end.client)
     yield _end.store, rank, world_size
     raise RuntimeError("a split run's rendezvous cannot be repeated")
 
@@ -367,6 +384,81 @@ def _listening_towards_the_master(master: Endpoint) -> Iterator[None]:
             os.environ.pop(name, None)
 
 
+class OverlayUnavailableError(UserError, RuntimeError):
+    """cluster.overlay.up=true, and the overlay could not be brought up."""
+
+
+def plain_network_refusal(cluster: ClusterConfig, interface: str | None) -> str:
+    host = cluster.master.host
+    where = f"through {interface}" if interface else "over the network"
+    return (
+        f"a split run listens only on loopback or inside an authenticated overlay, and "
+        f"cluster.master.host={host} is reached {where}: anyone who reaches TensorPipe's ports "
+        f"there can read and write this host's files. Set cluster.overlay.up=true (the lab's "
+        f"WireGuard, as root, with the shared secret), or cluster.overlay.interface=<your VPN's "
+        f"interface> with cluster.master.host the driver's address on it; only on a network you "
+        f"fully trust, cluster.unsafe_plain_network=true"
+    )
+
+
+@contextmanager
+def safe_master(
+    cluster: ClusterConfig, *, rank: int, num_stages: int, timeout_s: float
+) -> Iterator[Endpoint]:
+    """Where this rank's world meets, once it is safe to listen: loopback as it is; across hosts
+    inside the lab's WireGuard overlay (`cluster.overlay.up`, brought up here and torn down after
+    the block: the driver's host is its hub, and the world meets at the hub's overlay address) or
+    the user's own (`cluster.overlay.interface`, checked to be the way to the master). Anything
+    else is refused in one line unless `cluster.unsafe_plain_network` says otherwise."""
+    master, overlay = cluster.master, cluster.overlay
+    if is_loopback(master.host):  # one machine: nothing to reach from outside
+        yield master
+        return
+    if overlay.up:
+        from netproto import overlay as wg
+
+        secret = cluster.resolved_secret()
+        if secret is None:
+            raise ConfigError(
+                "cluster.overlay.up=true needs the shared secret (LAB_SECRET or "
+                "cluster.secret_file): the overlay's keys are set up with it"
+            )
+        port = overlay.port or master.port + 1
+        if rank == 0:
+            held = wg.hub(listen=master.host, port=port, num_peers=num_stages, secret=secret,
+                          subnet=overlay.subnet, timeout_s=timeout_s)  # fmt: skip
+        else:
+            held = wg.join(hub_address=master.host, port=port, secret=secret,
+                           name=stage_name(rank), timeout_s=timeout_s)  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            try:
+                membership = stack.enter_context(held)
+            except wg.OverlayError as exc:
+                raise OverlayUnavailableError(f"cluster.overlay.up=true: {exc}") from None
+            log.info("%s in the overlay at %s (%s)", stage_name(rank) if rank else DRIVER,
+                     membership.address, membership.interface)  # fmt: skip
+            yield Endpoint(membership.hub_address, master.port)
+        return
+    interface = interface_towards(master.host)
+    if overlay.interface:
+        if interface != overlay.interface:
+            raise ConfigError(
+                f"cluster.overlay.interface={overlay.interface}, but cluster.master.host="
+                f"{master.host} is reached through {interface or 'no interface'}: set "
+                f"cluster.master.host to the driver's address on {overlay.interface}"
+            )
+        yield master
+        return
+    if not cluster.unsafe_plain_network:
+        raise ConfigError(plain_network_refusal(cluster, interface))
+    log.warning(
+        "cluster.unsafe_plain_network=true: this split run listens on %s, where anyone who "
+        "reaches its ports can read and write this host's files",
+        interface or master.host,
+    )
+    yield master
+
+
 def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
     host = f"[{world.master.host}]" if ":" in world.master.host else world.master.host
     return rpc.TensorPipeRpcBackendOptions(
@@ -418,7 +510,8 @@ def joined(
     died while the driver waited for it). Leaving is in order when the driver found every stage
     there to release it, immediate otherwise (see `_leave`).
     """
-    _end.store, _end.word = None, ABRUPT
+    _close_store()
+    _end.word = ABRUPT
     _released.clear()
     _release_reason[0] = ""
     rpc_guard.install()
@@ -481,7 +574,7 @@ def joined(
                 rpc_backend_options=_options(world),
             )
     except BaseException:
-        _end.store = None
+        _close_store()
         raise
     finally:
         assembled.set()
@@ -534,7 +627,17 @@ def _leave(world: World) -> None:
         left = [LEFT_KEY.format(rank=rank) for rank in range(1, world.num_stages + 1)]
         with contextlib.suppress(RuntimeError):
             store.store.wait(left, timedelta(seconds=LEFT_TIMEOUT_S))
-    _end.store = None
+    _close_store()
+
+
+def _close_store() -> None:
+    """This rank's store connection closed, and on the driver the store's server stopped."""
+    client, server = _end.client, _end.server
+    _end.store = _end.client = _end.server = None
+    if client is not None:
+        client.close()
+    if server is not None:
+        server.stop()
 
 
 def _leave_in_order(timeout_s: float, *, drop_rrefs: bool) -> None:
