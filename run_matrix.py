@@ -27,6 +27,7 @@ from lab import matrix
 from lab.config import to_settings
 from lab.heatmaps import draw
 from lab.machine import Machine
+from lab.redact import redact_argv, redact_config, scrub_argv
 
 log = logging.getLogger("run_matrix")
 
@@ -103,10 +104,11 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
 
 
 def command_of(config: matrix.MatrixConfig) -> str:
-    """The command line that runs this sweep again (and skips what is done)."""
+    """The command line that runs this sweep again (and skips what is done); a secret shows as
+    `***`, which the cells read from LAB_SECRET."""
     parts = [f"workload={config.workload}"]
     parts += [f"grid.{axis}=[{','.join(map(str, values))}]" for axis, values in config.grid.items()]
-    parts.append("'overrides=[" + ",".join(config.overrides) + "]'")
+    parts.append("'overrides=[" + ",".join(redact_argv(config.overrides)) + "]'")
     parts += [f"repeats={config.repeats}", f"out_dir={config.out_dir}"]
     return "python run_matrix.py " + " ".join(parts)
 
@@ -154,12 +156,14 @@ def log_to_wandb(
 
     from lab.tracking import resolve_wandb_mode
 
+    scrub_argv()  # W&B records sys.argv as the run's command
+    config_record = OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
     run = wandb.init(
         project="distributed-llm-lab",
         job_type="run_matrix",
         dir=str(out_dir),
         mode=resolve_wandb_mode("auto"),
-        config=OmegaConf.to_container(OmegaConf.structured(config), resolve=True),  # type: ignore[arg-type]
+        config=redact_config(config_record),
         settings=wandb.Settings(silent=True, console="off"),
     )
     try:

@@ -8,6 +8,8 @@ allowed set fails in ``__post_init__`` when ``run()`` turns the config into obje
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,8 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 """The repository's config tree (the package is installed editable)."""
 
+log = logging.getLogger(__name__)
+
 SECRET_ENV = "LAB_SECRET"
 """Environment variable read for the shared secret when `cluster.secret` is not set."""
+REDACTED = "***"
+"""What every file the lab writes shows instead of the secret (`lab.redact`); as the value of
+`cluster.secret` it means "the secret is in LAB_SECRET"."""
 
 
 def check_choice(field_name: str, value: str, allowed: Iterable[str]) -> None:
@@ -114,7 +121,12 @@ class ClusterConfig:
     master: Endpoint = field(default_factory=Endpoint)
     """torch.distributed.rpc rendezvous for split_inference / split_training (rank 0)."""
     secret: str | None = None
-    """Shared secret for HMAC authentication; falls back to the LAB_SECRET environment variable."""
+    """Shared secret for HMAC authentication; else `secret_file`, else the LAB_SECRET environment
+    variable. Prefer those two: a value given here shows in `ps` while the command runs (every
+    file the lab writes shows `***` instead)."""
+    secret_file: str | None = None
+    """A file holding the shared secret (keep it mode 0600), read at start: the secret kept off
+    the command line and out of the environment."""
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     max_frame_mib: int = 256
@@ -128,6 +140,10 @@ class ClusterConfig:
         check_positive("cluster.connect_timeout_s", self.connect_timeout_s)
         check_positive("cluster.read_timeout_s", self.read_timeout_s)
         check_positive("cluster.max_frame_mib", self.max_frame_mib)
+        if self.secret_file:
+            if self.secret:
+                raise ValueError("set one of cluster.secret and cluster.secret_file, not both")
+            read_secret_file(self.secret_file)  # a missing or empty file fails at start-up
 
     def open_to_the_network(self, endpoints: Iterable[str]) -> list[str]:
         """Of `endpoints`, the `cluster.<name>.host=...` settings that are not loopback, when no
@@ -140,9 +156,45 @@ class ClusterConfig:
         ]
 
     def resolved_secret(self) -> bytes | None:
-        """The shared secret from config, else from $LAB_SECRET, else None (no auth)."""
-        secret = self.secret or os.environ.get(SECRET_ENV)
-        return secret.encode() if secret else None
+        """The shared secret from `secret`, else `secret_file`, else $LAB_SECRET, else None (no
+        auth). `secret=***` (what a redacted record says) needs it in $LAB_SECRET."""
+        if self.secret and self.secret != REDACTED:
+            return self.secret.encode()
+        if self.secret_file:
+            return read_secret_file(self.secret_file)
+        secret = os.environ.get(SECRET_ENV)
+        if secret:
+            return secret.encode()
+        if self.secret == REDACTED:
+            from lab.cli import ConfigError
+
+            raise ConfigError(
+                f"cluster.secret={REDACTED} stands for a secret kept out of the records: give it "
+                f"in {SECRET_ENV} or cluster.secret_file"
+            )
+        return None
+
+
+@functools.cache
+def read_secret_file(path: str) -> bytes:
+    """The secret in file `path` (its text without surrounding whitespace); warns, once, when
+    other users may read the file."""
+    from lab.cli import ConfigError
+
+    file = Path(os.path.expanduser(path))
+    try:
+        secret = file.read_text().strip()
+        mode = file.stat().st_mode & 0o777
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"cluster.secret_file={path}: cannot read it ({why})") from None
+    if not secret:
+        raise ConfigError(f"cluster.secret_file={path} is empty: write the shared secret in it")
+    if mode & 0o077:
+        log.warning(
+            "cluster.secret_file=%s may be read by other users (mode %o): chmod 600 it", path, mode
+        )
+    return secret.encode()
 
 
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -176,6 +176,7 @@ def run(
         )
     experiment.refuse_unread(command_line_keys())
     experiment.check(settings)
+    settings.cluster.resolved_secret()  # `cluster.secret=***` without LAB_SECRET fails here
     if settings.role != "local":
         if settings.role in experiment.servers:
             warn_if_open(settings.role, settings.cluster, experiment.endpoints)
@@ -190,7 +191,7 @@ def warn_if_open(role: str, cluster: ClusterConfig, endpoints: Sequence[str]) ->
     if exposed:
         log.warning(
             "role=%s listens on the network (%s) without a secret: anyone who reaches its ports "
-            "can join the run. Set the same cluster.secret (or LAB_SECRET) on every host",
+            "can join the run. Set the same LAB_SECRET (or cluster.secret_file) on every host",
             role,
             ", ".join(exposed),
         )

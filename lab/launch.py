@@ -289,24 +289,32 @@ def settings_role(
 
     The settings (a schema dataclass) are written to `<run_dir>/<name>_config.yaml` and the
     child composes that file against `schema`; `overrides` then set what differs for this role
-    (its `role=...`, its port...). A shared secret travels in the environment, never in a file.
+    (its `role=...`, its port...). A shared secret travels in the environment (LAB_SECRET),
+    never in a file or in the argv, which any user of the machine can read with `ps`: the file
+    says `cluster.secret: '***'`, and an override that sets the secret is moved to the
+    environment too.
     """
     from dataclasses import asdict
 
     from omegaconf import OmegaConf
 
-    from lab.config import SECRET_ENV, LabConfig
+    from lab.config import REDACTED, SECRET_ENV, LabConfig
+    from lab.redact import redact_config, split_secret
 
     if not isinstance(settings, LabConfig):
         raise TypeError("settings_role needs a LabConfig (sub)class instance")
     run_dir = settings.paths.run_path.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     child_dir = run_dir / name
-    data = asdict(settings)
-    data["cluster"]["secret"] = None
+    overrides, secret_override = split_secret(overrides)
+    resolved = settings.cluster.resolved_secret()
+    secret = secret_override or (resolved.decode() if resolved else None)
+    data = redact_config(asdict(settings))
+    # the child reads the secret from LAB_SECRET (`***`: a run without it fails, saying so)
+    data["cluster"]["secret"] = REDACTED if secret else None
+    data["cluster"]["secret_file"] = None
     data["defaults"] = [schema, "_self_"]
     OmegaConf.save(OmegaConf.create(data), run_dir / f"{name}_config.yaml")
-    secret = settings.cluster.resolved_secret()
     argv = [
         sys.executable,
         "-m",
@@ -318,5 +326,5 @@ def settings_role(
         f"hydra.run.dir={child_dir}",
         f"hydra.job.name={name}",  # its log is <role>/<role>.log (python -m would say __main__)
     ]
-    env = {SECRET_ENV: secret.decode()} if secret else {}
+    env = {SECRET_ENV: secret} if secret else {}
     return Role(name, argv, env=env, service=service, ready=ready)

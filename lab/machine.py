@@ -17,6 +17,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lab.redact import redact_argv
+
 PACKAGES = (
     "torch",
     "transformers",
@@ -160,5 +162,6 @@ def announce_machine(*, quantization: bool = False) -> Machine:
 def write_results(path: Path, results: dict[str, Any], *, machine: Machine) -> None:
     """A bench's JSON results, with the machine that produced them stored beside them."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = {"command": " ".join(["python", *sys.argv]), "machine": machine.as_dict()}
+    command = " ".join(["python", *redact_argv(sys.argv)])
+    header = {"command": command, "machine": machine.as_dict()}
     path.write_text(json.dumps({**header, **results}, indent=2, default=str))

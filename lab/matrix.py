@@ -38,7 +38,8 @@ from typing import Any
 import psutil
 
 from lab import atomic, experiment
-from lab.config import check_fields_positive, register_schema
+from lab.config import SECRET_ENV, check_fields_positive, register_schema
+from lab.redact import redact_argv, redact_config, split_secret
 from lab.tracking import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ def sweep_fingerprint(config: MatrixConfig) -> str:
     same = {
         "workload": config.workload,
         "axes": dict(config.axes),
-        "overrides": list(config.overrides),
+        "overrides": redact_argv(config.overrides),  # the secret is no part of the measurement
         "repeats": config.repeats,
         "num_threads": config.num_threads,
     }
@@ -227,7 +228,7 @@ def check_sweep(config: MatrixConfig) -> None:
     # from composing the first cell's config as the cell would
     first = cells(config)[0]
     argv = [sys.executable, "-m", exp.name, *cell_overrides(config, first, Path("unused"))]
-    argv = [a for a in argv if not a.startswith("hydra.run.dir=")] + ["--cfg", "job"]
+    argv = [a for a in redact_argv(argv) if not a.startswith("hydra.run.dir=")] + ["--cfg", "job"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         lines = [
@@ -319,8 +320,10 @@ def run_cell_process(
     memory_mib: float,
     poll_s: float = 0.1,
     on_sample: Callable[[float], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> CellOutcome:
-    """Run one cell's command in its own session, watching its whole process tree."""
+    """Run one cell's command in its own session, watching its whole process tree; `env` is
+    added to this process's environment."""
     started = time.monotonic()
     peaks: dict[str, float] = {}
     peak_total = 0.0
@@ -331,7 +334,7 @@ def run_cell_process(
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
         )
         root = psutil.Process(proc.pid)
@@ -530,6 +533,7 @@ def run_cell(
     run_dir.mkdir(parents=True)
     workload = WORKLOADS[config.workload]
     argv = [sys.executable, "-m", workload.experiment, *cell_overrides(config, cell, run_dir)]
+    argv, secret = split_secret(argv)  # a secret the overrides hold goes in the environment
     memory_mib = config.memory_mib or 0.8 * psutil.virtual_memory().total / 2**20
     outcome = run_cell_process(
         argv,
@@ -538,6 +542,7 @@ def run_cell(
         timeout_s=config.timeout_s,
         memory_mib=memory_mib,
         on_sample=on_sample,
+        env={SECRET_ENV: secret} if secret else None,
     )
     metrics: dict[str, float] = {}
     if outcome.status == "ok":
@@ -565,5 +570,6 @@ def run_cell(
             "time": time.time(),
         }
     )
+    record = redact_config(record)  # its reason may quote the cell's log, which quotes overrides
     results.append(record)
     return record

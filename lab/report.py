@@ -3,7 +3,8 @@
 A run folder is an experiment's run directory (it has `lab_run.json` and `metrics.jsonl`) or a
 run_matrix output folder (it has `results.jsonl`). For each: what ran and the command that
 reproduces it, the machine, the headline metrics, and its plots (drawn now if the run has none).
-Images are copied into the report folder, so it can be moved or shared as it is.
+Images are copied into the report folder, so it can be moved or shared as it is. A shared secret
+a record quotes (`cluster.secret=...`, from a run that predates its redaction) shows as `***`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import html
 import json
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lab.plots import draw_run
+from lab.redact import redact_text
 from lab.tracking import METRICS_FILE, RUN_FILE, read_records
 
 SWEEP_FILE = "sweep.json"
@@ -105,12 +107,22 @@ def matrix_section(out_dir: Path) -> Section:
 def section_for(run_dir: Path) -> Section:
     run_dir = Path(run_dir)
     if (run_dir / "results.jsonl").is_file():
-        return matrix_section(run_dir)
+        return redacted(matrix_section(run_dir))
     if (run_dir / RUN_FILE).is_file():
-        return experiment_section(run_dir)
+        return redacted(experiment_section(run_dir))
     raise ValueError(
         f"{run_dir} is neither an experiment's run directory (no {RUN_FILE}) nor a run_matrix "
         "folder (no results.jsonl)"
+    )
+
+
+def redacted(section: Section) -> Section:
+    """`section` with `***` for any secret its command, rows or note quote."""
+    return replace(
+        section,
+        command=redact_text(section.command),
+        rows=[tuple(redact_text(cell) for cell in row) for row in section.rows],
+        note=redact_text(section.note),
     )
 
 

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from lab import redact
 from lab.config import LabConfig, TrackingConfig
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Tracker:
         self.job = job
         self._started = time.time()
         self._final: dict[str, Any] = {}
+        config = redact.redact_config(config)  # in every record of the run, the secret is ***
         (self.run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(dict(config)))
         self._write_run_file()
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
@@ -108,6 +110,7 @@ class Tracker:
         mode = resolve_wandb_mode(self.tracking.wandb_mode)
         if mode == "disabled":
             return None
+        redact.scrub_argv()  # W&B records sys.argv as the run's command (wandb-metadata.json)
         run = wandb.init(
             project=self.tracking.project,
             entity=self.tracking.entity,
@@ -136,7 +139,8 @@ class Tracker:
         from lab.machine import Machine
 
         module = Path(sys.argv[0]).parent.name if sys.argv[0].endswith("__main__.py") else None
-        command = [f"python -m {module}" if module else f"python {sys.argv[0]}", *sys.argv[1:]]
+        program = f"python -m {module}" if module else f"python {sys.argv[0]}"
+        command = [program, *redact.redact_argv(sys.argv[1:])]
         record = {
             "job": self.job,
             "command": " ".join(command),
