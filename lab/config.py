@@ -110,6 +110,40 @@ class TLSConfig:
 
 
 @dataclass
+class OverlayConfig:
+    """The authenticated, encrypted overlay a split run across hosts listens in (TensorPipe, Gloo
+    and the rendezvous store reach C++ paths that read and write the host's files: nobody outside
+    the run may reach their ports). Loopback runs need none."""
+
+    up: bool = False
+    """The run brings up the lab's WireGuard overlay itself (root; wireguard-tools, nftables and
+    the kernel's WireGuard or wireguard-go): the driver's host is its hub, keys are set up over
+    netproto with the shared secret, and it is torn down when the run ends."""
+    interface: str = ""
+    """An overlay already up on this host (`python -m netproto.overlay up`, or your own
+    WireGuard or Tailscale interface): the run listens on it only, and cluster.master.host must
+    be the driver's address on it."""
+    port: int = 0
+    """The overlay hub's control port (TCP) on cluster.master.host; 0: cluster.master.port + 1."""
+    subnet: str = "10.213.128.0/24"
+    """The lab's overlay addresses: the driver .1, the stages .2, .3, ..."""
+
+    def __post_init__(self) -> None:
+        import ipaddress
+
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"cluster.overlay.port={self.port} must be in 0..65535")
+        try:
+            net = ipaddress.ip_network(self.subnet)
+        except ValueError:
+            raise ValueError(f"cluster.overlay.subnet={self.subnet!r} is not a network") from None
+        if net.version != 4 or net.prefixlen > 28:
+            raise ValueError(f"cluster.overlay.subnet={self.subnet!r}: an IPv4 /28 or larger")
+        if self.up and self.interface:
+            raise ValueError("set one of cluster.overlay.up and cluster.overlay.interface")
+
+
+@dataclass
 class ClusterConfig:
     """Where each role of an experiment runs and how they reach each other."""
 
@@ -131,8 +165,19 @@ class ClusterConfig:
     read_timeout_s: float = 60.0
     max_frame_mib: int = 256
     """Largest netproto frame accepted, checked before allocating (raise for big adapters)."""
+    min_frame_rate_kbps: float = 1000.0
+    """A netproto frame, once begun, must keep arriving at least this fast (kbit/s, after a
+    10 s grace), or its connection is closed: a peer dribbling bytes cannot hold a slot. 1 Mbit/s
+    is a tenth of the slowest link the harness emulates; lower it for a slower link, 0: off."""
+    max_connections_per_address: int = 64
+    """netproto sessions one remote address (an IPv6 /64) may hold at once on a server, of its
+    256: one host cannot take every slot, secret or not."""
     link: LinkConfig = field(default_factory=LinkConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
+    overlay: OverlayConfig = field(default_factory=OverlayConfig)
+    unsafe_plain_network: bool = False
+    """Let a split run listen on a plain (non-overlay, non-loopback) network: anyone who reaches
+    its ports can read and write files on its hosts. Only on a network you fully trust."""
 
     def __post_init__(self) -> None:
         for role in ("coordinator", "verifier", "master"):
@@ -144,6 +189,11 @@ class ClusterConfig:
             if self.secret:
                 raise ValueError("set one of cluster.secret and cluster.secret_file, not both")
             read_secret_file(self.secret_file)  # a missing or empty file fails at start-up
+        if not 0 <= self.min_frame_rate_kbps < float("inf"):
+            raise ValueError(
+                f"cluster.min_frame_rate_kbps={self.min_frame_rate_kbps!r} must be finite and >= 0"
+            )
+        check_positive("cluster.max_connections_per_address", self.max_connections_per_address)
 
     def open_to_the_network(self, endpoints: Iterable[str]) -> list[str]:
         """Of `endpoints`, the `cluster.<name>.host=...` settings that are not loopback, when no
