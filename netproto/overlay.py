@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from netproto import REGISTRY, Connection, PayloadKind, Server
-from netproto.errors import ConnectionClosed, NetprotoError, NetTimeout
+from netproto.errors import AuthenticationError, ConnectionClosed, NetprotoError, NetTimeout
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,7 @@ class _Hub:
         self.hub_peer: Peer | None = None
         self.refused = 0
         self.closed = False
+        self.answered: set[str] = set()
         self._done = threading.Condition()
 
     def session(self, conn: Connection) -> None:
@@ -332,6 +333,9 @@ class _Hub:
             {"address": me.address, "prefix": self.prefix, "peers": [vars(p) for p in others]},
             request_id=message.request_id,
         )
+        with self._done:
+            self.answered.add(key)
+            self._done.notify_all()
 
     def wait_all(self, timeout_s: float) -> list[Peer]:
         with self._done:
@@ -344,6 +348,12 @@ class _Hub:
             for index, peer in enumerate(sorted(self.joined.values(), key=lambda p: p.name)):
                 peer.address = str(self.hosts[1 + index])
             return list(self.joined.values())
+
+    def wait_answered(self, timeout_s: float) -> None:
+        """Until every peer has been sent the roster (then the control plane can close)."""
+        with self._done:
+            if not self._done.wait_for(lambda: len(self.answered) >= self.num_peers, timeout_s):
+                raise OverlayError("the overlay's roster did not reach every peer")
 
     def close(self) -> None:
         with self._done:
@@ -400,6 +410,8 @@ def hub(
         own = Peer("hub", wg.public_key, f"{host}:{wg_port}", str(state.hosts[0]))
         wg.configure(own.address, net.prefixlen, peers, preshared_key(secret))
         state.publish(own, peers)
+        state.wait_answered(timeout_s)
+        server.stop()  # the control plane is done: the run listens on nothing outside the overlay
         yield Membership(wg.name, own.address, own.address)
     finally:
         state.close()
@@ -438,6 +450,8 @@ def join(
                     read_timeout_s=timeout_s,
                 )
                 break
+            except AuthenticationError as exc:
+                raise OverlayError(f"the overlay hub at {hub_address}:{port}: {exc}") from None
             except (ConnectionClosed, NetTimeout):
                 if time.monotonic() > deadline:
                     raise OverlayError(

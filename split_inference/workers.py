@@ -437,7 +437,18 @@ def safe_master(
                 raise OverlayUnavailableError(f"cluster.overlay.up=true: {exc}") from None
             log.info("%s in the overlay at %s (%s)", stage_name(rank) if rank else DRIVER,
                      membership.address, membership.interface)  # fmt: skip
-            yield Endpoint(membership.hub_address, master.port)
+            # our own interface, also where two roles share a host (the way to the hub's address
+            # is then another role's interface)
+            saved = {name: os.environ.get(name) for name in INTERFACE_VARIABLES}
+            os.environ.update(dict.fromkeys(INTERFACE_VARIABLES, membership.interface))
+            try:
+                yield Endpoint(membership.hub_address, master.port)
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
         return
     interface = interface_towards(master.host)
     if overlay.interface:
