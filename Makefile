@@ -5,10 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-slow test-multihost gpu-check lint format bench readme-check lock clean
+.PHONY: help venv run test test-slow multihost-deps test-multihost gpu-check lint format bench readme-check lock clean
 
 help: ## List every target with its one-line description
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-10s\033[0m %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-15s\033[0m %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,15 @@ test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` exclude
 test-slow: $(STAMP) ## Run only the slow tests (minutes)
 	$(PY) -m pytest -m "slow" -q
 
-test-multihost: $(STAMP) ## The modules across network namespaces (root, iproute2; else skipped, saying why)
+multihost-deps: ## Install what the multi-host tests need (root, Debian): WireGuard tools, wireguard-go, nftables
+	@if command -v wg >/dev/null && command -v nft >/dev/null && command -v wireguard-go >/dev/null; then \
+	  echo "multihost-deps: wg, wireguard-go and nft are installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    wireguard-tools wireguard-go nftables >/dev/null && echo "multihost-deps: installed"; \
+	else echo "multihost-deps: not root or no apt-get: the overlay's tests will be skipped, saying why"; fi
+
+test-multihost: $(STAMP) multihost-deps ## The modules across network namespaces (root, iproute2; else skipped, saying why)
 	$(PY) -m pytest -m multihost -q -rs tests/multihost
 
 gpu-check: $(STAMP) ## On a CUDA GPU: the cuda tests, then every bench on it (without one: says so)

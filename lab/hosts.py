@@ -954,13 +954,13 @@ OVERLAY_PREFIX = "10.213.128."
 """The lab's overlay addresses (`cluster.overlay.subnet`'s default), as the hosts hold them."""
 STRANGER = "stranger"
 ATTACKS = {
-    "file read (aten::from_file over TensorPipe)": "tensorpipe",
-    "file write (aten::save over TensorPipe)": "tensorpipe",
-    "one-packet kill (16 bytes of 0xff to a TensorPipe port)": "tensorpipe",
+    "file read (aten::from_file)": "tensorpipe",
+    "file write (aten::save)": "tensorpipe",
+    "one-packet kill (0xff x 16)": "tensorpipe",
     "RRef memory held on a stage": "tensorpipe",
     "Gloo full-mesh port": "gloo",
     "store fill (4 MiB values)": "store",
-    "store hijack (rewrite rpc_prefix_0/addrs/*)": "store",
+    "store hijack (addrs/* rewritten)": "store",
 }
 """Each attack of the security review on a split run, by the listener it starts at: every one
 begins with a TCP connection to a port of the run (TensorPipe's, to run builtin operators or
