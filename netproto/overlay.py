@@ -157,6 +157,9 @@ class Interface:
     _proc: subprocess.Popen | None = field(default=None, repr=False)
     _guarded: bool = False
     _made: bool = False
+    _rule: str = ""
+    _table: str = field(default_factory=lambda: str(20000 + os.getpid() % 10000))
+    """The routing table of what leaves from our overlay address (one per process)."""
 
     @property
     def public_key(self) -> str:
@@ -220,6 +223,14 @@ class Interface:
                 )
         _run("ip", "addr", "add", f"{address}/{prefix}", "dev", self.name)
         _run("ip", "link", "set", self.name, "up")
+        # Two roles of a run on one host each have an interface on the subnet, and the main
+        # table sends the subnet by one of them: a reply from the other's address would leave
+        # by a WireGuard whose peers do not take that source. What leaves from our address
+        # leaves by our interface.
+        network = ipaddress.ip_network(f"{address}/{prefix}", strict=False)
+        _run("ip", "route", "add", str(network), "dev", self.name, "table", self._table)
+        _run("ip", "rule", "add", "from", address, "lookup", self._table, "priority", "1000")
+        self._rule = address
         self.guard(address)
 
     def guard(self, address: str) -> None:
@@ -235,6 +246,10 @@ class Interface:
 
     def down(self) -> None:
         """Remove the guard, the interface and its wireguard-go (whatever of them exists)."""
+        if self._rule:
+            subprocess.run(["ip", "rule", "del", "from", self._rule, "lookup", self._table],
+                           capture_output=True, check=False)  # fmt: skip
+            self._rule = ""
         if self._guarded:
             subprocess.run(
                 ["nft", "delete", "table", "inet", f"lab_{self.name}"],
