@@ -35,8 +35,8 @@ KEY_PREFIXES = ("rpc_prefix_0/", "split/")
 (all under `rpc_prefix_0/`: `workers._forget_previous_world` numbers every world from 0) and the
 lab's own words (`split/...`); any other key is refused."""
 WRITE_ONCE = ("rpc_prefix_0/addrs/", "rpc_prefix_0/names/")
-"""Where each worker publishes its name and address: the first value stands (a second `set`
-of one, a hijack, is refused)."""
+"""Where each worker publishes its name and address: the first value stands (any later write
+of one, `set`, `add`, `compare_set` or `delete`, a hijack, is refused)."""
 MAX_KEY_BYTES = 256
 MAX_VALUE_BYTES = 64 * 2**10
 """TensorPipe's and Gloo's address records are a few hundred bytes."""
@@ -74,6 +74,7 @@ class Op(IntEnum):
 
 
 OK, MISSING, REFUSED = b"ok", b"missing", b"refused"
+_WRITES = (Op.SET, Op.ADD, Op.COMPARE_SET, Op.DELETE)
 
 
 class StoreRefused(ValueError):
@@ -167,9 +168,11 @@ class StoreState:
                 )
                 return [OK, b"1" if present else b"0"]
             key = _key(args[0])
+            if op in _WRITES and key.startswith(WRITE_ONCE) and key in self._values:
+                # every write, not only SET: a compare-set, an add or a delete then a set
+                # would rewrite a published address as surely
+                raise StoreRefused(f"store key {key!r} is written once, and it has been")
             if op == Op.SET and len(args) == 2:
-                if key.startswith(WRITE_ONCE) and key in self._values:
-                    raise StoreRefused(f"store key {key!r} is written once, and it has been")
                 self._put(key, args[1])
                 return [OK]
             if op == Op.GET and len(args) == 1:

@@ -179,3 +179,26 @@ def test_a_raw_garbage_connection_costs_only_itself(server: StoreServer) -> None
     store = client(server)
     store.set("split/alive", b"yes")
     assert store.get("split/alive") == b"yes"
+
+
+@pytest.mark.parametrize(
+    ("name", "op", "args"),
+    [
+        ("compare-set with the value read", Op.COMPARE_SET, [b"honest", b"attacker"]),
+        ("delete, then set", Op.DELETE, []),
+        ("add to a numeric address", Op.ADD, [b"1"]),
+    ],
+)
+def test_a_published_address_cannot_be_rewritten_by_another_write(
+    server: StoreServer, name: str, op: Op, args: list[bytes]
+) -> None:
+    owner, hijacker = client(server), client(server)
+    key = "rpc_prefix_0/addrs/stage1"
+    value = b"7" if op == Op.ADD else b"honest"
+    owner.set(key, value)
+    with pytest.raises(dist.DistStoreError, match="written once"):
+        hijacker._request(op, key.encode(), *args)
+    with contextlib.suppress(dist.DistStoreError):
+        hijacker.set(key, b"attacker")
+    assert owner.get(key) == value
+    assert server.state._total == len(value)
