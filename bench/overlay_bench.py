@@ -22,6 +22,7 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from lab.hosts import Network, Security, _metrics, provision, run_across, scenarios
 from lab.machine import announce_machine, write_results
@@ -56,7 +57,7 @@ def main() -> None:
         sys.exit(0)
     machine = announce_machine()
     chosen = scenarios()
-    rows: dict[str, dict[str, float | str]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="overlay-bench-") as scratch:
         out = Path(scratch)
         with Network(["desktop", "laptop", "pc"], rate=args.rate, root=out / "hosts") as network:
