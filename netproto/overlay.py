@@ -32,8 +32,10 @@ import hmac
 import ipaddress
 import logging
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +57,10 @@ DEFAULT_SUBNET = "10.213.128.0/24"
 INTERFACE_PREFIX = "labwg"
 """Interface names: `labwg<pid>` by default. wireguard-go's control sockets live in
 /var/run/wireguard, shared by every network namespace of a machine: names must be unique."""
+INTERFACE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,14}")
+"""What an interface may be called: it becomes an argument of `ip`, `wg` and `wireguard-go`
+and a word of the nftables guard's text, so nothing that could read as an option or syntax."""
+WG_SOCKETS = Path("/var/run/wireguard")
 MAX_PEERS = 64
 PSK_LABEL = b"distributed-llm-lab overlay preshared key v1"
 WG_READY_S = 10.0
@@ -128,6 +134,16 @@ def preshared_key(secret: bytes) -> str:
     return base64.b64encode(hmac.new(secret, PSK_LABEL, hashlib.sha256).digest()).decode()
 
 
+def _in_use(path: Path) -> bool:
+    """Whether a process listens on the unix socket `path` (a wireguard-go's control socket)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:  # none there, or its owner is gone
+            return False
+    return True
+
+
 def _run(*argv: str, stdin: str | None = None) -> str:
     result = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
     if result.returncode != 0:
@@ -166,12 +182,27 @@ class Interface:
         return _run("wg", "pubkey", stdin=self.private_key)
 
     def up(self) -> int:
-        """Make the interface, listening on a free UDP port; returns that port."""
-        if len(self.name) > 15:
-            raise OverlayError(f"interface name {self.name!r} is longer than 15 characters")
+        """Make the interface, listening on a free UDP port; returns that port. A name already
+        taken, here or by a wireguard-go of another namespace, is refused: `down` would
+        delete that interface, and `wg` would configure the other namespace's."""
+        if not INTERFACE_NAME.fullmatch(self.name):
+            raise OverlayError(
+                f"interface name {self.name!r}: 1 to 15 letters, digits, '_', '.' or '-', "
+                f"a letter or digit first"
+            )
+        if subprocess.run(["ip", "link", "show", "dev", self.name], capture_output=True,
+                          check=False).returncode == 0:  # fmt: skip
+            raise OverlayError(f"an interface named {self.name} exists already")
+        control = WG_SOCKETS / f"{self.name}.sock"
+        if _in_use(control):
+            raise OverlayError(
+                f"a wireguard-go serves an interface named {self.name} already ({control}, "
+                f"shared by every network namespace): choose another name"
+            )
         if _kernel_wireguard():
-            _run("ip", "link", "add", self.name, "type", "wireguard")
+            _run("ip", "link", "add", "name", self.name, "type", "wireguard")
         else:
+            control.unlink(missing_ok=True)  # a dead one's: ready means ours exists
             env = {**os.environ, "WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD": "1"}
             self._proc = subprocess.Popen(
                 # SIGTERM when this process dies, however it dies (SIGKILL too): no wireguard-go
@@ -184,7 +215,7 @@ class Interface:
                 start_new_session=True,  # a Ctrl-C reaches us, and we tear it down in order
             )
             deadline = time.monotonic() + WG_READY_S
-            while not Path(f"/var/run/wireguard/{self.name}.sock").exists():
+            while not control.exists():
                 if self._proc.poll() is not None or time.monotonic() > deadline:
                     error = self._proc.stderr.read().decode() if self._proc.stderr else ""
                     self._made = True
@@ -200,7 +231,15 @@ class Interface:
 
     def configure(self, address: str, prefix: int, peers: list[Peer], psk: str) -> None:
         """Our overlay address, every other peer (its key, endpoint, overlay address, the
-        preshared key), and the guard that keeps the LAN from reaching our overlay address."""
+        preshared key), and the guard that keeps the LAN from reaching our overlay address.
+        An address this host holds already (a roster giving us our LAN address) is refused: the
+        guard would drop everything the LAN sends it, and its traffic would leave by WireGuard."""
+        held = _run("ip", "-o", "addr", "show", "to", f"{address}/32")
+        if held:
+            raise OverlayError(
+                f"the overlay address {address} is one this host holds already, on "
+                f"{held.split()[1]}: the overlay would cut it off from that network"
+            )
         with tempfile.NamedTemporaryFile("w", prefix="wgpsk-") as psk_file:
             os.chmod(psk_file.name, 0o600)
             psk_file.write(psk + "\n")
@@ -222,7 +261,7 @@ class Interface:
                     "25",
                 )
         _run("ip", "addr", "add", f"{address}/{prefix}", "dev", self.name)
-        _run("ip", "link", "set", self.name, "up")
+        _run("ip", "link", "set", "dev", self.name, "up")
         # Two roles of a run on one host each have an interface on the subnet, and the main
         # table sends the subnet by one of them: a reply from the other's address would leave
         # by a WireGuard whose peers do not take that source. What leaves from our address
@@ -258,7 +297,8 @@ class Interface:
             )
             self._guarded = False
         if self._made:
-            subprocess.run(["ip", "link", "del", self.name], capture_output=True, check=False)
+            subprocess.run(["ip", "link", "del", "dev", self.name], capture_output=True,
+                           check=False)  # fmt: skip
             self._made = False
         proc, self._proc = self._proc, None
         if proc is not None:
@@ -273,7 +313,7 @@ class Interface:
             if proc.stderr is not None:
                 proc.stderr.close()
             with contextlib.suppress(FileNotFoundError):
-                Path(f"/var/run/wireguard/{self.name}.sock").unlink()
+                (WG_SOCKETS / f"{self.name}.sock").unlink()
 
 
 # --------------------------------------------------------------------------- control plane

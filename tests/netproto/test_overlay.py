@@ -10,6 +10,7 @@ import pytest
 
 from lab.config import ClusterConfig, OverlayConfig
 from netproto.overlay import (
+    Interface,
     OverlayError,
     _check_join,
     _check_roster,
@@ -128,3 +129,13 @@ def test_the_plain_network_is_off_by_default() -> None:
     cluster = ClusterConfig()
     assert not cluster.unsafe_plain_network
     assert not cluster.overlay.up and not cluster.overlay.interface
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "-h", "--help", 'wg"x', "wg x", "wg;flush", "..", "wg/../x", "a" * 16, "wg\nx"],
+)
+def test_an_interface_name_that_is_no_plain_word_is_refused_before_any_command(name: str) -> None:
+    # the name is an argument of ip, wg and wireguard-go and a word of the nftables text
+    with pytest.raises(OverlayError, match="a letter or digit first"):
+        Interface(name=name, private_key="unused").up()
