@@ -174,8 +174,8 @@ class Interface:
     _guarded: bool = False
     _made: bool = False
     _rule: str = ""
-    _table: str = field(default_factory=lambda: str(20000 + os.getpid() % 10000))
-    """The routing table of what leaves from our overlay address (one per process)."""
+    _table: str = ""
+    """The routing table of what leaves from our overlay address (the lowest free one)."""
 
     @property
     def public_key(self) -> str:
@@ -267,6 +267,12 @@ class Interface:
         # by a WireGuard whose peers do not take that source. What leaves from our address
         # leaves by our interface.
         network = ipaddress.ip_network(f"{address}/{prefix}", strict=False)
+        for _ in range(16):  # rules a process killed outright left for this address
+            if subprocess.run(["ip", "rule", "del", "from", address], capture_output=True,
+                              check=False).returncode != 0:  # fmt: skip
+                break
+        used = set(re.findall(r"lookup (\d+)", _run("ip", "rule", "show")))
+        self._table = next(str(t) for t in range(20000, 30000) if str(t) not in used)
         _run("ip", "route", "add", str(network), "dev", self.name, "table", self._table)
         _run("ip", "rule", "add", "from", address, "lookup", self._table, "priority", "1000")
         self._rule = address
@@ -275,6 +281,12 @@ class Interface:
     def guard(self, address: str) -> None:
         """nftables: packets for `address` are taken only from this interface or loopback."""
         table = f"lab_{self.name}"
+        listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
+                                check=False).stdout  # fmt: skip
+        for stale in re.findall(r"table inet lab_(\S+)", listed):  # of interfaces long gone
+            if not Path(f"/sys/class/net/{stale}").exists():
+                subprocess.run(["nft", "delete", "table", "inet", f"lab_{stale}"],
+                               capture_output=True, check=False)  # fmt: skip
         rules = (
             f"table inet {table} {{\n chain input {{\n"
             f"  type filter hook input priority -10; policy accept;\n"
@@ -346,8 +358,17 @@ def _host_of(peer: str) -> str:
 class _Hub:
     """The hub's control server: collects `num_peers` JOINs, then answers each with the roster."""
 
-    def __init__(self, *, num_peers: int, subnet: ipaddress.IPv4Network) -> None:
+    def __init__(
+        self,
+        *,
+        num_peers: int,
+        subnet: ipaddress.IPv4Network,
+        names: frozenset[str] | None = None,
+    ) -> None:
         self.num_peers = num_peers
+        self.names = names
+        """The peers' names when known (a split run's stage1..N): each joins once, by name, so
+        a secret holder joining again under other keys cannot take the real peers' places."""
         self.hosts = list(subnet.hosts())
         self.prefix = subnet.prefixlen
         self.joined: dict[str, Peer] = {}  # by public key
@@ -368,6 +389,13 @@ class _Hub:
             conn.send_error("bad_join", str(exc))
             return
         with self._done:
+            taken = {peer.name: k for k, peer in self.joined.items()}
+            if self.names is not None and (name not in self.names or taken.get(name, key) != key):
+                self.refused += 1
+                conn.send_error(
+                    "bad_join", f"{name!r} is not a peer of this overlay, or has joined"
+                )
+                return
             if key not in self.joined:
                 if len(self.joined) >= self.num_peers:
                     conn.send_error("full", "this overlay has all its peers")
@@ -428,6 +456,7 @@ def hub(
     port: int,
     num_peers: int,
     secret: bytes,
+    names: frozenset[str] | None = None,
     subnet: str = DEFAULT_SUBNET,
     timeout_s: float = 300.0,
     ssl_context: Any = None,
@@ -444,7 +473,7 @@ def hub(
     net = ipaddress.ip_network(subnet)
     if not isinstance(net, ipaddress.IPv4Network) or net.num_addresses < num_peers + 3:
         raise OverlayError(f"overlay subnet {subnet} is not an IPv4 network with room")
-    state = _Hub(num_peers=num_peers, subnet=net)
+    state = _Hub(num_peers=num_peers, subnet=net, names=names)
     wg = Interface(name=interface) if interface else Interface()
     server = Server(
         state.session,

@@ -259,6 +259,8 @@ class NetprotoStoreClient:
         self.conn = conn
         self.timeout = timeout
         self._lock = threading.Lock()
+        self.abandoned = ""
+        """Set (to why) by whoever gives up on this world: every wait then ends with it."""
 
     def _request(self, op: Op, *args: bytes) -> list[bytes]:
         with self._lock:
@@ -274,6 +276,8 @@ class NetprotoStoreClient:
         if not fields or fields[0] not in (OK, MISSING):
             detail = fields[1].decode(errors="replace") if len(fields) > 1 else "no reason"
             raise dist.DistStoreError(f"rendezvous store refused {op.name}: {detail}")
+        if fields[0] == OK and len(fields) < (1 if op == Op.SET else 2):
+            raise dist.DistStoreError(f"rendezvous store answered {op.name} without its value")
         return fields
 
     def _until(self, timeout: timedelta | None, op: Op, *args: bytes) -> list[bytes]:
@@ -281,6 +285,8 @@ class NetprotoStoreClient:
         limit = (timeout or self.timeout).total_seconds()
         deadline = time.monotonic() + limit
         while True:
+            if self.abandoned:
+                raise dist.DistStoreError(f"rendezvous abandoned: {self.abandoned}")
             fields = self._request(op, *args)
             if fields[0] == OK and (op != Op.WAIT or fields[1] == b"1"):
                 return fields

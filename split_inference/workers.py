@@ -284,6 +284,12 @@ class _WorldEnd:
 _end = _WorldEnd()
 
 
+_abandoned: list[str] = [""]
+"""Why the join watchdog gave up on this process's world ("" while it has not)."""
+ABANDON_GRACE_S = 30.0
+"""How long the watchdog, having given up, waits for init_rpc to raise before ending the process."""
+
+
 def _store_on_master_host(
     url: str, timeout: timedelta = timedelta(seconds=300), **_: Any
 ) -> Iterator[tuple[Any, int, int]]:
@@ -294,7 +300,7 @@ def _store_on_master_host(
     torch's own tcp:// rendezvous serves a TCPStore: C++, unauthenticated, uncapped, and bound
     to every interface whatever host the URL names."""
     from netproto import Connection
-    from netproto.errors import ConnectionClosed, NetTimeout
+    from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
     from split_inference.store import MAX_FRAME_BYTES, NetprotoStoreClient, StoreServer
 
     parts = urlparse(url)
@@ -319,11 +325,16 @@ def _store_on_master_host(
                 limits=Limits(max_frame_bytes=MAX_FRAME_BYTES, max_json_bytes=4096),
             )  # fmt: skip
             break
+        except AuthenticationError as exc:
+            raise StageLostError(
+                f"the run's rendezvous store at {host}:{port} refused this process: {exc}"
+            ) from None
         except (ConnectionClosed, NetTimeout):
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or _abandoned[0]:
                 raise
             time.sleep(0.2)
     _end.client = NetprotoStoreClient(conn, timeout=timeout)
+    _end.client.abandoned = _abandoned[0]
     _end.store = _WorldStore(_end.client)
     yield _end.store, rank, world_size
     raise RuntimeError("a split run's rendezvous cannot be repeated")
@@ -425,8 +436,9 @@ def safe_master(
             )
         port = overlay.port or master.port + 1
         if rank == 0:
+            names = frozenset(stage_name(rank) for rank in range(1, num_stages + 1))
             held = wg.hub(listen=master.host, port=port, num_peers=num_stages, secret=secret,
-                          subnet=overlay.subnet, timeout_s=timeout_s)  # fmt: skip
+                          names=names, subnet=overlay.subnet, timeout_s=timeout_s)  # fmt: skip
         else:
             held = wg.join(hub_address=master.host, port=port, secret=secret,
                            name=stage_name(rank), timeout_s=timeout_s)  # fmt: skip
@@ -560,10 +572,18 @@ def joined(
                 break
         else:
             return
+        # The store is ours: its waits end now, and init_rpc raises in this process's own
+        # thread. Only if torch is stuck elsewhere (a Gloo connect) does this process end.
+        _abandoned[0] = reason
+        if _end.client is not None:
+            _end.client.abandoned = reason
+        if assembled.wait(ABANDON_GRACE_S):
+            return
         log.error("%s: %s", world.name, reason)
         logging.shutdown()
         os._exit(3)
 
+    _abandoned[0] = ""
     threading.Thread(target=watch, daemon=True, name="rpc-join-watchdog").start()
     _forget_previous_world()
     _register_rendezvous()
@@ -586,6 +606,8 @@ def joined(
             )
     except BaseException:
         _close_store()
+        if _abandoned[0]:
+            raise StageLostError(_abandoned[0]) from None
         raise
     finally:
         assembled.set()

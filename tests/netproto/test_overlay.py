@@ -139,3 +139,49 @@ def test_an_interface_name_that_is_no_plain_word_is_refused_before_any_command(n
     # the name is an argument of ip, wg and wireguard-go and a word of the nftables text
     with pytest.raises(OverlayError, match="a letter or digit first"):
         Interface(name=name, private_key="unused").up()
+
+
+def test_a_secret_holder_joining_again_under_other_keys_takes_no_peers_place() -> None:
+    """The hub of a split run knows its peers' names: a second JOIN as stage1 (another key) or
+    one under a name that is no stage is refused, and the real peers get the roster."""
+    import ipaddress
+    import threading
+
+    from netproto import Connection, Server
+    from netproto.errors import RemoteError
+    from netproto.overlay import OverlayMsg, Peer, _Hub
+
+    hub = _Hub(num_peers=2, subnet=ipaddress.IPv4Network("10.213.128.0/24"),
+               names=frozenset({"stage1", "stage2"}))  # fmt: skip
+    keys = [base64.b64encode(bytes([i]) * 32).decode() for i in range(4)]
+    replies: dict[str, Any] = {}
+
+    def join(label: str, name: str, key: str) -> None:
+        with Connection.connect(*server.address, secret=b"s", connect_timeout_s=5) as conn:
+            try:
+                payload = {"name": name, "public_key": key, "wg_port": 51820}
+                roster = OverlayMsg.ROSTER
+                reply = conn.request(OverlayMsg.JOIN, payload, expect=roster, timeout_s=30)
+                replies[label] = reply.payload
+            except RemoteError as exc:
+                replies[label] = str(exc)
+
+    with Server(hub.session, secret=b"s", name="hub").start() as server:
+        first = threading.Thread(target=join, args=("stage1", "stage1", keys[0]))
+        first.start()
+        while len(hub.joined) < 1:
+            threading.Event().wait(0.05)
+        join("again", "stage1", keys[1])
+        join("stranger", "stage9", keys[2])
+        second = threading.Thread(target=join, args=("stage2", "stage2", keys[3]))
+        second.start()
+        peers = hub.wait_all(30)
+        hub.publish(Peer("hub", KEY, "10.213.0.1:51820", "10.213.128.1"), peers)
+        for thread in (first, second):
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+    assert "not a peer of this overlay" in replies["again"]
+    assert "not a peer of this overlay" in replies["stranger"]
+    assert sorted(p.name for p in peers) == ["stage1", "stage2"]
+    assert replies["stage1"]["address"] == "10.213.128.2"
+    assert replies["stage2"]["address"] == "10.213.128.3"

@@ -1,6 +1,9 @@
-"""A rogue rank without the shared secret, for tests: `python -m tests.split.rogue_stage PORT OUT`.
+"""A rogue rank without the shared secret, for tests: `python -m tests.split.rogue_stage PORT OUT
+STORE_SECRET`.
 
-It joins a split world as stage2 (the rendezvous store lets anyone in) with no secret. When the
+It joins a split world as stage2 with no secret. The rendezvous store (the lab's, behind the
+secret) would refuse it, so it is given the store's secret alone, as if the store had let it in:
+what follows tests the RPC guard on its own, the layer behind the store. When the
 driver starts its handshake with it (after stage1 has proved the secret and been accepted), it
 first tries to make stage1 and the driver do things, records what each attempt got in OUT (JSON),
 then answers the handshake as a stage without the secret would. The driver then stops the run.
@@ -10,7 +13,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 
 def attack(out: Path, honest_prove) -> None:
@@ -36,7 +42,7 @@ def attack(out: Path, honest_prove) -> None:
     out.write_text(json.dumps(outcome, indent=1))
 
 
-def main(port: int, out: Path) -> None:
+def main(port: int, out: Path, store_secret: bytes) -> None:
     from lab.config import Endpoint
     from split_inference import workers
     from split_inference.config import SplitConfig
@@ -49,6 +55,18 @@ def main(port: int, out: Path) -> None:
         return honest_prove(driver_nonce)
 
     workers.stage_prove = prove_after_attacking  # what the driver's handshake call runs here
+    meet = workers._store_on_master_host
+
+    def meet_with_the_stores_secret(
+        url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any
+    ) -> Iterator[tuple[Any, int, int]]:
+        workers._auth.secret = store_secret  # the store's handshake only
+        rendezvous = meet(url, timeout, **kwargs)
+        joined = next(rendezvous)
+        workers._auth.secret = None  # and no secret for anything after
+        yield joined
+
+    workers._store_on_master_host = meet_with_the_stores_secret
     world = workers.World(
         2, Endpoint("127.0.0.1", port), SplitConfig(num_stages=2, rpc_timeout_s=20)
     )
@@ -57,4 +75,4 @@ def main(port: int, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), Path(sys.argv[2]))
+    main(int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].encode())

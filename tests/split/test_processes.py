@@ -17,6 +17,7 @@ import torch
 from lab.cli import ConfigError
 from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
 from split_inference.run import run as run_inference
+from split_inference.workers import StageLostError
 from split_training.run import run as run_training
 
 from .conftest import rpc_world
@@ -216,8 +217,14 @@ def test_a_killed_stage_ends_the_run_with_a_clear_error(llama_folder: Path, tmp_
 
 
 def test_a_stage_with_another_secret_is_refused(llama_folder: Path, tmp_path: Path) -> None:
+    """Refused at the rendezvous already: the store is the lab's, behind the secret's handshake.
+    The driver stops (it does not wait out split.join_timeout_s) and quotes the stage's line."""
     with (
-        pytest.raises(PermissionError, match="could not prove the shared secret"),
+        pytest.raises(
+            StageLostError,
+            match=r"(?s)stage\d.*rendezvous store .* refused this "
+            r"process: the server's shared secret differs",
+        ),
         rpc_world(llama_folder, tmp_path, stage_env={"LAB_SECRET": "theirs"}, driver_secret="ours"),
     ):
         pass
@@ -226,7 +233,7 @@ def test_a_stage_with_another_secret_is_refused(llama_folder: Path, tmp_path: Pa
 def test_stages_refuse_a_driver_without_the_secret(llama_folder: Path, tmp_path: Path) -> None:
     stage_secret = {"LAB_SECRET": "theirs"}
     with (
-        pytest.raises(PermissionError, match="expects a shared secret"),
+        pytest.raises(StageLostError, match=r"(?s)rendezvous store .* refused this process"),
         rpc_world(llama_folder, tmp_path, stage_env=stage_secret),
     ):
         pass
@@ -274,7 +281,7 @@ def test_a_rank_without_the_secret_cannot_make_anyone_do_anything(
     honest.env["LAB_SECRET"] = "shared"
     rogue = Role(
         "stage2",
-        [sys.executable, "-m", "tests.split.rogue_stage", str(port), str(out)],
+        [sys.executable, "-m", "tests.split.rogue_stage", str(port), str(out), "shared"],
         service=True,
     )
     settings = SplitInferenceRunConfig(
