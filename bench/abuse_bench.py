@@ -3,17 +3,23 @@
 Run: `python bench/abuse_bench.py [--quick]`.
 
 Four surfaces, each served by a process of its own, attacked by another, while this process
-plays an honest client and times it, without the attack and then under it:
+plays an honest client and times it, without the attack and then under it. The honest client
+dials from 127.0.0.2 (the coordinator's newcomers each from an address of their own), the
+attackers from 127.0.0.1 and, for the classes that need a host to themselves, 127.0.0.3-4:
+other hosts, as the servers see them.
   - netproto (a secret set): idle and slow strangers by the hundred, PING before the handshake,
     malformed frames before and after authentication (overflowing tensor dims, JSON nested
     5,000 deep, a 5,000-digit integer, NaN, 1e999, 100,000 tensors, ERROR text forging log
-    lines). Honest: connect, authenticate, one request.
+    lines), authenticated peers dribbling a frame a byte every 2 s (within the read timeout:
+    the frame deadline must cut them), one address asking for every slot (it gets its share).
+    Honest: connect, authenticate, one request.
   - spec_decoding's verifier (the debug target): malformed OPEN fields, a 40,000-token
     BASELINE, q <= 0 drafts, a session growing past its cap. Honest: OPEN and one DRAFT.
   - fed_learn's coordinator: two of five clients (in an attacker process) answer every task
     with a malformed RESULT or a poisoned update (NaN, Inf, 3e38) after a flood of unsolicited
-    results, with median aggregation on. Honest: a newcomer's JOIN while the rounds run,
-    against the same with five honest clients.
+    results, with median aggregation on, while two more secret holders JOIN and leave in a
+    loop. Honest: a newcomer's JOIN while the rounds run, against the same with five honest
+    clients and no loop.
   - a split stage (a shared secret set): a rank without the secret calls stage functions
     unsigned, and TorchScript builtin operators, which TensorPipe runs in C++ without any Python
     check (reported as served: see the README's security section). Honest: the driver's call
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -53,6 +60,17 @@ from lab.machine import announce_machine, write_results
 RESULTS = Path(__file__).resolve().parent / "results" / "abuse_bench.json"
 SECRET = "abuse-bench-secret"
 HANDSHAKE_TIMEOUT_S = 2.0
+READ_TIMEOUT_S = 30.0
+HONEST_HOST = "127.0.0.2"
+"""Where the honest client dials from: another host than the attackers, as servers see it."""
+DRIBBLE_HOST, HOG_HOST = "127.0.0.3", "127.0.0.4"
+"""The slowloris peers' and the slot hog's own addresses (each class is one host's doing)."""
+LOOP_HOSTS = ("127.0.0.3", "127.0.0.4")
+"""The coordinator's two JOIN-and-leave loops, one address each."""
+DRIBBLE_STEP_S = 2.0
+SLOWLORIS_S = 16.0
+"""How long the dribblers dribble: past netproto's frame grace (10 s) and a few bytes more."""
+NUM_DRIBBLERS = 32
 
 
 @dataclass
@@ -93,6 +111,19 @@ def p50(samples: list[float]) -> float:
     return statistics.median(samples) if samples else math.nan
 
 
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed `sock` (a read finds the end, or a reset)."""
+    sock.settimeout(0.5)
+    try:
+        while sock.recv(4096):
+            pass  # an ERROR first, perhaps
+        return True
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
 # ------------------------------------------------------------------ netproto
 
 
@@ -119,14 +150,20 @@ def _serve_in_child(make_handler: str, ready: Any, stop: Any, kwargs: dict[str, 
         secret=SECRET.encode(),
         ssl_context=server_ssl_context(cert=tls[0], key=tls[1]) if tls else None,
         handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
-        read_timeout_s=30,
+        read_timeout_s=READ_TIMEOUT_S,
         name=make_handler,
     ).start()
     ready.send(server.address)
     stop.recv()
     counters = {
         name: getattr(server, name)
-        for name in ("sessions_started", "sessions_failed", "sessions_evicted", "sessions_refused")
+        for name in (
+            "sessions_started",
+            "sessions_failed",
+            "sessions_evicted",
+            "sessions_refused",
+            "sessions_capped",
+        )
         if hasattr(server, name)
     }
     server.stop()
@@ -174,7 +211,7 @@ def server_process(handler: str, **kwargs: Any) -> Iterator[tuple[tuple[str, int
             proc.kill()
 
 
-def _connect(address: tuple[str, int], *, ca: str | None = None) -> Any:
+def _connect(address: tuple[str, int], *, ca: str | None = None, host: str = "127.0.0.1") -> Any:
     from netproto import Connection
     from netproto.connection import client_ssl_context
 
@@ -183,6 +220,7 @@ def _connect(address: tuple[str, int], *, ca: str | None = None) -> Any:
         secret=SECRET.encode(),
         ssl_context=client_ssl_context(ca=ca) if ca else None,
         connect_timeout_s=10,
+        source_address=(host, 0),
     )
 
 
@@ -205,7 +243,7 @@ def self_signed_certificate(folder: Path) -> tuple[str, str] | None:
 def honest_echo(address: tuple[str, int], ca: str | None = None) -> None:
     from netproto import MsgType
 
-    with _connect(address, ca=ca) as conn:
+    with _connect(address, ca=ca, host=HONEST_HOST) as conn:
         conn.request(MsgType.DATA_JSON, {"hello": 1}, expect=MsgType.DATA_JSON)
 
 
@@ -288,6 +326,47 @@ def attack_netproto(
             outcome.add("refused" if closed else "served")
             sock.close()
 
+    def slowloris() -> None:
+        """Authenticated peers each dribbling a frame a byte every 2 s, well inside the read
+        timeout: the frame deadline must cut every one (refused) before the attack ends."""
+        outcome = outcomes.setdefault(
+            f"{label}: {NUM_DRIBBLERS} authenticated peers dribbling a frame, a byte per 2 s",
+            Outcome(),
+        )
+        conns = []
+        for _ in range(NUM_DRIBBLERS):
+            try:
+                conns.append(_connect(address, host=DRIBBLE_HOST))
+            except (OSError, NetprotoError):
+                outcome.add("refused")
+        frame = _frame(MsgType.DATA_BYTES, PayloadKind.BYTES, bytes(1000))
+        ends = time.monotonic() + max(seconds, SLOWLORIS_S)
+        for step in range(len(frame)):
+            if time.monotonic() >= ends:
+                break
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    conn._sock.send(frame[step : step + 1])
+            time.sleep(DRIBBLE_STEP_S)
+        for conn in conns:
+            outcome.add("refused" if _closed_by_server(conn._sock) else "served")
+            conn.close()
+
+    def hog() -> None:
+        """One address asks for every slot, authenticating each: it gets its share (served),
+        the rest are closed at accept (refused), and it holds them while the attack lasts."""
+        outcome = outcomes.setdefault(f"{label}: one address asking for all 256 slots", Outcome())
+        conns = []
+        for _ in range(256):
+            try:
+                conns.append(_connect(address, host=HOG_HOST))
+                outcome.add("served")
+            except (OSError, NetprotoError):
+                outcome.add("refused")
+        time.sleep(seconds)
+        for conn in conns:
+            conn.close()
+
     def ping_first() -> None:
         outcome = outcomes.setdefault(f"{label}: PING before the handshake", Outcome())
         ends = time.monotonic() + seconds
@@ -333,6 +412,7 @@ def attack_netproto(
     threads = [threading.Thread(target=f) for f in (strangers, ping_first)]
     if not crowd_only:
         threads += [threading.Thread(target=malformed, args=(auth,)) for auth in (False, True)]
+        threads += [threading.Thread(target=f) for f in (slowloris, hog)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -362,7 +442,7 @@ def _vocab_hash(cache_dir: str) -> str:
 def honest_verifier(address: tuple[str, int], tokenizer_hash: str) -> None:
     from spec_decoding.protocol import SpecMsg
 
-    with _connect(address) as conn:
+    with _connect(address, host=HONEST_HOST) as conn:
         _open(conn, tokenizer_hash)
         conn.request(
             SpecMsg.DRAFT, {"tokens": torch.tensor([7], dtype=torch.int32)}, expect=SpecMsg.VERDICT
@@ -468,16 +548,24 @@ BAD_RESULTS: list[dict[str, Any]] = [
 ]
 
 
-def _fed_client(address: tuple[str, int], index: int, rogue: bool, sent: list[int]) -> None:
+def _fed_client(
+    address: tuple[str, int],
+    index: int,
+    rogue: bool,
+    sent: list[int],
+    joined: threading.Event | None = None,
+) -> None:
     """A scripted client: the global adapter plus a small offset (no training: the figure is
     about the coordinator). Rogue 3 sends malformed RESULT fields; rogue 4 floods unsolicited
-    results, then sends a poisoned update (NaN, Inf, 3e38 in turn)."""
+    results, then sends a poisoned update (NaN, Inf, 3e38 in turn). Sets `joined` once in."""
     from fed_learn.protocol import FedMsg
     from netproto import NetprotoError
 
     conn = _connect(address)
     try:
         conn.request(FedMsg.JOIN, {"name": f"c{index}", "num_examples": 10}, expect=FedMsg.WELCOME)
+        if joined is not None:
+            joined.set()
         turn = 0
         while True:
             message = conn.recv(expect={FedMsg.TASK, FedMsg.FINISH})
@@ -515,15 +603,51 @@ def _fed_client(address: tuple[str, int], index: int, rogue: bool, sent: list[in
         conn.close()
 
 
+def _join_loop(
+    address: tuple[str, int], host: str, stop: threading.Event, outcome: Outcome
+) -> None:
+    """A secret holder joining and leaving as fast as it can: welcomed within its address's
+    JOIN rate (served), answered `rate_limited` past it (refused)."""
+    from fed_learn.protocol import FedMsg
+    from netproto import NetprotoError
+
+    while not stop.is_set():
+        try:
+            with _connect(address, host=host) as conn:
+                conn.request(
+                    FedMsg.JOIN, {"name": "loop", "num_examples": 10}, expect=FedMsg.WELCOME
+                )
+            outcome.add("served")
+        except (OSError, NetprotoError) as exc:
+            outcome.add(_verdict(exc))
+
+
 def _rogue_clients(pipe: Any, address: tuple[str, int]) -> None:
-    """Attacker process: clients 3 and 4, both rogue; sends how many messages they sent."""
+    """Attacker process: clients 3 and 4, both rogue, and once they are in, two JOIN-and-leave
+    loops until the rounds end; sends how many messages the rogues sent and the loops' JOINs."""
     sent = [0]
-    threads = [threading.Thread(target=_fed_client, args=(address, i, True, sent)) for i in (3, 4)]
+    joined = [threading.Event() for _ in range(2)]
+    threads = [
+        threading.Thread(target=_fed_client, args=(address, i, True, sent, event))
+        for i, event in zip((3, 4), joined, strict=True)
+    ]
     for thread in threads:
+        thread.start()
+    for event in joined:
+        event.wait(600)
+    stop, joins = threading.Event(), Outcome()
+    loops = [
+        threading.Thread(target=_join_loop, args=(address, host, stop, joins))
+        for host in LOOP_HOSTS
+    ]
+    for thread in loops:
         thread.start()
     for thread in threads:
         thread.join()
-    pipe.send(sent[0])
+    stop.set()
+    for thread in loops:
+        thread.join()
+    pipe.send((sent[0], vars(joins)))
 
 
 def _federation(
@@ -549,6 +673,14 @@ def _federation(
     model = peft_model(settings.model, settings.lora, cache_dir=Path(cache_dir))
     coordinator = Coordinator(settings, model, torch.randint(0, 300, (4, 32)))
     server = serve(coordinator.handle, settings.cluster, Endpoint(), name="coordinator")
+    peak, watching = [0], threading.Event()
+
+    def watch_table() -> None:  # what the client table grows to (loops join and leave)
+        while not watching.wait(0.01):
+            peak[0] = max(peak[0], len(coordinator.clients))
+
+    watcher = threading.Thread(target=watch_table, daemon=True)
+    watcher.start()
     sent = [0]
     threads = [
         threading.Thread(target=_fed_client, args=(server.address, i, False, sent), daemon=True)
@@ -571,10 +703,15 @@ def _federation(
     except Exception as exc:  # the coordinator must survive its clients
         crashed = True
         print(f"coordinator crashed: {exc!r}", file=sys.stderr)
-    server.stop()
+    joins: dict[str, int] = {}
     if rogues:
-        sent[0] += ours.recv() if ours.poll(30) else 0
+        if ours.poll(60):
+            rogue_sent, joins = ours.recv()
+            sent[0] += rogue_sent
         attacker.join(timeout=10)
+    server.stop()
+    watching.set()
+    watcher.join(timeout=10)
     records = [r for r in read_records(run_dir / METRICS_FILE) if "clients" in r]
     finite = all(bool(torch.isfinite(t).all()) for t in adapter_state(model).values())
     return {
@@ -584,6 +721,8 @@ def _federation(
         "finite": finite,
         "crashed": crashed,
         "rounds": len(records),
+        "joins": joins,
+        "table_peak": peak[0],
     }
 
 
@@ -593,13 +732,20 @@ def _federation_child(
     pipe.send(_federation(pipe, rogues, rounds, cache_dir, placement))
 
 
-def honest_join(address: tuple[str, int]) -> None:
-    """A newcomer's JOIN answered with WELCOME. It leaves at once; a round that sampled it in
-    the meantime counts it as a failure, like any client that leaves."""
+def honest_join(address: tuple[str, int], host: str) -> None:
+    """A newcomer's JOIN from `host` answered with WELCOME. It leaves at once; a round that
+    sampled it in the meantime counts it as a failure, like any client that leaves."""
     from fed_learn.protocol import FedMsg
 
-    with _connect(address) as conn:
+    with _connect(address, host=host) as conn:
         conn.request(FedMsg.JOIN, {"name": "newcomer", "num_examples": 1}, expect=FedMsg.WELCOME)
+
+
+def newcomer_hosts() -> Iterator[str]:
+    """Each newcomer from an address of its own (127.0.1.1, ...): JOINs are limited per
+    address, and a newcomer is a new host."""
+    for index in itertools.count():
+        yield f"127.0.{1 + index // 250}.{1 + index % 250}"
 
 
 def run_federation(
@@ -620,9 +766,11 @@ def run_federation(
             raise RuntimeError("the federation did not start")
         address = ours.recv()
         times: list[float] = []
+        hosts = newcomer_hosts()
         while not ours.poll() and len(times) < samples:
             try:
-                times += timed(lambda: honest_join(address), count=1)
+                host = next(hosts)
+                times += timed(lambda: honest_join(address, host), count=1)  # noqa: B023
             except NetprotoError:
                 if not ours.poll(5):  # not the federation ending under our feet
                     raise
@@ -928,11 +1076,18 @@ def main(quick: bool) -> None:
         crashes=int(broken),
         served=attacked["sent"] - refused,
     )
+    joins = Outcome(**attacked["joins"]) if attacked["joins"] else Outcome()
+    joins.crashes += int(broken)
+    print(f"coordinator: client table peaked at {attacked['table_peak']} "
+          f"(5 clients, 2 JOIN-and-leave loops)", flush=True)  # fmt: skip
     record(
         "coordinator",
         without,
         under,
-        {"coordinator: 2 of 5 clients malformed / poisoned / flooding": fed_outcome},
+        {
+            "coordinator: 2 of 5 clients malformed / poisoned / flooding": fed_outcome,
+            "coordinator: 2 secret holders JOINing and leaving in a loop": joins,
+        },
     )
 
     times, outcomes, stage_alive = run_rpc(seconds, samples)

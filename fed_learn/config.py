@@ -68,6 +68,14 @@ class FedConfig:
     heartbeat_s: float = 2.0
     heartbeat_timeout_s: float = 30.0
     """A client silent this long is dead and left out of later rounds."""
+    join_rate_per_address: float = 1.0
+    """JOINs a second one address may make, once its burst is spent; the coordinator answers
+    the others `rate_limited` and closes them. Honest clients JOIN once per connection; this
+    bounds what a secret holder joining and leaving in a loop costs."""
+    join_burst_per_address: int = 32
+    """JOINs one address may make at once (a token bucket refilled at join_rate_per_address).
+    Never fewer than num_clients: a whole roster behind one address (a local run, a NAT, a
+    restarted coordinator's clients dialing again) joins together."""
     compression: str = "none"
     """none | topk | topk_int8: clients send the top-k of their update (delta from the global
     adapter), keeping the rest as error feedback for later rounds; int8 also quantizes it."""
@@ -132,10 +140,15 @@ class FedConfig:
                 "batch_size",
                 "max_examples_per_client",
                 "eval_blocks",
+                "join_burst_per_address",
             ),
         )
         if not 0 < self.fraction_fit <= 1:
             raise ValueError(f"fed.fraction_fit={self.fraction_fit} must be in (0, 1]")
+        if not 0 < self.join_rate_per_address < math.inf:
+            raise ValueError(
+                f"fed.join_rate_per_address={self.join_rate_per_address} must be finite and > 0"
+            )
         if self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("fed.heartbeat_timeout_s must exceed fed.heartbeat_s")
         per_round = max(self.min_fit_clients, math.ceil(self.num_clients * self.fraction_fit))

@@ -12,11 +12,18 @@ by field, its update for finite values, layout, the strategy's rules and a bound
 (`fed.max_update_norm`), and its weight is capped by what the client declared at JOIN and by
 `fed.max_examples_per_client`. A bad answer is that client's failure in the round: logged,
 counted, and the round goes on with the others.
+
+Nor does a client's coming and going cost more than its stay: a client that leaves is dropped
+from the client table with its connection and buffers (its id is never given again), a
+checkpoint's roster lists only the clients whose updates a round took, and each address may
+JOIN only so often (`fed.join_rate_per_address`); a refused JOIN costs one ERROR frame.
+Every reader of the client table holds the lock its writers hold.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -25,6 +32,7 @@ import random
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +53,7 @@ from lab.pretrain import evaluate
 from lab.tracking import Tracker
 from netproto import Connection, NetprotoError
 from netproto.errors import peer_text
+from netproto.server import address_key
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,9 @@ ANSWER_ERRORS = (ValueError, TypeError, RuntimeError)
 NotImplementedError): that client's failure, never the round's."""
 REPLY_SLOTS = 2
 """A client's queue: the answer to its one outstanding task, and the 'gone' marker."""
+MAX_TRACKED_ADDRESSES = 4096
+"""JOIN buckets kept (the least recently used goes first): memory stays bounded whatever the
+number of addresses; a forgotten one starts again with a full bucket."""
 
 
 def _progress() -> Progress:
@@ -74,6 +86,28 @@ def _progress() -> Progress:
 
 class NotEnoughClientsError(UserError, RuntimeError):
     """Fewer than `fed.min_fit_clients` clients connected within `fed.wait_clients_s`."""
+
+
+class JoinLimiter:
+    """A token bucket per address: `burst` JOINs at once, then `rate` a second. Not
+    thread-safe: the caller holds a lock."""
+
+    def __init__(self, *, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        """address -> (tokens, when counted), least recently used first."""
+
+    def allow(self, address: str, *, now: float | None = None) -> bool:
+        """Take a token from `address`'s bucket; whether there was one."""
+        now = time.monotonic() if now is None else now
+        tokens, then = self._buckets.pop(address, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[address] = (tokens - allowed, now)
+        while len(self._buckets) > MAX_TRACKED_ADDRESSES:
+            self._buckets.popitem(last=False)
+        return allowed
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,7 +163,19 @@ class Coordinator:
             combine=combiner(self.fed.aggregator, trim_fraction=self.fed.trim_fraction),
         )
         self.clients: dict[int, ClientHandle] = {}
+        """The clients connected now (a client that leaves is dropped): read it under _lock."""
+        self.roster: dict[int, dict[str, Any]] = {}
+        """Every client whose update a round took, for checkpoints: id, name, examples and
+        the rounds it took part in (small records: no connection is kept)."""
         self.round = 0
+        self._client_ids = itertools.count()  # never reused: a departed client's id stays its
+        self._joins = JoinLimiter(
+            rate=self.fed.join_rate_per_address,
+            burst=max(self.fed.join_burst_per_address, self.fed.num_clients),
+        )
+        self.joins_refused = 0
+        self._departed_traffic = (0, 0)  # bytes (sent, received) of the clients that left
+        self._departed_dropped = 0  # RESULTs dropped from the clients that left
         self._lock = threading.Lock()
         self._joined = threading.Condition(self._lock)
         self._finished = threading.Event()
@@ -139,6 +185,23 @@ class Coordinator:
 
     def handle(self, conn: Connection) -> None:
         join = conn.recv(expect=FedMsg.JOIN, timeout_s=self.fed.heartbeat_timeout_s)
+        address = address_key(conn.peer_host)
+        with self._lock:
+            allowed = self._joins.allow(address)
+            self.joins_refused += not allowed
+            refused = self.joins_refused
+        if not allowed:
+            conn.send_error(
+                "rate_limited",
+                f"too many JOINs from {address}: at most {self._joins.burst} at once, then "
+                f"{self.fed.join_rate_per_address:g} a second (fed.join_rate_per_address)",
+                request_id=join.request_id,
+            )
+            if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th...: a flood stays a trickle
+                log.warning(
+                    "refused a JOIN from %s: too many (%d refused so far)", address, refused
+                )
+            return
         try:
             hello = parse_join(join.payload)
         except ValueError as exc:
@@ -147,7 +210,7 @@ class Coordinator:
         num_examples = min(hello.num_examples, self.fed.max_examples_per_client)
         with self._lock:
             client = ClientHandle(
-                client_id=len(self.clients),
+                client_id=next(self._client_ids),
                 name=hello.name,
                 num_examples=num_examples,
                 conn=conn,
@@ -173,6 +236,15 @@ class Coordinator:
                 client.alive = False
                 client.task = None
                 client.results.put_nowait(None)  # wakes a round waiting for this client
+                # Gone from the table: nothing keeps its connection but a round that sampled
+                # it, until that round ends. What it counted for stays in the totals.
+                del self.clients[client.client_id]
+                sent, received = self._departed_traffic
+                self._departed_traffic = (
+                    sent + conn.bytes_sent,
+                    received + conn.bytes_received,
+                )
+                self._departed_dropped += client.dropped
             if self._finished.is_set():
                 log.info("%s (id %d) left", client.name, client.client_id)
             else:
@@ -386,7 +458,21 @@ class Coordinator:
     def dropped_results(self) -> int:
         """RESULTs dropped so far, over every client: they answered no outstanding task."""
         with self._lock:
-            return sum(c.dropped for c in self.clients.values())
+            return self._departed_dropped + sum(c.dropped for c in self.clients.values())
+
+    def _took_part(self, client: ClientHandle) -> None:
+        """A round took `client`'s update: it is on the checkpoints' roster from now on."""
+        with self._lock:
+            entry = self.roster.setdefault(
+                client.client_id,
+                {
+                    "client_id": client.client_id,
+                    "name": client.name,
+                    "num_examples": client.num_examples,
+                    "rounds": 0,
+                },
+            )
+            entry["rounds"] += 1
 
     def run_async(self, tracker: Tracker) -> dict[str, float]:
         """Apply each update as it arrives, mixed in with a staleness-discounted weight.
@@ -406,7 +492,7 @@ class Coordinator:
         )
         version = 0
         versions = {version: adapter_state(self.model)}  # what clients may be training from
-        busy: dict[int, Task] = {}  # client_id -> its task (the version it trains from)
+        busy: dict[int, tuple[ClientHandle, Task]] = {}  # client_id -> it, its task (version)
         history: list[dict[str, float]] = []
         applied, refused = 0, 0
         staleness: list[int] = []
@@ -425,22 +511,18 @@ class Coordinator:
                     send_started = time.perf_counter()
                     task = self._send_task(client, version, versions[version])
                     if task is not None:
-                        busy[client.client_id] = task
+                        busy[client.client_id] = (client, task)
                     coordinator_s += time.perf_counter() - send_started
                 arrived = False
-                with self._lock:
-                    clients = list(self.clients.values())
-                for client in clients:
-                    if client.client_id not in busy:
-                        continue
+                for client, task in list(busy.values()):  # (a client gone keeps its marker)
                     try:
                         reply = client.results.get_nowait()
                     except queue.Empty:
                         continue
-                    if reply is not None and reply.task is not busy[client.client_id]:
+                    if reply is not None and reply.task is not task:
                         continue  # answers a task withdrawn earlier: not wanted
                     arrived = True
-                    base = busy.pop(client.client_id).round
+                    base = busy.pop(client.client_id)[1].round
                     if reply is None:  # the client is gone
                         continue
                     work_started = time.perf_counter()
@@ -466,6 +548,7 @@ class Coordinator:
                         stale, mixing=fed.async_mixing, exponent=fed.staleness_exponent
                     )
                     load_adapter_state(self.model, mix(versions[version], full, weight=weight))
+                    self._took_part(client)
                     version += 1
                     versions[version] = adapter_state(self.model)
                     for old in [v for v in versions if v < version - fed.max_staleness]:
@@ -527,9 +610,9 @@ class Coordinator:
         # Clients still training get to hand in (and have discarded) what they are working on,
         # so that every client ends cleanly on FINISH rather than on a closed connection.
         deadline = time.monotonic() + fed.round_timeout_s
-        for client_id, task in busy.items():
-            self._await_reply(self.clients[client_id], task, deadline)
-            self._withdraw(self.clients[client_id], task)
+        for client, task in busy.values():
+            self._await_reply(client, task, deadline)
+            self._withdraw(client, task)
         self._finish_clients()
         final = history[-1] if history else {"val_loss": initial_loss}
         return {
@@ -565,13 +648,16 @@ class Coordinator:
         return metrics
 
     def _traffic(self, clients: list[ClientHandle] | None = None) -> tuple[int, int]:
-        """(bytes sent to, bytes received from) `clients` (default: every client) so far."""
+        """(bytes sent to, bytes received from) `clients` (default: every client, those that
+        left included) so far."""
+        departed = (0, 0)
         if clients is None:
             with self._lock:
                 clients = list(self.clients.values())
+                departed = self._departed_traffic
         return (
-            sum(c.conn.bytes_sent for c in clients),
-            sum(c.conn.bytes_received for c in clients),
+            departed[0] + sum(c.conn.bytes_sent for c in clients),
+            departed[1] + sum(c.conn.bytes_received for c in clients),
         )
 
     def _collect(
@@ -607,6 +693,7 @@ class Coordinator:
                     continue
                 collected.results.append(result)
                 collected.updates.append((update, self._weight(client, result)))
+                self._took_part(client)
                 collected.largest_norm = max(collected.largest_norm, norm)
         return collected
 
@@ -697,15 +784,11 @@ class Coordinator:
     def checkpoint(self, metrics: dict[str, float], *, outcome: str) -> Path:
         """Round k's global adapter in PEFT's format + state, written then renamed (atomic)."""
         final = self.checkpoint_dir / f"round_{self.round + 1:04d}"
-        roster = [
-            {
-                "client_id": c.client_id,
-                "name": c.name,
-                "num_examples": c.num_examples,
-                "alive": c.alive,
-            }
-            for c in self.clients.values()
-        ]
+        with self._lock:  # sessions add and drop clients meanwhile
+            roster = [
+                {**entry, "alive": client_id in self.clients}
+                for client_id, entry in self.roster.items()
+            ]
         config = asdict(self.settings)
         config["cluster"]["secret"] = None  # never written to disk
         state = {

@@ -1,7 +1,8 @@
 """Connections and servers configured from the lab's `cluster` settings.
 
-The one place where `cluster.*` (secret, TLS, timeouts, frame cap, emulated link) turns into
-netproto objects, so every module connects and serves the same way.
+The one place where `cluster.*` (secret, TLS, timeouts, frame cap and minimum rate, one
+address's share of a server, emulated link) turns into netproto objects, so every module
+connects and serves the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from netproto.wire import Limits
 
 
 def limits_for(cluster: ClusterConfig) -> Limits:
-    return Limits(max_frame_bytes=cluster.max_frame_mib * 2**20)
+    return Limits(
+        max_frame_bytes=cluster.max_frame_mib * 2**20,
+        min_frame_bytes_per_s=cluster.min_frame_rate_kbps * 1000 / 8,
+    )
 
 
 def connect(cluster: ClusterConfig, address: tuple[str, int]) -> Connection:
@@ -55,6 +59,7 @@ def serve(handler: Handler, cluster: ClusterConfig, endpoint: Endpoint, *, name:
         limits=limits_for(cluster),
         read_timeout_s=cluster.read_timeout_s,
         handshake_timeout_s=cluster.connect_timeout_s,
+        max_connections_per_address=cluster.max_connections_per_address,
         name=name,
     ).start()
 

@@ -3,6 +3,11 @@
 Large payloads go out with one scatter-gather `sendmsg` of header + memoryviews of the tensor
 storage (no join, no copy) and come in with `recv_into` a buffer allocated only after the
 header's length has passed the frame cap. Tensors received are views into that buffer.
+
+Waiting has two bounds. Between frames, the read timeout: how long a peer may stay silent.
+Within a frame, a deadline that each byte moves on (`Limits.min_frame_bytes_per_s`, after
+`Limits.frame_grace_s`): a peer sending a byte just before each read would time out holds the
+connection for the grace and no longer.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import select
 import socket
 import ssl
@@ -54,6 +60,9 @@ SMALL_SEND_BYTES = 64 * 1024
 REUSE_MIN_BYTES = 1 << 20
 """Payloads this big are received into a buffer reused across frames once nothing uses it."""
 NUM_SPARE_BUFFERS = 2
+MIN_WAIT_S = 1e-3
+"""The shortest wait a receive is given, past a deadline included: bytes already in the
+kernel's buffer are taken (our own stall is not the peer's fault), and only then is it late."""
 
 
 def _storage_refs(tensor: torch.Tensor) -> int | None:
@@ -116,7 +125,12 @@ class Connection:
         self._closed = False
         self._in_handshake = False
         self._deadline: float | None = None  # monotonic; set while the handshake runs
+        self._frame_started: float | None = None  # monotonic; when a frame's first byte came
+        self._bound = "read"  # which bound the socket's timeout is: read, frame or handshake
+        self._timeout = read_timeout_s  # the socket's timeout as last set
         self.peer = peer or _peer_name(sock)
+        self.peer_host = _peer_host(sock)
+        """The remote address (no port), e.g. to count one host's connections."""
         self.bytes_sent = 0
         self.last_received = time.monotonic()
         """When the last whole frame arrived (heartbeats included): for liveness checks."""
@@ -139,14 +153,18 @@ class Connection:
         read_timeout_s: float | None = 60.0,
         limits: Limits = Limits(),
         registry: Registry = REGISTRY,
+        source_address: tuple[str, int] | None = None,
     ) -> Connection:
         """Connect (TLS when `ssl_context`), authenticate when `secret`, return the connection.
 
         `connect_timeout_s` bounds all of it together: TCP connect, TLS and the handshake.
+        `source_address`: the local (host, port) to connect from (a host with several).
         """
         deadline = time.monotonic() + connect_timeout_s
         try:
-            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+            sock = socket.create_connection(
+                (host, port), timeout=connect_timeout_s, source_address=source_address
+            )
         except TimeoutError:
             raise NetTimeout(
                 f"connecting to {host}:{port} timed out after {connect_timeout_s}s"
@@ -252,7 +270,13 @@ class Connection:
         finally:
             self._in_handshake = False
             self._deadline = None
-        self._sock.settimeout(self._read_timeout_s)
+        self._set_timeout(self._read_timeout_s)
+
+    def _set_timeout(self, timeout_s: float | None) -> None:
+        """The socket's timeout for its next calls (a system call only when it changes)."""
+        if timeout_s != self._timeout:
+            self._sock.settimeout(timeout_s)
+            self._timeout = timeout_s
 
     def _arm_deadline(self) -> None:
         """During the handshake: the next socket call may wait only for the time left."""
@@ -261,7 +285,27 @@ class Connection:
         if left <= 0:
             self._abort()
             raise NetTimeout(f"handshake with {self.peer} did not finish in time")
-        self._sock.settimeout(left)
+        self._set_timeout(left)
+
+    def _arm_receive(self, read_timeout_s: float | None) -> None:
+        """Before a receive: wait at most the read timeout, cut to what is left of the
+        frame's deadline once a frame has begun, and of the handshake's while it runs.
+        Remembers which bound it set (`_lost` names it)."""
+        timeout, self._bound = read_timeout_s, "read"
+        if self._frame_started is not None:
+            allowed = self._limits.frame_allowance_s(self._reader.frame_progress)
+            if math.isfinite(allowed):
+                left = max(self._frame_started + allowed - time.monotonic(), MIN_WAIT_S)
+                if timeout is None or left < timeout:
+                    timeout, self._bound = left, "frame"
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                self._abort()
+                raise NetTimeout(f"handshake with {self.peer} did not finish in time")
+            if timeout is None or left < timeout:
+                timeout, self._bound = left, "handshake"
+        self._set_timeout(timeout)
 
     # ------------------------------------------------------------ sending
 
@@ -375,11 +419,10 @@ class Connection:
             expected = None if expect is None else (expect,)
         else:
             expected = expect
-        if timeout_s is not _UNSET:
-            self._sock.settimeout(timeout_s)
+        read_timeout_s = self._read_timeout_s if timeout_s is _UNSET else timeout_s
         try:
             while True:
-                message = self._recv_frame()
+                message = self._recv_frame(read_timeout_s)
                 if expected is not None and message.type in expected:
                     return message
                 if expected is None and message.type not in _CONTROL and not self._in_handshake:
@@ -423,10 +466,10 @@ class Connection:
                         )
                     )
                 return message
-        finally:
-            if timeout_s is not _UNSET and not self._closed:
+        finally:  # sends wait for the read timeout too (a heartbeat may send meanwhile)
+            if self._timeout != self._read_timeout_s and not self._closed and not self._deadline:
                 with contextlib.suppress(OSError):
-                    self._sock.settimeout(self._read_timeout_s)
+                    self._set_timeout(self._read_timeout_s)
 
     def _expected_names(self, expected: Collection[int]) -> str:
         return " or ".join(sorted(self._registry.name(t) for t in expected))
@@ -446,9 +489,10 @@ class Connection:
         ready, _, _ = select.select([self._sock], [], [], timeout_s)
         return bool(ready)
 
-    def _recv_frame(self) -> Message:
+    def _recv_frame(self, read_timeout_s: float | None) -> Message:
         """The next frame from the reader, receiving straight into where it wants the bytes:
-        one recv_into for a frame that fits the read buffer (header and payload together)."""
+        one recv_into for a frame that fits the read buffer (header and payload together).
+        The frame's deadline runs from when its first byte is seen."""
         if self._closed:
             raise ConnectionClosed(f"connection to {self.peer} is closed")
         reader = self._reader
@@ -456,15 +500,21 @@ class Connection:
         try:
             message = reader.next_message()
             while message is None:
+                if self._frame_started is None and reader.mid_frame:
+                    self._frame_started = time.monotonic()
                 if reader.in_payload:
-                    self._receive_payload(reader)
+                    self._receive_payload(reader, read_timeout_s)
                 else:
-                    if self._deadline is not None:
-                        self._arm_deadline()
+                    if (
+                        self._frame_started is not None
+                        or self._deadline is not None
+                        or self._timeout != read_timeout_s
+                    ):  # (else the socket waits for the read timeout already)
+                        self._arm_receive(read_timeout_s)
                     try:
                         count = recv_into(reader.writable())
                     except OSError as exc:
-                        raise self._lost(exc, mid_frame=reader.mid_frame) from None
+                        raise self._lost(exc, mid_frame=reader.mid_frame, receiving=True) from None
                     if not count:
                         raise self._ended(reader, mid_frame=reader.mid_frame)
                     reader.wrote(count)
@@ -473,25 +523,24 @@ class Connection:
             if self._closed:  # the stream ended mid-frame: already closed
                 raise
             raise self._fail(exc) from None
+        self._frame_started, self._bound = None, "read"
         self.last_received = time.monotonic()
         return message
 
-    def _receive_payload(self, reader: FrameDecoder) -> None:
+    def _receive_payload(self, reader: FrameDecoder, read_timeout_s: float | None) -> None:
         """A big payload: a tight loop of recv_into straight into its own buffer until whole."""
         view = reader.writable()
         got, size, recv_into = 0, view.nbytes, self._sock.recv_into
         try:
             while got < size:
-                if self._deadline is not None:
-                    self._arm_deadline()
+                self._arm_receive(read_timeout_s)
                 count = recv_into(view[got:])
                 if not count:
                     break
                 got += count
+                reader.wrote(count)  # (moves the frame's deadline on)
         except OSError as exc:
-            raise self._lost(exc, mid_frame=True) from None
-        finally:
-            reader.wrote(got)
+            raise self._lost(exc, mid_frame=True, receiving=True) from None
         if got < size:
             raise self._ended(reader, mid_frame=True)
 
@@ -528,18 +577,35 @@ class Connection:
             self._spares = [buffer, *self._spares][:NUM_SPARE_BUFFERS]
         return buffer
 
-    def _lost(self, exc: OSError, *, mid_frame: bool) -> NetTimeout | ConnectionClosed:
+    def _lost(
+        self, exc: OSError, *, mid_frame: bool, receiving: bool = False
+    ) -> NetTimeout | ConnectionClosed:
         """The error to raise for a socket failure. A timeout between frames leaves the
         connection usable; anything else (or a timeout mid-frame) closes it."""
         if isinstance(exc, TimeoutError):
             if self._deadline is not None:
                 self._abort()
                 return NetTimeout(f"handshake with {self.peer} did not finish in time")
+            if receiving and self._bound == "frame":
+                return self._too_slow()
             if mid_frame:  # the stream cannot be resynchronised
                 self._abort()
             return NetTimeout(f"{self.peer} did not answer within the timeout")
         self._abort()
         return ConnectionClosed(f"connection to {self.peer} lost: {exc.strerror or exc}")
+
+    def _too_slow(self) -> NetTimeout:
+        """The frame's deadline passed: the peer sends slower than the minimum rate. Closed."""
+        assert self._frame_started is not None
+        received = self._reader.frame_progress
+        elapsed = time.monotonic() - self._frame_started
+        self._abort()
+        limits = self._limits
+        return NetTimeout(
+            f"{self.peer} sent {received} bytes of a frame in {elapsed:.1f}s: slower than "
+            f"{limits.min_frame_bytes_per_s * 8 / 1000:g} kbit/s after a grace of "
+            f"{limits.frame_grace_s:g}s (the frame deadline: cluster.min_frame_rate_kbps)"
+        )
 
     def _fail(self, error: PeerProtocolError) -> PeerProtocolError:
         """The peer broke the protocol: tell it why (best effort) and close this connection.
@@ -640,3 +706,10 @@ def _peer_name(sock: socket.socket) -> str:
         return f"{host}:{port}"
     except OSError:
         return "unknown peer"
+
+
+def _peer_host(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except (OSError, IndexError):
+        return ""

@@ -13,11 +13,18 @@ authenticated. With a secret or TLS the client speaks
 first, so a connection gets its thread only once its first bytes arrive: an idle stranger
 costs a file descriptor, not a thread. (Without a secret or TLS every session is authenticated
 at once: see the README on what an open server accepts.)
+
+One host cannot take every slot, secret or not: a remote address (an IPv6 /64) holds at most
+`max_connections_per_address` sessions. Its newcomer over that share drops that address's own
+oldest unauthenticated session, as above, or is closed at accept; nobody else pays for it.
+Every frame, before and after the handshake, must arrive at a minimum rate (netproto's
+`Limits.min_frame_bytes_per_s`): a peer dribbling bytes just within the read timeout is cut.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import selectors
 import socket
@@ -52,11 +59,16 @@ CROWDING_LOG_INTERVAL_S = 10.0
 class _Session:
     sock: socket.socket
     accepted_at: float
+    address: str
+    """Its remote address as counted against `max_connections_per_address` (`address_key`)."""
     thread: threading.Thread | None = None
     """None while the connection waits, silent, in the accept loop's selector."""
     conn: Connection | None = None
     """Set once the socket is wrapped (TLS replaces the socket `sock` names)."""
     evicted: bool = False
+    counted: bool = False
+    """Whether it holds one of its address's slots (from admission until it ends or is
+    dropped)."""
 
     def interrupt(self) -> None:
         """Make the session's thread stop waiting (on its handshake, or its peer)."""
@@ -73,7 +85,8 @@ class Server:
     Counters (read them, e.g. from a benchmark): `sessions_started` (connections admitted),
     `sessions_authenticated` (handshake done), `sessions_failed` (ended by an error, a handshake
     timeout included), `sessions_evicted` (unauthenticated, dropped to make room),
-    `sessions_refused` (closed at once: no slot could be freed).
+    `sessions_refused` (closed at once: no slot could be freed, or its address held its
+    share: `sessions_capped` of them).
     """
 
     def __init__(
@@ -89,11 +102,18 @@ class Server:
         handshake_timeout_s: float = 10.0,
         max_connections: int = 256,
         max_unauthenticated: int = 64,
+        max_connections_per_address: int = 64,
         registry: Registry = REGISTRY,
         name: str = "netproto",
     ) -> None:
+        """`max_connections_per_address`: sessions one remote address may hold at once (64: a
+        quarter of the default `max_connections`)."""
         if max_connections < 1:
             raise ValueError(f"max_connections={max_connections} must be >= 1")
+        if max_connections_per_address < 1:
+            raise ValueError(
+                f"max_connections_per_address={max_connections_per_address} must be >= 1"
+            )
         if max_unauthenticated < 1:
             raise ValueError(f"max_unauthenticated={max_unauthenticated} must be >= 1")
         if handshake_timeout_s <= 0:
@@ -106,6 +126,7 @@ class Server:
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections = max_connections
         self.max_unauthenticated = max_unauthenticated
+        self.max_connections_per_address = max_connections_per_address
         self.registry = registry
         self.name = name
         self._bind = (host, port)
@@ -118,13 +139,16 @@ class Server:
         self._unauthenticated: OrderedDict[_Session, None] = OrderedDict()
         """Sessions before the end of their handshake, oldest first: the first to make way."""
         self._num_evicting = 0  # evicted sessions whose threads have not ended yet
+        self._per_address: dict[str, int] = {}
+        """Sessions counted against each address (only addresses that hold one)."""
         self._waiting: OrderedDict[_Session, None] = OrderedDict()  # the accept thread's own
         self.sessions_started = 0
         self.sessions_authenticated = 0
         self.sessions_failed = 0
         self.sessions_evicted = 0
         self.sessions_refused = 0
-        self._reported = (0, 0)  # (evicted, refused) as of the last crowding warning
+        self.sessions_capped = 0
+        self._reported = (0, 0, 0)  # (evicted, refused, capped) as of the last crowding warning
         self._reported_at = -float("inf")
 
     @property
@@ -144,6 +168,11 @@ class Server:
     def unauthenticated_sessions(self) -> int:
         with self._lock:
             return len(self._unauthenticated)
+
+    def sessions_of(self, host: str) -> int:
+        """Sessions the remote address `host` holds now (its share of the slots)."""
+        with self._lock:
+            return self._per_address.get(address_key(host), 0)
 
     def start(self) -> Server:
         self._listener = listen(*self._bind, name=self.name)
@@ -187,19 +216,32 @@ class Server:
                     self._drop_waiting(session, selector)
 
     def _admit(self, sock: socket.socket, selector: selectors.BaseSelector) -> None:
-        session = _Session(sock, time.monotonic())
+        try:
+            address = address_key(sock.getpeername()[0])
+        except OSError:  # gone before we took it
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        session = _Session(sock, time.monotonic(), address)
         with self._lock:
-            evicted = self._make_room()
+            evicted = self._make_room_at(address)
+            capped = self._per_address.get(address, 0) >= self.max_connections_per_address
+            if not capped:
+                evicted += self._make_room()
             admitted = (
-                len(self._sessions) - self._num_evicting < self.max_connections
+                not capped
+                and len(self._sessions) - self._num_evicting < self.max_connections
                 and self._num_evicting < self.max_connections  # threads still ending
             )
             if admitted:
                 self._sessions.add(session)
                 self._unauthenticated[session] = None
+                self._per_address[address] = self._per_address.get(address, 0) + 1
+                session.counted = True
                 self.sessions_started += 1
             else:
                 self.sessions_refused += 1
+                self.sessions_capped += int(capped)
         for victim in evicted:
             if victim.thread is None:  # no thread: closing it is up to us
                 self._drop_waiting(victim, selector)
@@ -209,6 +251,13 @@ class Server:
                 session.accepted_at - victim.accepted_at,
             )
         if not admitted:
+            if capped:
+                log.debug(
+                    "%s: refused a connection from %s: it holds its %d sessions",
+                    self.name,
+                    address,
+                    self.max_connections_per_address,
+                )
             with contextlib.suppress(OSError):
                 sock.close()
         elif self.secret or self.ssl_context:  # the client speaks first: wait for it
@@ -230,17 +279,47 @@ class Server:
             or len(self._unauthenticated) >= self.max_unauthenticated
         ):
             victim = next(iter(self._waiting or self._unauthenticated))
-            del self._unauthenticated[victim]
-            victim.evicted = True
-            if victim.thread is None:
-                del self._waiting[victim]
-                self._sessions.discard(victim)
-            else:
-                victim.interrupt()  # under the lock: its socket cannot be closed meanwhile
-                self._num_evicting += 1
-            self.sessions_evicted += 1
+            self._evict(victim)
             evicted.append(victim)
         return evicted
+
+    def _make_room_at(self, address: str) -> list[_Session]:
+        """Under the lock: while `address` holds its share of the slots, drop its own oldest
+        unauthenticated session (silent first, as `_make_room`); the sessions dropped."""
+        evicted: list[_Session] = []
+        while self._per_address.get(address, 0) >= self.max_connections_per_address:
+            victim = next((s for s in self._waiting if s.address == address), None) or next(
+                (s for s in self._unauthenticated if s.address == address), None
+            )
+            if victim is None:  # all of them authenticated: the newcomer is refused
+                break
+            self._evict(victim)
+            evicted.append(victim)
+        return evicted
+
+    def _evict(self, victim: _Session) -> None:
+        """Under the lock: drop an unauthenticated session (its thread, if any, is stopped)."""
+        del self._unauthenticated[victim]
+        victim.evicted = True
+        self._uncount(victim)
+        if victim.thread is None:
+            del self._waiting[victim]
+            self._sessions.discard(victim)
+        else:
+            victim.interrupt()  # under the lock: its socket cannot be closed meanwhile
+            self._num_evicting += 1
+        self.sessions_evicted += 1
+
+    def _uncount(self, session: _Session) -> None:
+        """Under the lock: `session` no longer holds one of its address's slots."""
+        if not session.counted:
+            return
+        session.counted = False
+        left = self._per_address[session.address] - 1
+        if left:
+            self._per_address[session.address] = left
+        else:
+            del self._per_address[session.address]
 
     def _drop_waiting(self, session: _Session, selector: selectors.BaseSelector) -> None:
         """Close a session that never got a thread (dropped, timed out, or the server stops)."""
@@ -250,6 +329,7 @@ class Server:
         with self._lock:
             self._sessions.discard(session)
             self._unauthenticated.pop(session, None)
+            self._uncount(session)
         with contextlib.suppress(OSError):
             session.sock.close()
 
@@ -283,6 +363,7 @@ class Server:
             with self._lock:
                 self._sessions.discard(session)
                 self._unauthenticated.pop(session, None)
+                self._uncount(session)
                 self.sessions_started -= 1
                 self.sessions_refused += 1
             with contextlib.suppress(OSError):
@@ -292,18 +373,24 @@ class Server:
         """One warning per interval summing up drops and refusals, never one per connection."""
         now = time.monotonic()
         with self._lock:
-            counts = (self.sessions_evicted, self.sessions_refused)
+            counts = (self.sessions_evicted, self.sessions_refused, self.sessions_capped)
             if counts == self._reported or now - self._reported_at < CROWDING_LOG_INTERVAL_S:
                 return
-            evicted, refused = (new - old for new, old in zip(counts, self._reported, strict=True))
+            evicted, refused, capped = (
+                new - old for new, old in zip(counts, self._reported, strict=True)
+            )
             self._reported, self._reported_at = counts, now
         log.warning(
             "%s: crowded: %d unauthenticated sessions dropped to make room and %d connections "
-            "refused (no slot free of %d) since the last report",
+            "refused (%d with no slot free of %d, %d from an address holding its %d) since the "
+            "last report",
             self.name,
             evicted,
             refused,
+            refused - capped,
             self.max_connections,
+            capped,
+            self.max_connections_per_address,
         )
 
     # ------------------------------------------------------------ a session's thread
@@ -351,6 +438,7 @@ class Server:
             with self._lock:  # unregister first: nobody interrupts a socket being closed
                 self._sessions.discard(session)
                 self._unauthenticated.pop(session, None)
+                self._uncount(session)
                 if session.evicted:
                     self._num_evicting -= 1
             if conn is not None:
@@ -383,6 +471,20 @@ class Server:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
+
+
+def address_key(host: str) -> str:
+    """What one remote host is counted as: its IPv4 address, or the /64 prefix of its IPv6
+    one (a host is handed a whole /64: one address each would not bound it)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _peer_name(sock: socket.socket) -> str:

@@ -128,7 +128,7 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 @dataclass(frozen=True)
 class Limits:
-    """Caps on what a peer may make us allocate or parse; checked before allocation."""
+    """Caps on what a peer may make us allocate, parse or wait for; checked before allocation."""
 
     max_frame_bytes: int = 256 * 2**20
     max_json_bytes: int = 2**20
@@ -137,6 +137,15 @@ class Limits:
     """Entries in one TENSORS payload. Real messages carry far fewer (a LoRA adapter of every
     linear layer of Llama 3 8B: 448; of a 70B model: 1,120); each entry costs CPU to decode."""
     max_name_bytes: int = 1024
+    min_frame_bytes_per_s: float = 125_000.0
+    """Once a frame's first byte is in, the rest must keep coming at least this fast: its first
+    n bytes within `frame_grace_s + n / min_frame_bytes_per_s` of that byte, else the
+    connection is closed (a peer dribbling a frame, slowloris, is cut however short each of its
+    pauses). 1 Mbit/s, a tenth of the slowest link the lab's harness emulates. 0: no bound
+    (a frame may then take as long as its reads each stay within the read timeout)."""
+    frame_grace_s: float = 10.0
+    """What any frame may take on top of its size at the minimum rate: the header's own
+    deadline, and room for a stall or a lost packet's retransmission mid-frame."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -145,11 +154,24 @@ class Limits:
             "max_ndim",
             "max_tensors",
             "max_name_bytes",
+            "frame_grace_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name} must be > 0")
         if self.max_frame_bytes >= 2**63:
             raise ValueError("Limits.max_frame_bytes must be < 2**63")
+        if not 0 <= self.min_frame_bytes_per_s < math.inf:
+            raise ValueError("Limits.min_frame_bytes_per_s must be finite and >= 0")
+        if not math.isfinite(self.frame_grace_s):
+            raise ValueError("Limits.frame_grace_s must be finite")
+
+    def frame_allowance_s(self, received_bytes: int) -> float:
+        """How long after a frame's first byte more than its first `received_bytes` bytes may
+        take to arrive (inf without a minimum rate): the frame's deadline, moved on by each
+        byte that comes."""
+        if not self.min_frame_bytes_per_s:
+            return math.inf
+        return self.frame_grace_s + received_bytes / self.min_frame_bytes_per_s
 
 
 AUTH_LIMITS = Limits(
@@ -844,6 +866,15 @@ class FrameDecoder:
             or self._end > self._pos
             or bool(self._backlog)
         )
+
+    @property
+    def frame_progress(self) -> int:
+        """Bytes of the incomplete frame that have arrived, its header's included (0 between
+        frames): how far its deadline has moved (`Limits.frame_allowance_s`)."""
+        if self._payload is not None:
+            return HEADER_BYTES + self._payload_got
+        pending = self._end - self._pos + len(self._backlog)
+        return pending + HEADER_BYTES if self._header is not None else pending
 
     @property
     def buffered(self) -> bool:

@@ -166,7 +166,9 @@ class Federation:
         return adapter_state(self.coordinator.model)
 
     def client(self, name: str) -> Any:
-        [handle] = [c for c in self.coordinator.clients.values() if c.name == name]
+        """The coordinator's handle of client `name`: take it before `run` (a client that
+        leaves is dropped from the coordinator's table; the handle keeps its counts)."""
+        [handle] = [c for c in self.coordinator.alive_clients() if c.name == name]
         return handle
 
 
@@ -386,8 +388,9 @@ def test_a_huge_join_declaration_is_capped_by_max_examples_per_client(federation
         Player(huge, join_examples=10**12, name="rogue"),
     ]
     fed = federation(players, max_update_norm=1000.0)  # max_examples_per_client=32
+    handle = fed.client("rogue")
     fed.run()
-    assert fed.client("rogue").num_examples == 32
+    assert handle.num_examples == 32
     assert_states_equal(fed.final(), honest_mean(fed.initial, [0.01, 0.02, ROGUE_OFFSET]))
 
 
@@ -411,9 +414,10 @@ def test_unsolicited_results_sent_before_any_task_are_dropped_not_queued(federat
         Player(honest(0.03), name="rogue", before_tasks=flood),
     ]
     fed = federation(players)
+    handle = fed.client("rogue")
     metrics, [record] = fed.run()
     assert metrics["dropped_results"] == 40
-    assert fed.client("rogue").dropped == 40
+    assert handle.dropped == 40
     assert (record["clients"], record["failures"]) == (3, 0)
     assert_states_equal(fed.final(), honest_mean(fed.initial, [0.01, 0.02, 0.03]))
 

@@ -25,6 +25,10 @@ REFUSED = {
     "max_update_norm_zero": ({"max_update_norm": 0.0}, "fed.max_update_norm=0.0"),
     "max_update_norm_inf": ({"max_update_norm": float("inf")}, "fed.max_update_norm=inf"),
     "max_update_norm_nan": ({"max_update_norm": float("nan")}, "fed.max_update_norm=nan"),
+    "join_rate_zero": ({"join_rate_per_address": 0.0}, "fed.join_rate_per_address=0.0"),
+    "join_rate_inf": ({"join_rate_per_address": float("inf")}, "fed.join_rate_per_address=inf"),
+    "join_rate_nan": ({"join_rate_per_address": float("nan")}, "fed.join_rate_per_address=nan"),
+    "join_burst_zero": ({"join_burst_per_address": 0}, "fed.join_burst_per_address=0"),
 }
 
 
