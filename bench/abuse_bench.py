@@ -1001,6 +1001,32 @@ def under_attack(
     return times, outcomes
 
 
+def split_across_hosts() -> Outcomes:
+    """The split-stage attacks from a host outside the overlay (lab.hosts.split_exposure: a
+    split_training run on three network namespaces, a fourth on the same LAN without the
+    secret dialling every port the run listens on). Needs root and WireGuard; else skipped."""
+    from lab.hosts import split_exposure
+    from lab.hosts import unavailable as no_namespaces
+    from netproto.overlay import unavailable as no_overlay
+
+    why = no_namespaces() or no_overlay()
+    if why is not None:
+        print(f"split stage across hosts skipped: {why}")
+        return {}
+    exposure = split_exposure(Path(tempfile.mkdtemp(prefix="abuse-overlay-")), log=sys.stderr)
+    print(f"split stage across hosts: {len(exposure.listeners)} listeners, all on the overlay: "
+          f"{all(i.address.startswith('10.213.128.') for i in exposure.listeners)}; "
+          f"run: {exposure.detail}", flush=True)  # fmt: skip
+    outcomes = {}
+    for attack, tries in exposure.attempts.items():
+        reached = exposure.reached[attack]
+        crashes = 0 if exposure.run_ok else 1
+        outcomes[f"split, outside the overlay: {attack}"] = Outcome(
+            attempts=len(tries), refused=len(tries) - reached, crashes=crashes, served=reached
+        )
+    return outcomes
+
+
 def main(quick: bool) -> None:
     from lab.config import ModelConfig, default_cache_dir
     from lab.models import load_model
@@ -1094,6 +1120,7 @@ def main(quick: bool) -> None:
     if not stage_alive:
         outcomes["split stage: survived"] = Outcome(1, 0, 1)
     record("split stage", times["without"], times["under"], outcomes)
+    rows.update(split_across_hosts())
 
     print(f"\n{'attack class':<62} {'attempts':>8} {'refused':>8} {'crashes':>8} {'served':>7}")
     for name, outcome in rows.items():

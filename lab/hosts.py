@@ -1137,8 +1137,9 @@ def curve_variants() -> dict[str, Variant]:
     fed = ["model.lab_preset=debug", "fed.num_clients=2", "fed.min_fit_clients=2",
            "fed.rounds=2", "fed.local_steps=5", "fed.eval_blocks=8", "num_threads=1",
            "fed.max_examples_per_client=64", "fed.centralized_baseline=false"]  # fmt: skip
+    # across hosts, inside the overlay (the local calibration run, on loopback, needs none)
     split = ["model.lab_preset=debug", "split.num_stages=2", "split.channels=network",
-             "num_threads=1"]  # fmt: skip
+             "num_threads=1", "cluster.overlay.up=true"]  # fmt: skip
     generate = ["generate.num_prompts=1", "generate.max_new_tokens=24", "generate.baseline=false"]
     variants = [
         Variant("spec_rounds", "spec_decoding", [*spec, "spec.pipeline=false"], "speedup"),
