@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -840,6 +841,23 @@ def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
         "restart the handshake": (workers.stage_prove, (b"n" * 32,)),
         "send a proof": (workers.stage_accept_driver, (b"p" * 32, b"w" * 32)),
     }
+    from tests.split.rogue_stage import admit_to_store
+
+    # The store (the lab's, behind the secret) refuses a rank without it: counted here, then
+    # the rank is let in with the store's secret alone, so the RPC guard behind is attacked too.
+    store_door = outcomes.setdefault(
+        "split stage: a rank without the secret at the store", Outcome()
+    )
+    try:
+        from netproto import Connection
+        from split_inference.store import NetprotoStoreClient
+
+        conn = Connection.connect("127.0.0.1", port, connect_timeout_s=5)
+        NetprotoStoreClient(conn, timeout=timedelta(seconds=5)).set("rpc_prefix_0/x", b"x")
+        store_door.add("served")
+    except Exception:
+        store_door.add("refused")
+    admit_to_store(SECRET.encode())
     with workers.joined(world, secret=None):
         while not Path(go).exists():
             time.sleep(0.05)

@@ -42,6 +42,25 @@ def attack(out: Path, honest_prove) -> None:
     out.write_text(json.dumps(outcome, indent=1))
 
 
+def admit_to_store(store_secret: bytes) -> None:
+    """From now on this process meets a world with the store's secret for the store's handshake
+    alone, and no secret for anything after (what a rank the store let in would be)."""
+    from split_inference import workers
+
+    meet = workers._store_on_master_host
+
+    def meet_with_the_stores_secret(
+        url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any
+    ) -> Iterator[tuple[Any, int, int]]:
+        workers._auth.secret = store_secret  # the store's handshake only
+        rendezvous = meet(url, timeout, **kwargs)
+        joined = next(rendezvous)
+        workers._auth.secret = None  # and no secret for anything after
+        yield joined
+
+    workers._store_on_master_host = meet_with_the_stores_secret
+
+
 def main(port: int, out: Path, store_secret: bytes) -> None:
     from lab.config import Endpoint
     from split_inference import workers
@@ -55,18 +74,7 @@ def main(port: int, out: Path, store_secret: bytes) -> None:
         return honest_prove(driver_nonce)
 
     workers.stage_prove = prove_after_attacking  # what the driver's handshake call runs here
-    meet = workers._store_on_master_host
-
-    def meet_with_the_stores_secret(
-        url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any
-    ) -> Iterator[tuple[Any, int, int]]:
-        workers._auth.secret = store_secret  # the store's handshake only
-        rendezvous = meet(url, timeout, **kwargs)
-        joined = next(rendezvous)
-        workers._auth.secret = None  # and no secret for anything after
-        yield joined
-
-    workers._store_on_master_host = meet_with_the_stores_secret
+    admit_to_store(store_secret)
     world = workers.World(
         2, Endpoint("127.0.0.1", port), SplitConfig(num_stages=2, rpc_timeout_s=20)
     )
