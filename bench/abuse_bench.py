@@ -663,9 +663,9 @@ def _federation(
 
     from fed_learn.coordinator import Coordinator
     from fed_learn.lora import adapter_state, peft_model
+    from lab.cluster import serve
     from lab.config import Endpoint
     from lab.tracking import METRICS_FILE, Tracker, read_records
-    from netproto.cluster import serve
 
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ from fed_learn.aggregate import lora_modules
 from fed_learn.compression import ErrorFeedback
 from fed_learn.lora import adapter_state, load_adapter_state, train_local
 from fed_learn.protocol import FedMsg
-from lab.pretrain import evaluate
+from lab.losses import evaluate
 from netproto import Connection, MsgType, NetprotoError
 
 log = logging.getLogger(__name__)

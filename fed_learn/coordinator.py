@@ -49,7 +49,7 @@ from fed_learn.protocol import ClientResult, FedMsg, answers, parse_join, parse_
 from fed_learn.strategy import Strategy
 from lab import atomic
 from lab.cli import UserError
-from lab.pretrain import evaluate
+from lab.losses import evaluate
 from lab.tracking import Tracker
 from netproto import Connection, NetprotoError
 from netproto.errors import peer_text

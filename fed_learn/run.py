@@ -18,12 +18,12 @@ from fed_learn.coordinator import Coordinator
 from fed_learn.lora import block_size, client_data, peft_model, train_local, validation_blocks
 from lab import experiment
 from lab.cli import ConfigError, UserError
+from lab.cluster import connect_when_ready, emulated_link, serve
 from lab.experiment import Experiment, LocalPlan, Process
+from lab.losses import evaluate
 from lab.models import count_4bit_layers, load_tokenizer
-from lab.pretrain import evaluate
 from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import ConnectionClosed, NetTimeout, TruncatedFrame
-from netproto.cluster import connect_when_ready, emulated_link, serve
 
 log = logging.getLogger(__name__)
 

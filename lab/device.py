@@ -7,6 +7,7 @@ so one config runs unchanged on a laptop, a gaming PC and a cloud GPU.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -72,6 +73,11 @@ def apply_num_threads(num_threads: int) -> None:
 
 def share_of_cores(num_processes: int) -> int:
     """Threads per process when `num_processes` share this machine's cores."""
-    from lab.machine import usable_cores
-
     return max(1, usable_cores() // num_processes)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, not the host's total)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -1,4 +1,5 @@
-"""The next-token loss every experiment trains and evaluates with."""
+"""The next-token loss every experiment trains and evaluates with, and the evaluation of a model
+on held-out blocks (a pretraining run's, a federated coordinator's and its clients')."""
 
 from __future__ import annotations
 
@@ -23,3 +24,22 @@ def next_token_loss(
     shifted = logits[:, :-1].float().reshape(-1, vocab)  # (B*(T-1), V)
     targets = ids[:, 1:].reshape(-1).to(logits.device)  # (B*(T-1),)
     return F.cross_entropy(shifted, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
+    """Mean next-token cross-entropy (nats) over `blocks` (moved, a batch at a time, to the
+    model's device: a coordinator's model may sit on a GPU while its data is on the CPU)."""
+    model.eval()
+    device = device_of(model)
+    total, count = 0.0, 0
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start : start + batch_size].to(device)
+        logits = model(input_ids=batch).logits  # (B, T, V)
+        total += next_token_loss(logits, batch, reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return total / count

@@ -9,7 +9,6 @@ particular is imported only when 4-bit is asked for).
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
@@ -17,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lab.device import usable_cores
 from lab.redact import redact_argv
 
 PACKAGES = (
@@ -75,13 +75,6 @@ def _version(package: str) -> str:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "not installed"
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, not the host's total)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

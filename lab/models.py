@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -19,6 +18,14 @@ import torch
 from lab.cli import UserError
 from lab.config import ModelConfig
 from lab.device import detect_device, resolve_dtype
+from lab.pretrain import (
+    RANDOM_MODELS,
+    TINY_MODELS,
+    ensure_random_model,
+    ensure_tiny_models,
+    load_preset,
+    without_hf_progress_bars,
+)
 from lab.quantization import configure_4bit_model, quantization_config
 
 log = logging.getLogger(__name__)
@@ -49,14 +56,6 @@ def resolve_source(cfg: ModelConfig, *, cache_dir: Path, key: str = "model") -> 
     """
     source = cfg.pretrained
     if source.startswith(LAB_PREFIX):
-        from lab.pretrain import (
-            RANDOM_MODELS,
-            TINY_MODELS,
-            ensure_random_model,
-            ensure_tiny_models,
-            load_preset,
-        )
-
         name = source.removeprefix(LAB_PREFIX)
         if name in RANDOM_MODELS:
             return str(ensure_random_model(name, load_preset(cfg.lab_preset), cache_dir))
@@ -76,21 +75,6 @@ def resolve_source(cfg: ModelConfig, *, cache_dir: Path, key: str = "model") -> 
 QUIET_LOAD_BYTES = 256 * 2**20
 """A local checkpoint smaller than this loads without transformers' progress bars (a blink
 each, and five of them in a local run's log); larger ones, and hub downloads, keep theirs."""
-
-
-@contextlib.contextmanager
-def without_hf_progress_bars() -> Iterator[None]:
-    """transformers' own progress bars off for the block (loading or writing a small model)."""
-    from transformers.utils import logging as hf_logging
-
-    if not hf_logging.is_progress_bar_enabled():
-        yield
-        return
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.enable_progress_bar()
 
 
 def _progress_bars_for(source: str) -> contextlib.AbstractContextManager[None]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lab.tracking import METRICS_FILE, read_records
+from lab.records import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
 

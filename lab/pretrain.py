@@ -36,8 +36,7 @@ from rich.table import Table
 from lab import atomic
 from lab.config import CONF_DIR, LabConfig, check_fields_positive, register_schema, to_settings
 from lab.corpus import load_corpus, token_blocks
-from lab.losses import next_token_loss
-from lab.models import without_hf_progress_bars
+from lab.losses import device_of, evaluate, next_token_loss
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +142,22 @@ class PretrainRunConfig(LabConfig):
 
 
 register_schema("pretrain_schema", PretrainRunConfig)
+
+
+
+@contextlib.contextmanager
+def without_hf_progress_bars() -> Iterator[None]:
+    """transformers' own progress bars off for the block (loading or writing a small model)."""
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def load_preset(name: str) -> PretrainConfig:
@@ -328,29 +343,10 @@ def train_lm(
     return loss_value
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-@torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
-    """Mean next-token cross-entropy (nats) over `blocks` (moved, a batch at a time, to the
-    model's device: a coordinator's model may sit on a GPU while its data is on the CPU)."""
-    model.eval()
-    device = _device_of(model)
-    total, count = 0.0, 0
-    for start in range(0, len(blocks), batch_size):
-        batch = blocks[start : start + batch_size].to(device)
-        logits = model(input_ids=batch).logits  # (B, T, V)
-        total += next_token_loss(logits, batch, reduction="sum").item()
-        count += batch[:, 1:].numel()
-    return total / count
-
-
 @torch.no_grad()
 def greedy_agreement(draft, target, blocks: torch.Tensor, *, batch_size: int = 16) -> float:
     """Share of positions where draft and target pick the same next token (greedy)."""
-    device = _device_of(target)
+    device = device_of(target)
     same, count = 0, 0
     for start in range(0, len(blocks), batch_size):
         batch = blocks[start : start + batch_size].to(device)

@@ -26,20 +26,14 @@ from rich.table import Table
 
 from lab import redact
 from lab.config import LabConfig, TrackingConfig
+from lab.plots import draw_run
+from lab.records import METRICS_FILE, OUTPUTS_FILE, read_records  # noqa: F401  (their home before)
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "resolved_config.yaml"
 RUN_FILE = "lab_run.json"
-OUTPUTS_FILE = "outputs.jsonl"
-"""What a generating run produced: one JSON object per prompt (its new token ids and text)."""
 """What ran in a run directory: the job, its command line, when, and on which machine."""
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records a Tracker wrote to `path` (its metrics.jsonl or outputs.jsonl), in order."""
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def wandb_configured() -> bool:
@@ -212,8 +206,6 @@ class Tracker:
     def draw_plots(self) -> list[Path]:
         """The job's own plots, beside its metrics (a plot that fails is a warning, not a
         failed run); returns their paths."""
-        from lab.plots import draw_run
-
         try:
             return draw_run(self.run_dir, self.job)
         except Exception as exc:

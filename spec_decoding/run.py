@@ -14,12 +14,12 @@ from omegaconf import DictConfig
 
 from lab import experiment
 from lab.cli import ConfigError
+from lab.cluster import connect_when_ready, emulated_link, serve
 from lab.corpus import held_out_prompts
 from lab.experiment import Experiment, LocalPlan, Process
 from lab.models import load_model, load_tokenizer, resolve_source
 from lab.tracking import Tracker
 from netproto import ConnectionClosed, NetTimeout
-from netproto.cluster import connect_when_ready, emulated_link, serve
 from spec_decoding.config import SpecDecodingRunConfig
 from spec_decoding.drafter import Drafter, Generation, VerifierLostError
 from spec_decoding.gamma import (

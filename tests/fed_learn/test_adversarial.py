@@ -27,10 +27,10 @@ from fed_learn.coordinator import Coordinator
 from fed_learn.lora import adapter_state, peft_model
 from fed_learn.protocol import FedMsg
 from fed_learn.strategy import Strategy
+from lab.cluster import connect, serve
 from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
 from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import Connection, NetprotoError, RemoteError
-from netproto.cluster import connect, serve
 from netproto.wire import Header, PayloadKind, pack_header
 
 MODEL = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")

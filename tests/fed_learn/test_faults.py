@@ -18,12 +18,12 @@ from fed_learn.config import FedConfig, FedLearnRunConfig
 from fed_learn.coordinator import Coordinator, NotEnoughClientsError
 from fed_learn.lora import adapter_state, block_size, client_data, peft_model
 from fed_learn.run import CoordinatorLostError, take_part
+from lab.cluster import connect, serve
 from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
 from lab.launch import free_port
 from lab.models import load_tokenizer
 from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import Connection, ConnectionClosed
-from netproto.cluster import connect, serve
 
 MODEL = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
 

@@ -15,10 +15,10 @@ from fed_learn.coordinator import Coordinator
 from fed_learn.lora import adapter_state, peft_model
 from fed_learn.protocol import FedMsg
 from fed_learn.run import round_table, run
+from lab.cluster import serve
 from lab.config import ClusterConfig, Endpoint, ModelConfig, to_settings
 from lab.tracking import METRICS_FILE, read_records
 from netproto import Connection, RemoteError
-from netproto.cluster import serve
 
 QUICK = [
     "model.lab_preset=debug",

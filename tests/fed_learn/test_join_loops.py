@@ -22,11 +22,11 @@ from fed_learn.config import FedConfig, FedLearnRunConfig
 from fed_learn.coordinator import CHECKPOINTS, Coordinator, JoinLimiter
 from fed_learn.lora import block_size, client_data, peft_model
 from fed_learn.protocol import FedMsg
+from lab.cluster import connect, serve
 from lab.config import ClusterConfig, Endpoint, ModelConfig, PathsConfig, TrackingConfig
 from lab.models import load_tokenizer
 from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import Connection, NetprotoError, RemoteError, Server
-from netproto.cluster import connect, serve
 
 MODEL = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
 SECRET = "join-loop-secret"

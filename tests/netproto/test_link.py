@@ -81,8 +81,8 @@ def test_emulated_link_carries_data_intact_and_closes_cleanly(start_server) -> N
 def test_cluster_settings_build_an_authenticated_shaped_connection(
     start_server, monkeypatch
 ) -> None:
+    from lab.cluster import connect, emulated_link, serve
     from lab.config import ClusterConfig, Endpoint, LinkConfig
-    from netproto.cluster import connect, emulated_link, serve
 
     monkeypatch.setenv("LAB_SECRET", "from-the-environment")
     cluster = ClusterConfig(link=LinkConfig(delay_ms=30), max_frame_mib=1)

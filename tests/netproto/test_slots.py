@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from lab.cluster import limits_for, serve
 from lab.config import ClusterConfig, Endpoint
 from netproto import Connection, Limits, MsgType, NetprotoError, Server
-from netproto.cluster import limits_for, serve
 from netproto.server import address_key
 from netproto.wire import (
     HEADER,
