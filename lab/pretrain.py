@@ -144,7 +144,6 @@ class PretrainRunConfig(LabConfig):
 register_schema("pretrain_schema", PretrainRunConfig)
 
 
-
 @contextlib.contextmanager
 def without_hf_progress_bars() -> Iterator[None]:
     """transformers' own progress bars off for the block (loading or writing a small model)."""
