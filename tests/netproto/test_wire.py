@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from netproto import wire
+from netproto import codecs
 from netproto.connection import Connection
 from netproto.errors import LocalProtocolError, PeerProtocolError
 from netproto.wire import (
@@ -465,7 +465,7 @@ def test_decoder_bug_is_still_answered_as_the_peers_protocol_error(monkeypatch) 
     def broken(*args, **kwargs):
         raise RuntimeError("Stride calculation overflowed")
 
-    monkeypatch.setattr(wire, "_read_tensor", broken)
+    monkeypatch.setattr(codecs, "_read_tensor", broken)  # where the payload decoder lives
     expect_peer_error(
         encode_bytes(Message(MsgType.DATA_TENSOR, torch.zeros(2))),
         r"undecodable payload \(RuntimeError: Stride calculation overflowed\)",
