@@ -8,7 +8,6 @@ import array
 import json
 import math
 import struct
-import sys
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,9 +38,6 @@ from netproto.header import (
     PayloadKind,
     Registry,
 )
-
-if sys.byteorder != "little":  # pragma: no cover - no such host is supported by torch builds
-    raise ImportError("netproto sends tensor bytes as laid out in memory: little-endian hosts only")
 
 # ---------------------------------------------------------------- encoding
 

@@ -403,7 +403,6 @@ class _Hub:
                 host = f"[{endpoint_host}]" if ":" in endpoint_host else endpoint_host
                 self.joined[key] = Peer(name, key, f"{host}:{port}", "")  # address: at publish
                 self._done.notify_all()
-            me = self.joined[key]
             while self.roster is None and not self.closed:
                 self._done.wait(1.0)
             if self.roster is None or self.hub_peer is None:

@@ -7,7 +7,6 @@ names of both, so `from netproto.wire import ...` keeps working.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -49,9 +48,6 @@ from netproto.header import (
     pack_header,
     parse_header,
 )
-
-if sys.byteorder != "little":  # pragma: no cover - no such host is supported by torch builds
-    raise ImportError("netproto sends tensor bytes as laid out in memory: little-endian hosts only")
 
 READ_CHUNK_BYTES = 64 * 1024
 """A frame of up to this size (header and payload) is read into, and decoded in, one buffer."""

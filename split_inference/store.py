@@ -27,7 +27,7 @@ from enum import IntEnum
 
 import torch.distributed as dist
 
-from netproto import REGISTRY, Connection, PayloadKind, Server
+from netproto import REGISTRY, Connection, Limits, PayloadKind, Server
 from netproto.errors import NetprotoError
 
 KEY_PREFIXES = ("rpc_prefix_0/", "split/")
@@ -208,8 +208,6 @@ class StoreServer:
     """The run's store, served on `host:port` by the driver (rank 0) until `stop`."""
 
     def __init__(self, *, host: str, port: int, secret: bytes | None, timeout_s: float) -> None:
-        from netproto.wire import Limits
-
         self.state = StoreState()
         limits = Limits(max_frame_bytes=MAX_FRAME_BYTES, max_json_bytes=4096)
         self.server = Server(

@@ -35,9 +35,12 @@ import torch.distributed.rpc as rpc
 
 from lab.cli import ConfigError, UserError
 from lab.config import ClusterConfig, Endpoint, is_loopback
+from netproto import Connection, Limits
 from netproto.auth import NONCE_BYTES, mac
+from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
 from split_inference import rpc_guard
 from split_inference.config import SplitConfig
+from split_inference.store import MAX_FRAME_BYTES, NetprotoStoreClient, StoreServer
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +302,6 @@ def _store_on_master_host(
 
     torch's own tcp:// rendezvous serves a TCPStore: C++, unauthenticated, uncapped, and bound
     to every interface whatever host the URL names."""
-    from netproto import Connection
-    from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
-    from split_inference.store import MAX_FRAME_BYTES, NetprotoStoreClient, StoreServer
-
     parts = urlparse(url)
     query = parse_qs(parts.query)
     rank, world_size = int(query["rank"][0]), int(query["world_size"][0])
@@ -315,8 +314,6 @@ def _store_on_master_host(
             ).start()
         except OSError as exc:
             raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    from netproto.wire import Limits
-
     deadline = time.monotonic() + timeout.total_seconds()
     while True:  # the driver's store may not be up yet
         try:
