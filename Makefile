@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP) ## Create .venv and install the project (editable) with its dev tools
 
 run: $(STAMP) ## The lab tour: every experiment briefly on offline defaults, a small sweep, a report
-	$(PY) -m lab.tour
+	$(PY) -m labtools.tour
 
 test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded)
 	$(PY) -m pytest -m "not slow and not multihost" -q
@@ -42,7 +42,7 @@ test-multihost: $(STAMP) multihost-deps ## The modules across network namespaces
 	$(PY) -m pytest -m multihost -q -rs tests/multihost
 
 gpu-check: $(STAMP) ## On a CUDA GPU: the cuda tests, then every bench on it (without one: says so)
-	$(PY) -m lab.gpu_check
+	$(PY) -m labtools.gpu_check
 
 lint: $(STAMP) ## ruff (style, imports) and mypy (types)
 	$(VENV)/bin/ruff check .
@@ -57,7 +57,7 @@ bench: $(STAMP) ## Run every benchmark in bench/ (tables to stdout, JSON to benc
 	@set -e; for script in bench/*_bench.py; do echo "== $$script"; $(PY) $$script; done
 
 readme-check: $(STAMP) ## Replay every README command (quick settings); last line: README commands ok: N of M
-	$(PY) -m lab.readme_check
+	$(PY) -m labtools.readme_check
 
 lock: ## Rewrite constraints.txt from what .venv has now (after a deliberate upgrade)
 	@test -x $(PY) || { echo "no $(VENV) yet: run make venv first"; exit 1; }

@@ -23,11 +23,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lab import matrix
 from lab.config import to_settings
-from lab.heatmaps import draw
 from lab.machine import Machine
 from lab.redact import redact_argv, redact_config, scrub_argv
+from labtools import matrix
+from labtools.heatmaps import draw
 
 log = logging.getLogger("run_matrix")
 
@@ -115,7 +115,7 @@ def command_of(config: matrix.MatrixConfig) -> str:
 
 def write_sweep_file(config: matrix.MatrixConfig, out_dir: Path) -> None:
     from lab import atomic
-    from lab.report import SWEEP_FILE
+    from labtools.report import SWEEP_FILE
 
     record = {
         "workload": config.workload,

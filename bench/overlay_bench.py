@@ -4,7 +4,7 @@ overlay and on the plain network (`cluster.unsafe_plain_network=true`), side by 
 Run: `python bench/overlay_bench.py [--repeats N] [--rate 100mbit]` (root; wireguard-tools,
 nftables and the kernel's WireGuard or wireguard-go, e.g. `make multihost-deps`).
 
-Three network namespaces on this machine (lab.hosts): the driver on one, a stage on each of the
+Three network namespaces on this machine (labtools.hosts): the driver on one, a stage on each of the
 others, the tiny debug model; split_inference's per-token latency (p50, KV cache on) and
 split_training's step time (median), each variant run `--repeats` times in alternation (plain,
 overlay, plain, ...) and the median kept. Every host shares this machine's cores, so
@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lab.hosts import Network, Security, _metrics, provision, run_across, scenarios
 from lab.machine import announce_machine, write_results
+from labtools.hosts import Network, Security, _metrics, provision, run_across, scenarios
 from netproto.overlay import unavailable as overlay_unavailable
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlay_bench.json"

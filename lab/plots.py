@@ -1,7 +1,7 @@
 """Each experiment's own plots, drawn from its run directory's metrics.jsonl when the run ends.
 
-`draw_run(run_dir, job)` is called by the tracker on a successful close, and by `lab.report` for
-runs that have none yet. Every plot is a PNG beside the metrics it shows.
+`draw_run(run_dir, job)` is called by the tracker on a successful close, and by
+`labtools.report` for runs that have none yet. Every plot is a PNG beside the metrics it shows.
 """
 
 from __future__ import annotations

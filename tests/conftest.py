@@ -47,7 +47,7 @@ def import_schemas() -> None:
     """Register every entry point's schema (each lives beside its module)."""
     for name in PRIMARY_CONFIGS:
         importlib.import_module("lab.pretrain" if name == "pretrain" else f"{name}.config")
-    importlib.import_module("lab.matrix")
+    importlib.import_module("labtools.matrix")
 
 
 @pytest.fixture(scope="session")

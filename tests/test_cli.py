@@ -133,7 +133,7 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(
 def test_a_successful_run_prints_nothing_a_user_reads_as_an_error(
     tmp_path: Path, tiny_models: Path, lab_cache: Path, module: str, overrides: list[str]
 ) -> None:
-    from lab.readme_check import NOISE
+    from labtools.readme_check import NOISE
 
     result = run_module(module, overrides, tmp_path=tmp_path, lab_cache=lab_cache)
     assert result.returncode == 0, result.stderr[-3000:]

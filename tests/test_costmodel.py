@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.costmodel import INITIAL_WINDOW, Link, main, parse_rate, predict
+from labtools.costmodel import INITIAL_WINDOW, Link, main, parse_rate, predict
 
 
 def test_rates_read_as_tc_writes_them() -> None:

@@ -156,7 +156,7 @@ def test_a_server_role_on_a_network_address_without_a_secret_warns(
 def test_tensorpipe_listens_on_the_interface_that_leads_to_the_master() -> None:
     import psutil
 
-    from split_inference.workers import interface_towards
+    from split_engine.workers import interface_towards
 
     loopback = interface_towards("127.0.0.1")
     addresses = [a.address for a in psutil.net_if_addrs()[loopback]]
@@ -171,7 +171,7 @@ def test_tensorpipe_and_gloo_both_listen_towards_the_master_unless_the_user_chos
     """init_rpc builds a Gloo group beside TensorPipe: left to itself it advertised the address
     of the host's name (loopback on Debian), and stages on other hosts were refused."""
     from lab.config import Endpoint
-    from split_inference.workers import (
+    from split_engine.workers import (
         INTERFACE_VARIABLES,
         _listening_towards_the_master,
         interface_towards,

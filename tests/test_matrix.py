@@ -11,7 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
-from lab import matrix
+from labtools import matrix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import run_matrix

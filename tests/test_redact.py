@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from lab import experiment, report
+from lab import experiment
 from lab.cli import ConfigError
 from lab.config import REDACTED, SECRET_ENV, ClusterConfig, TrackingConfig, to_settings
 from lab.launch import free_port
 from lab.redact import redact_argv, redact_config, redact_text, split_secret
 from lab.tracking import CONFIG_FILE, METRICS_FILE, RUN_FILE, Tracker
+from labtools import report
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_QUICK = ["target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=1",
@@ -240,7 +241,8 @@ def test_no_run_of_any_module_writes_the_secret(
     run_dirs = [record.parent for record in records]  # fed_learn, split_*, the drafter
     assert len(run_dirs) == 4, run_dirs
     report_run = subprocess.run(
-        [sys.executable, "-m", "lab.report", *map(str, run_dirs), "outputs/matrix/spec_decoding"],
+        [sys.executable, "-m", "labtools.report", *map(str, run_dirs),
+         "outputs/matrix/spec_decoding"],
         cwd=work, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert report_run.returncode == 0, report_run.stderr[-3000:]

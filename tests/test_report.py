@@ -1,4 +1,4 @@
-"""Networked runs side by side without port clashes, and `lab.report` over their folders."""
+"""Networked runs side by side without port clashes, and `labtools.report` over their folders."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import report
+from labtools import report
 
 QUICK = ["spec.num_prompts=1", "spec.max_new_tokens=8", "spec.prompt_tokens=16",
          "target.lab_preset=debug", "draft.lab_preset=debug", "tracking.wandb=false"]  # fmt: skip
@@ -65,7 +65,7 @@ def test_the_report_shows_every_run_with_its_metrics_plots_and_command(
 
 def test_the_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "lab.report", str(tmp_path), "--out", str(tmp_path / "r")],
+        [sys.executable, "-m", "labtools.report", str(tmp_path), "--out", str(tmp_path / "r")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2

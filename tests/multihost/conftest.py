@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab.hosts import unavailable
+from labtools.hosts import unavailable
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,8 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lab.costmodel import report
-from lab.hosts import (
+from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
+from labtools.costmodel import report
+from labtools.hosts import (
     FAULTS,
     MODULES,
     PREFIX,
@@ -32,7 +33,6 @@ from lab.hosts import (
     run_documented,
     scenarios,
 )
-from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
 from netproto.overlay import unavailable as overlay_unavailable
 
 pytestmark = pytest.mark.multihost
@@ -128,7 +128,7 @@ def test_everything_is_removed_after_an_error(tmp_path: Path) -> None:
 
 def test_namespaces_of_a_harness_killed_outright_are_removed_by_the_next(tmp_path: Path) -> None:
     script = (
-        "import sys, time; from lab.hosts import Network; "
+        "import sys, time; from labtools.hosts import Network; "
         f"net = Network(['a'], delay_ms=1, root=__import__('pathlib').Path({str(tmp_path)!r}))"
         ".__enter__(); print(net.tag, net._forwarder.pid, flush=True); time.sleep(600)"
     )
@@ -152,7 +152,16 @@ def test_namespaces_of_a_harness_killed_outright_are_removed_by_the_next(tmp_pat
 
 def test_ctrl_c_removes_the_hosts_and_says_so(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [PYTHON, "-m", "lab.hosts", "check", "--only", "spec_decoding", "--out", str(tmp_path)],
+        [
+            PYTHON,
+            "-m",
+            "labtools.hosts",
+            "check",
+            "--only",
+            "spec_decoding",
+            "--out",
+            str(tmp_path),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -201,7 +210,7 @@ def test_a_drafter_without_the_secret_is_refused_across_hosts(tmp_path: Path) ->
 @pytest.mark.parametrize("module", MODULES)
 def test_a_module_across_hosts_gives_what_it_gives_on_loopback(tmp_path: Path, module: str) -> None:
     """Each role on its own host, with the secret (and TLS for the netproto modules): greedy
-    outputs token for token, training losses within lab.hosts.LOSS_RTOL."""
+    outputs token for token, training losses within labtools.hosts.LOSS_RTOL."""
     skip_split_without_wireguard(module)
     netproto = scenarios()[module].netproto
     lines: list[str] = []

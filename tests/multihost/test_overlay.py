@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.hosts import ATTACKS, OVERLAY_PREFIX, Exposure, Host, Network, split_exposure
+from labtools.hosts import ATTACKS, OVERLAY_PREFIX, Exposure, Host, Network, split_exposure
 from netproto.overlay import unavailable as overlay_unavailable
 
 pytestmark = [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.hosts import Host, Network
+from labtools.hosts import Host, Network
 from netproto.overlay import unavailable as overlay_unavailable
 
 pytestmark = [

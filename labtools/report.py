@@ -1,4 +1,4 @@
-"""`python -m lab.report RUN_DIR... [--out DIR]`: one report (HTML and Markdown) from run folders.
+"""`python -m labtools.report RUN_DIR... [--out DIR]`: one report (HTML, Markdown) from run folders.
 
 A run folder is an experiment's run directory (it has `lab_run.json` and `metrics.jsonl`) or a
 run_matrix output folder (it has `results.jsonl`). For each: what ran and the command that
@@ -72,7 +72,7 @@ def experiment_section(run_dir: Path) -> Section:
 
 
 def matrix_section(out_dir: Path) -> Section:
-    from lab.matrix import Results
+    from labtools.matrix import Results
 
     sweep = (
         json.loads((out_dir / SWEEP_FILE).read_text()) if (out_dir / SWEEP_FILE).is_file() else {}
@@ -176,7 +176,7 @@ def _html(sections: list[Section], created: str) -> str:
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>distributed-llm-lab report {esc(created)}</title><style>{STYLE}</style></head>",
         f"<body><h1>distributed-llm-lab report</h1><p class='note'>made {esc(created)} by "
-        "<code>python -m lab.report</code></p>",
+        "<code>python -m labtools.report</code></p>",
     ]
     for section in sections:
         parts.append(f"<section><h2>{esc(section.title)}</h2>")
@@ -197,7 +197,7 @@ def _html(sections: list[Section], created: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m lab.report", description="One HTML + Markdown report from run folders."
+        prog="python -m labtools.report", description="One HTML + Markdown report from run folders."
     )
     parser.add_argument(
         "run_dirs", nargs="+", type=Path, help="run directories or run_matrix folders"
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         page = write_report(args.run_dirs, out)
     except (OSError, ValueError) as exc:
-        parser.exit(2, f"lab.report: {exc}\n")
+        parser.exit(2, f"labtools.report: {exc}\n")
     print(f"report: {page.resolve()}")
 
 

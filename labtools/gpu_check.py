@@ -1,4 +1,4 @@
-"""`python -m lab.gpu_check` (`make gpu-check`): the CUDA paths, where a GPU is.
+"""`python -m labtools.gpu_check` (`make gpu-check`): the CUDA paths, where a GPU is.
 
 With a CUDA GPU: the `cuda` tests (every module end to end on the GPU), then each bench on it:
 netproto, split (a 1B Llama shape with random-init weights), speculative decoding (the trained

@@ -1,4 +1,4 @@
-"""`python -m lab.readme_check`: replay the README's commands as a new user would, quickly.
+"""`python -m labtools.readme_check`: replay the README's commands as a new user would, quickly.
 
 Every `python ...` line of the README's ```bash blocks runs as written, plus quick settings for
 the keys it does not set itself (debug models, few rounds and tokens, one repeat), each in a
@@ -149,7 +149,7 @@ def with_quick(argv: list[str], *, out: Path, extra: Sequence[str] = ()) -> list
     added = [o for o in [*QUICK.get(target, []), *extra] if override_key(o) not in given]
     if target == "run_matrix.py":
         where = [f"out_dir={out}"]
-    elif target == "lab.hosts":  # argparse, not Hydra
+    elif target == "labtools.hosts":  # argparse, not Hydra
         where = ["--out", str(out)]
     elif multirun:
         where = [f"hydra.sweep.dir={out}"]
@@ -251,7 +251,7 @@ def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lab.readme_check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m labtools.readme_check", description=__doc__)
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
     parser.add_argument("--out", type=Path, default=None, help="default: a temporary folder")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per command")

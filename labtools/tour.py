@@ -1,4 +1,4 @@
-"""`python -m lab.tour` (`make run`): every experiment on the offline defaults, then a report.
+"""`python -m labtools.tour` (`make run`): every experiment on the offline defaults, then a report.
 
 Builds the tiny models (once), runs fed_learn, spec_decoding, split_inference, split_training and
 a small run_matrix sweep, each exactly as the command it prints, into `reports/<timestamp>/runs/`,
@@ -27,7 +27,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from lab.report import write_report
+from labtools.report import write_report
 
 STEPS: list[tuple[str, list[str]]] = [
     ("fed_learn", ["-m", "fed_learn"]),
@@ -59,7 +59,7 @@ def run_step(argv: list[str], *, log_path: Path, progress: Progress, task: TaskI
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lab.tour", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m labtools.tour", description=__doc__)
     parser.add_argument("--out", type=Path, default=None, help="default: reports/<timestamp>")
     parser.add_argument("--only", nargs="*", default=None, help="run only these steps")
     args = parser.parse_args(argv)

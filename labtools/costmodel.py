@@ -11,7 +11,7 @@ of n bytes waits extra round trips until the window covers n or the link's bandw
 product (`Link.slow_start_s`). Calibrated only on the local run; nothing is fitted to the link
 grid it is judged on.
 
-    python -m lab.costmodel split_training outputs/run/... --delay-ms 10 --rate 100mbit
+    python -m labtools.costmodel split_training outputs/run/... --delay-ms 10 --rate 100mbit
 
 The per-module counts (sequential one-way crossings per step):
 - split_inference (KV cache on, N stages): the driver asks stage 1 once per generation, and
@@ -376,11 +376,11 @@ WITHIN = (0.85, 1.15)
 
 
 def report(out: Path, names: Sequence[str], *, log: Any = None) -> int:
-    """`lab.hosts curves`' results next to what each variant's local run predicts: a table per
+    """`labtools.hosts curves`' results next to what each variant's local run predicts: a table per
     variant, `<out>/<variant>/report/results.{jsonl,csv}` and heatmaps (measured, predicted,
     measured/predicted) over delay x rate. Returns 0 when every cell is within WITHIN."""
-    from lab import heatmaps, matrix
-    from lab.hosts import curve_variants
+    from labtools import heatmaps, matrix
+    from labtools.hosts import curve_variants
 
     log = log or sys.stdout
     variants = curve_variants()
@@ -434,7 +434,7 @@ def report(out: Path, names: Sequence[str], *, log: Any = None) -> int:
             grid={"delay": [f"{d:g} ms" for d in delays], "rate": rates},
             axes={"delay": "one-way", "rate": "tc tbf"},
             out_dir=report_dir / "heatmaps",
-            title=f"{name} across three network namespaces (lab.hosts curves)",
+            title=f"{name} across three network namespaces (labtools.hosts curves)",
         )
         local = statistics.median(headline(kind, c) for c in calibrations)
         print(f"\n{name}: {HEADLINES[kind][1]}; local run {local:.4g}; "
@@ -461,7 +461,7 @@ def report(out: Path, names: Sequence[str], *, log: Any = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lab.costmodel", description=(__doc__ or "").splitlines()[0]
+        prog="python -m labtools.costmodel", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument("module", choices=sorted(MODULE_HEADLINE))
     parser.add_argument("run_dir", type=Path, help="a local run of it (its metrics.jsonl)")
@@ -477,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in args.rate
         ]
     except (ValueError, KeyError) as exc:
-        print(f"lab.costmodel: {exc}", file=sys.stderr)
+        print(f"labtools.costmodel: {exc}", file=sys.stderr)
         return 2
     print(f"{args.module}, {HEADLINES[kind][1]}: {local:.4g} in the local run {args.run_dir}")
     print(f"{'one-way delay':>14} {'rate':>8} {'predicted':>10}")

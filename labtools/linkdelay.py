@@ -1,6 +1,6 @@
-"""`python -m lab.linkdelay forward --delay-ms D`: hold every packet D ms, then send it on.
+"""`python -m labtools.linkdelay forward --delay-ms D`: hold every packet D ms, then send it on.
 
-The delaying path of lab.hosts' routed network (netem is missing on the lab's machines, and
+The delaying path of labtools.hosts' routed network (netem is missing on the lab's machines, and
 netproto's own link emulator does not carry TensorPipe's traffic): the switch namespace routes
 every packet between hosts into a TUN device; this process reads each one, keeps it for D ms and
 writes it back, and the switch routes it on to its host. A packet thus reaches its peer D ms
@@ -9,7 +9,7 @@ sleeps until a packet arrives or the oldest held one is due.
 
 What it costs: two copies through user space per packet (a round trip at 0 ms delay takes
 0.07-0.09 ms on the lab's 2-core machine, and one TCP stream peaks near 570-800 Mbit/s:
-`python -m lab.hosts link`), and CPU on the machine the hosts share.
+`python -m labtools.hosts link`), and CPU on the machine the hosts share.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def probe(address: str, port: int) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lab.linkdelay", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m labtools.linkdelay", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     fwd = sub.add_parser("forward", help="hold the TUN device's packets, then send them on")
     fwd.add_argument("--dev", default="tun0", help="the TUN device (made with ip tuntap)")

@@ -1,4 +1,4 @@
-"""`python -m lab.hosts`: the lab's modules across separate network hosts, on one Linux machine.
+"""`python -m labtools.hosts`: the lab's modules across separate network hosts, on one machine.
 
 Loopback hides whole classes of bugs: a server bound to 127.0.0.1, a hard-coded localhost, an
 address that differs per host, a peer that advertises the wrong interface, a refused connection.
@@ -10,8 +10,8 @@ separate HOMEs keep "the model is missing on host B" visible). A host's link can
 (`python -m <module> role=... cluster=hosts`), with a `conf/cluster/hosts.yaml` of their own
 that names the hosts' addresses, a shared secret, and TLS for the netproto modules (`--tls`).
 
-    python -m lab.hosts check                # the four modules across hosts, each vs loopback
-    python -m lab.hosts check --tls --rate 100mbit --only spec_decoding
+    python -m labtools.hosts check           # the four modules across hosts, each vs loopback
+    python -m labtools.hosts check --tls --rate 100mbit --only spec_decoding
 
 `check` prints one line per module and ends with `modules identical across hosts: N of M`; each
 role's log, metrics and outputs are kept under `--out`. Everything the harness made (namespaces,
@@ -19,13 +19,13 @@ bridge, processes) is removed on the way out, after a failure or Ctrl-C too, and
 by a harness killed outright (SIGKILL) are removed by the next one. It needs root and iproute2;
 without them it says why and does nothing.
 
-    python -m lab.hosts link                 # the emulated link itself: round trip, TCP rate
-    python -m lab.hosts faults --tls         # fed_learn with a client, then the coordinator, killed
-    python -m lab.hosts curves               # each module over delay x rate, vs its cost model
+    python -m labtools.hosts link            # the emulated link itself: round trip, TCP rate
+    python -m labtools.hosts faults --tls    # fed_learn with a client, then the coordinator, killed
+    python -m labtools.hosts curves          # each module over delay x rate, vs its cost model
 
 Link delay: netem is missing on the lab's machines (and tbf's `latency` only bounds a queue), so
 `Network(delay_ms=...)` makes the switch a router that sends every packet between hosts through
-a TUN device, where `lab.linkdelay` holds it for the delay: TensorPipe's traffic as well as
+a TUN device, where `labtools.linkdelay` holds it for the delay: TensorPipe's traffic as well as
 netproto's. What the namespaces do not model: cores (every host shares this machine's CPUs).
 """
 
@@ -228,7 +228,7 @@ class Network:
 
     `rate` (a tc rate: `100mbit`, `10mbit`) caps what each host sends (tbf on its `eth0`).
     `delay_ms` (0 included) builds a routed network instead: the switch namespace routes every
-    packet between hosts through a TUN device where `lab.linkdelay` holds it `delay_ms` before
+    packet between hosts through a TUN device where `labtools.linkdelay` holds it `delay_ms` before
     sending it on (one-way; a round trip gains twice that), whatever protocol carries it.
     `set_link` changes both while the hosts run.
     """
@@ -344,7 +344,7 @@ class Network:
     def _start_forwarder(self) -> None:
         assert self.delay_ms is not None
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.switch, sys.executable, "-m", "lab.linkdelay",
+            ["ip", "netns", "exec", self.switch, sys.executable, "-m", "labtools.linkdelay",
              "forward", "--dev", TUN, "--delay-ms", f"{self.delay_ms:g}"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -380,7 +380,7 @@ class Network:
             return
         # a bucket of one millisecond at the rate (two full frames at least): a link serializes
         # what it sends; tc's customary 64 kB would let a round's adapter through at no cost
-        from lab.costmodel import parse_rate
+        from labtools.costmodel import parse_rate
 
         bits = parse_rate(rate)
         burst = max(3028, int((bits or 0) / 8 / 1000))
@@ -1128,7 +1128,7 @@ class Variant:
     module: str
     settings: list[str]
     headline: str
-    """What `headline(run_dir)` reads (lab.costmodel.HEADLINES names them)."""
+    """What `headline(run_dir)` reads (labtools.costmodel.HEADLINES names them)."""
 
 
 def curve_variants() -> dict[str, Variant]:
@@ -1167,9 +1167,9 @@ def curves(
     prediction counts) on one host's loopback, then its runs
     across hosts on every (delay, rate) of the grid, `repeats` per cell (the median is the
     cell's figure, (max - min) / median its spread); results in `<out>/<variant>/results.jsonl`
-    (run_matrix's format: re-running skips the cells already done). `lab.costmodel.report`
+    (run_matrix's format: re-running skips the cells already done). `labtools.costmodel.report`
     then sets each cell beside its prediction and draws the heatmaps."""
-    from lab import costmodel, matrix
+    from labtools import costmodel, matrix
 
     if repeats < 1 or calibration_runs < 1:
         raise ValueError(f"repeats ({repeats}) and calibration_runs ({calibration_runs}) >= 1")
@@ -1240,14 +1240,14 @@ PROBE_PORT = 29590
 
 def measure_link(network: Network, sender: str, receiver: str) -> dict[str, float]:
     """Round trip (ms) and the rate of one 4 MiB transfer (Mbit/s) from `sender` to `receiver`,
-    measured with TCP between their namespaces (lab.linkdelay probe)."""
+    measured with TCP between their namespaces (labtools.linkdelay probe)."""
     server = network[receiver].start(
-        [sys.executable, "-m", "lab.linkdelay", "probe-server", "--port", str(PROBE_PORT)],
+        [sys.executable, "-m", "labtools.linkdelay", "probe-server", "--port", str(PROBE_PORT)],
         network.root / f"probe-{receiver}.log",
     )
     try:
         text = network[sender].run(
-            [sys.executable, "-m", "lab.linkdelay", "probe",
+            [sys.executable, "-m", "labtools.linkdelay", "probe",
              "--to", f"{network[receiver].address}:{PROBE_PORT}"], timeout_s=120,
         )  # fmt: skip
         server.wait(timeout=30)
@@ -1294,7 +1294,7 @@ class Documented:
 def documented_runs(paths: Sequence[str] = DOCUMENTED) -> list[Documented]:
     """Each group of `host$ python -m <module> role=...` lines in `paths`: one run on several
     machines, as written (readme_check reads the same blocks)."""
-    from lab.readme_check import readme_commands
+    from labtools.readme_check import readme_commands
 
     runs = []
     for path in paths:
@@ -1313,7 +1313,7 @@ def run_documented(
 ) -> tuple[bool, str]:
     """`run`'s lines, each in its host's namespace, the serving host at the address the cluster
     file names; `cluster=mine` is conf/cluster/two_hosts.yaml copied (docs step 3)."""
-    from lab.readme_check import with_quick
+    from labtools.readme_check import with_quick
 
     names = list(dict.fromkeys(host for host, _ in run.lines))
     others = iter(range(10, 250))
@@ -1352,7 +1352,7 @@ def run_documented(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lab.hosts", description=(__doc__ or "").splitlines()[0]
+        prog="python -m labtools.hosts", description=(__doc__ or "").splitlines()[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("check", help="every module across hosts, compared with loopback")
@@ -1390,7 +1390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     why = unavailable()
     if why is not None:
-        print(f"lab.hosts: skipped: {why}", file=sys.stderr)
+        print(f"labtools.hosts: skipped: {why}", file=sys.stderr)
         return 0
     signal.signal(signal.SIGTERM, _raise_interrupt)
     # Ctrl-C unwinds and cleans up even where SIGINT came in ignored (a script's `cmd &`)
@@ -1398,10 +1398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run_command(parser, args)
     except KeyboardInterrupt:
-        print("lab.hosts: interrupted; the namespaces are removed", file=sys.stderr)
+        print("labtools.hosts: interrupted; the namespaces are removed", file=sys.stderr)
         return 130
     except HostsError as exc:
-        print(f"lab.hosts: {exc}", file=sys.stderr)
+        print(f"labtools.hosts: {exc}", file=sys.stderr)
         return 1
 
 
@@ -1417,7 +1417,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         curves(names, out=args.out.resolve(), delays_ms=args.delay_ms, rates=args.rate,
                repeats=args.repeats, calibration_runs=args.calibration_runs,
                timeout_s=args.timeout_s)  # fmt: skip
-        from lab import costmodel
+        from labtools import costmodel
 
         return costmodel.report(args.out.resolve(), names)
     if args.command == "faults":
