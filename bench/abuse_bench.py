@@ -794,8 +794,8 @@ def rpc_driver(port: int, out: str, samples: int, go: str) -> None:
     import torch.distributed.rpc as rpc
 
     from lab.config import Endpoint
-    from split_inference import rpc_guard, workers
-    from split_inference.config import SplitConfig
+    from split_engine import rpc_guard, workers
+    from split_engine.config import SplitConfig
 
     world = workers.World(
         0, Endpoint("127.0.0.1", port), SplitConfig(num_stages=2, rpc_timeout_s=20)
@@ -827,8 +827,8 @@ def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
     import torch.distributed.rpc as rpc
 
     from lab.config import Endpoint
-    from split_inference import stage, workers
-    from split_inference.config import SplitConfig
+    from split_engine import stage, workers
+    from split_engine.config import SplitConfig
 
     world = workers.World(
         2, Endpoint("127.0.0.1", port), SplitConfig(num_stages=2, rpc_timeout_s=20)
@@ -850,7 +850,7 @@ def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
     )
     try:
         from netproto import Connection
-        from split_inference.store import NetprotoStoreClient
+        from split_engine.store import NetprotoStoreClient
 
         conn = Connection.connect("127.0.0.1", port, connect_timeout_s=5)
         NetprotoStoreClient(conn, timeout=timedelta(seconds=5)).set("rpc_prefix_0/x", b"x")
@@ -1020,11 +1020,11 @@ def under_attack(
 
 
 def split_across_hosts() -> Outcomes:
-    """The split-stage attacks from a host outside the overlay (lab.hosts.split_exposure: a
+    """The split-stage attacks from a host outside the overlay (labtools.hosts.split_exposure: a
     split_training run on three network namespaces, a fourth on the same LAN without the
     secret dialling every port the run listens on). Needs root and WireGuard; else skipped."""
-    from lab.hosts import split_exposure
-    from lab.hosts import unavailable as no_namespaces
+    from labtools.hosts import split_exposure
+    from labtools.hosts import unavailable as no_namespaces
     from netproto.overlay import unavailable as no_overlay
 
     why = no_namespaces() or no_overlay()

@@ -130,7 +130,7 @@ def unsplit_peak_rss_mib(folder: Path, new_tokens: int) -> float:
 
 
 def _unsplit_peak_main(folder: Path, new_tokens: int) -> None:
-    from split_inference.generation import UnsplitModel, decode
+    from split_engine.generation import UnsplitModel, decode
 
     model = load_model(ModelConfig(name="unsplit", pretrained=str(folder)), cache_dir=CACHE)
     ids = torch.randint(3, model.config.vocab_size, (1, 32))

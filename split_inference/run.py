@@ -16,10 +16,10 @@ from lab.launch import ServiceGroup
 from lab.memory import peak_memory
 from lab.models import load_model, load_tokenizer
 from lab.tracking import Tracker
+from split_engine.generation import Generation, Sampling, StepModel, UnsplitModel, decode
+from split_engine.roles import driving, split_experiment
+from split_engine.sharded import ShardedModel
 from split_inference.config import SplitInferenceRunConfig
-from split_inference.generation import Generation, Sampling, StepModel, UnsplitModel, decode
-from split_inference.roles import driving, split_experiment
-from split_inference.sharded import ShardedModel
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lab.config import LabConfig, LoRASettings, check_choice, check_fields_positive, register_schema
-from split_inference.config import SplitConfig
+from split_engine.config import SplitConfig
 
 MIXED_PRECISIONS = ("auto", "bf16", "none")
 

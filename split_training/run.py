@@ -21,8 +21,8 @@ from lab.device import detect_device, supports_bf16
 from lab.launch import ServiceGroup
 from lab.models import load_tokenizer
 from lab.tracking import Tracker
-from split_inference.roles import driving, split_experiment
-from split_inference.sharded import ShardedModel
+from split_engine.roles import driving, split_experiment
+from split_engine.sharded import ShardedModel
 from split_training.config import SplitTrainConfig, SplitTrainingRunConfig
 from split_training.trainer import LATEST, DistributedTrainer, bubble_fraction
 

@@ -27,9 +27,9 @@ from torch.distributed.optim.optimizer import _LocalOptimizer
 from torch.distributed.rpc import RRef
 
 from lab import atomic
-from split_inference.rpc_guard import never_sent
-from split_inference.sharded import ShardedModel
-from split_inference.workers import StageLostError, require_driver
+from split_engine.rpc_guard import never_sent
+from split_engine.sharded import ShardedModel
+from split_engine.workers import StageLostError, require_driver
 from split_training.config import SplitTrainConfig
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,9 @@ import torch
 from lab.config import ClusterConfig, Endpoint, ModelConfig
 from lab.launch import Role, free_port, services
 from lab.pretrain import TinyModelSpec, build_llama
-from split_inference.config import SplitConfig, SplitInferenceRunConfig
-from split_inference.roles import driving
+from split_engine.config import SplitConfig
+from split_engine.roles import driving
+from split_inference.config import SplitInferenceRunConfig
 
 NUM_LAYERS = 4
 

@@ -22,7 +22,7 @@ from typing import Any
 def attack(out: Path, honest_prove) -> None:
     import torch.distributed.rpc as rpc
 
-    from split_inference import stage, workers
+    from split_engine import stage, workers
 
     attempts = {
         "release stage1": ("stage1", workers.release_stage, ()),
@@ -45,7 +45,7 @@ def attack(out: Path, honest_prove) -> None:
 def admit_to_store(store_secret: bytes) -> None:
     """From now on this process meets a world with the store's secret for the store's handshake
     alone, and no secret for anything after (what a rank the store let in would be)."""
-    from split_inference import workers
+    from split_engine import workers
 
     meet = workers._store_on_master_host
 
@@ -63,8 +63,8 @@ def admit_to_store(store_secret: bytes) -> None:
 
 def main(port: int, out: Path, store_secret: bytes) -> None:
     from lab.config import Endpoint
-    from split_inference import workers
-    from split_inference.config import SplitConfig
+    from split_engine import workers
+    from split_engine.config import SplitConfig
 
     honest_prove = workers.stage_prove
 

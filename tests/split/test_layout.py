@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from split_inference.config import SplitConfig
-from split_inference.generation import positions_from_mask
-from split_inference.layout import (
+from split_engine.config import SplitConfig
+from split_engine.generation import positions_from_mask
+from split_engine.layout import (
     StageCosts,
     balance_boundaries,
     build_stage_model,

@@ -16,8 +16,8 @@ import torch
 
 from lab.cli import ConfigError
 from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
+from split_engine.workers import StageLostError
 from split_inference.run import run as run_inference
-from split_inference.workers import StageLostError
 from split_training.run import run as run_training
 
 from .conftest import rpc_world
@@ -166,7 +166,7 @@ def test_a_successful_run_prints_nothing_that_reads_as_an_error(
         assert f"{stage} joined the run" in output
     alarming = [line for line in output.splitlines() if any(p in line for p in ALARMING)]
     assert not alarming, "\n".join(alarming[:20])
-    from lab.readme_check import NOISE  # and what every module's successful run must not print
+    from labtools.readme_check import NOISE  # and what every module's successful run must not print
 
     assert not NOISE.search(output), [m.group(0) for m in NOISE.finditer(output)]
 
@@ -240,7 +240,7 @@ def test_stages_refuse_a_driver_without_the_secret(llama_folder: Path, tmp_path:
 
 
 def test_matching_secrets_let_the_run_go_on(llama_folder: Path, tmp_path: Path) -> None:
-    from split_inference.sharded import ShardedModel
+    from split_engine.sharded import ShardedModel
 
     with rpc_world(
         llama_folder, tmp_path, stage_env={"LAB_SECRET": "shared"}, driver_secret="shared"
@@ -253,7 +253,7 @@ def test_matching_secrets_let_the_run_go_on(llama_folder: Path, tmp_path: Path) 
 def test_4bit_asked_of_a_split_run_is_said_not_to_apply(compose_config, module: str) -> None:
     """Stages load their share in full precision: a 4-bit request is not ignored silently."""
     from lab import experiment
-    from split_inference.roles import split_experiment
+    from split_engine.roles import split_experiment
 
     cfg = compose_config(module, ["model.quantization=4bit", "role=driver"])
     driver_only = split_experiment(module, experiment.get(module).schema, lambda s: {"ran": 1.0})
@@ -272,8 +272,9 @@ def test_a_rank_without_the_secret_cannot_make_anyone_do_anything(
 
     from lab.config import ClusterConfig, Endpoint
     from lab.launch import Role, free_port, services
-    from split_inference.config import SplitConfig, SplitInferenceRunConfig
-    from split_inference.roles import driving
+    from split_engine.config import SplitConfig
+    from split_engine.roles import driving
+    from split_inference.config import SplitInferenceRunConfig
     from tests.split.conftest import model_config, stage_role
 
     port, out = free_port(), tmp_path / "rogue.json"

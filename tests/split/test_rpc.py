@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from split_inference.generation import Sampling, UnsplitModel, decode
+from split_engine.generation import Sampling, UnsplitModel, decode
+from split_engine.sharded import ShardedModel
 from split_inference.run import batches
-from split_inference.sharded import ShardedModel
 from split_training.config import SplitTrainConfig
 from split_training.trainer import DistributedTrainer
 

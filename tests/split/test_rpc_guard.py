@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.distributed.rpc import internal as rpc_internal
 
-from split_inference import rpc_guard, workers
-from split_inference.rpc_guard import UnsafeMessageError
+from split_engine import rpc_guard, workers
+from split_engine.rpc_guard import UnsafeMessageError
 
 SECRET = b"shared secret"
 WORLD = secrets.token_bytes(32)
@@ -125,7 +125,7 @@ def test_an_object_claiming_a_start_calls_name_is_not_one() -> None:
         pass
 
     impostor = Impostor()
-    impostor.__module__ = "split_inference.workers"
+    impostor.__module__ = "split_engine.workers"
     impostor.__qualname__ = "stage_prove"  # type: ignore[attr-defined]
     assert not rpc_guard._is_start_call(impostor)
     assert rpc_guard._is_start_call(workers.stage_prove)
@@ -222,7 +222,7 @@ def test_a_stage_and_its_optimizer_are_never_pickled_for_a_peer() -> None:
     """TensorPipe serves RRef fetches in C++: the value must refuse to travel."""
     from torch.distributed.optim.optimizer import _LocalOptimizer
 
-    from split_inference.stage import Stage
+    from split_engine.stage import Stage
     from split_training.trainer import StageAdamW
 
     as_process("stage1", SECRET)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.distributed.rpc import internal as rpc_internal
 
-from split_inference import rpc_guard
-from split_inference.rpc_guard import UnsafeMessageError, safe_loads
+from split_engine import rpc_guard
+from split_engine.rpc_guard import UnsafeMessageError, safe_loads
 
 
 class RunsCommand:
@@ -95,6 +95,35 @@ def _build(target: bytes, state: dict[str, str]) -> bytes:
 ALLOWED_MODULES = sorted({module for module, _ in rpc_guard._REFERENCES} | {"builtins"})
 
 
+@pytest.mark.parametrize(("module", "name"), sorted(rpc_guard._REFERENCES | rpc_guard.START_CALLS))
+def test_every_allowed_name_is_where_pickle_finds_it(module: str, name: str) -> None:
+    """The allow-list stays honest when modules move: each pair resolves, names the object by its
+    own module and qualified name (what pickle writes for it), and the guard lets it back in."""
+    obj = getattr(importlib.import_module(module), name)
+    assert (obj.__module__, obj.__qualname__) == (module, name)
+    for protocol in PROTOCOLS:
+        assert safe_loads(pickle.dumps(obj, protocol=protocol)) is obj
+
+
+def test_start_calls_are_allowed_names() -> None:
+    assert rpc_guard.START_CALLS <= rpc_guard._REFERENCES
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        # where the engine lived before split_engine (issue 28): no such module any more
+        ("split_inference.workers", "stage_prove"),
+        ("split_inference.workers", "stage_accept_driver"),
+        ("split_inference.stage", "Stage"),
+    ],
+)
+def test_the_engines_old_module_names_are_refused(module: str, name: str, protocol: int) -> None:
+    with pytest.raises(UnsafeMessageError, match="refused"):
+        safe_loads(_message(_global(module, name, protocol), protocol))
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("module", ALLOWED_MODULES)
 @pytest.mark.parametrize(
@@ -112,12 +141,12 @@ def test_dotted_names_under_an_allowed_module_are_refused(
 @pytest.mark.parametrize(
     ("module", "name"),
     [
-        ("split_inference.workers", "_auth"),  # the stage's "driver proved the secret" state
-        ("split_inference.rpc_guard", "_calls"),  # the call-signing key and replay windows
-        ("split_inference.workers", "hmac"),
-        ("split_inference.workers", "os"),
-        ("split_inference.rpc_guard", "install"),
-        ("split_inference.stage", "torch"),
+        ("split_engine.workers", "_auth"),  # the stage's "driver proved the secret" state
+        ("split_engine.rpc_guard", "_calls"),  # the call-signing key and replay windows
+        ("split_engine.workers", "hmac"),
+        ("split_engine.workers", "os"),
+        ("split_engine.rpc_guard", "install"),
+        ("split_engine.stage", "torch"),
         ("split_training.trainer", "Path"),
         ("torch.distributed.rpc.internal", "_internal_rpc_pickler"),
         ("torch.distributed.rpc.api", "shutdown"),
@@ -137,9 +166,9 @@ def test_a_name_outside_the_exact_list_is_refused(module: str, name: str, protoc
 @pytest.mark.parametrize(
     ("module", "name"),
     [
-        ("split_inference.stage", "Stage"),  # a class: would change every stage
-        ("split_inference.workers", "stage_prove"),  # a function
-        ("split_inference.workers", "stage_accept_driver"),
+        ("split_engine.stage", "Stage"),  # a class: would change every stage
+        ("split_engine.workers", "stage_prove"),  # a function
+        ("split_engine.workers", "stage_accept_driver"),
         ("torch.distributed.rpc.internal", "_InternalRPCPickler"),
         ("builtins", "ValueError"),  # even a harmless type, when not built here
     ],
@@ -158,10 +187,10 @@ def test_state_is_never_set_on_a_global(module: str, name: str, protocol: int) -
     [
         ("split_training.trainer", "save_stage", ["a", "b", "/tmp/x"]),  # writes files
         ("split_training.trainer", "load_stage", ["a", "b", "/tmp/x"]),
-        ("split_inference.stage", "Stage", ["model"]),  # would load a model
-        ("split_inference.stage", "describe_model", ["x"]),
-        ("split_inference.workers", "release_stage", []),
-        ("split_inference.workers", "stage_accept_driver", ["proof"]),
+        ("split_engine.stage", "Stage", ["model"]),  # would load a model
+        ("split_engine.stage", "describe_model", ["x"]),
+        ("split_engine.workers", "release_stage", []),
+        ("split_engine.workers", "stage_accept_driver", ["proof"]),
         ("torch.distributed.rpc.rref_proxy", "_local_invoke", ["a", "b"]),
         ("torch.distributed.optim.optimizer", "_new_local_optimizer", ["a", "b"]),
     ],

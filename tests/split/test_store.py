@@ -1,4 +1,4 @@
-"""The split run's rendezvous store (split_inference.store): torch's TCPStore answered anyone,
+"""The split run's rendezvous store (split_engine.store): torch's TCPStore answered anyone,
 held values of any size and let a stranger rewrite a worker's address before a run. Each
 attack here has its own test, against the real server over loopback."""
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from netproto import Connection
 from netproto.errors import AuthenticationError, NetprotoError
 from netproto.wire import HEADER, Header, Limits, PayloadKind, pack_header
-from split_inference.store import (
+from split_engine.store import (
     MAX_FRAME_BYTES,
     MAX_KEYS,
     MAX_VALUE_BYTES,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from split_inference.sharded import ShardedModel
+from split_engine.sharded import ShardedModel
 from split_training.config import SplitTrainConfig
 from split_training.trainer import DistributedTrainer
 

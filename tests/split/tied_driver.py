@@ -19,7 +19,7 @@ import torch
 
 
 def main(folder: Path, num_stages: int, steps: int, out: Path, export_dir: Path) -> None:
-    from split_inference.sharded import ShardedModel
+    from split_engine.sharded import ShardedModel
     from split_training.config import SplitTrainConfig
     from split_training.trainer import DistributedTrainer
     from tests.split.conftest import model_config, rpc_world

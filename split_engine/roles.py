@@ -17,10 +17,10 @@ from lab.device import detect_device
 from lab.experiment import Experiment, LocalPlan, Metrics, Process
 from lab.launch import ServiceGroup
 from lab.models import resolve_source
-from split_inference.config import SplitConfig
-from split_inference.layout import stage_ranges
-from split_inference.stage import StageHost, set_stage_host
-from split_inference.workers import (
+from split_engine.config import SplitConfig
+from split_engine.layout import stage_ranges
+from split_engine.stage import StageHost, set_stage_host
+from split_engine.workers import (
     World,
     authenticate_stages,
     joined,

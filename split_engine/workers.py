@@ -38,9 +38,9 @@ from lab.config import ClusterConfig, Endpoint, is_loopback
 from netproto import Connection, Limits
 from netproto.auth import NONCE_BYTES, mac
 from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
-from split_inference import rpc_guard
-from split_inference.config import SplitConfig
-from split_inference.store import MAX_FRAME_BYTES, NetprotoStoreClient, StoreServer
+from split_engine import rpc_guard
+from split_engine.config import SplitConfig
+from split_engine.store import MAX_FRAME_BYTES, NetprotoStoreClient, StoreServer
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ def _listening_towards_the_master(master: Endpoint) -> Iterator[None]:
     the address of the interface of this host's name unless TP_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
     name one. On Debian the host's name resolves to 127.0.1.1, so a stage on a LAN advertised
     loopback (Gloo's full mesh then failed with "connection refused, remote=127.0.0.1", found
-    by `python -m lab.hosts check`); on a host whose name resolves to its LAN address, a
+    by `python -m labtools.hosts check`); on a host whose name resolves to its LAN address, a
     loopback run was reachable from the LAN. Every rank reaches the master, so the interface
     that leads there is the one its peers can reach it on: both listen there only, while the
     agent starts (they read the variables then; a later world in this process decides anew).

@@ -1,7 +1,7 @@
 """The driver's view of a split model: RRefs to its stages, `forward` and `generate`.
 
 Each call runs the stages in order, the driver relaying activations (CPU tensors) from one to
-the next. In generation (`split_inference.generation.decode`) every stage keeps a KV cache per
+the next. In generation (`split_engine.generation.decode`) every stage keeps a KV cache per
 request: the prompt is sent once (prefill), then only the newest token's hidden state travels
 per step.
 """
@@ -18,11 +18,11 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from lab.config import ModelConfig
-from split_inference.config import SplitConfig
-from split_inference.generation import Generation, Sampling, positions_from_mask
-from split_inference.layout import StageCosts, balance_boundaries, stage_ranges
-from split_inference.stage import Stage, describe_model
-from split_inference.workers import StageLostError, free_memory_bytes, stage_alive, stage_name
+from split_engine.config import SplitConfig
+from split_engine.generation import Generation, Sampling, positions_from_mask
+from split_engine.layout import StageCosts, balance_boundaries, stage_ranges
+from split_engine.stage import Stage, describe_model
+from split_engine.workers import StageLostError, free_memory_bytes, stage_alive, stage_name
 
 log = logging.getLogger(__name__)
 

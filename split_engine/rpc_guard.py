@@ -52,14 +52,14 @@ _REFERENCES = {
     # What a split run's RPC messages name, exactly: the functions and classes it calls on a
     # peer (inside a PythonUDF), each one by its module and qualified name. Naming is not
     # calling: none of these runs while a message is unpickled.
-    ("split_inference.stage", "Stage"),
-    ("split_inference.stage", "describe_model"),
-    ("split_inference.workers", "driver_alive"),
-    ("split_inference.workers", "free_memory_bytes"),
-    ("split_inference.workers", "release_stage"),
-    ("split_inference.workers", "stage_accept_driver"),
-    ("split_inference.workers", "stage_alive"),
-    ("split_inference.workers", "stage_prove"),
+    ("split_engine.stage", "Stage"),
+    ("split_engine.stage", "describe_model"),
+    ("split_engine.workers", "driver_alive"),
+    ("split_engine.workers", "free_memory_bytes"),
+    ("split_engine.workers", "release_stage"),
+    ("split_engine.workers", "stage_accept_driver"),
+    ("split_engine.workers", "stage_alive"),
+    ("split_engine.workers", "stage_prove"),
     ("split_training.trainer", "StageAdamW"),
     ("split_training.trainer", "load_stage"),
     ("split_training.trainer", "save_stage"),
@@ -225,9 +225,9 @@ START_CALLS = frozenset(
         ("torch.distributed.rpc.api", "_gather_to_leader"),
         ("torch.distributed.rpc.api", "_broadcast_to_followers"),
         # the handshake, and the liveness ping a stage starts as soon as it has joined
-        ("split_inference.workers", "stage_prove"),
-        ("split_inference.workers", "stage_accept_driver"),
-        ("split_inference.workers", "driver_alive"),
+        ("split_engine.workers", "stage_prove"),
+        ("split_engine.workers", "stage_accept_driver"),
+        ("split_engine.workers", "driver_alive"),
     }
 )
 """What a process serves unsigned, and only until its world key is set."""
