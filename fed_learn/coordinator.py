@@ -10,20 +10,16 @@ taken only as the answer to it (matched by the task's random number, see `protoc
 else is dropped, so each client's queue holds one answer at most. An answer is checked field
 by field, its update for finite values, layout, the strategy's rules and a bound on its norm
 (`fed.max_update_norm`), and its weight is capped by what the client declared at JOIN and by
-`fed.max_examples_per_client`. A bad answer is that client's failure in the round: logged,
-counted, and the round goes on with the others.
+`fed.max_examples_per_client` (`updates` holds the checks). A bad answer is that client's
+failure in the round: logged, counted, and the round goes on with the others.
 
-Nor does a client's coming and going cost more than its stay: a client that leaves is dropped
-from the client table with its connection and buffers (its id is never given again), a
-checkpoint's roster lists only the clients whose updates a round took, and each address may
-JOIN only so often (`fed.join_rate_per_address`); a refused JOIN costs one ERROR frame.
-Every reader of the client table holds the lock its writers hold.
+Who may join and how often, and the table of the clients connected now, are `admission`'s;
+a checkpoint's roster lists only the clients whose updates a round took.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -32,7 +28,6 @@ import random
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,19 +36,18 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from safetensors.torch import load_file
 
-from fed_learn.aggregate import combiner, mix, staleness_weight, update_norm
-from fed_learn.compression import decompress
+from fed_learn.admission import Admission, ClientHandle, NotEnoughClientsError, Reply, Task
+from fed_learn.aggregate import combiner, mix, staleness_weight
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
-from fed_learn.protocol import ClientResult, FedMsg, answers, parse_join, parse_result
+from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result
 from fed_learn.strategy import Strategy
+from fed_learn.updates import ANSWER_ERRORS, check_answer
 from lab import atomic
-from lab.cli import UserError
 from lab.losses import evaluate
 from lab.tracking import Tracker
 from netproto import Connection, NetprotoError
 from netproto.errors import peer_text
-from netproto.server import address_key
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +55,6 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 FIRST_ROUND_GRACE_S = 30.0
 """Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
-UPDATE_DTYPES = frozenset(
-    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32}
-)
-"""What an update's tensors may hold: adapters in a float dtype, compressed ones int32 indices
-and int8 values (decompress checks which goes where)."""
-ANSWER_ERRORS = (ValueError, TypeError, RuntimeError)
-"""What checking an answer may raise on a peer's input (torch raises RuntimeError and its
-NotImplementedError): that client's failure, never the round's."""
-REPLY_SLOTS = 2
-"""A client's queue: the answer to its one outstanding task, and the 'gone' marker."""
-MAX_TRACKED_ADDRESSES = 4096
-"""JOIN buckets kept (the least recently used goes first): memory stays bounded whatever the
-number of addresses; a forgotten one starts again with a full bucket."""
 
 
 def _progress() -> Progress:
@@ -81,72 +62,6 @@ def _progress() -> Progress:
     while the work lasts, never left in logs."""
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), transient=True
-    )
-
-
-class NotEnoughClientsError(UserError, RuntimeError):
-    """Fewer than `fed.min_fit_clients` clients connected within `fed.wait_clients_s`."""
-
-
-class JoinLimiter:
-    """A token bucket per address: `burst` JOINs at once, then `rate` a second. Not
-    thread-safe: the caller holds a lock."""
-
-    def __init__(self, *, rate: float, burst: int) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        """address -> (tokens, when counted), least recently used first."""
-
-    def allow(self, address: str, *, now: float | None = None) -> bool:
-        """Take a token from `address`'s bucket; whether there was one."""
-        now = time.monotonic() if now is None else now
-        tokens, then = self._buckets.pop(address, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
-        allowed = tokens >= 1.0
-        self._buckets[address] = (tokens - allowed, now)
-        while len(self._buckets) > MAX_TRACKED_ADDRESSES:
-            self._buckets.popitem(last=False)
-        return allowed
-
-
-@dataclass(frozen=True, eq=False)
-class Task:
-    """Work sent to one client: train from the global adapter of `round` (async: version)."""
-
-    number: int
-    """Drawn at random; the RESULT that answers this task echoes it."""
-    round: int
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A client's answer to `task`: a checked result and its update, or why it is refused."""
-
-    task: Task
-    result: ClientResult | None
-    update: dict[str, torch.Tensor]
-    error: str = ""
-
-
-@dataclass
-class ClientHandle:
-    client_id: int
-    name: str
-    num_examples: int
-    """As declared at JOIN, capped by fed.max_examples_per_client: the most weight it gets."""
-    conn: Connection
-    joined_round: int
-    alive: bool = True
-    task: Task | None = None
-    """The one task it has outstanding (no RESULT is taken from it otherwise)."""
-    holds_frozen: bool = False
-    """It was sent the whole adapter once on this connection: from then on it gets only the
-    tensors the strategy trains (FFA-LoRA: B; its A never changes)."""
-    dropped: int = 0
-    """RESULTs that answered no outstanding task (unsolicited, duplicate, late): dropped."""
-    results: queue.Queue[Reply | None] = field(
-        default_factory=lambda: queue.Queue(maxsize=REPLY_SLOTS)
     )
 
 
@@ -162,89 +77,31 @@ class Coordinator:
             rank=settings.lora.r,
             combine=combiner(self.fed.aggregator, trim_fraction=self.fed.trim_fraction),
         )
-        self.clients: dict[int, ClientHandle] = {}
+        self.admission = Admission(self.fed)
+        self.clients = self.admission.clients
         """The clients connected now (a client that leaves is dropped): read it under _lock."""
         self.roster: dict[int, dict[str, Any]] = {}
         """Every client whose update a round took, for checkpoints: id, name, examples and
         the rounds it took part in (small records: no connection is kept)."""
         self.round = 0
-        self._client_ids = itertools.count()  # never reused: a departed client's id stays its
-        self._joins = JoinLimiter(
-            rate=self.fed.join_rate_per_address,
-            burst=max(self.fed.join_burst_per_address, self.fed.num_clients),
-        )
-        self.joins_refused = 0
-        self._departed_traffic = (0, 0)  # bytes (sent, received) of the clients that left
-        self._departed_dropped = 0  # RESULTs dropped from the clients that left
-        self._lock = threading.Lock()
-        self._joined = threading.Condition(self._lock)
+        self._lock = self.admission.lock  # one lock for the client table and what rounds share
         self._finished = threading.Event()
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
 
     # ------------------------------------------------------------ sessions (one per client)
 
     def handle(self, conn: Connection) -> None:
-        join = conn.recv(expect=FedMsg.JOIN, timeout_s=self.fed.heartbeat_timeout_s)
-        address = address_key(conn.peer_host)
-        with self._lock:
-            allowed = self._joins.allow(address)
-            self.joins_refused += not allowed
-            refused = self.joins_refused
-        if not allowed:
-            conn.send_error(
-                "rate_limited",
-                f"too many JOINs from {address}: at most {self._joins.burst} at once, then "
-                f"{self.fed.join_rate_per_address:g} a second (fed.join_rate_per_address)",
-                request_id=join.request_id,
-            )
-            if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th...: a flood stays a trickle
-                log.warning(
-                    "refused a JOIN from %s: too many (%d refused so far)", address, refused
-                )
+        """A client's session: its JOIN (see `admission`), then its answers until it leaves."""
+        client = self.admission.admit(conn, at_round=lambda: self.round)
+        if client is None:
             return
-        try:
-            hello = parse_join(join.payload)
-        except ValueError as exc:
-            conn.send_error("bad_request", str(exc), request_id=join.request_id)
-            return
-        num_examples = min(hello.num_examples, self.fed.max_examples_per_client)
-        with self._lock:
-            client = ClientHandle(
-                client_id=next(self._client_ids),
-                name=hello.name,
-                num_examples=num_examples,
-                conn=conn,
-                joined_round=self.round,
-            )
-            self.clients[client.client_id] = client
-            self._joined.notify_all()
-        conn.send_msg(FedMsg.WELCOME, {"client_id": client.client_id}, request_id=join.request_id)
-        log.info(
-            "%s joined at round %d (id %d, %d examples)",
-            client.name,
-            self.round,
-            client.client_id,
-            hello.num_examples,
-        )
         try:
             while True:  # heartbeats (PINGs) are answered inside recv; silence means dead
                 result = conn.recv_msg(FedMsg.RESULT, timeout_s=self.fed.heartbeat_timeout_s)
                 update = conn.recv_tensors(FedMsg.UPDATE, timeout_s=self.fed.heartbeat_timeout_s)
                 self._hand_in(client, result, update)
         finally:
-            with self._lock:
-                client.alive = False
-                client.task = None
-                client.results.put_nowait(None)  # wakes a round waiting for this client
-                # Gone from the table: nothing keeps its connection but a round that sampled
-                # it, until that round ends. What it counted for stays in the totals.
-                del self.clients[client.client_id]
-                sent, received = self._departed_traffic
-                self._departed_traffic = (
-                    sent + conn.bytes_sent,
-                    received + conn.bytes_received,
-                )
-                self._departed_dropped += client.dropped
+            self.admission.leave(client)
             if self._finished.is_set():
                 log.info("%s (id %d) left", client.name, client.client_id)
             else:
@@ -279,34 +136,13 @@ class Coordinator:
             )
 
     def alive_clients(self) -> list[ClientHandle]:
-        with self._lock:
-            return [c for c in self.clients.values() if c.alive]
+        return self.admission.alive()
 
     def wait_for_clients(
         self, count: int, *, hoped: int = 0, grace_s: float = 0.0
     ) -> list[ClientHandle]:
-        """Block until `count` clients are alive (NotEnoughClientsError after wait_clients_s).
-
-        With `hoped` > count, first wait up to `grace_s` for that many (the expected roster).
-        """
-        grace_end = time.monotonic() + grace_s
-        with self._lock:
-            while (
-                sum(c.alive for c in self.clients.values()) < hoped and time.monotonic() < grace_end
-            ):
-                self._joined.wait(timeout=max(0.0, min(grace_end - time.monotonic(), 1.0)))
-        deadline = time.monotonic() + self.fed.wait_clients_s
-        with self._lock:
-            while sum(c.alive for c in self.clients.values()) < count:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    alive = sum(c.alive for c in self.clients.values())
-                    raise NotEnoughClientsError(
-                        f"only {alive} of the {count} clients needed (fed.min_fit_clients) are "
-                        f"connected after {self.fed.wait_clients_s:.0f}s"
-                    )
-                self._joined.wait(timeout=min(remaining, 1.0))
-        return self.alive_clients()
+        """See `Admission.wait_for`."""
+        return self.admission.wait_for(count, hoped=hoped, grace_s=grace_s)
 
     # ------------------------------------------------------------ rounds
 
@@ -382,7 +218,7 @@ class Coordinator:
             # checkpointing, against the clients' local training it waits for.
             started = time.perf_counter()
             global_state = adapter_state(self.model)
-            traffic_before = self._traffic(sampled)
+            traffic_before = self.admission.traffic(sampled)
             tasks = {c.client_id: self._send_task(c, self.round, global_state) for c in sampled}
             coordinator_s = time.perf_counter() - started
             collected = self._collect(sampled, tasks, global_state)
@@ -401,7 +237,7 @@ class Coordinator:
                     self.fed.min_fit_clients,
                 )
             val_loss = evaluate(self.model, self.val_blocks)
-            traffic = self._traffic(sampled)
+            traffic = self.admission.traffic(sampled)
             metrics = {
                 "val_loss": val_loss,
                 "clients": float(len(updates)),
@@ -436,7 +272,7 @@ class Coordinator:
             "final_val_loss": final["val_loss"],
             "rounds": float(self.fed.rounds - start),
             "refused": sum(h["refused"] for h in history),
-            "dropped_results": float(self.dropped_results()),
+            "dropped_results": float(self.admission.dropped_results()),
             **round_averages(history),
         }
 
@@ -454,11 +290,6 @@ class Coordinator:
             return "kept previous adapter (aggregation failed)"
         load_adapter_state(self.model, merged)
         return "aggregated"
-
-    def dropped_results(self) -> int:
-        """RESULTs dropped so far, over every client: they answered no outstanding task."""
-        with self._lock:
-            return self._departed_dropped + sum(c.dropped for c in self.clients.values())
 
     def _took_part(self, client: ClientHandle) -> None:
         """A round took `client`'s update: it is on the checkpoints' roster from now on."""
@@ -497,7 +328,7 @@ class Coordinator:
         applied, refused = 0, 0
         staleness: list[int] = []
         norms: list[float] = []  # of the applied updates (see fed.max_update_norm)
-        bytes_before = self._traffic()
+        bytes_before = self.admission.traffic()
         round_started = time.perf_counter()
         coordinator_s = 0.0
         last_arrival = time.monotonic()
@@ -537,7 +368,9 @@ class Coordinator:
                         )
                         continue
                     try:
-                        _result, full, norm = self._admit(client, reply, versions[base])
+                        _result, full, norm = check_answer(
+                            reply, versions[base], strategy=self.strategy, fed=fed
+                        )
                     except ANSWER_ERRORS as exc:
                         log.warning(
                             "refused client %d's answer: %s", client.client_id, peer_text(exc)
@@ -562,7 +395,7 @@ class Coordinator:
                     eval_started = time.perf_counter()
                     val_loss = evaluate(self.model, self.val_blocks)
                     coordinator_s += time.perf_counter() - eval_started
-                    traffic = self._traffic()
+                    traffic = self.admission.traffic()
                     metrics = {
                         "val_loss": val_loss,
                         "clients": float(fed.min_fit_clients),
@@ -621,7 +454,7 @@ class Coordinator:
             "rounds": float(len(history)),
             "applied": float(applied),
             "refused": float(refused),
-            "dropped_results": float(self.dropped_results()),
+            "dropped_results": float(self.admission.dropped_results()),
             "max_staleness_applied": float(max(staleness, default=0)),
             **round_averages(history),
         }
@@ -647,19 +480,6 @@ class Coordinator:
         metrics["coordinator_share"] = coordinator_s / metrics["round_s"]
         return metrics
 
-    def _traffic(self, clients: list[ClientHandle] | None = None) -> tuple[int, int]:
-        """(bytes sent to, bytes received from) `clients` (default: every client, those that
-        left included) so far."""
-        departed = (0, 0)
-        if clients is None:
-            with self._lock:
-                clients = list(self.clients.values())
-                departed = self._departed_traffic
-        return (
-            departed[0] + sum(c.conn.bytes_sent for c in clients),
-            departed[1] + sum(c.conn.bytes_received for c in clients),
-        )
-
     def _collect(
         self,
         sampled: list[ClientHandle],
@@ -680,7 +500,9 @@ class Coordinator:
                     collected.failures.append(client.client_id)
                     continue
                 try:
-                    result, update, norm = self._admit(client, reply, global_state)
+                    result, update, norm = check_answer(
+                        reply, global_state, strategy=self.strategy, fed=self.fed
+                    )
                 except ANSWER_ERRORS as exc:
                     log.warning(
                         "round %d: refused client %d's answer: %s",
@@ -711,34 +533,6 @@ class Coordinator:
             if reply.task is task:
                 return reply
 
-    def _admit(
-        self, client: ClientHandle, reply: Reply, base: dict[str, torch.Tensor]
-    ) -> tuple[ClientResult, dict[str, torch.Tensor], float]:
-        """The result, full adapter and update norm (distance from `base`) of an answer
-        trained from `base`; ValueError if the result is malformed or the update is: wrong
-        layout, not finite, breaking the strategy's rules, or further from `base` than
-        fed.max_update_norm."""
-        if reply.result is None:
-            raise ValueError(reply.error)
-        for name, tensor in reply.update.items():
-            if tensor.dtype not in UPDATE_DTYPES:  # float8/float4: no arithmetic to check with
-                raise ValueError(f"update tensor {name!r:.80} has dtype {tensor.dtype}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"update tensor {name!r:.80} is not finite")
-        try:
-            full = self._expand(reply.update, base)
-        except KeyError as exc:
-            raise ValueError(f"update lacks tensor {exc}") from None
-        norm = update_norm(full, base)
-        if not math.isfinite(norm):
-            raise ValueError("update is not finite in the adapter's dtype")
-        if norm > self.fed.max_update_norm:
-            raise ValueError(
-                f"update norm {norm:.3g} is above fed.max_update_norm={self.fed.max_update_norm:g}"
-            )
-        self.strategy.check_update(full, base)
-        return reply.result, full, norm
-
     def _weight(self, client: ClientHandle, result: ClientResult) -> int:
         """The examples `client` is credited with: at most what it declared at JOIN (itself
         capped by fed.max_examples_per_client)."""
@@ -751,33 +545,6 @@ class Coordinator:
                 client.num_examples,
             )
         return min(result.num_examples, client.num_examples)
-
-    def _expand(
-        self, update: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """A client's full adapter, in the global adapter's dtypes: as sent, or global + its
-        decompressed delta. A client may send only the tensors the strategy trains (FFA-LoRA:
-        B); the others are the global adapter's. ValueError if it fits neither layout."""
-        shapes = {name: tensor.shape for name, tensor in global_state.items()}
-        trained = {name: shapes[name] for name in self.strategy.trained(global_state)}
-        if self.fed.compression == "none":
-            sent = {n: t.shape for n, t in update.items()}
-            if sent != shapes and sent != trained:
-                raise ValueError("adapter tensors do not match the global adapter's layout")
-            if not all(t.is_floating_point() for t in update.values()):
-                raise ValueError("adapter tensors must be floating point")
-            return {
-                name: update[name].to(global_state[name].dtype) if name in update
-                else global_state[name]
-                for name in shapes
-            }  # fmt: skip
-        layout = trained if len(trained) < len(shapes) else shapes
-        delta = decompress(update, method=self.fed.compression, shapes=layout)
-        return {
-            name: (global_state[name].float() + delta[name]).to(global_state[name].dtype)
-            if name in delta else global_state[name]
-            for name in shapes
-        }  # fmt: skip
 
     # ------------------------------------------------------------ checkpoints
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fed_learn.admission import NotEnoughClientsError
 from fed_learn.client import LoRAClient
 from fed_learn.config import FedConfig, FedLearnRunConfig
-from fed_learn.coordinator import Coordinator, NotEnoughClientsError
+from fed_learn.coordinator import Coordinator
 from fed_learn.lora import adapter_state, block_size, client_data, peft_model
 from fed_learn.run import CoordinatorLostError, take_part
 from lab.cluster import connect, serve

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from fed_learn.admission import JoinLimiter
 from fed_learn.client import LoRAClient
 from fed_learn.config import FedConfig, FedLearnRunConfig
-from fed_learn.coordinator import CHECKPOINTS, Coordinator, JoinLimiter
+from fed_learn.coordinator import CHECKPOINTS, Coordinator
 from fed_learn.lora import block_size, client_data, peft_model
 from fed_learn.protocol import FedMsg
 from lab.cluster import connect, serve
@@ -200,7 +201,7 @@ def test_two_join_and_leave_loops_leave_every_round_to_the_honest_clients(
     assert wait_for(lambda: not coordinator.clients)  # after FINISH, all left: none kept
     assert past_bursts
     assert sum(loop.welcomed for loop in loops) >= 2 * 8  # each spent its burst at least
-    assert coordinator.joins_refused == sum(loop.refused for loop in loops)
+    assert coordinator.admission.joins_refused == sum(loop.refused for loop in loops)
 
 
 def test_joins_past_an_addresss_burst_are_refused_and_others_still_join(
@@ -214,7 +215,7 @@ def test_joins_past_an_addresss_burst_are_refused_and_others_still_join(
     for _ in range(10):
         loop.join_once()
     assert (loop.welcomed, loop.refused) == (3, 7)  # a token per 1,000 s: none came back
-    assert coordinator.joins_refused == 7
+    assert coordinator.admission.joins_refused == 7
     assert wait_for(lambda: not coordinator.clients)  # the three that joined have left
     with connect(settings.cluster, server.address) as conn:  # from 127.0.0.1: its own bucket
         welcome = conn.request(

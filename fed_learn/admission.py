@@ -1,0 +1,239 @@
+"""Admission: who may join the federation and how often, and the table of clients admitted.
+
+A client's session opens with a JOIN. Each address may JOIN only so often
+(`fed.join_rate_per_address`, a token bucket per address, `JoinLimiter`); a refused JOIN costs
+one ERROR frame, as does a malformed one. An admitted client gets an id never given before and
+a place in the client table, with what it declared at JOIN capped by
+`fed.max_examples_per_client`.
+
+Nor does a client's coming and going cost more than its stay: a client that leaves is dropped
+from the table with its connection and buffers (its id is never given again), and what it
+counted for (bytes, dropped RESULTs) stays in the totals. Every reader of the table holds the
+lock its writers hold; the coordinator's rounds take the same lock (`Admission.lock`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fed_learn.config import FedConfig
+from fed_learn.protocol import ClientResult, FedMsg, parse_join
+from lab.cli import UserError
+from netproto import Connection
+from netproto.server import address_key
+
+log = logging.getLogger(__name__)
+
+REPLY_SLOTS = 2
+"""A client's queue: the answer to its one outstanding task, and the 'gone' marker."""
+MAX_TRACKED_ADDRESSES = 4096
+"""JOIN buckets kept (the least recently used goes first): memory stays bounded whatever the
+number of addresses; a forgotten one starts again with a full bucket."""
+
+
+class NotEnoughClientsError(UserError, RuntimeError):
+    """Fewer than `fed.min_fit_clients` clients connected within `fed.wait_clients_s`."""
+
+
+class JoinLimiter:
+    """A token bucket per address: `burst` JOINs at once, then `rate` a second. Not
+    thread-safe: the caller holds a lock."""
+
+    def __init__(self, *, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        """address -> (tokens, when counted), least recently used first."""
+
+    def allow(self, address: str, *, now: float | None = None) -> bool:
+        """Take a token from `address`'s bucket; whether there was one."""
+        now = time.monotonic() if now is None else now
+        tokens, then = self._buckets.pop(address, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[address] = (tokens - allowed, now)
+        while len(self._buckets) > MAX_TRACKED_ADDRESSES:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """Work sent to one client: train from the global adapter of `round` (async: version)."""
+
+    number: int
+    """Drawn at random; the RESULT that answers this task echoes it."""
+    round: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A client's answer to `task`: a checked result and its update, or why it is refused."""
+
+    task: Task
+    result: ClientResult | None
+    update: dict[str, torch.Tensor]
+    error: str = ""
+
+
+@dataclass
+class ClientHandle:
+    """An admitted client: what it declared at JOIN, its connection, and the one task it has
+    outstanding (its answers come through `results`)."""
+
+    client_id: int
+    name: str
+    num_examples: int
+    """As declared at JOIN, capped by fed.max_examples_per_client: the most weight it gets."""
+    conn: Connection
+    joined_round: int
+    alive: bool = True
+    task: Task | None = None
+    """The one task it has outstanding (no RESULT is taken from it otherwise)."""
+    holds_frozen: bool = False
+    """It was sent the whole adapter once on this connection: from then on it gets only the
+    tensors the strategy trains (FFA-LoRA: B; its A never changes)."""
+    dropped: int = 0
+    """RESULTs that answered no outstanding task (unsolicited, duplicate, late): dropped."""
+    results: queue.Queue[Reply | None] = field(
+        default_factory=lambda: queue.Queue(maxsize=REPLY_SLOTS)
+    )
+
+
+class Admission:
+    """Who may join and how often, and the clients connected now."""
+
+    def __init__(self, fed: FedConfig) -> None:
+        self.fed = fed
+        self.clients: dict[int, ClientHandle] = {}
+        """The clients connected now (a client that leaves is dropped): read it under lock."""
+        self.lock = threading.Lock()
+        self._joined = threading.Condition(self.lock)
+        self._client_ids = itertools.count()  # never reused: a departed client's id stays its
+        self._joins = JoinLimiter(
+            rate=fed.join_rate_per_address,
+            burst=max(fed.join_burst_per_address, fed.num_clients),
+        )
+        self.joins_refused = 0
+        self._departed_traffic = (0, 0)  # bytes (sent, received) of the clients that left
+        self._departed_dropped = 0  # RESULTs dropped from the clients that left
+
+    def admit(self, conn: Connection, *, at_round: Callable[[], int]) -> ClientHandle | None:
+        """Read `conn`'s JOIN and admit the client: its handle, in the table and WELCOMEd; or
+        None, having sent one ERROR frame (too many JOINs from its address, or a malformed
+        JOIN). `at_round` says the round a client admitted now joins at (read as it is
+        admitted: rounds go on while its JOIN is awaited)."""
+        join = conn.recv(expect=FedMsg.JOIN, timeout_s=self.fed.heartbeat_timeout_s)
+        address = address_key(conn.peer_host)
+        with self.lock:
+            allowed = self._joins.allow(address)
+            self.joins_refused += not allowed
+            refused = self.joins_refused
+        if not allowed:
+            conn.send_error(
+                "rate_limited",
+                f"too many JOINs from {address}: at most {self._joins.burst} at once, then "
+                f"{self.fed.join_rate_per_address:g} a second (fed.join_rate_per_address)",
+                request_id=join.request_id,
+            )
+            if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th...: a flood stays a trickle
+                log.warning(
+                    "refused a JOIN from %s: too many (%d refused so far)", address, refused
+                )
+            return None
+        try:
+            hello = parse_join(join.payload)
+        except ValueError as exc:
+            conn.send_error("bad_request", str(exc), request_id=join.request_id)
+            return None
+        num_examples = min(hello.num_examples, self.fed.max_examples_per_client)
+        with self.lock:
+            client = ClientHandle(
+                client_id=next(self._client_ids),
+                name=hello.name,
+                num_examples=num_examples,
+                conn=conn,
+                joined_round=at_round(),
+            )
+            self.clients[client.client_id] = client
+            self._joined.notify_all()
+        conn.send_msg(FedMsg.WELCOME, {"client_id": client.client_id}, request_id=join.request_id)
+        log.info(
+            "%s joined at round %d (id %d, %d examples)",
+            client.name,
+            at_round(),
+            client.client_id,
+            hello.num_examples,
+        )
+        return client
+
+    def leave(self, client: ClientHandle) -> None:
+        """`client`'s session is over: it is dead, and whoever waits for its answer is woken."""
+        with self.lock:
+            client.alive = False
+            client.task = None
+            client.results.put_nowait(None)  # wakes a round waiting for this client
+            # Gone from the table: nothing keeps its connection but a round that sampled
+            # it, until that round ends. What it counted for stays in the totals.
+            del self.clients[client.client_id]
+            sent, received = self._departed_traffic
+            self._departed_traffic = (
+                sent + client.conn.bytes_sent,
+                received + client.conn.bytes_received,
+            )
+            self._departed_dropped += client.dropped
+
+    def alive(self) -> list[ClientHandle]:
+        with self.lock:
+            return [c for c in self.clients.values() if c.alive]
+
+    def wait_for(self, count: int, *, hoped: int = 0, grace_s: float = 0.0) -> list[ClientHandle]:
+        """Block until `count` clients are alive (NotEnoughClientsError after wait_clients_s).
+
+        With `hoped` > count, first wait up to `grace_s` for that many (the expected roster).
+        """
+        grace_end = time.monotonic() + grace_s
+        with self.lock:
+            while (
+                sum(c.alive for c in self.clients.values()) < hoped and time.monotonic() < grace_end
+            ):
+                self._joined.wait(timeout=max(0.0, min(grace_end - time.monotonic(), 1.0)))
+        deadline = time.monotonic() + self.fed.wait_clients_s
+        with self.lock:
+            while sum(c.alive for c in self.clients.values()) < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    alive = sum(c.alive for c in self.clients.values())
+                    raise NotEnoughClientsError(
+                        f"only {alive} of the {count} clients needed (fed.min_fit_clients) are "
+                        f"connected after {self.fed.wait_clients_s:.0f}s"
+                    )
+                self._joined.wait(timeout=min(remaining, 1.0))
+        return self.alive()
+
+    def traffic(self, clients: list[ClientHandle] | None = None) -> tuple[int, int]:
+        """(bytes sent to, bytes received from) `clients` (default: every client, those that
+        left included) so far."""
+        departed = (0, 0)
+        if clients is None:
+            with self.lock:
+                clients = list(self.clients.values())
+                departed = self._departed_traffic
+        return (
+            departed[0] + sum(c.conn.bytes_sent for c in clients),
+            departed[1] + sum(c.conn.bytes_received for c in clients),
+        )
+
+    def dropped_results(self) -> int:
+        """RESULTs dropped so far, over every client: they answered no outstanding task."""
+        with self.lock:
+            return self._departed_dropped + sum(c.dropped for c in self.clients.values())
