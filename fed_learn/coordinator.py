@@ -195,17 +195,24 @@ class Coordinator:
             if client.task is task:
                 client.task = None
 
+    def _rounds_to_run(self) -> range:
+        """The rounds (0-based) this run is to run, in both modes: from the one after the last
+        checkpoint with fed.resume (whose adapter this loads), else from the first, up to
+        fed.rounds. A change to how rounds are counted (resume, an early stop) goes here."""
+        start = self.resume() if self.fed.resume else 0
+        return range(start, self.fed.rounds)
+
     def run_rounds(self, tracker: Tracker) -> dict[str, float]:
         if self.fed.mode == "async":
             return self.run_async(tracker)
-        start = self.resume() if self.fed.resume else 0
+        rounds = self._rounds_to_run()
         rng = random.Random(self.settings.seed)
         history: list[dict[str, float]] = []
         initial_loss = evaluate(self.model, self.val_blocks)
-        tracker.log({"val_loss": initial_loss}, step=start)
-        for round_index in range(start, self.fed.rounds):
+        tracker.log({"val_loss": initial_loss}, step=rounds.start)
+        for round_index in rounds:
             self.round = round_index  # sessions read it: a client joining now starts next round
-            first = round_index == start  # give the whole roster a moment to join
+            first = round_index == rounds.start  # give the whole roster a moment to join
             alive = self.wait_for_clients(
                 self.fed.min_fit_clients,
                 hoped=self.fed.num_clients if first else 0,
@@ -260,7 +267,7 @@ class Coordinator:
             log.info(
                 "round %d/%d: %s from %d clients, val loss %.4f",
                 self.round + 1,
-                self.fed.rounds,
+                rounds.stop,
                 outcome,
                 len(updates),
                 val_loss,
@@ -270,7 +277,7 @@ class Coordinator:
         return {
             "initial_val_loss": initial_loss,
             "final_val_loss": final["val_loss"],
-            "rounds": float(self.fed.rounds - start),
+            "rounds": float(rounds.stop - rounds.start),
             "refused": sum(h["refused"] for h in history),
             "dropped_results": float(self.admission.dropped_results()),
             **round_averages(history),
@@ -313,9 +320,9 @@ class Coordinator:
         `min_fit_clients` applied updates count as a round: evaluated, logged, checkpointed.
         """
         fed = self.fed
-        start = self.resume() if fed.resume else 0
+        rounds = self._rounds_to_run()
         initial_loss = evaluate(self.model, self.val_blocks)
-        tracker.log({"val_loss": initial_loss}, step=start)
+        tracker.log({"val_loss": initial_loss}, step=rounds.start)
         self.wait_for_clients(
             fed.min_fit_clients,
             hoped=fed.num_clients,
@@ -332,10 +339,10 @@ class Coordinator:
         round_started = time.perf_counter()
         coordinator_s = 0.0
         last_arrival = time.monotonic()
-        self.round = start
+        self.round = rounds.start
         with _progress() as progress:  # transient: gone once the rounds are
-            rounds = progress.add_task("async rounds", total=fed.rounds - start)
-            while self.round < fed.rounds:
+            bar = progress.add_task("async rounds", total=len(rounds))
+            while self.round in rounds:
                 for client in self.alive_clients():  # idle (new or just reported): give it work
                     if client.client_id in busy:
                         continue
@@ -420,16 +427,16 @@ class Coordinator:
                     log.info(
                         "async round %d/%d: val loss %.4f (applied %d, refused %d, staleness %s)",
                         self.round + 1,
-                        fed.rounds,
+                        rounds.stop,
                         val_loss,
                         applied,
                         refused,
                         staleness[-fed.min_fit_clients :],
                     )
                     self.round += 1
-                    progress.advance(rounds)
+                    progress.advance(bar)
                     bytes_before, round_started, coordinator_s = traffic, time.perf_counter(), 0.0
-                    if self.round >= fed.rounds:
+                    if self.round not in rounds:
                         break
                 if arrived:
                     last_arrival = time.monotonic()
