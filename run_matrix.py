@@ -91,7 +91,7 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
         if config.plot:
             paths = draw(
                 records,
-                matrix.WORKLOADS[config.workload].metrics,
+                matrix.workload_of(config).metrics,
                 grid=config.grid,
                 axes=config.axes,
                 out_dir=out_dir / "heatmaps",
@@ -122,14 +122,14 @@ def write_sweep_file(config: matrix.MatrixConfig, out_dir: Path) -> None:
         "command": command_of(config),
         "grid": config.grid,
         "axes": config.axes,
-        "metrics": [m.key for m in matrix.WORKLOADS[config.workload].metrics],
+        "metrics": [m.key for m in matrix.workload_of(config).metrics],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out_dir / SWEEP_FILE, json.dumps(record, indent=2))
 
 
 def results_table(config: matrix.MatrixConfig, records: list[dict[str, Any]]) -> Table:
-    metrics = matrix.WORKLOADS[config.workload].metrics[:4]
+    metrics = matrix.workload_of(config).metrics[:4]
     table = Table(title=f"run_matrix: {config.workload}", title_justify="left")
     for axis in config.grid:
         table.add_column(axis, justify="right")

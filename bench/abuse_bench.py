@@ -1020,10 +1020,10 @@ def under_attack(
 
 
 def split_across_hosts() -> Outcomes:
-    """The split-stage attacks from a host outside the overlay (labtools.hosts.split_exposure: a
+    """The split-stage attacks from a host outside the overlay (labtools.hosts.probe_exposure: a
     split_training run on three network namespaces, a fourth on the same LAN without the
     secret dialling every port the run listens on). Needs root and WireGuard; else skipped."""
-    from labtools.hosts import split_exposure
+    from labtools.hosts import probe_exposure
     from labtools.hosts import unavailable as no_namespaces
     from netproto.overlay import unavailable as no_overlay
 
@@ -1031,7 +1031,7 @@ def split_across_hosts() -> Outcomes:
     if why is not None:
         print(f"split stage across hosts skipped: {why}")
         return {}
-    exposure = split_exposure(Path(tempfile.mkdtemp(prefix="abuse-overlay-")), log=sys.stderr)
+    exposure = probe_exposure(Path(tempfile.mkdtemp(prefix="abuse-overlay-")), log=sys.stderr)
     print(f"split stage across hosts: {len(exposure.listeners)} listeners, all on the overlay: "
           f"{all(i.address.startswith('10.213.128.') for i in exposure.listeners)}; "
           f"run: {exposure.detail}", flush=True)  # fmt: skip

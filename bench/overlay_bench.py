@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from lab.machine import announce_machine, write_results
-from labtools.hosts import Network, Security, _metrics, provision, run_across, scenarios
+from lab.records import step_metrics
+from labtools.hosts import Network, Security, provision, run_across, scenarios
 from netproto.overlay import unavailable as overlay_unavailable
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlay_bench.json"
@@ -38,7 +39,7 @@ MEASURES = {
 
 
 def measure(run_dir: Path, key: str) -> float:
-    values = [float(r[key]) for r in _metrics(run_dir) if isinstance(r.get(key), int | float)]
+    values = [float(r[key]) for r in step_metrics(run_dir) if isinstance(r.get(key), int | float)]
     if not values:
         raise RuntimeError(f"no {key} in {run_dir}")
     if key == "step_s":

@@ -1,4 +1,4 @@
-"""The experiment registry: what each module runs as, and the one dispatcher that runs it.
+"""The experiment dispatcher: what each module runs as, and the one function that runs it.
 
 Each experiment module declares, in its `run.py`, one `Experiment`: its config schema, the
 function behind each of its roles, the `cluster.*` endpoints its roles listen on, the config
@@ -26,15 +26,13 @@ from typing import Any, TextIO
 
 from omegaconf import DictConfig
 
+from lab import registry
 from lab.cli import ConfigError, reported
 from lab.config import ClusterConfig, Endpoint, LabConfig, to_settings
 from lab.device import apply_num_threads, share_of_cores
 from lab.launch import Role, ServiceGroup, free_port, launch, services, settings_role
 
 log = logging.getLogger(__name__)
-
-EXPERIMENTS = ("spec_decoding", "fed_learn", "split_inference", "split_training")
-"""The registered experiment modules; each has `EXPERIMENT` in its `run.py`."""
 
 PLACEMENT_ENV = "LAB_PLACEMENT"
 """`package.module:function` taking and returning a `lab.launch.Role`: where local roles run."""
@@ -132,9 +130,8 @@ class Experiment:
 
 
 def get(name: str) -> Experiment:
-    """The registered experiment `name` (imports its module)."""
-    if name not in EXPERIMENTS:
-        raise ConfigError(f"no experiment {name!r}; registered: {list(EXPERIMENTS)}")
+    """The registered experiment `name` (lab.registry; imports its `run.py`)."""
+    registry.manifest(name)  # ConfigError naming the registered ones
     experiment = importlib.import_module(f"{name}.run").EXPERIMENT
     assert isinstance(experiment, Experiment) and experiment.name == name
     return experiment

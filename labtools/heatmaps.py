@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from labtools.matrix import Metric
+from lab.registry import Metric
 
 FAILED_COLOUR = "#d9d9d9"
 

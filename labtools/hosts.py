@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import io
 import json
-import math
 import os
 import secrets
 import shutil
@@ -52,7 +51,9 @@ from typing import Any, TextIO
 
 import psutil
 
-from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
+from lab import registry
+from lab.records import step_metrics
+from lab.registry import RunningRoles, Scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "dllab"
@@ -72,8 +73,6 @@ NOT_INHERITED = (
     "GLOO_SOCKET_IFNAME",
 )
 """This machine's settings a host does not get: its own cache, and only the secret it is given."""
-MODULES = ("spec_decoding", "fed_learn", "split_inference", "split_training")
-LOSS_RTOL = 1e-4
 """Training losses across hosts equal those on loopback within this relative tolerance: the
 same arithmetic on the same machine, but the order in which a coordinator's updates arrive (and
 are summed) may differ between runs."""
@@ -491,155 +490,14 @@ class Outcome:
     """The result role's run folder (metrics, outputs) of the cross-host run."""
 
 
-@dataclass
-class Scenario:
-    """One module across hosts: the hosts it needs and the roles each runs."""
-
-    module: str
-    endpoint: str
-    """The `cluster.*` endpoint its serving role (the first) listens on."""
-    roles: list[tuple[str, str, list[str]]]
-    """(host, role name, overrides) in start order; the first is the serving role."""
-    common: list[str]
-    compare: Callable[[Path, Path], tuple[bool, str]]
-    """(the cross-host run's result folder, the loopback run's) -> (same?, what was compared)."""
-    result_role: str
-    """The role whose run folder holds what is compared."""
-    netproto: bool = True
-
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        """The hosts its roles run on, the serving one first."""
-        return tuple(dict.fromkeys(host for host, _, _ in self.roles))
-
-
-def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / OUTPUTS_FILE
-    return read_records(path) if path.is_file() else []
-
-
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's per-step rows (`kind: metrics`); none if it wrote no metrics file."""
-    path = run_dir / METRICS_FILE
-    records = read_records(path) if path.is_file() else []
-    return [r for r in records if r.get("kind") == "metrics"]
-
-
-def _records(run_dir: Path, key: str) -> list[float]:
-    return [float(r[key]) for r in _metrics(run_dir) if isinstance(r.get(key), int | float)]
-
-
-def same_outputs(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
-    ours, theirs = _rows(hosts_dir), _rows(local_dir)
-    if not ours or not theirs:
-        return False, f"no outputs.jsonl to compare ({len(ours)} rows across hosts, {len(theirs)})"
-    equal = sum(a["tokens"] == b["tokens"] for a, b in zip(ours, theirs, strict=False))
-    same = equal == len(ours) == len(theirs)
-    return same, f"{equal} of {len(theirs)} generations token for token as on loopback"
-
-
-def same_losses(key: str) -> Callable[[Path, Path], tuple[bool, str]]:
-    def compare(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
-        ours, theirs = _records(hosts_dir, key), _records(local_dir, key)
-        if not ours or len(ours) != len(theirs):
-            return False, f"{len(ours)} {key} values across hosts, {len(theirs)} on loopback"
-        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs, strict=True))
-        same = worst <= LOSS_RTOL and all(map(math.isfinite, ours))
-        return same, (
-            f"{len(ours)} {key} values, largest relative difference {worst:.1e} "
-            f"(tolerance {LOSS_RTOL:.0e})"
-        )
-
-    return compare
+def modules() -> list[str]:
+    """The registered experiments that have a multi-host scenario."""
+    return [name for name, m in registry.manifests().items() if m.scenario is not None]
 
 
 def scenarios() -> dict[str, Scenario]:
-    """The four modules, each on the hosts docs/two_machines.md puts its roles on."""
-    threads = ["num_threads=1"]
-    # TensorPipe, Gloo and the store listen only inside the lab's WireGuard overlay across hosts
-    overlay = ["cluster.overlay.up=true"]
-    split_roles = [
-        ("desktop", "driver", ["role=driver"]),
-        ("laptop", "stage1", ["role=stage", "split.rank=1"]),
-        ("pc", "stage2", ["role=stage", "split.rank=2"]),
-    ]
-    return {
-        "spec_decoding": Scenario(
-            "spec_decoding",
-            "verifier",
-            [
-                ("desktop", "verifier", ["role=verifier"]),
-                ("laptop", "drafter", ["role=drafter"]),
-            ],
-            [
-                "target.lab_preset=debug",
-                "draft.lab_preset=debug",
-                "spec.num_prompts=2",
-                "spec.max_new_tokens=16",
-                *threads,
-            ],
-            same_outputs,
-            result_role="drafter",
-        ),
-        "fed_learn": Scenario(
-            "fed_learn",
-            "coordinator",
-            [
-                ("desktop", "coordinator", ["role=coordinator"]),
-                ("laptop", "client0", ["role=client", "client_index=0"]),
-                ("pc", "client1", ["role=client", "client_index=1"]),
-            ],
-            [
-                "model.lab_preset=debug",
-                "fed.num_clients=2",
-                "fed.min_fit_clients=2",
-                "fed.rounds=2",
-                "fed.local_steps=5",
-                "fed.eval_blocks=8",
-                "fed.max_examples_per_client=64",
-                "fed.centralized_baseline=false",
-                *threads,
-            ],
-            same_losses("val_loss"),
-            result_role="coordinator",
-        ),
-        "split_inference": Scenario(
-            "split_inference",
-            "master",
-            split_roles,
-            [
-                "model.lab_preset=debug",
-                "split.num_stages=2",
-                "split.channels=network",
-                # recomputed, not cached: each token's activations are then big enough (about
-                # 600 KB in all) that a channel bypassing the links shows in their byte counts
-                "generate.kv_cache=false",
-                "generate.prompt_tokens=64",
-                "generate.num_prompts=2",
-                "generate.max_new_tokens=16",
-                *overlay,
-                *threads,
-            ],
-            same_outputs,
-            result_role="driver",
-            netproto=False,
-        ),
-        "split_training": Scenario(
-            "split_training",
-            "master",
-            split_roles,
-            [
-                "model.lab_preset=debug",
-                "split.num_stages=2",
-                "split.channels=network",
-                *overlay,
-                *threads,
-            ],
-            same_losses("loss"),
-            result_role="driver",
-            netproto=False,
-        ),
-    }
+    """Each registered experiment's scenario, on the hosts docs/two_machines.md puts its roles."""
+    return {name: m.scenario for name, m in registry.manifests().items() if m.scenario is not None}
 
 
 PORTS = {"coordinator": 29510, "verifier": 29520, "master": 29530}
@@ -718,6 +576,13 @@ class Roles:
             env={"LAB_SECRET": self.security.secret},
         )  # fmt: skip
 
+    def run_dir(self, role: str) -> Path:
+        return self.run_dirs[role]
+
+    def check(self) -> None:
+        """HostsError if a role has failed."""
+        _raise_if_failed(self.procs)
+
     def kill(self, role: str) -> None:
         """SIGKILL `role`'s processes, as a machine's power going off would (no goodbye)."""
         proc = self.procs.pop(role)
@@ -726,7 +591,7 @@ class Roles:
         proc.wait()
 
 
-Fault = Callable[[Roles, float], None]
+Inject = Callable[[RunningRoles, float], None]
 """Run while a scenario's roles are up (given them and the deadline): kills or restarts roles."""
 
 
@@ -738,7 +603,7 @@ def run_across(
     *,
     timeout_s: float,
     on_host: str | None = None,
-    fault: Fault | None = None,
+    fault: Inject | None = None,
 ) -> tuple[Path, dict[str, int]]:
     """Each role of `scenario` on its host (or all on `on_host`, through its loopback), as a user
     types it; `fault` meddles while they run. Returns the result role's run folder and the bytes
@@ -762,108 +627,44 @@ def run_across(
     return roles.run_dirs[scenario.result_role], crossed
 
 
-def _await_round(roles: Roles, round_number: int, deadline: float) -> None:
-    """Until the coordinator has checkpointed round `round_number` (1-based)."""
-    latest = roles.run_dirs["coordinator"] / "checkpoints" / "latest.json"
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            if json.loads(latest.read_text())["round"] >= round_number:
-                return
-        _raise_if_failed(roles.procs)
-        time.sleep(0.05)
-    raise HostsError(f"round {round_number} never completed")
-
-
-def kill_client_mid_round(roles: Roles, deadline: float) -> None:
-    """client1's machine goes off as round 2 begins (round 1 checkpointed, round 2 being sent
-    out or trained): the rounds from 2 on aggregate client0's update alone."""
-    _await_round(roles, 1, deadline)
-    roles.kill("client1")
-
-
-def kill_and_resume_coordinator(roles: Roles, deadline: float) -> None:
-    """The coordinator's machine goes off once round 1 is checkpointed; it is started again
-    with `fed.resume=true` on the same host and folder, and the clients, still up, redial it."""
-    _await_round(roles, 1, deadline)
-    roles.kill("coordinator")
-    roles.start("coordinator", ["fed.resume=true"], log_suffix="-resumed")
-
-
-FAULT_COMMON = ["fed.rounds=3", "fed.local_steps=15", "fed.heartbeat_s=0.5",
-                "fed.heartbeat_timeout_s=15", "fed.wait_clients_s=60"]  # fmt: skip
-"""A fault run's fed settings over the scenario's: rounds enough to go on after the fault, and
-local training long enough (about a second) that round 2 is under way when the kill lands."""
-
-
-@dataclass
-class FaultCase:
-    fault: Fault
-    settings: list[str]
-    reference: str
-    """`same fault`: the reference run suffers the same fault on one host's loopback;
-    `uninterrupted`: the reference is the plain loopback run (nothing may differ at all)."""
-
-
-FAULTS = {
-    "client killed mid-round": FaultCase(
-        kill_client_mid_round, ["fed.min_fit_clients=1"], "same fault"
-    ),
-    "coordinator killed and resumed": FaultCase(kill_and_resume_coordinator, [], "uninterrupted"),
-}
-
-
-def round_losses(run_dir: Path) -> dict[int, float]:
-    """The coordinator's validation loss after each round (a resumed run's re-evaluation of the
-    checkpoint it loaded counts as that round's: it must equal what was saved)."""
-    return {
-        int(r["step"]): float(r["val_loss"])
-        for r in _metrics(run_dir)
-        if isinstance(r.get("val_loss"), int | float)
-    }
-
-
-def round_clients(run_dir: Path) -> list[int]:
-    return [int(r["clients"]) for r in _metrics(run_dir) if "clients" in r]
+def fault_names() -> list[tuple[str, str]]:
+    """Every registered (experiment, fault) pair."""
+    return [(name, fault) for name, m in registry.manifests().items() for fault in m.faults]
 
 
 def check_fault(
-    network: Network, name: str, security: Security, out: Path, *, timeout_s: float
+    network: Network,
+    module: str,
+    name: str,
+    security: Security,
+    out: Path,
+    *,
+    timeout_s: float,
 ) -> Outcome:
-    """fed_learn across three hosts with fault `name` (FAULTS), against its reference run."""
-    case = FAULTS[name]
-    base = scenarios()["fed_learn"]
-    scenario = replace(base, common=[*base.common, *FAULT_COMMON, *case.settings])
-    folder = out / "fed_learn-faults" / name.replace(" ", "-")
+    """`module` across three hosts with its fault `name`, against its reference run."""
+    manifest = registry.manifest(module)
+    case = manifest.faults[name]
+    assert manifest.scenario is not None, f"{module} declares faults but no scenario"
+    base = manifest.scenario
+    scenario = replace(base, common=[*base.common, *case.settings])
+    folder = out / f"{module}-faults" / name.replace(" ", "-")
     started = time.perf_counter()
     try:
         hosts_dir, _ = run_across(
-            network, scenario, security, folder / "hosts", timeout_s=timeout_s, fault=case.fault
+            network, scenario, security, folder / "hosts", timeout_s=timeout_s, fault=case.inject
         )
         if case.reference == "same fault":
             local_dir, _ = run_across(
                 network, scenario, security, folder / "loopback", timeout_s=timeout_s,
-                on_host=scenario.hosts[0], fault=case.fault,
+                on_host=scenario.hosts[0], fault=case.inject,
             )  # fmt: skip
         else:
             local_dir = run_loopback(network, scenario, folder, timeout_s=timeout_s)
-        ours, theirs = round_losses(hosts_dir), round_losses(local_dir)
-        rounds = int(FAULT_COMMON[0].split("=")[1])
-        worst = max(
-            (abs(ours[k] - theirs[k]) / abs(theirs[k]) for k in theirs if k in ours), default=0.0
-        )
-        clients = round_clients(hosts_dir)
-        same = (
-            sorted(ours) == sorted(theirs) == list(range(rounds + 1))
-            and worst <= LOSS_RTOL
-            and clients[-rounds:] == round_clients(local_dir)[-rounds:]
-        )
-        detail = (
-            f"val loss after rounds {sorted(ours)} vs {sorted(theirs)} ({case.reference}), "
-            f"largest relative difference {worst:.1e}; clients per round {clients}"
-        )
-    except HostsError as exc:
+        same, detail = case.compare(hosts_dir, local_dir)
+        detail += f" ({case.reference})"
+    except (HostsError, TimeoutError) as exc:
         same, detail = False, f"failed: {exc} (logs in {folder})"
-    return Outcome(f"fed_learn, {name}", same, detail, time.perf_counter() - started)
+    return Outcome(f"{module}, {name}", same, detail, time.perf_counter() - started)
 
 
 def run_loopback(network: Network, scenario: Scenario, out: Path, *, timeout_s: float) -> Path:
@@ -1025,14 +826,30 @@ with ThreadPoolExecutor(64) as pool:
 """A stranger's tries, all at once: each (address, port, payload as hex) dialled within 3 s."""
 
 
-def split_exposure(out: Path, *, timeout_s: float = 600.0, log: TextIO = sys.stdout) -> Exposure:
-    """split_training across three hosts inside the lab's overlay, with a fourth host (a
-    stranger on the same LAN, without the secret) that routes the overlay's addresses through
-    each host's LAN address and tries every attack's first step on every port the run listens
-    on: its LAN address and its overlay address."""
-    scenario = scenarios()["split_training"]
-    # long enough for the stranger's tries to find the run listening
-    scenario = replace(scenario, common=[*scenario.common, "split.steps=300"])
+def exposed() -> list[str]:
+    """The registered experiments whose runs across hosts a stranger attacks (`exposure`)."""
+    return [
+        name
+        for name, m in registry.manifests().items()
+        if m.exposure is not None and m.scenario is not None
+    ]
+
+
+def probe_exposure(
+    out: Path, *, module: str | None = None, timeout_s: float = 600.0, log: TextIO = sys.stdout
+) -> Exposure:
+    """`module` (by default the first that declares `exposure`) across three hosts inside the
+    lab's overlay, with a fourth host (a stranger on the same LAN, without the secret) that
+    routes the overlay's addresses through each host's LAN address and tries every attack's
+    first step on every port the run listens on: its LAN address and its overlay address."""
+    candidates = exposed()
+    if not candidates:
+        raise HostsError("no registered experiment declares an exposure run")
+    manifest = registry.manifest(module or candidates[0])
+    if manifest.scenario is None or manifest.exposure is None:
+        raise HostsError(f"{manifest.name} declares no exposure run")
+    scenario = manifest.scenario
+    scenario = replace(scenario, common=[*scenario.common, *manifest.exposure])
     out.mkdir(parents=True, exist_ok=True)
     with Network(["desktop", "laptop", "pc", STRANGER], root=out / "hosts") as network:
         provision(network, log=log)
@@ -1066,7 +883,7 @@ def split_exposure(out: Path, *, timeout_s: float = 600.0, log: TextIO = sys.std
             for name, surface in ATTACKS.items():
                 payload = (b"\xff" * 16 if "0xff" in name else b"\x00" * 16).hex()
                 for item in found:
-                    store = item.host == "desktop" and item.port == PORTS["master"]
+                    store = item.host == scenario.hosts[0] and item.port == PORTS[scenario.endpoint]
                     if (surface == "store") != store:
                         continue
                     for address in {item.address, lan[item.host]} - {"127.0.0.1", "::1"}:
@@ -1077,8 +894,8 @@ def split_exposure(out: Path, *, timeout_s: float = 600.0, log: TextIO = sys.std
             for (name, address, port, _), result in zip(targets, dialled, strict=True):
                 attempts[name].append(f"{result} ({address}:{port})")
             _wait(roles.procs, list(roles.procs), max(1.0, deadline - time.monotonic()))
-            losses = _records(roles.run_dirs["driver"], "loss")
-            run_ok, detail = bool(losses), f"{len(losses)} training steps logged"
+            steps = step_metrics(roles.run_dirs[scenario.result_role])
+            run_ok, detail = bool(steps), f"{len(steps)} steps logged"
         except HostsError as exc:
             attempts = {name: [] for name in ATTACKS}
             run_ok, detail = False, f"failed: {exc} (logs in {out / 'run'})"
@@ -1093,10 +910,12 @@ def split_exposure(out: Path, *, timeout_s: float = 600.0, log: TextIO = sys.std
 
 
 def faults(
-    names: Sequence[str], *, out: Path, tls: bool = False, timeout_s: float = 600.0,
-    log: TextIO = sys.stdout,
+    names: Sequence[tuple[str, str]] | None = None, *, out: Path, tls: bool = False,
+    timeout_s: float = 600.0, log: TextIO = sys.stdout,
 ) -> list[Outcome]:  # fmt: skip
-    """fed_learn across three hosts with each fault of `names`; one line each, then the total."""
+    """Each (experiment, fault) of `names` (every registered one by default) across three
+    hosts; one line each, then the total."""
+    names = fault_names() if names is None else list(names)
     out.mkdir(parents=True, exist_ok=True)
     outcomes = []
     with Network(["desktop", "laptop", "pc"], root=out / "hosts") as network:
@@ -1105,8 +924,8 @@ def faults(
         if tls:
             security.cert_dir = out / "tls"
             make_certificate(security.cert_dir, network["desktop"].address)
-        for name in names:
-            outcome = check_fault(network, name, security, out, timeout_s=timeout_s)
+        for module, name in names:
+            outcome = check_fault(network, module, name, security, out, timeout_s=timeout_s)
             outcomes.append(outcome)
             verdict = "same" if outcome.identical else "DIFFERENT"
             print(f"{outcome.module}: {verdict} ({outcome.seconds:.0f} s) {outcome.detail}",
@@ -1118,38 +937,6 @@ def faults(
 
 CURVE_DELAYS_MS = (0.0, 2.0, 10.0, 50.0)
 CURVE_RATES = ("1gbit", "100mbit", "10mbit")
-
-
-@dataclass
-class Variant:
-    """One curve: a module with settings of its own, and the headline figure it is judged by."""
-
-    name: str
-    module: str
-    settings: list[str]
-    headline: str
-    """What `headline(run_dir)` reads (labtools.costmodel.HEADLINES names them)."""
-
-
-def curve_variants() -> dict[str, Variant]:
-    spec = ["target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=2",
-            "spec.max_new_tokens=32", "num_threads=1"]  # fmt: skip
-    fed = ["model.lab_preset=debug", "fed.num_clients=2", "fed.min_fit_clients=2",
-           "fed.rounds=2", "fed.local_steps=5", "fed.eval_blocks=8", "num_threads=1",
-           "fed.max_examples_per_client=64", "fed.centralized_baseline=false"]  # fmt: skip
-    # across hosts, inside the overlay (the local calibration run, on loopback, needs none)
-    split = ["model.lab_preset=debug", "split.num_stages=2", "split.channels=network",
-             "num_threads=1", "cluster.overlay.up=true"]  # fmt: skip
-    generate = ["generate.num_prompts=1", "generate.max_new_tokens=24", "generate.baseline=false"]
-    variants = [
-        Variant("spec_rounds", "spec_decoding", [*spec, "spec.pipeline=false"], "speedup"),
-        Variant("spec_pipelined", "spec_decoding", spec, "speedup"),
-        Variant("split_inference", "split_inference", [*split, *generate], "token_ms"),
-        Variant("split_training", "split_training", [*split, "split.steps=8"], "step_ms"),
-        Variant("fed_none", "fed_learn", fed, "round_s"),
-        Variant("fed_topk_int8", "fed_learn", [*fed, "fed.compression=topk_int8"], "round_s"),
-    ]
-    return {v.name: v for v in variants}
 
 
 def curves(
@@ -1173,7 +960,7 @@ def curves(
 
     if repeats < 1 or calibration_runs < 1:
         raise ValueError(f"repeats ({repeats}) and calibration_runs ({calibration_runs}) >= 1")
-    chosen = curve_variants()
+    chosen = costmodel.variants()
     out.mkdir(parents=True, exist_ok=True)
     base = scenarios()
     with Network(["desktop", "laptop", "pc"], delay_ms=0, root=out / "hosts") as network:
@@ -1182,6 +969,7 @@ def curves(
         for name in names:
             variant = chosen[name]
             scenario = replace(base[variant.module], common=variant.settings)
+            headline = registry.manifest(variant.module).headline.key
             folder = out / name
             results = matrix.Results(folder)
             done = {r["cell"] for r in results.records() if r.get("status") == "ok"}
@@ -1194,8 +982,8 @@ def curves(
                 ]
                 (calibration / "done").write_text("\n".join(map(str, local_dirs)))
             local_dirs = [Path(line) for line in (calibration / "done").read_text().split()]
-            local = [costmodel.headline(variant.headline, d) for d in local_dirs]
-            print(f"{name}: calibrated on one host's loopback: {variant.headline} "
+            local = [costmodel.headline(variant.module, d) for d in local_dirs]
+            print(f"{name}: calibrated on one host's loopback: {headline} "
                   f"{statistics.median(local):.4g}", file=log, flush=True)  # fmt: skip
             for delay in delays_ms:
                 for rate in rates:
@@ -1214,7 +1002,7 @@ def curves(
                                 network, scenario, security, cell_dir / str(i),
                                 timeout_s=timeout_s,
                             )  # fmt: skip
-                            measured.append(costmodel.headline(variant.headline, result_dir))
+                            measured.append(costmodel.headline(variant.module, result_dir))
                             crossed.append(sum(link_bytes.values()) / 2e6)
                         middle = statistics.median(measured)
                         metrics = {"measured": middle, "link_mb": statistics.median(crossed)}
@@ -1231,7 +1019,7 @@ def curves(
                     }))  # fmt: skip
                     shown = f"{metrics['measured']:.4g}" if metrics else f"failed: {reason}"
                     took = time.perf_counter() - started
-                    print(f"{name} {cell}: {variant.headline} {shown} ({took:.0f} s)",
+                    print(f"{name} {cell}: {headline} {shown} ({took:.0f} s)",
                           file=log, flush=True)  # fmt: skip
 
 
@@ -1323,14 +1111,12 @@ def run_documented(
     conf.mkdir(parents=True, exist_ok=True)
     example = (ROOT / "conf" / "cluster" / "two_hosts.yaml").read_text()
     (conf / "mine.yaml").write_text(example.replace("name: two_hosts", "name: mine"))
-    # split: the 2-layer debug model, tensors on TensorPipe's network channels (not cma's copy)
-    quick = ["model.lab_preset=debug", "split.channels=network", "tracking.wandb=false"]
     with Network(names, addresses=addresses, rate=rate, root=out / "hosts") as network:
         provision(network, log=io.StringIO())
         procs: dict[str, subprocess.Popen] = {}
         for index, (host, argv) in enumerate(run.lines):
-            module = argv[2]
-            extra = quick if module.startswith("split") else ["tracking.wandb=false"]
+            manifest = registry.find(argv[2])
+            extra = [*(manifest.documented if manifest else ()), "tracking.wandb=false"]
             full = with_quick(argv, out=out / f"{index}-{host}", extra=extra)
             full.append(f"hydra.searchpath=[file://{out / 'conf'}]")
             name = f"{index}-{host}"
@@ -1356,7 +1142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("check", help="every module across hosts, compared with loopback")
-    run.add_argument("--only", action="append", choices=MODULES, help="a module (repeatable)")
+    run.add_argument("--only", action="append", choices=modules(), help="a module (repeatable)")
     run.add_argument("--tls", action="store_true", help="TLS on the netproto modules too")
     run.add_argument("--rate", help="cap each host's link (a tc rate: 100mbit, 10mbit)")
     run.add_argument("--out", type=Path, default=Path("outputs/hosts"), help="logs and results")
@@ -1369,8 +1155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid.add_argument("--calibration-runs", type=int, default=3, help="local runs per variant")
     grid.add_argument("--out", type=Path, default=Path("outputs/hosts-curves"))
     grid.add_argument("--timeout-s", type=float, default=600.0, help="per run")
-    hurt = sub.add_parser("faults", help="fed_learn across hosts: a client killed mid-round, "
-                          "the coordinator killed and resumed")  # fmt: skip
+    hurt = sub.add_parser(
+        "faults", help="each registered fault (a machine lost mid-run) across hosts, vs loopback"
+    )
     hurt.add_argument("--tls", action="store_true", help="TLS on too")
     hurt.add_argument("--out", type=Path, default=Path("outputs/hosts-faults"))
     hurt.add_argument("--timeout-s", type=float, default=600.0, help="per run")
@@ -1410,18 +1197,19 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     if args.command == "docs":
         return _docs_main(args.out.resolve(), args.timeout_s)
     if args.command == "curves":
-        names = args.only or list(curve_variants())
-        unknown = [n for n in names if n not in curve_variants()]
+        from labtools import costmodel
+
+        known = costmodel.variants()
+        names = args.only or list(known)
+        unknown = [n for n in names if n not in known]
         if unknown:
-            parser.error(f"unknown variant {unknown[0]!r}; choose from {list(curve_variants())}")
+            parser.error(f"unknown variant {unknown[0]!r}; choose from {list(known)}")
         curves(names, out=args.out.resolve(), delays_ms=args.delay_ms, rates=args.rate,
                repeats=args.repeats, calibration_runs=args.calibration_runs,
                timeout_s=args.timeout_s)  # fmt: skip
-        from labtools import costmodel
-
         return costmodel.report(args.out.resolve(), names)
     if args.command == "faults":
-        done = faults(list(FAULTS), out=args.out.resolve(), tls=args.tls, timeout_s=args.timeout_s)
+        done = faults(out=args.out.resolve(), tls=args.tls, timeout_s=args.timeout_s)
         return 0 if all(o.identical for o in done) else 1
     if args.command == "link":
         rows = link(args.delay_ms, [None if r == "none" else r for r in args.rate])
@@ -1429,7 +1217,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         (args.out / "link.json").write_text(json.dumps(rows, indent=2))
         return 0
     outcomes = check(
-        args.only or MODULES,
+        args.only or modules(),
         out=args.out.resolve(),
         tls=args.tls,
         rate=args.rate,

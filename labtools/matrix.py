@@ -37,9 +37,10 @@ from typing import Any
 
 import psutil
 
-from lab import atomic, experiment
+from lab import atomic, experiment, registry
 from lab.config import SECRET_ENV, check_fields_positive, register_schema
 from lab.redact import redact_argv, redact_config, split_secret
+from lab.registry import Workload
 from lab.tracking import METRICS_FILE, read_records
 
 log = logging.getLogger(__name__)
@@ -49,88 +50,17 @@ RESULTS_CSV = "results.csv"
 STATUSES = ("ok", "error", "timeout", "oom")
 
 
-@dataclass
-class Metric:
-    """A metric drawn as a heatmap: its key in the run's summary, its label and unit."""
-
-    key: str
-    label: str
-    unit: str
-    ratio: bool = False
-    """A ratio against the workload's baseline (drawn with a diverging palette around 1)."""
-
-
-@dataclass
-class Workload:
-    """How run_matrix sweeps one experiment: the overrides that make a cell repeat its
-    measurement, and the metrics it draws."""
-
-    experiment: str
-    metrics: list[Metric]
-    repeat: Callable[[Mapping[str, Any], int], list[str]] = lambda cell, repeats: []
-    """Overrides that make one run of the cell measure `repeats` times (after its warm-up),
-    given the cell's resolved settings (dotted key -> value)."""
-    base: list[str] = field(default_factory=list)
-    """Overrides every cell of this workload gets (before the sweep's own)."""
-
-
-def _split_repeat(cell: Mapping[str, Any], repeats: int) -> list[str]:
-    # one batch per repetition: num_prompts = batch_size x repeats, each batch logged as a step
-    return [f"generate.num_prompts={int(cell.get('generate.batch_size', 2)) * repeats}"]
-
-
-WORKLOADS: dict[str, Workload] = {
-    "split_inference": Workload(
-        "split_inference",
-        metrics=[
-            Metric("token_ms_p50", "split: per-token latency p50", "ms"),
-            Metric("token_ms_p95", "split: per-token latency p95", "ms"),
-            Metric("tokens_per_s", "split: throughput", "tokens/s"),
-            Metric("unsplit_token_ms_p50", "unsplit: per-token latency p50", "ms"),
-            Metric("max_stage_peak_rss_mib", "split: peak RSS of the largest stage", "MiB"),
-            Metric("unsplit_peak_rss_mib", "unsplit: peak RSS", "MiB"),
-            Metric("latency_ratio", "per-token latency p50, split / unsplit", "x", ratio=True),
-            Metric("memory_ratio", "peak RSS, largest stage / unsplit", "x", ratio=True),
-        ],
-        repeat=_split_repeat,
-        base=["generate.max_new_tokens=16", "generate.temperature=0"],
-    ),
-    "split_training": Workload(
-        "split_training",
-        metrics=[
-            Metric("step_ms", "step time", "ms"),
-            Metric("tokens_per_s", "throughput", "tokens/s"),
-            Metric("idle_share", "stage idle share", "fraction"),
-        ],
-        repeat=lambda cell, repeats: [f"split.steps={max(2, repeats)}"],
-    ),
-    "spec_decoding": Workload(
-        "spec_decoding",
-        metrics=[
-            Metric("tokens_per_s", "speculative: throughput", "tokens/s"),
-            Metric("target_tokens_per_s", "target alone: throughput", "tokens/s"),
-            Metric("acceptance_rate", "acceptance rate", "fraction"),
-            Metric("speedup", "speedup over target alone", "x", ratio=True),
-        ],
-        repeat=lambda cell, repeats: [f"spec.num_prompts={repeats}"],
-    ),
-    "fed_learn": Workload(
-        "fed_learn",
-        metrics=[
-            Metric("final_val_loss", "final validation loss", "nats/token"),
-            Metric("bytes_up_per_round", "bytes up per round", "B"),
-        ],
-        repeat=lambda cell, repeats: [f"fed.rounds={max(1, repeats)}"],
-    ),
-}
+def workload_of(config: MatrixConfig) -> Workload:
+    """How run_matrix sweeps the experiment `config.workload` (its manifest's workload)."""
+    return registry.manifest(config.workload).workload
 
 
 @dataclass
 class MatrixConfig:
     """Schema of `conf/matrix.yaml`: what `python run_matrix.py` sweeps and how."""
 
-    workload: str = "split_inference"
-    """A registered experiment (lab.experiment.EXPERIMENTS)."""
+    workload: str = ""
+    """A registered experiment (lab.registry); conf/matrix.yaml's default: split_inference."""
     axes: dict[str, str] = field(default_factory=dict)
     """Short axis names -> the config key each sets (`context: generate.prompt_tokens`)."""
     grid: dict[str, list[Any]] = field(default_factory=dict)
@@ -158,10 +88,11 @@ class MatrixConfig:
     """Also log the heatmaps (as images) and the results table to W&B (offline unless set up)."""
 
     def __post_init__(self) -> None:
-        if self.workload not in WORKLOADS:
+        known = registry.manifests()
+        if self.workload not in known:
             raise ValueError(
                 f"workload={self.workload!r} is not one run_matrix can sweep; "
-                f"choose one of {list(WORKLOADS)}"
+                f"choose one of {list(known)}"
             )
         check_fields_positive("matrix", self, ("repeats", "timeout_s"))
         if self.memory_mib < 0 or self.num_threads < 0:
@@ -220,7 +151,7 @@ def sweep_fingerprint(config: MatrixConfig) -> str:
 
 def check_sweep(config: MatrixConfig) -> None:
     """Refuse, before any cell runs, a key the workload's experiment does not read."""
-    exp = experiment.get(WORKLOADS[config.workload].experiment)
+    exp = experiment.get(config.workload)
     keys = [config.axes[axis] for axis in config.grid]
     keys += [experiment.override_key(o) for o in config.overrides]
     exp.refuse_unread(keys)
@@ -243,7 +174,7 @@ def check_sweep(config: MatrixConfig) -> None:
 
 
 def cell_overrides(config: MatrixConfig, cell: Cell, run_dir: Path) -> list[str]:
-    workload = WORKLOADS[config.workload]
+    workload = workload_of(config)
     settings = {config.axes[axis]: value for axis, value in cell.values}
     for override in [*workload.base, *config.overrides]:
         key, _, value = override.partition("=")
@@ -531,8 +462,7 @@ def run_cell(
     if run_dir.exists():  # a leftover of an interrupted or retried run: start clean
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    workload = WORKLOADS[config.workload]
-    argv = [sys.executable, "-m", workload.experiment, *cell_overrides(config, cell, run_dir)]
+    argv = [sys.executable, "-m", config.workload, *cell_overrides(config, cell, run_dir)]
     argv, secret = split_secret(argv)  # a secret the overrides hold goes in the environment
     memory_mib = config.memory_mib or 0.8 * psutil.virtual_memory().total / 2**20
     outcome = run_cell_process(

@@ -1,6 +1,6 @@
 """`python -m labtools.tour` (`make run`): every experiment on the offline defaults, then a report.
 
-Builds the tiny models (once), runs fed_learn, spec_decoding, split_inference, split_training and
+Builds the tiny models (once), runs every registered experiment (its manifest's tour step) and
 a small run_matrix sweep, each exactly as the command it prints, into `reports/<timestamp>/runs/`,
 and writes `reports/<timestamp>/index.html` and `index.md` with every headline metric and plot.
 Each step's output goes to `<its run folder>.log`; a failed step quotes its log and the tour goes
@@ -27,16 +27,23 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from lab import registry
 from labtools.report import write_report
 
-STEPS: list[tuple[str, list[str]]] = [
-    ("fed_learn", ["-m", "fed_learn"]),
-    ("spec_decoding", ["-m", "spec_decoding"]),
-    ("split_inference", ["-m", "split_inference"]),
-    ("split_training", ["-m", "split_training"]),
-    ("matrix", ["run_matrix.py", "grid.context=[128,512]", "grid.batch=[1,4]", "repeats=2"]),
-]
-"""Each step: its run folder's name and its command (after `python`)."""
+MATRIX_STEP = (
+    "matrix",
+    ["run_matrix.py", "grid.context=[128,512]", "grid.batch=[1,4]", "repeats=2"],
+)
+
+
+def steps() -> list[tuple[str, list[str]]]:
+    """Each step: its run folder's name and its command (after `python`): every registered
+    experiment with a tour step (its manifest's `tour` overrides), then a small sweep."""
+    return [
+        *((name, ["-m", name, *m.tour]) for name, m in registry.manifests().items()
+          if m.tour is not None),
+        MATRIX_STEP,
+    ]  # fmt: skip
 
 
 def run_step(argv: list[str], *, log_path: Path, progress: Progress, task: TaskID) -> int:
@@ -67,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     console = Console()
-    steps = [s for s in STEPS if args.only is None or s[0] in args.only]
-    plan = [("pretrain", ["-m", "lab.pretrain"]), *steps]
+    chosen = [s for s in steps() if args.only is None or s[0] in args.only]
+    plan = [("pretrain", ["-m", "lab.pretrain"]), *chosen]
     done: list[Path] = []
     failed: list[str] = []
     progress = Progress(

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from labtools.costmodel import INITIAL_WINDOW, Link, main, parse_rate, predict
+from lab.linkmodel import INITIAL_WINDOW, Link, parse_rate
+from labtools.costmodel import main, predict
 
 
 def test_rates_read_as_tc_writes_them() -> None:
@@ -50,17 +51,17 @@ def split_inference_run(folder: Path, *, token_ms: float, kv_cache: bool = True)
 
 def test_split_inference_pays_two_crossings_per_cut_and_its_activations(tmp_path: Path) -> None:
     run = split_inference_run(tmp_path, token_ms=4.0)
-    assert predict("token_ms", run, delay_ms=0, rate=None) == pytest.approx(4.0)
+    assert predict("split_inference", run, delay_ms=0, rate=None) == pytest.approx(4.0)
     # 3 stages: 2 cuts, each crossed there and back; 10 kB forward per cut at 10 Mbit/s = 8 ms
-    assert predict("token_ms", run, delay_ms=5, rate="10mbit") == pytest.approx(4 + 20 + 16)
+    assert predict("split_inference", run, delay_ms=5, rate="10mbit") == pytest.approx(4 + 20 + 16)
 
 
 def test_the_model_refuses_what_it_does_not_cover(tmp_path: Path) -> None:
     run = split_inference_run(tmp_path, token_ms=4.0, kv_cache=False)
     with pytest.raises(ValueError, match="kv_cache=true"):
-        predict("token_ms", run, delay_ms=1, rate=None)
+        predict("split_inference", run, delay_ms=1, rate=None)
     with pytest.raises(ValueError, match="delay_ms"):
-        predict("token_ms", run, delay_ms=float("nan"), rate=None)
+        predict("split_inference", run, delay_ms=float("nan"), rate=None)
 
 
 def test_the_command_prints_a_prediction_per_link_and_says_what_is_wrong(

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from lab import experiment
+from lab import experiment, registry
 from lab.launch import Role, ServiceGroup, services
 
 
-@pytest.mark.parametrize("name", experiment.EXPERIMENTS)
+@pytest.mark.parametrize("name", list(registry.manifests()))
 def test_every_module_registers_an_experiment_with_a_local_plan(compose_config, name: str) -> None:
     """Each module's local plan starts its processes under names its roles know."""
     exp = experiment.get(name)
@@ -24,7 +24,7 @@ def test_every_module_registers_an_experiment_with_a_local_plan(compose_config, 
         assert role in exp.roles
 
 
-@pytest.mark.parametrize("name", experiment.EXPERIMENTS)
+@pytest.mark.parametrize("name", list(registry.manifests()))
 def test_a_role_the_experiment_does_not_have_is_refused_before_anything_runs(
     compose_config, name: str
 ) -> None:

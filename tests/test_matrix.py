@@ -11,6 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
+from lab import registry
 from labtools import matrix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -62,7 +63,8 @@ def test_a_2x2_sweep_gives_4_rows_a_heatmap_per_metric_and_resumes(
         assert {"main", "stage1", "stage2"} <= set(record["peak_rss_mib"])
         assert record["machine"]["cores"] >= 1
     heatmaps = sorted(p.stem for p in (out / "heatmaps").glob("*.png"))
-    assert heatmaps == sorted(m.key for m in matrix.WORKLOADS["split_inference"].metrics)
+    metrics = registry.manifest("split_inference").workload.metrics
+    assert heatmaps == sorted(m.key for m in metrics)
     assert all(p.stat().st_size > 5000 for p in (out / "heatmaps").glob("*.png"))
     # one offline W&B run for the sweep: every heatmap as an image, the results as a table
     (wandb_run,) = (out / "wandb").glob("offline-run-*")

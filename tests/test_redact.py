@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import experiment
+from lab import experiment, registry
 from lab.cli import ConfigError
 from lab.config import REDACTED, SECRET_ENV, ClusterConfig, TrackingConfig, to_settings
 from lab.launch import free_port
@@ -139,7 +139,7 @@ def test_the_report_shows_stars_for_a_secret_an_older_record_holds(tmp_path: Pat
         assert secret not in text and "python -m fed_learn cluster.secret=***" in text
 
 
-@pytest.mark.parametrize("name", experiment.EXPERIMENTS)
+@pytest.mark.parametrize("name", list(registry.manifests()))
 def test_no_role_gets_the_secret_in_its_argv_or_its_config_file(
     compose_config: Callable[..., object], tiny_models: Path, tmp_path: Path, name: str
 ) -> None:

@@ -19,8 +19,6 @@ import pytest
 from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
 from labtools.costmodel import report
 from labtools.hosts import (
-    FAULTS,
-    MODULES,
     PREFIX,
     Documented,
     Network,
@@ -29,6 +27,7 @@ from labtools.hosts import (
     documented_runs,
     faults,
     measure_link,
+    modules,
     remove_stale,
     run_documented,
     scenarios,
@@ -207,7 +206,7 @@ def test_a_drafter_without_the_secret_is_refused_across_hosts(tmp_path: Path) ->
         assert not (tmp_path / "drafter" / "outputs.jsonl").exists()  # nothing was generated
 
 
-@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("module", modules())
 def test_a_module_across_hosts_gives_what_it_gives_on_loopback(tmp_path: Path, module: str) -> None:
     """Each role on its own host, with the secret (and TLS for the netproto modules): greedy
     outputs token for token, training losses within labtools.hosts.LOSS_RTOL."""
@@ -270,7 +269,7 @@ def test_fed_learn_across_hosts_recovers_from_a_dead_client_and_a_dead_coordinat
     on with the other client, exactly as the same fault on one machine's loopback. The
     coordinator's machine dies after round 1 and comes back with fed.resume=true: the clients
     redial it and every round's validation loss is the uninterrupted loopback run's."""
-    outcomes = faults(list(FAULTS), out=tmp_path, tls=True, timeout_s=300)
+    outcomes = faults(out=tmp_path, tls=True, timeout_s=300)
     assert [o.identical for o in outcomes] == [True, True], [o.detail for o in outcomes]
     assert "clients per round [2, 1, 1]" in outcomes[0].detail
     resumed = tmp_path / "fed_learn-faults" / "coordinator-killed-and-resumed" / "hosts"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from labtools.hosts import ATTACKS, OVERLAY_PREFIX, Exposure, Host, Network, split_exposure
+from labtools.hosts import ATTACKS, OVERLAY_PREFIX, Exposure, Host, Network, probe_exposure
 from netproto.overlay import unavailable as overlay_unavailable
 
 pytestmark = [
@@ -126,7 +126,7 @@ def test_a_split_run_on_the_plain_network_refuses_to_start_in_one_line(tmp_path:
 
 @pytest.fixture(scope="module")
 def exposure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exposure]:
-    yield split_exposure(tmp_path_factory.mktemp("exposure"))
+    yield probe_exposure(tmp_path_factory.mktemp("exposure"))
 
 
 def test_the_split_run_under_attack_trains_to_the_end(exposure: Exposure) -> None:
