@@ -10,7 +10,6 @@ runs the predictions and judges them against the harness's measured curves.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,18 +103,3 @@ def run_config(run_dir: Path) -> dict[str, Any]:
             assert isinstance(config, dict)
             return {str(k): v for k, v in config.items()}
     raise ValueError(f"no .hydra/config.yaml at {run_dir} or above it")
-
-
-def hidden_size(config: dict[str, Any]) -> int:
-    """The model's hidden size: a lab preset's, or the `config.json` of its local folder."""
-    from lab.pretrain import load_preset
-
-    model = config["model"]
-    if str(model.get("pretrained", "")).startswith("lab:") and model.get("lab_preset"):
-        preset = load_preset(str(model["lab_preset"]))
-        which = str(model["pretrained"]).removeprefix("lab:").removeprefix("tiny_")
-        return int(getattr(preset, which).hidden_size)
-    path = Path(str(model["pretrained"])) / "config.json"
-    if path.is_file():
-        return int(json.loads(path.read_text())["hidden_size"])
-    raise ValueError(f"cannot tell the hidden size of {model.get('pretrained')!r}")

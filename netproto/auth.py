@@ -17,13 +17,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from netproto.errors import AuthenticationError, PeerProtocolError, RemoteError
 from netproto.wire import MsgType
 
-if TYPE_CHECKING:
-    from netproto.connection import Connection
+
+class Connection(Protocol):
+    """What the handshake needs of a connection (netproto.connection.Connection, which calls
+    it: a structural type, so this module does not import the one that imports it)."""
+
+    def send(self, msg_type: int, payload: Any = None) -> int: ...
+
+    def recv(self, *, expect: int | None = None) -> Any: ...
+
+    def send_error(self, code: str, message: str) -> None: ...
+
 
 NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size

@@ -29,6 +29,7 @@ import itertools
 import logging
 import pickle
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,9 +61,6 @@ _REFERENCES = {
     ("split_engine.workers", "stage_accept_driver"),
     ("split_engine.workers", "stage_alive"),
     ("split_engine.workers", "stage_prove"),
-    ("split_training.trainer", "StageAdamW"),
-    ("split_training.trainer", "load_stage"),
-    ("split_training.trainer", "save_stage"),
     # torch's RPC internals: RRef method calls, the start-up / shutdown all-gather, and
     # DistributedOptimizer creating and stepping each stage's local optimizer.
     ("torch.distributed.rpc.rref_proxy", "_local_invoke"),
@@ -77,6 +75,30 @@ _REFERENCES = {
     ("torch.distributed.rpc.internal", "RemoteException"),
     ("torch.distributed.rpc.internal", "_InternalRPCPickler"),
 }
+"""The engine's own names and torch's; an experiment on the engine adds its own with `allow`."""
+
+
+def allow(module: str, *names: str) -> None:
+    """Let RPC messages name `module`'s `names` (an experiment's own remote calls: split
+    training's optimizer and checkpoint functions). Call it at the module's import, so a role's
+    process allows them before any message arrives, and only in the processes of the
+    experiment that calls them (a split_inference stage still refuses split_training's). Each
+    name must be what pickle writes for the object: a top-level function or class of `module`."""
+    loaded = sys.modules.get(module)
+    if loaded is None:
+        raise ValueError(f"rpc_guard.allow: {module} is not imported (call it from the module)")
+    for name in names:
+        obj = getattr(loaded, name, None)
+        if obj is None or (
+            getattr(obj, "__module__", None),
+            getattr(obj, "__qualname__", None),
+        ) != (module, name):
+            raise ValueError(
+                f"rpc_guard.allow: {module}.{name} is not a top-level function or class of {module}"
+            )
+        _REFERENCES.add((module, name))
+
+
 _SAFE_BUILTINS = {
     "dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes",
     "complex", "slice", "range",

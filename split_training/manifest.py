@@ -7,10 +7,12 @@ Registered by entry point (pyproject.toml); imports no model code.
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
+from typing import Any
 
-from lab.linkmodel import Link, hidden_size, run_config, run_steps
+from lab.linkmodel import Link, run_config, run_steps
 from lab.plots import pyplot, save, smoothed, step_rows
 from lab.records import METRICS_FILE, read_records, same_losses
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
@@ -53,6 +55,21 @@ def plots(run_dir: Path) -> list[Path]:
     ax.set_title("split training")
     ax.grid(alpha=0.3)
     return [save(fig, plt, run_dir / "loss_curve.png")]
+
+
+def hidden_size(config: dict[str, Any]) -> int:
+    """The model's hidden size: a lab preset's, or the `config.json` of its local folder."""
+    from lab.pretrain import load_preset
+
+    model = config["model"]
+    if str(model.get("pretrained", "")).startswith("lab:") and model.get("lab_preset"):
+        preset = load_preset(str(model["lab_preset"]))
+        which = str(model["pretrained"]).removeprefix("lab:").removeprefix("tiny_")
+        return int(getattr(preset, which).hidden_size)
+    path = Path(str(model["pretrained"])) / "config.json"
+    if path.is_file():
+        return int(json.loads(path.read_text())["hidden_size"])
+    raise ValueError(f"cannot tell the hidden size of {model.get('pretrained')!r}")
 
 
 def step_ms(run_dir: Path) -> float:

@@ -27,6 +27,7 @@ from torch.distributed.optim.optimizer import _LocalOptimizer
 from torch.distributed.rpc import RRef
 
 from lab import atomic
+from split_engine import rpc_guard
 from split_engine.rpc_guard import never_sent
 from split_engine.sharded import ShardedModel
 from split_engine.workers import StageLostError, require_driver
@@ -344,3 +345,8 @@ def load_stage(stage: RRef, optimizer: RRef, folder: str) -> None:
     stage.local_value().load_trainable_state(load_file(str(weights)))
     state = torch.load(optim, weights_only=True)
     optimizer.local_value().optim.load_state_dict(state)
+
+
+# What split training's RPCs name beyond the engine's: its stages' optimizer (built there by
+# DistributedOptimizer) and its checkpoint calls; allowed in split training's processes only.
+rpc_guard.allow(__name__, "StageAdamW", "load_stage", "save_stage")

@@ -6,11 +6,14 @@ import importlib
 import os
 import pickle
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch.distributed.rpc import internal as rpc_internal
 
+import split_training.trainer  # noqa: F401  (allows its RPC names, as its processes do)
 from split_engine import rpc_guard
 from split_engine.rpc_guard import UnsafeMessageError, safe_loads
 
@@ -103,6 +106,30 @@ def test_every_allowed_name_is_where_pickle_finds_it(module: str, name: str) -> 
     assert (obj.__module__, obj.__qualname__) == (module, name)
     for protocol in PROTOCOLS:
         assert safe_loads(pickle.dumps(obj, protocol=protocol)) is obj
+
+
+def test_an_experiment_allows_only_its_own_top_level_names() -> None:
+    with pytest.raises(ValueError, match="not imported"):
+        rpc_guard.allow("no_such_module_here", "f")
+    with pytest.raises(ValueError, match="not a top-level"):
+        rpc_guard.allow("split_training.trainer", "Path")  # imported there, pathlib's
+    with pytest.raises(ValueError, match="not a top-level"):
+        rpc_guard.allow("split_training.trainer", "missing")
+    assert ("split_training.trainer", "Path") not in rpc_guard._REFERENCES
+
+
+def test_a_process_without_split_training_refuses_its_names() -> None:
+    """The engine names no experiment: split training's calls are allowed where it runs only
+    (a split_inference stage unpickles no checkpoint call)."""
+    code = (
+        "import pickle, sys\n"
+        "from split_engine.rpc_guard import UnsafeMessageError, safe_loads\n"
+        "data = b'\\x80\\x04c' + b'split_training.trainer\\nsave_stage\\n' + b'.'\n"
+        "try:\n    safe_loads(data)\nexcept UnsafeMessageError:\n    sys.exit(0)\n"
+        "sys.exit('allowed')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_start_calls_are_allowed_names() -> None:
