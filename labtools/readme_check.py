@@ -1,14 +1,16 @@
-"""`python -m labtools.readme_check`: replay the README's commands as a new user would, quickly.
+"""`python -m labtools.readme_check`: replay the documented commands as a new user would, quickly.
 
-Every `python ...` line of the README's ```bash blocks runs as written, plus quick settings for
+The README's and every docs/*.md page's (or only the files named on the command line). Every
+`python ...` line of their ```bash blocks runs as written, plus quick settings for
 the keys it does not set itself (debug models, few rounds and tokens, one repeat), each in a
 folder of its own under `--out`. Lines written as `host$ command` are a multi-machine example:
 consecutive ones run together, as separate processes on this machine, with every `cluster.*`
 endpoint moved to loopback on free ports and one shared secret. A command passes when it exits
 0 and prints nothing a user would read as an error (a traceback, a Python warning, TensorPipe's
 shutdown lines, an RRef leak, a C++ warning). Lines that need what this machine cannot have (a
-hub model, a placeholder to fill in) are listed as skipped, with why. The last line is
-`README commands ok: N of M`.
+hub model, a placeholder to fill in) are listed as skipped, with their file:line and why; a
+command written in several places runs once. Each file's count is printed, then the last line,
+over all of them: `README commands ok: N of M`.
 """
 
 from __future__ import annotations
@@ -82,6 +84,25 @@ NEEDS = [
 ]
 """Lines that cannot run here as written, and why."""
 
+ACROSS_HOSTS_ONLY = (
+    re.compile(r"(?<!\S)cluster=mine(?!\S)"),
+    "cluster=mine, the file docs/two_machines.md step 3 has you write: `python -m labtools.hosts "
+    "docs` runs these across hosts; the README's two-machine lines run here on loopback",
+)
+"""Lines replayed across hosts by labtools.hosts, not here (readme_commands still returns them:
+labtools.hosts reads them through it)."""
+
+
+def documented_files(root: Path = ROOT) -> list[Path]:
+    """What `make readme-check` replays: the README, then every docs/*.md page, sorted."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def shown(path: Path) -> str:
+    """`path` as the user would name it: relative to the repository where it lies inside."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
 
 @dataclass
 class Command:
@@ -90,6 +111,8 @@ class Command:
     text: str
     argvs: list[list[str]] = field(default_factory=list)
     skipped: str = ""
+    where: str = ""
+    """`file:line` of its (first) line."""
 
 
 def readme_commands(readme: Path) -> list[Command]:
@@ -99,12 +122,15 @@ def readme_commands(readme: Path) -> list[Command]:
     in_block = False
     lines = readme.read_text().splitlines()
     joined: list[str] = []
-    for line in lines:  # join `\` continuations
+    starts: list[int] = []  # each joined line's first line number
+    for number, line in enumerate(lines, start=1):  # join `\` continuations
         if joined and joined[-1].endswith("\\"):
             joined[-1] = joined[-1][:-1].rstrip() + " " + line.strip()
         else:
             joined.append(line)
-    for line in joined:
+            starts.append(number)
+    name = shown(readme)
+    for line, number in zip(joined, starts, strict=True):
         if line.startswith("```"):
             in_block = line.strip() == "```bash"
             group = None
@@ -122,7 +148,7 @@ def readme_commands(readme: Path) -> list[Command]:
         skipped = next((why for pattern, why in NEEDS if pattern.search(filled)), "")
         if host:
             if group is None:
-                group = Command(text=text, skipped=skipped)
+                group = Command(text=text, skipped=skipped, where=f"{name}:{number}")
                 commands.append(group)
             else:
                 group.text += "  &  " + text
@@ -130,7 +156,10 @@ def readme_commands(readme: Path) -> list[Command]:
             group.argvs.append(shlex.split(body))
         else:
             group = None
-            commands.append(Command(text=text, argvs=[shlex.split(body)], skipped=skipped))
+            commands.append(
+                Command(text=text, argvs=[shlex.split(body)], skipped=skipped,
+                        where=f"{name}:{number}")
+            )  # fmt: skip
     return commands
 
 
@@ -252,41 +281,78 @@ def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m labtools.readme_check", description=__doc__)
-    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument(
+        "files", nargs="*", type=Path,
+        help="replay only these Markdown files (default: README.md, then docs/*.md, sorted)",
+    )  # fmt: skip
+    parser.add_argument("--readme", type=Path, action="append", default=[],
+                        help="the same as naming the file (repeatable)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="default: a temporary folder")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per command")
     parser.add_argument("--only", default="", help="run only commands containing this text")
     args = parser.parse_args(argv)
+    files = list(dict.fromkeys([*args.files, *args.readme])) or documented_files()
+    missing = [str(path) for path in files if not path.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
     out = args.out or Path(tempfile.mkdtemp(prefix="readme_check_"))
     console = Console(highlight=False)
-    commands = [c for c in readme_commands(args.readme) if args.only in c.text]
+    commands: list[Command] = []
+    first_at: dict[tuple[tuple[str, ...], ...], str] = {}  # a command written twice runs once
+    for path in files:
+        for command in readme_commands(path):
+            if args.only not in command.text:
+                continue
+            commands.append(command)
+            pattern, why = ACROSS_HOSTS_ONLY
+            if not command.skipped and pattern.search(command.text):
+                command.skipped = why
+            if command.skipped:
+                continue
+            key = tuple(tuple(a) for a in command.argvs)
+            if key in first_at:
+                command.skipped = f"the same command as {first_at[key]}: replayed once"
+            else:
+                first_at[key] = command.where
     runnable = [c for c in commands if not c.skipped]
     for command in commands:
         if command.skipped:
-            console.print(f"[dim]skip[/]  {escape(command.text)}  [dim]({command.skipped})[/]")
-    # As `make run` does first: the lab's tiny models, built once (minutes on 2 cores) rather
-    # than inside whichever command happens to need them first, under its time limit.
-    console.print("building the lab's tiny models first: python -m lab.pretrain (once)")
-    for preset in ("default", "debug"):
-        subprocess.run(
-            [sys.executable, "-m", "lab.pretrain", f"pretrain={preset}", "tracking.wandb=false",
-             f"hydra.run.dir={out / 'pretrain' / preset}"],
-            check=True, cwd=ROOT,
-        )  # fmt: skip
-    passed = 0
+            console.print(f"[dim]skip[/]  {command.where}  {escape(command.text)}  "
+                          f"[dim]({escape(command.skipped)})[/]", soft_wrap=True)  # fmt: skip
+    if runnable:
+        # As `make run` does first: the lab's tiny models, built once (minutes on 2 cores)
+        # rather than inside whichever command happens to need them first, under its limit.
+        console.print("building the lab's tiny models first: python -m lab.pretrain (once)")
+        for preset in ("default", "debug"):
+            subprocess.run(
+                [sys.executable, "-m", "lab.pretrain", f"pretrain={preset}", "tracking.wandb=false",
+                 f"hydra.run.dir={out / 'pretrain' / preset}"],
+                check=True, cwd=ROOT,
+            )  # fmt: skip
+    passed: dict[str, int] = {}
     for number, command in enumerate(runnable, start=1):
-        console.print(f"[bold]{number}/{len(runnable)}[/] {escape(command.text)}", soft_wrap=True)
+        console.print(f"[bold]{number}/{len(runnable)}[/] {command.where}  "
+                      f"{escape(command.text)}", soft_wrap=True)  # fmt: skip
         started = time.monotonic()
         ok, why = run_command(command, out=out / f"{number:02d}", timeout_s=args.timeout_s)
         seconds = time.monotonic() - started
-        passed += ok
+        source = command.where.rsplit(":", 1)[0]
+        passed[source] = passed.get(source, 0) + ok
         if ok:
             console.print(f"  [green]ok[/] in {seconds:.0f}s")
         else:
             console.print(f"  [red]FAILED[/] after {seconds:.0f}s: {escape(why)}", soft_wrap=True)
     console.print(f"outputs and logs: {out}")
-    print(f"README commands ok: {passed} of {len(runnable)}")
-    if passed != len(runnable):
+    for path in files:
+        name = shown(path)
+        mine = [c for c in commands if c.where.rsplit(":", 1)[0] == name]
+        ran = sum(not c.skipped for c in mine)
+        same = sum(c.skipped.startswith("the same command as ") for c in mine)
+        print(f"{name}: {passed.get(name, 0)} of {ran} ok; {same} run above, "
+              f"{len(mine) - ran - same} skipped")  # fmt: skip
+    total = sum(passed.values())
+    print(f"README commands ok: {total} of {len(runnable)}")
+    if total != len(runnable):
         raise SystemExit(1)
 
 

@@ -1,0 +1,86 @@
+"""labtools.readme_check: which files it reads and how it counts (no command is run here)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from labtools import readme_check
+from labtools.readme_check import ROOT, documented_files, readme_commands
+
+PAGE = """# A page
+
+```bash
+python -m fed_learn                # the same line as another page's
+python -m spec_decoding model@target=tinyllama model@draft=my_small_llama
+python run_matrix.py workload=spec_decoding '~grid.context' \\
+    '+grid.window=[1,2]'
+desktop$ python -m spec_decoding role=verifier cluster=mine
+laptop$  python -m spec_decoding role=drafter cluster=mine
+```
+"""
+
+
+def test_make_readme_check_reads_the_readme_then_every_docs_page_sorted() -> None:
+    files = documented_files()
+    assert files[0] == ROOT / "README.md"
+    pages = files[1:]
+    assert pages == sorted(pages)
+    assert ROOT / "docs" / "two_machines.md" in pages
+    assert all(p.parent == ROOT / "docs" and p.suffix == ".md" for p in pages)
+
+
+def test_each_command_knows_its_file_and_line(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(PAGE)
+    commands = readme_commands(page)
+    assert [c.where.rsplit(":", 1)[1] for c in commands] == ["4", "5", "6", "8"]
+    assert commands[0].where == f"{page}:4"  # outside the repository: the whole path
+    assert "'+grid.window=[1,2]'" in commands[2].text  # a continued line is one command
+    assert commands[1].skipped == "a hub model (no hub here)"
+    assert len(commands[3].argvs) == 2  # host$ lines run together, as before
+    assert not commands[3].skipped  # labtools.hosts reads these through readme_commands
+    assert readme_commands(ROOT / "README.md")[0].where.startswith("README.md:")
+
+
+def test_counts_per_file_and_once_over_all_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = tmp_path / "first.md", tmp_path / "second.md"
+    first.write_text("```bash\npython -m fed_learn\npython -m split_training\n```\n")
+    second.write_text(PAGE)
+    ran: list[str] = []
+
+    def fake_run(command: readme_check.Command, **_: object) -> tuple[bool, str]:
+        ran.append(command.where)
+        return "split_training" not in command.text, "exit 1: broken"
+
+    monkeypatch.setattr(readme_check, "run_command", fake_run)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: None)  # the tiny models' build
+    with pytest.raises(SystemExit):
+        readme_check.main([str(first), str(second), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert ran == [f"{first}:2", f"{first}:3", f"{second}:6"]  # fed_learn once
+    assert f"skip  {second}:4  python -m fed_learn  (the same command as {first}:2" in out
+    assert f"skip  {second}:5  python -m spec_decoding" in out
+    assert f"skip  {second}:8  desktop$" in out and "cluster=mine" in out
+    lines = out.strip().splitlines()
+    assert lines[-3] == f"{first}: 1 of 2 ok; 0 run above, 0 skipped"
+    assert lines[-2] == f"{second}: 1 of 1 ok; 1 run above, 2 skipped"
+    assert lines[-1] == "README commands ok: 2 of 3"
+
+
+def test_a_page_with_nothing_to_run_builds_nothing_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```bash\npython -m spec_decoding model@target=tinyllama\n```\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("built the tiny models"))
+    readme_check.main([str(page), "--out", str(tmp_path / "out")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2:] == [
+        f"{page}: 0 of 0 ok; 0 run above, 1 skipped",
+        "README commands ok: 0 of 0",
+    ]
