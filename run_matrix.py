@@ -1,8 +1,8 @@
 """`python run_matrix.py [workload=...] [grid.AXIS=[...]] [overrides=[...]]`: sweep a hardware grid.
 
 Runs every cell of the grid (`conf/matrix.yaml`) as its own isolated process tree (see
-`labtools/matrix.py`), appends each cell's result as it comes, then draws one heatmap per metric with
-seaborn. The last line is `cells ok: N of M`.
+`labtools/matrix.py`), appends each cell's result as it comes, then draws one heatmap per metric
+with seaborn. The last line is `cells ok: N of M`.
 
 On a cluster, hand the cells to a Hydra launcher plugin instead of running them here: every job
 runs one cell and appends to the same results table, then one plain run draws the heatmaps:
