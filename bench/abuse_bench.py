@@ -22,7 +22,7 @@ other hosts, as the servers see them.
     clients and no loop.
   - a split stage (a shared secret set): a rank without the secret calls stage functions
     unsigned, and TorchScript builtin operators, which TensorPipe runs in C++ without any Python
-    check (reported as served: see the README's security section). Honest: the driver's call
+    check (reported as served: see docs/security.md). Honest: the driver's call
     to the stage.
 Bounded counts and time (`--quick`: 300 strangers instead of 1,000, shorter attacks). Prints a
 table per attack class (attempts, refused, crashes: answers `internal` or a dead server, must be

@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from lab import experiment
+from lab import experiment, registry
 from lab.cli import EXIT_INTERRUPTED
 from lab.experiment import override_key
 from lab.launch import free_port
@@ -44,21 +44,11 @@ SERVER_GRACE_S = 20.0
 """How long a multi-machine example's servers get to end by themselves once the rest have."""
 
 QUICK: dict[str, list[str]] = {
-    "spec_decoding": [
-        "target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=2",
-        "spec.max_new_tokens=16",
-    ],
-    "fed_learn": [
-        "model.lab_preset=debug", "fed.rounds=2", "fed.local_steps=5", "fed.eval_blocks=8",
-        "fed.max_examples_per_client=64", "fed.centralized_baseline=false",
-    ],
-    # the default tiny model (4 layers: the README cuts it into 3 stages; the debug one has 2)
-    "split_inference": ["generate.num_prompts=2", "generate.max_new_tokens=8"],
-    "split_training": ["split.steps=4", "split.max_train_blocks=64"],
     "lab.pretrain": ["pretrain=debug"],
     "run_matrix.py": ["repeats=1"],
-}  # fmt: skip
-"""Quick settings per command, each added only where the README's line does not set that key."""
+}
+"""Quick settings per command that is no experiment (an experiment's are its manifest's
+`quick`), each added only where the documented line does not set that key."""
 
 NOISE = re.compile(
     r"Traceback \(most recent call last\)|\w+Warning: |Detected RRef Leaks|Leaking RRef|"
@@ -168,6 +158,12 @@ def target_of(argv: list[str]) -> str:
     return argv[2] if argv[1] == "-m" else Path(argv[1]).name
 
 
+def quick_of(target: str) -> list[str]:
+    """The quick settings of a command: an experiment's manifest's, or QUICK's."""
+    manifest = registry.find(target)
+    return list(manifest.quick) if manifest is not None else QUICK.get(target, [])
+
+
 def with_quick(argv: list[str], *, out: Path, extra: Sequence[str] = ()) -> list[str]:
     """`argv` plus the quick settings and `extra` for every key it does not set, into `out`."""
     target = target_of(argv)
@@ -175,7 +171,7 @@ def with_quick(argv: list[str], *, out: Path, extra: Sequence[str] = ()) -> list
     args = argv[head:]
     multirun = "-m" in args or "--multirun" in args
     given = {override_key(a) for a in args if "=" in a and not a.startswith("-")}
-    added = [o for o in [*QUICK.get(target, []), *extra] if override_key(o) not in given]
+    added = [o for o in [*quick_of(target), *extra] if override_key(o) not in given]
     if target == "run_matrix.py":
         where = [f"out_dir={out}"]
     elif target == "labtools.hosts":  # argparse, not Hydra

@@ -37,7 +37,7 @@ PING_S = 2.0
 UNREAD = {
     "cluster.link": "netproto's link emulator shapes netproto traffic only, and TensorPipe's "
     "traffic between stages does not cross it",
-    "cluster.tls": "TensorPipe does not use netproto's TLS (see the README's security section)",
+    "cluster.tls": "TensorPipe does not use netproto's TLS (see docs/security.md)",
 }
 """Keys of a split module's schema that it does not read."""
 

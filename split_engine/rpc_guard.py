@@ -14,7 +14,7 @@ authentication of its own. Every process of a split run installs two guards (`in
   and the sequence number (no replay) before it unpickles anything. Before the handshake only
   the start-up calls (`START_CALLS`: torch's start-up barrier, the handshake itself, liveness)
   are served unsigned; after it, a message without a valid MAC is refused, whoever sends it.
-  Tensor contents are not covered by the MAC (see the README's security section).
+  Tensor contents are not covered by the MAC (see docs/security.md).
 """
 
 from __future__ import annotations
