@@ -342,13 +342,13 @@ class Server:
                 break
             peer = _peer_name(session.sock)
             self._drop_waiting(session, selector)
-            self._count_failure()
             log.warning(
                 "%s: session with %s refused or timed out: sent nothing within %gs",
                 self.name,
                 peer,
                 self.handshake_timeout_s,
             )
+            self._count_failure()  # after its line: a reader of the count finds the line
 
     def _run(self, session: _Session) -> None:
         """Start the session's thread (or refuse it, when no thread can be started)."""
@@ -420,7 +420,6 @@ class Server:
             pass  # the peer left; a normal end of session
         except (NetprotoError, OSError) as exc:  # OSError: ssl.SSLError included
             if not session.evicted:  # (an eviction is reported by the accept loop)
-                self._count_failure()
                 refused = isinstance(exc, AuthenticationError | NetTimeout | OSError)
                 log.warning(  # one line, no traceback: the peer's doing, not a bug here
                     "%s: session with %s %s: %s",
@@ -429,9 +428,10 @@ class Server:
                     "refused or timed out" if refused else "closed",
                     peer_text(exc),
                 )
+                self._count_failure()  # after its line: a reader of the count finds the line
         except Exception as exc:
-            self._count_failure()
             log.exception("%s: session handler failed", self.name)
+            self._count_failure()
             if conn is not None:
                 conn.send_error("internal", f"{type(exc).__name__}: {exc}")
         finally:

@@ -23,7 +23,11 @@ from .conftest import NUM_LAYERS, model_config, rpc_world
 
 @pytest.fixture(scope="module")
 def world(llama_folder: Path, tmp_path_factory: pytest.TempPathFactory):
-    with rpc_world(llama_folder, tmp_path_factory.mktemp("world")) as settings:
+    # split_training's stages: they allow its optimizer's and checkpoints' calls (rpc_guard.allow);
+    # they serve inference as split_inference's do
+    with rpc_world(
+        llama_folder, tmp_path_factory.mktemp("world"), module="split_training"
+    ) as settings:
         yield settings
 
 

@@ -97,7 +97,9 @@ def tied_folders(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 @pytest.fixture(scope="module")
 def world(tied_folders, tmp_path_factory: pytest.TempPathFactory):
     """Two stage processes, as every in-process world of this suite has."""
-    with rpc_world(tied_folders["llama"], tmp_path_factory.mktemp("tied_world")) as settings:
+    with rpc_world(
+        tied_folders["llama"], tmp_path_factory.mktemp("tied_world"), module="split_training"
+    ) as settings:
         yield settings
 
 

@@ -33,6 +33,7 @@ def main(folder: Path, num_stages: int, steps: int, out: Path, export_dir: Path)
             folder,
             Path(run_dir),
             num_stages=num_stages,
+            module="split_training",
             stage_env={"LAB_SECRET": "tied"},
             driver_secret="tied",
         ),
