@@ -14,17 +14,9 @@ from lab.linkmodel import Link, run_config, run_summary
 from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
+from split_engine.placement import ACROSS, DOCUMENTED, SPLIT_ROLES
 
 NAME = "split_inference"
-SPLIT_ROLES = [
-    ("desktop", "driver", ["role=driver"]),
-    ("laptop", "stage1", ["role=stage", "split.rank=1"]),
-    ("pc", "stage2", ["role=stage", "split.rank=2"]),
-]
-# across hosts, TensorPipe, Gloo and the store listen only inside the lab's WireGuard overlay
-# (the local calibration run of a curve, on loopback, needs none)
-ACROSS = ["model.lab_preset=debug", "split.num_stages=2", "split.channels=network",
-          "cluster.overlay.up=true", "num_threads=1"]  # fmt: skip
 
 
 def plots(run_dir: Path) -> list[Path]:
@@ -106,8 +98,7 @@ MANIFEST = Manifest(
     # the default tiny model (4 layers: the README cuts it into 3 stages; the debug one has 2)
     quick=("generate.num_prompts=2", "generate.max_new_tokens=8"),
     plots=plots,
-    # the 2-layer debug model, tensors on TensorPipe's network channels (not cma's copy)
-    documented=("model.lab_preset=debug", "split.channels=network"),
+    documented=DOCUMENTED,
     scenario=Scenario(
         NAME,
         "master",
