@@ -158,6 +158,15 @@ def target_of(argv: list[str]) -> str:
     return argv[2] if argv[1] == "-m" else Path(argv[1]).name
 
 
+HOSTS_QUICK: dict[str, list[str]] = {
+    # the full grid is an hour or more (6 variants x 12 cells): one variant, two cells, one
+    # calibration run (docs/hosts.md: split_inference within 1.02-1.09 of its model there)
+    "curves": ["--only", "split_inference", "--delay-ms", "10", "50", "--rate", "1gbit",
+               "--calibration-runs", "1"],
+}  # fmt: skip
+"""`python -m labtools.hosts <subcommand>`'s quick flags, added where the line sets none."""
+
+
 def quick_of(target: str) -> list[str]:
     """The quick settings of a command: an experiment's manifest's, or QUICK's."""
     manifest = registry.find(target)
@@ -172,6 +181,8 @@ def with_quick(argv: list[str], *, out: Path, extra: Sequence[str] = ()) -> list
     multirun = "-m" in args or "--multirun" in args
     given = {override_key(a) for a in args if "=" in a and not a.startswith("-")}
     added = [o for o in [*quick_of(target), *extra] if override_key(o) not in given]
+    if target == "labtools.hosts" and args and not any(a.startswith("--") for a in args[1:]):
+        added += HOSTS_QUICK.get(args[0], [])
     if target == "run_matrix.py":
         where = [f"out_dir={out}"]
     elif target == "labtools.hosts":  # argparse, not Hydra
