@@ -153,7 +153,8 @@ class ClusterConfig:
     verifier: Endpoint = field(default_factory=Endpoint)
     """spec_decoding verifier (target model)."""
     master: Endpoint = field(default_factory=Endpoint)
-    """torch.distributed.rpc rendezvous for split_inference / split_training (rank 0)."""
+    """torch.distributed's rendezvous: the split runs' RPC world (their driver, rank 0), and
+    data_parallel's c10d rendezvous of its elastic agents."""
     secret: str | None = None
     """Shared secret for HMAC authentication; else `secret_file`, else the LAB_SECRET environment
     variable. Prefer those two: a value given here shows in `ps` while the command runs (every

@@ -1,0 +1,113 @@
+"""data_parallel's config schema (`conf/data_parallel.yaml`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lab.config import (
+    LabConfig,
+    LoRASettings,
+    check_choice,
+    check_fields_positive,
+    check_positive,
+    register_schema,
+)
+
+ENGINES = ("ddp", "fsdp")
+MIXED_PRECISIONS = ("auto", "bf16", "none")
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """`dp.nnodes` as (min, max) hosts: `2` is (2, 2), `2:3` is (2, 3). ValueError naming the
+    key otherwise."""
+    text = str(value).strip()
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise ValueError(
+            f"dp.nnodes={value!r} must be N or MIN:MAX (hosts), e.g. 2 or 2:3"
+        ) from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"dp.nnodes={value!r} must have 1 <= MIN <= MAX")
+    return bounds
+
+
+@dataclass
+class DPConfig:
+    """How the replicas are launched, fed and kept in step."""
+
+    workers: int = 2
+    """Worker processes on this host (torchrun's nproc_per_node): a local run's all of them,
+    a `role=worker` host's own."""
+    engine: str = "ddp"
+    """ddp: DistributedDataParallel, every worker holds the whole model; fsdp: FSDP2
+    (`fully_shard`), parameters, gradients and optimizer state sharded across workers."""
+    steps: int = 20
+    """Optimizer steps."""
+    batch_size: int = 8
+    """Blocks per worker per micro-step: one step trains on workers x hosts x batch_size x
+    grad_accum_steps blocks (the global batch)."""
+    block_size: int = 64
+    """Tokens per training sequence."""
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step; gradients are synchronised on the last one only."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 = off."""
+    mixed_precision: str = "auto"
+    """auto: bf16 autocast on CUDA devices that have bf16 (fp32 weights), none elsewhere."""
+    lora: bool = False
+    """Train only PEFT LoRA adapters (the `lora` section), not every weight."""
+    max_train_blocks: int = 2048
+    """Training sequences taken from the stdlib corpus (its training split)."""
+    eval_every: int = 10
+    """Validation loss (held-out stdlib text) every this many steps and at the end; 0 = never."""
+    eval_blocks: int = 16
+    """Validation sequences of block_size tokens."""
+    checkpoint_every: int = 10
+    """Save a torch.distributed.checkpoint every this many steps, and at the end (0 = at the
+    end only)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; default `<run dir>/checkpoints`. Across hosts it must be one
+    folder every host sees (a shared file system): each worker writes its own part."""
+    resume: bool = False
+    """Continue from the latest checkpoint in checkpoint_dir (same data order: the losses of an
+    uninterrupted run), with any number of workers."""
+    nnodes: str = "1"
+    """role=worker: the hosts (agents) in the job, N or MIN:MAX (`2:3`: starts with 2, a third
+    joins at the next restart). A local run is one host."""
+    max_restarts: int = 3
+    """Times the elastic agent restarts the workers (from the last checkpoint) after a failure."""
+    join_timeout_s: int = 60
+    """Seconds for the rendezvous at cluster.master to be reached and filled; then it fails."""
+
+    def __post_init__(self) -> None:
+        check_fields_positive(
+            "dp", self, ("workers", "steps", "batch_size", "grad_accum_steps", "lr", "eval_blocks")
+        )
+        check_fields_positive("dp", self, ("max_train_blocks", "join_timeout_s"))
+        check_choice("dp.engine", self.engine, ENGINES)
+        check_choice("dp.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        if self.block_size < 2:
+            raise ValueError(f"dp.block_size={self.block_size} must be >= 2")
+        for name in ("weight_decay", "grad_clip", "eval_every", "checkpoint_every", "max_restarts"):
+            check_positive(f"dp.{name}", getattr(self, name), allow_zero=True)
+        parse_nnodes(self.nnodes)
+
+    @property
+    def node_bounds(self) -> tuple[int, int]:
+        """(min, max) hosts of `nnodes`."""
+        return parse_nnodes(self.nnodes)
+
+
+@dataclass
+class DataParallelRunConfig(LabConfig):
+    """Schema of `conf/data_parallel.yaml`."""
+
+    dp: DPConfig = field(default_factory=DPConfig)
+    lora: LoRASettings = field(default_factory=LoRASettings)
+
+
+register_schema("data_parallel_schema", DataParallelRunConfig)

@@ -1,0 +1,115 @@
+"""What the lab's tools need from data_parallel (lab.registry): its sweep, plots, headline and a
+first cost model of it on a link, its quick settings. Its roles across hosts (the harness's
+scenario), curves and faults are still to come.
+
+Registered by entry point (pyproject.toml); imports no model code.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from lab.linkmodel import Link, run_steps
+from lab.plots import pyplot, save, smoothed
+from lab.records import METRICS_FILE, read_records
+from lab.registry import Headline, Manifest, Metric, Workload
+from lab.tracking import CONFIG_FILE
+
+NAME = "data_parallel"
+
+
+def step_records(run_dir: Path, key: str = "loss") -> list[dict[str, Any]]:
+    """The run's per-step records holding `key`, one per step: a step trained again after a
+    restart (the agent went back to the last checkpoint) replaces the lost one."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in run_steps(run_dir, key):
+        if "step" in record:
+            by_step[int(record["step"])] = record
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def plots(run_dir: Path) -> list[Path]:
+    """The training loss against tokens seen and against training time, each smoothed, and the
+    validation loss where it was measured."""
+    steps = step_records(run_dir)
+    if not steps or not all("tokens" in r and "wall_s" in r for r in steps):
+        return []
+    records = read_records(run_dir / METRICS_FILE)
+    val = {int(r["step"]): float(r["val_loss"]) for r in records
+           if r.get("kind") == "metrics" and "val_loss" in r and "step" in r}  # fmt: skip
+    at = {int(r["step"]): r for r in steps}
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
+    losses = [float(r["loss"]) for r in steps]
+    for ax, key, label in ((axes[0], "tokens", "tokens trained (all workers)"),
+                           (axes[1], "wall_s", "training time (s)")):  # fmt: skip
+        xs = [float(r[key]) for r in steps]
+        ax.plot(xs, losses, alpha=0.35, lw=1, label="per step")
+        if len(losses) >= 5:
+            ax.plot(xs, smoothed(losses), lw=2, label="smoothed (EMA, 0.9)")
+        points = [(float(at[s][key]), loss) for s, loss in sorted(val.items()) if s in at]
+        if points:
+            ax.plot(*zip(*points, strict=True), "o", color="black", markersize=5,
+                    label="validation (held-out text)")  # fmt: skip
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("loss (nats/token)")
+    axes[0].legend(fontsize=8)
+    workers = int(steps[-1].get("workers", 1))
+    fig.suptitle(f"data parallel: {workers} workers")
+    return [save(fig, plt, run_dir / "dp_loss.png")]
+
+
+def step_ms(run_dir: Path) -> float:
+    """The median training step, the first (warm-up) left out."""
+    steps = [float(r["step_ms"]) for r in step_records(run_dir, "step_ms")][1:]
+    if not steps:
+        raise ValueError(f"no training steps after the first in {run_dir}")
+    return statistics.median(steps)
+
+
+def predict_step_ms(run_dir: Path, link: Link) -> float:
+    """Provisional: the local step's compute plus a ring all-reduce of its bytes on `link`.
+
+    Each worker sends 2(N-1)/N of the step's all-reduced bytes at the link's rate, and each
+    all-reduce (every DDP bucket, and the loss's) waits 2(N-1) one-way delays in turn. It counts
+    no overlap with the backward and no TCP slow start, and covers dp.engine=ddp only; the
+    cost-model work of issue 29 replaces it.
+    """
+    config = OmegaConf.load(run_dir / CONFIG_FILE)  # what the tracker recorded of the run
+    if config.dp.engine != "ddp":
+        raise ValueError("the provisional model covers dp.engine=ddp only")
+    steps = step_records(run_dir, "compute_ms")[1:]
+    if not steps:
+        raise ValueError(f"no training steps after the first in {run_dir}")
+    compute_ms = statistics.median(float(r["compute_ms"]) for r in steps)
+    workers = int(steps[-1]["workers"])
+    if workers == 1:
+        return compute_ms
+    ring_bytes = 2 * (workers - 1) / workers * float(steps[-1]["comm_bytes"])
+    delays = 2 * (workers - 1) * int(steps[-1]["collectives"])
+    return compute_ms + 1e3 * (link.serialize_s(ring_bytes) + delays * link.one_way_s)
+
+
+MANIFEST = Manifest(
+    name=NAME,
+    summary="one model, every worker a replica: torch's elastic agent, DDP or FSDP2, exact",
+    headline=Headline("step_ms", "training step (ms, median)", step_ms, predict_step_ms),
+    workload=Workload(
+        (
+            Metric("final_loss", "final training loss", "nats/token"),
+            Metric("step_ms", "step time", "ms"),
+            Metric("tokens_per_s", "throughput", "tokens/s"),
+            Metric("comm_share", "communication share of a step", "fraction"),
+        ),
+        repeat=lambda cell, repeats: [f"dp.steps={max(2, repeats + 1)}"],
+    ),
+    quick=("dp.steps=4", "dp.max_train_blocks=64", "dp.eval_blocks=4"),
+    plots=plots,
+    scenario=None,  # its roles across hosts: the multi-host work of issue 29
+    tour=(),
+)

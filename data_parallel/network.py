@@ -1,0 +1,85 @@
+"""Where the stores listen and which way the workers' traffic goes: the addresses of this host
+towards the rendezvous, and a TCPStore bound to one address (torch's binds every interface)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from datetime import timedelta
+
+import psutil
+import torch.distributed as dist
+
+from lab.cli import UserError
+from lab.config import Endpoint, is_loopback
+
+
+class RendezvousFailedError(UserError, RuntimeError):
+    """The rendezvous could not be reached, hosted or filled in time."""
+
+
+def endpoint_text(endpoint: Endpoint) -> str:
+    """`host:port`, bracketed for IPv6 (`[::1]:29500`), as torch parses rendezvous endpoints."""
+    host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+    return f"{host}:{endpoint.port}"
+
+
+def route_towards(host: str) -> tuple[str, str | None]:
+    """(this host's address that traffic to `host` leaves from, its interface's name); the
+    interface is None when it cannot be told, the address then `host`'s own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        target = host if family == socket.AF_INET6 else socket.gethostbyname(host)
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # sends nothing: routes only
+            probe.connect((target, 9))
+            source = str(probe.getsockname()[0])
+    except OSError:
+        return host, None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == family and a.address.split("%")[0] == source for a in addresses):
+            return source, name
+    return source, None
+
+
+def holds_address(host: str) -> bool:
+    """Whether `host` (an address, or a name resolving to one) is this machine's."""
+    if is_loopback(host):
+        return True
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    mine = {
+        a.address.split("%")[0] for addresses in psutil.net_if_addrs().values() for a in addresses
+    }
+    return bool(wanted & mine)
+
+
+def listening_store(host: str, port: int, *, taken: str = "fail") -> dist.TCPStore | None:
+    """A TCPStore server listening on `host`'s address only (port 0: one the OS picks).
+
+    `taken="join"`: None when another process already listens there (a second agent on this
+    host joins the first's rendezvous); `"fail"`: RendezvousFailedError naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+    except OSError as exc:
+        sock.close()
+        if taken == "join" and exc.errno == errno.EADDRINUSE:
+            return None
+        raise RendezvousFailedError(
+            f"cannot listen at {endpoint_text(Endpoint(host, port))} ({exc.strerror})"
+        ) from None
+    bound = int(sock.getsockname()[1])
+    return dist.TCPStore(
+        host,
+        bound,
+        is_master=True,
+        multi_tenant=True,  # a TCPStore(is_master=True) at this port in this process reuses it
+        master_listen_fd=sock.detach(),  # the store owns the socket from here
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )

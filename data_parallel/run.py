@@ -1,0 +1,159 @@
+"""`python -m data_parallel`: the roles, and the local (loopback) set-up.
+
+`role=worker` is one host of a data-parallel job: torch's elastic agent in this process, its
+workers (dp.workers) started and restarted by it (data_parallel.launch). A local run (the
+default) starts that agent as its own process, a job of one host on loopback at a free port,
+and when it is done copies its records into this run's metrics, W&B run and final table.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import DictConfig
+
+from data_parallel.config import DataParallelRunConfig
+from data_parallel.launch import run_agent
+from data_parallel.worker import JOB, checkpoint_dir
+from lab import experiment
+from lab.cli import ConfigError
+from lab.experiment import Experiment, LocalPlan, Process
+from lab.records import METRICS_FILE, read_records
+from lab.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+AGENT = "agent"
+"""The local run's agent process, and its run folder under this run's."""
+
+UNREAD = {
+    "cluster.secret": "torch.distributed's store and gloo have no authentication, so a secret "
+    "would protect nothing: keep the run on loopback or inside a VPN (docs/data_parallel.md)",
+    "cluster.secret_file": "torch.distributed's store and gloo have no authentication (see "
+    "cluster.secret)",
+    "cluster.link": "netproto's link emulator shapes netproto traffic; gloo's does not cross it",
+    "cluster.tls": "gloo does not use netproto's TLS (docs/data_parallel.md: put a VPN in front)",
+    "cluster.overlay": "data_parallel does not bring up the lab's overlay: name a VPN interface "
+    "in GLOO_SOCKET_IFNAME instead",
+    "cluster.unsafe_plain_network": "data_parallel warns, rather than refuses, on a network "
+    "address",
+    "cluster.connect_timeout_s": "the rendezvous waits dp.join_timeout_s",
+    "cluster.read_timeout_s": "the rendezvous waits dp.join_timeout_s",
+    "cluster.max_frame_mib": "no netproto frames cross between its workers",
+    "cluster.min_frame_rate_kbps": "no netproto frames cross between its workers",
+    "cluster.max_connections_per_address": "no netproto server runs in it",
+}
+
+
+def check(settings: DataParallelRunConfig) -> None:
+    """What no worker should find out first: settings that cannot run here, a resume with
+    nothing to resume."""
+    dp = settings.dp
+    if settings.role == "local" and dp.node_bounds != (1, 1):
+        raise ConfigError(
+            f"dp.nnodes={dp.nnodes} is for role=worker (one command per host); a local run is "
+            "one host: set dp.workers instead"
+        )
+    if dp.node_bounds[1] > 1 and not dp.checkpoint_dir:
+        raise ConfigError(
+            f"dp.nnodes={dp.nnodes} needs dp.checkpoint_dir: one folder every host sees (NFS, a "
+            "mounted bucket), where each worker writes its part of a checkpoint (DCP)"
+        )
+    if settings.model.quantization != "none":
+        raise ConfigError(
+            f"model.quantization={settings.model.quantization}: data_parallel trains "
+            "full-precision weights (every replica holds and updates them all)"
+        )
+    if torch.cuda.is_available() and dp.workers > torch.cuda.device_count():
+        raise ConfigError(
+            f"dp.workers={dp.workers} but this host has {torch.cuda.device_count()} CUDA "
+            "device(s): NCCL cannot run two workers on one GPU"
+        )
+    if dp.resume:
+        check_resume(settings)
+
+
+def check_resume(settings: DataParallelRunConfig) -> None:
+    """`dp.resume=true` needs a checkpoint short of dp.steps: refused before anything starts."""
+    from data_parallel.checkpoint import LATEST, latest_step
+
+    folder = checkpoint_dir(settings if settings.role != "local" else _agent_settings(settings))
+    step = latest_step(folder)
+    if step is None:
+        raise ConfigError(
+            f"dp.resume=true, but there is no checkpoint at {folder / LATEST}: point "
+            "hydra.run.dir (or dp.checkpoint_dir) at the run to resume"
+        )
+    if step >= settings.dp.steps:
+        raise ConfigError(
+            f"nothing left to train: the checkpoint in {folder} is at step {step} and "
+            f"dp.steps={settings.dp.steps}; to train further, resume with dp.steps={step + 20} "
+            "(or any number above the checkpoint's step)"
+        )
+
+
+def _agent_settings(settings: DataParallelRunConfig) -> DataParallelRunConfig:
+    """The settings the local run's agent gets: its run folder is `<run dir>/agent`."""
+    from dataclasses import replace
+
+    agent_dir = str(settings.paths.run_path.resolve() / AGENT)
+    return replace(settings, paths=replace(settings.paths, run_dir=agent_dir))
+
+
+def prepare(settings: DataParallelRunConfig) -> None:
+    """Build the lab's tiny models (or find a hub model) once, before the agent starts."""
+    from lab.models import resolve_source
+
+    resolve_source(settings.model, cache_dir=settings.paths.cache_path)
+
+
+def local_plan(settings: DataParallelRunConfig) -> LocalPlan:
+    """One host's agent on loopback (its records reach W&B and the console from here, once)."""
+    agent = Process(
+        AGENT, ("role=worker", "dp.nnodes=1", "tracking.wandb=false", "tracking.console=false")
+    )
+    metrics = settings.paths.run_path / AGENT / METRICS_FILE
+    skip = len(read_records(metrics)) if metrics.is_file() else 0  # a resumed run's earlier ones
+    return LocalPlan(processes=[agent], finish=lambda local: finish_local(local, skip_records=skip))
+
+
+def finish_local(local: DataParallelRunConfig, *, skip_records: int = 0) -> dict[str, float]:
+    """A local run's metrics: the agent's records (this execution's, each step once: a step
+    trained again after a restart replaces the lost one) into this run's tracker."""
+    records = read_records(local.paths.run_path / AGENT / METRICS_FILE)[skip_records:]
+    kept: dict[tuple, dict] = {}
+    summary: dict[str, float] = {}
+    for record in records:
+        values = {k: v for k, v in record.items() if k not in ("kind", "time_s", "step")}
+        if record.get("kind") == "summary":
+            summary = values
+            continue
+        key = (record.get("step"), tuple(sorted(values)))
+        kept.pop(key, None)  # the last record of a step and kind wins, in its place
+        kept[key] = values | ({"step": record["step"]} if "step" in record else {})
+    with Tracker.from_settings(local, job=JOB) as tracker:
+        for values in kept.values():
+            step = values.pop("step", None)
+            tracker.log(values, step=step)
+        tracker.summary(summary)
+    return summary
+
+
+EXPERIMENT = Experiment(
+    name=JOB,
+    schema=DataParallelRunConfig,
+    roles={"worker": run_agent},
+    plan=local_plan,
+    endpoints=("master",),
+    unread=UNREAD,
+    check=check,
+    prepare=prepare,
+    local_threads=0,  # the agent computes nothing; each worker takes its share of the cores
+    resume="dp.resume=true",
+    resume_roles=("local", "worker"),
+)
+
+
+def run(cfg: DictConfig | DataParallelRunConfig) -> dict[str, float]:
+    return experiment.run(EXPERIMENT, cfg)
