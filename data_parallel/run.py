@@ -50,6 +50,12 @@ def check(settings: DataParallelRunConfig) -> None:
     """What no worker should find out first: settings that cannot run here, a resume with
     nothing to resume."""
     dp = settings.dp
+    if settings.cluster.overlay.up:  # from a cluster file (two_hosts.yaml): not refused, said
+        log.warning(
+            "data_parallel does not bring up the lab's overlay (cluster.overlay.up=true is not "
+            "used): torch.distributed's store and gloo have no authentication; keep the run on "
+            "loopback or name a VPN interface in GLOO_SOCKET_IFNAME (docs/data_parallel.md)"
+        )
     if settings.role == "local" and dp.node_bounds != (1, 1):
         raise ConfigError(
             f"dp.nnodes={dp.nnodes} is for role=worker (one command per host); a local run is "

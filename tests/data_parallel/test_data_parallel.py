@@ -346,6 +346,23 @@ def test_settings_a_local_run_cannot_honour_are_refused(
         check(settings)
 
 
+def test_an_overlay_from_a_cluster_file_is_said_unused_not_silently_ignored(
+    tmp_path: Path, lab_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """cluster=two_hosts sets cluster.overlay.up=true for the split modules; data_parallel does
+    not bring the overlay up, and says so rather than leave the user believing it is on."""
+    from dataclasses import replace
+
+    from data_parallel.run import check
+
+    settings = to_settings(compose_dp(tmp_path, lab_cache, ()), DataParallelRunConfig)
+    overlay = replace(settings.cluster.overlay, up=True)
+    settings = replace(settings, cluster=replace(settings.cluster, overlay=overlay))
+    with caplog.at_level("WARNING", logger="data_parallel.run"):
+        check(settings)
+    assert "does not bring up the lab's overlay" in caplog.text
+
+
 def test_a_secret_is_refused_since_nothing_here_would_check_it() -> None:
     from data_parallel.run import EXPERIMENT
 
