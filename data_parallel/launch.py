@@ -46,10 +46,10 @@ from data_parallel.network import (
     endpoint_text,
     holds_address,
     listening_store,
-    route_towards,
 )
 from data_parallel.worker import train_worker, training_data
 from lab.cli import ConfigError, UserError
+from lab.cluster import route_towards
 from lab.config import is_loopback
 
 log = logging.getLogger(__name__)

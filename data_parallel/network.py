@@ -24,23 +24,6 @@ def endpoint_text(endpoint: Endpoint) -> str:
     return f"{host}:{endpoint.port}"
 
 
-def route_towards(host: str) -> tuple[str, str | None]:
-    """(this host's address that traffic to `host` leaves from, its interface's name); the
-    interface is None when it cannot be told, the address then `host`'s own."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        target = host if family == socket.AF_INET6 else socket.gethostbyname(host)
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # sends nothing: routes only
-            probe.connect((target, 9))
-            source = str(probe.getsockname()[0])
-    except OSError:
-        return host, None
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == family and a.address.split("%")[0] == source for a in addresses):
-            return source, name
-    return source, None
-
-
 def holds_address(host: str) -> bool:
     """Whether `host` (an address, or a name resolving to one) is this machine's."""
     if is_loopback(host):

@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import threading
 import time
 import warnings
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from lab.cli import ConfigError, UserError
+from lab.cluster import route_towards
 from lab.config import ClusterConfig, Endpoint, is_loopback
 from netproto import Connection, Limits
 from netproto.auth import NONCE_BYTES, mac
@@ -345,20 +345,7 @@ def _register_rendezvous() -> None:
 def interface_towards(host: str) -> str | None:
     """The name of this machine's network interface that traffic to `host` leaves by (the one
     holding the address the kernel picks as source for it); None when it cannot be told."""
-    import psutil
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        target = host if family == socket.AF_INET6 else socket.gethostbyname(host)
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # sends nothing: routes only
-            probe.connect((target, 9))
-            source = probe.getsockname()[0]
-    except OSError:
-        return None
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == family and a.address.split("%")[0] == source for a in addresses):
-            return name
-    return None
+    return route_towards(host)[1]
 
 
 INTERFACE_VARIABLES = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
