@@ -217,5 +217,5 @@ def test_the_toy_joins_every_tool_and_no_file_of_the_repository_changes(
 def test_a_manifest_that_is_not_one_is_refused() -> None:
     with pytest.raises(TypeError, match="not a Manifest"):
         registry.register("fed_learn")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="no experiment 'nope'; registered: .*fed_learn"):
+    with pytest.raises(ValueError, match=r"no experiment 'nope'; registered: .*fed_learn"):
         registry.manifest("nope")
