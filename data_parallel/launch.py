@@ -49,8 +49,8 @@ from data_parallel.network import (
 )
 from data_parallel.worker import train_worker, training_data
 from lab.cli import ConfigError, UserError
-from lab.cluster import route_towards
 from lab.config import is_loopback
+from lab.netaddr import route_towards
 
 log = logging.getLogger(__name__)
 

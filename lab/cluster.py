@@ -8,11 +8,8 @@ connects and serves the same way.
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Callable, Iterator
-
-import psutil
 
 from lab.config import ClusterConfig, Endpoint
 from netproto.connection import Connection, client_ssl_context, server_ssl_context
@@ -104,20 +101,3 @@ def connect_when_ready(
             if time.monotonic() > deadline:
                 raise
             time.sleep(poll_s)
-
-
-def route_towards(host: str) -> tuple[str, str | None]:
-    """(this host's address that traffic to `host` leaves from, its interface's name); the
-    interface is None when it cannot be told, the address then `host`'s own."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        target = host if family == socket.AF_INET6 else socket.gethostbyname(host)
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # sends nothing: routes only
-            probe.connect((target, 9))
-            source = str(probe.getsockname()[0])
-    except OSError:
-        return host, None
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == family and a.address.split("%")[0] == source for a in addresses):
-            return source, name
-    return source, None

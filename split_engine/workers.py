@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from lab.cli import ConfigError, UserError
-from lab.cluster import route_towards
 from lab.config import ClusterConfig, Endpoint, is_loopback
+from lab.netaddr import route_towards
 from netproto import Connection, Limits
 from netproto.auth import NONCE_BYTES, mac
 from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
