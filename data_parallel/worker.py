@@ -31,7 +31,7 @@ from data_parallel.config import DataParallelRunConfig, DPConfig
 from data_parallel.data import Stream, gather_blocks, global_batch, rank_micro_batches
 from data_parallel.network import listening_store
 from lab import redact
-from lab.corpus import load_corpus, token_blocks
+from lab.corpus import train_and_validation_blocks
 from lab.device import share_of_cores, supports_bf16
 from lab.losses import evaluate, next_token_loss
 from lab.models import load_model, load_tokenizer
@@ -57,18 +57,11 @@ def training_data(settings: DataParallelRunConfig) -> TrainingData:
     corpus, the tokenizer and dp.*)."""
     dp = settings.dp
     tokenizer = load_tokenizer(settings.model, cache_dir=settings.paths.cache_path)
-    corpus = load_corpus(val_fraction=0.05)
-    train = token_blocks(
-        [doc.text for doc in corpus.train],
+    train, validation = train_and_validation_blocks(
         tokenizer,
         block_size=dp.block_size,
-        max_blocks=dp.max_train_blocks,
-    )
-    validation = token_blocks(
-        [doc.text for doc in corpus.validation],
-        tokenizer,
-        block_size=dp.block_size,
-        max_blocks=dp.eval_blocks,
+        max_train_blocks=dp.max_train_blocks,
+        eval_blocks=dp.eval_blocks,
     )
     return TrainingData(train=train, validation=validation)
 

@@ -248,6 +248,28 @@ def token_blocks(
     )  # (num_blocks, block_size)
 
 
+def train_and_validation_blocks(
+    tokenizer: Any, *, block_size: int, max_train_blocks: int, eval_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max_train_blocks, block_size) token ids from the stdlib corpus' training split and
+    (eval_blocks, block_size) from its validation split (at most: fewer if the text runs out):
+    what the lab's training experiments train and validate on."""
+    corpus = load_corpus(val_fraction=0.05)
+    train = token_blocks(
+        [doc.text for doc in corpus.train],
+        tokenizer,
+        block_size=block_size,
+        max_blocks=max_train_blocks,
+    )
+    validation = token_blocks(
+        [doc.text for doc in corpus.validation],
+        tokenizer,
+        block_size=block_size,
+        max_blocks=eval_blocks,
+    )
+    return train, validation
+
+
 def held_out_prompts(tokenizer: Any, *, count: int, tokens: int) -> list[list[int]]:
     """`count` prompts of `tokens` tokens from the held-out stdlib files: code the models never
     saw (the generation experiments' prompts). First the start of each file; when more prompts

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from lab import experiment
 from lab.cli import ConfigError
-from lab.corpus import load_corpus, token_blocks
+from lab.corpus import train_and_validation_blocks
 from lab.device import detect_device, supports_bf16
 from lab.launch import ServiceGroup
 from lab.models import load_tokenizer
@@ -32,20 +32,12 @@ log = logging.getLogger(__name__)
 def training_blocks(tokenizer, split: SplitTrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, block_size) token ids from the stdlib corpus' training split, and
     (split.eval_blocks, block_size) from its validation split."""
-    corpus = load_corpus(val_fraction=0.05)
-    train = token_blocks(
-        [doc.text for doc in corpus.train],
+    return train_and_validation_blocks(
         tokenizer,
         block_size=split.block_size,
-        max_blocks=split.max_train_blocks,
+        max_train_blocks=split.max_train_blocks,
+        eval_blocks=split.eval_blocks,
     )
-    val = token_blocks(
-        [doc.text for doc in corpus.validation],
-        tokenizer,
-        block_size=split.block_size,
-        max_blocks=split.eval_blocks,
-    )
-    return train, val
 
 
 def batch_schedule(num_blocks: int, split: SplitTrainConfig, *, seed: int) -> list[list[list[int]]]:
