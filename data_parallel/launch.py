@@ -46,6 +46,7 @@ from data_parallel.network import (
     endpoint_text,
     holds_address,
     listening_store,
+    probe_store,
 )
 from data_parallel.worker import train_worker, training_data
 from lab.cli import ConfigError, UserError
@@ -133,6 +134,8 @@ def run_agent(settings: DataParallelRunConfig) -> dict[str, float]:
     hosting = _store is not None
     if ours and not hosting:
         log.info("another agent on this host serves the rendezvous at %s: joining it", where)
+    if not hosting:
+        probe_store(master.host, master.port, settings.dp.join_timeout_s)
     local_addr, interface = route_towards(master.host)
     data = training_data(settings)
     config = launch_config(settings, hosting=hosting, local_addr=local_addr)

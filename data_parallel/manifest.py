@@ -1,6 +1,5 @@
 """What the lab's tools need from data_parallel (lab.registry): its sweep, plots, headline and a
-first cost model of it on a link, its quick settings. Its roles across hosts (the harness's
-scenario), curves and faults are still to come.
+cost model of it on a link, its quick settings, its roles across hosts (the harness's scenario).
 
 Registered by entry point (pyproject.toml); imports no model code.
 """
@@ -15,11 +14,23 @@ from omegaconf import OmegaConf
 
 from lab.linkmodel import Link, run_steps
 from lab.plots import pyplot, save, smoothed
-from lab.records import METRICS_FILE, read_records
-from lab.registry import Headline, Manifest, Metric, Workload
+from lab.records import METRICS_FILE, read_records, same_losses
+from lab.registry import Headline, Manifest, Metric, Scenario, Workload
 from lab.tracking import CONFIG_FILE
 
 NAME = "data_parallel"
+
+EXACT_RTOL = 1e-6
+"""Losses across hosts against the same run's on loopback (relative): the same global batches,
+the same gradient sums (two workers add alike in either order), one thread per worker on both."""
+ACROSS = ["model.lab_preset=debug", "dp.steps=10", "dp.max_train_blocks=256", "dp.eval_blocks=4",
+          "dp.eval_every=5", "dp.checkpoint_every=5", "num_threads=1"]  # fmt: skip
+"""Both runs' settings (the loopback run: dp.workers=2 on one host)."""
+WORKERS = [
+    ("desktop", "worker0", ["role=worker", "dp.nnodes=2", "dp.workers=1"]),
+    ("laptop", "worker1", ["role=worker", "dp.nnodes=2", "dp.workers=1"]),
+]
+"""One worker per host; the desktop holds the rendezvous (cluster.master)."""
 
 
 def step_records(run_dir: Path, key: str = "loss") -> list[dict[str, Any]]:
@@ -110,6 +121,15 @@ MANIFEST = Manifest(
     ),
     quick=("dp.steps=4", "dp.max_train_blocks=64", "dp.eval_blocks=4"),
     plots=plots,
-    scenario=None,  # its roles across hosts: the multi-host work of issue 29
+    scenario=Scenario(
+        NAME,
+        "master",
+        WORKERS,
+        ACROSS,
+        same_losses("loss", rtol=EXACT_RTOL),
+        result_role="worker0",
+        netproto=False,
+        shared=("dp.checkpoint_dir",),
+    ),
     tour=(),
 )

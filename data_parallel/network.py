@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from datetime import timedelta
 
 import psutil
@@ -66,3 +67,38 @@ def listening_store(host: str, port: int, *, taken: str = "fail") -> dist.TCPSto
         wait_for_workers=False,
         timeout=timedelta(seconds=60),
     )
+
+
+def probe_store(host: str, port: int, timeout_s: float) -> None:
+    """RendezvousFailedError unless a TCPStore answers at host:port within `timeout_s`.
+
+    torch's TCPStore client waits for ever on a port that accepts and never answers (another
+    service, a stopped process, a tarpit), its own timeout notwithstanding (torch 2.13): the
+    elastic agent would hang there. So the first connection is made here, in a thread given
+    `timeout_s` (the client releases the GIL while it waits; a thread left waiting is a daemon's).
+    """
+    where = endpoint_text(Endpoint(host, port))
+    outcome: dict[str, BaseException | None] = {}
+
+    def connect() -> None:
+        try:
+            dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            outcome["error"] = None
+        except Exception as exc:  # noqa: BLE001 (told to the user below, in one line)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, name="rendezvous-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    if "error" not in outcome:
+        raise RendezvousFailedError(
+            f"the rendezvous at cluster.master={where} did not answer within "
+            f"dp.join_timeout_s={timeout_s:g}s: something there accepts connections but is not "
+            "the rendezvous (another service on that port?)"
+        )
+    if outcome["error"] is not None:
+        raise RendezvousFailedError(
+            f"cannot reach the rendezvous at cluster.master={where} within "
+            f"dp.join_timeout_s={timeout_s:g}s: is the first host's role=worker running, and "
+            "its port open to this host?"
+        )

@@ -52,18 +52,18 @@ def same_outputs(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
     return same, f"{equal} of {len(theirs)} generations token for token as on loopback"
 
 
-def same_losses(key: str) -> Callable[[Path, Path], tuple[bool, str]]:
-    """A comparison of two runs' `key` values, step for step, within LOSS_RTOL."""
+def same_losses(key: str, rtol: float = LOSS_RTOL) -> Callable[[Path, Path], tuple[bool, str]]:
+    """A comparison of two runs' `key` values, step for step, within `rtol` (relative)."""
 
     def compare(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
         ours, theirs = metric_values(hosts_dir, key), metric_values(local_dir, key)
         if not ours or len(ours) != len(theirs):
             return False, f"{len(ours)} {key} values across hosts, {len(theirs)} on loopback"
         worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, theirs, strict=True))
-        same = worst <= LOSS_RTOL and all(map(math.isfinite, ours))
+        same = worst <= rtol and all(map(math.isfinite, ours))
         return same, (
             f"{len(ours)} {key} values, largest relative difference {worst:.1e} "
-            f"(tolerance {LOSS_RTOL:.0e})"
+            f"(tolerance {rtol:.0e})"
         )
 
     return compare

@@ -88,6 +88,9 @@ class Scenario:
     """The role whose run folder holds what is compared."""
     netproto: bool = True
     """Its roles talk netproto (TLS applies); False: torch.distributed (the overlay applies)."""
+    shared: tuple[str, ...] = ()
+    """Settings naming a folder every host must see (`dp.checkpoint_dir`): the harness points
+    each at one folder of its own for the run, as a user would at an NFS mount."""
 
     @property
     def hosts(self) -> tuple[str, ...]:

@@ -157,9 +157,10 @@ class Roles:
         host = self.network[host_name]
         self.run_dirs[role] = self.out / f"{host_name}-{role}"
         tls = self.security.tls_overrides(serving=role == self.serving)
+        shared = [f"{key}={self.out / 'shared' / key}" for key in self.scenario.shared]
         argv = [sys.executable, "-m", self.scenario.module, *overrides, f"cluster={CLUSTER_NAME}",
                 f"hydra.searchpath=[file://{self.conf}]", *self.scenario.common,
-                *(tls if self.scenario.netproto else []), *extra,
+                *(tls if self.scenario.netproto else []), *shared, *extra,
                 f"hydra.run.dir={self.run_dirs[role]}", "tracking.wandb=false"]  # fmt: skip
         self.procs[role] = host.start(
             argv, self.out / f"{host_name}-{role}{log_suffix}.log",

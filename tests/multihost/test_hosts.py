@@ -235,6 +235,10 @@ def test_a_module_across_hosts_gives_what_it_gives_on_loopback(tmp_path: Path, m
         tokens = sum(len(row["tokens"]) for row in rows)  # padding left out: fewer
         between = summary[-1]["bytes_between_stages_per_token"] * tokens
         assert outcome.link_bytes["laptop"] >= between and outcome.link_bytes["pc"] >= between
+    if module == "data_parallel":  # torch.distributed on a network address: said at start-up
+        assert outcome.run_dir is not None
+        log = outcome.run_dir.with_name(outcome.run_dir.name + ".log").read_text()
+        assert "torch.distributed's store and gloo have no authentication" in log
     assert "".join(lines).strip().endswith("modules identical across hosts: 1 of 1")
 
 
