@@ -84,7 +84,7 @@ def probe_store(host: str, port: int, timeout_s: float) -> None:
         try:
             dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
             outcome["error"] = None
-        except Exception as exc:  # noqa: BLE001 (told to the user below, in one line)
+        except Exception as exc:  # told to the user below, in one line
             outcome["error"] = exc
 
     thread = threading.Thread(target=connect, name="rendezvous-probe", daemon=True)
