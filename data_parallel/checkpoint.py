@@ -4,8 +4,8 @@ and any number of workers reads them back (DCP reshards).
     <checkpoint_dir>/
       latest.json          {"step": 10, "folder": "step-000010"}: replaced last, atomically
       step-000010/         DCP's files (.metadata, __<rank>_0.distcp) and meta.json: the step,
-                           the data position, the tokens and seconds so far, and the resolved
-                           config that produced it
+                           the data position, the tokens and seconds so far, the job that
+                           wrote it, and the resolved config that produced it
 
 A checkpoint is written into a fresh hidden folder beside its final name, renamed into place once
 every worker has written, and only then does `latest.json` point at it: a crash at any moment
@@ -90,6 +90,7 @@ def save(
     position: Position,
     *,
     config: dict[str, Any],
+    job: str = "",
 ) -> Path:
     """Every worker's part of the model and optimizer at `position`, then `latest.json` (a
     collective: every rank calls it)."""
@@ -103,7 +104,8 @@ def save(
         dcp.save(state, checkpoint_id=folder)
         dist.barrier()
         if staging is not None:
-            meta = {**position.__dict__, "world_size": dist.get_world_size(), "config": config}
+            meta = {**position.__dict__, "world_size": dist.get_world_size(), "job": job,
+                    "config": config}  # fmt: skip
             (staging / META).write_text(json.dumps(meta, indent=1))
         # leaving the block renames rank 0's staging folder to `final`
     if dist.get_rank() == 0:
@@ -128,6 +130,11 @@ def latest_step(directory: Path) -> int | None:
     """The step of the newest checkpoint in `directory` (None: none)."""
     folder = latest(directory)
     return None if folder is None else int(json.loads((folder / META).read_text())["step"])
+
+
+def job_of(folder: Path) -> str:
+    """The job that wrote the checkpoint in `folder` (data_parallel.launch's token; "" for none)."""
+    return str(json.loads((folder / META).read_text()).get("job", ""))
 
 
 def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Position:

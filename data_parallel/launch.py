@@ -15,6 +15,11 @@ Where the rendezvous listens, and on what, is decided here rather than left to t
   with the agent's store shared across rounds, workers started again after a failure read their
   predecessors' gloo addresses (the same keys, no prefix per attempt) and failed to connect,
   sometimes three restarts in a row.
+- The agent that serves the rendezvous draws the job's token and the others read it there: each
+  worker gets it (data_parallel.worker.JOB_ENV) and writes it into its checkpoints, so workers
+  started again go on from this job's checkpoint on every host, even those whose agent counted
+  no restart (torch restarts every host's workers after one host's failure, or when a host
+  joins, but counts it only where the failure was).
 - Gloo listens on the interface that leads to the endpoint (GLOO_SOCKET_IFNAME, unless set) and
   this host tells the others the address on it (`local_addr`), not its hostname's.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +54,7 @@ from data_parallel.network import (
     listening_store,
     probe_store,
 )
-from data_parallel.worker import train_worker, training_data
+from data_parallel.worker import JOB_ENV, train_worker, training_data
 from lab.cli import ConfigError, UserError
 from lab.config import is_loopback
 from lab.netaddr import route_towards
@@ -67,16 +73,19 @@ class WorkerFailedError(UserError, RuntimeError):
     """A worker failed more often than dp.max_restarts allows (its log above has the rest)."""
 
 
+JOB_KEY = "data_parallel/job"
+"""The rendezvous store's key for the job's token (data_parallel.worker.JOB_ENV)."""
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """1: every rendezvous round's workers start a store of their own (see the module's docstring)."""
 
 
 @contextlib.contextmanager
-def worker_env(interface: str | None) -> Iterator[None]:
-    """The environment of the workers this agent starts: a store of their own per round, and
-    GLOO_SOCKET_IFNAME (and NCCL's) towards the rendezvous unless the user chose one (a VPN's)."""
+def worker_env(interface: str | None, job: str) -> Iterator[None]:
+    """The environment of the workers this agent starts: a store of their own per round, the
+    job's token, and GLOO_SOCKET_IFNAME (and NCCL's) towards the rendezvous unless the user chose
+    one (a VPN's)."""
     names = ["GLOO_SOCKET_IFNAME", *(["NCCL_SOCKET_IFNAME"] if torch.cuda.is_available() else [])]
-    chosen = {UNSHARED_STORE: "1"}
+    chosen = {UNSHARED_STORE: "1", JOB_ENV: job}
     if interface is not None:
         chosen |= {name: interface for name in names if not os.environ.get(name)}
     previous = {name: os.environ.get(name) for name in chosen}
@@ -134,12 +143,15 @@ def run_agent(settings: DataParallelRunConfig) -> dict[str, float]:
     hosting = _store is not None
     if ours and not hosting:
         log.info("another agent on this host serves the rendezvous at %s: joining it", where)
-    if not hosting:
-        probe_store(master.host, master.port, settings.dp.join_timeout_s)
+    # the job's token, set by the agent that serves the rendezvous and read by the others
+    if _store is not None:
+        _store.set(JOB_KEY, secrets.token_hex(8))
+    store = _store or probe_store(master.host, master.port, settings.dp.join_timeout_s)
+    job = store.get(JOB_KEY).decode()
     local_addr, interface = route_towards(master.host)
     data = training_data(settings)
     config = launch_config(settings, hosting=hosting, local_addr=local_addr)
-    with worker_env(interface):
+    with worker_env(interface, job):
         try:
             results = elastic_launch(config, train_worker)(settings, data)
         except RendezvousConnectionError:

@@ -6,7 +6,10 @@ Registered by entry point (pyproject.toml); imports no model code.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ from omegaconf import OmegaConf
 from lab.linkmodel import Link, run_steps
 from lab.plots import pyplot, save, smoothed
 from lab.records import METRICS_FILE, read_records, same_losses
-from lab.registry import Headline, Manifest, Metric, Scenario, Workload
+from lab.registry import Fault, Headline, Manifest, Metric, RunningRoles, Scenario, Workload
 from lab.tracking import CONFIG_FILE
 
 NAME = "data_parallel"
@@ -106,6 +109,51 @@ def predict_step_ms(run_dir: Path, link: Link) -> float:
     return compute_ms + 1e3 * (link.serialize_s(ring_bytes) + delays * link.one_way_s)
 
 
+FAULT = ["dp.steps=16", "dp.max_restarts=3"]
+"""A fault run's settings over the scenario's: steps enough after the step-5 checkpoint that
+the kill lands mid-run."""
+WORKER_PROCESS = "spawn_main"
+"""What the command line of a worker the elastic agent started holds (multiprocessing's spawn),
+not the agent's, nor multiprocessing's resource tracker's."""
+
+
+def trained_steps(run_dir: Path) -> int:
+    """The newest step a run folder's records hold (0: none yet)."""
+    with contextlib.suppress(OSError, ValueError):
+        return max((int(r["step"]) for r in read_records(run_dir / METRICS_FILE)
+                    if "loss" in r and "step" in r), default=0)  # fmt: skip
+    return 0
+
+
+def kill_a_worker_mid_run(roles: RunningRoles, deadline: float) -> None:
+    """The laptop's worker process is SIGKILLed after step 6 (its agent lives on): both hosts'
+    agents restart their workers, which go on from the step-5 checkpoint in the shared folder."""
+    while trained_steps(roles.run_dir("worker1")) < 6:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the run never reached step 6")
+        roles.check()
+        time.sleep(0.002)
+    if roles.signal("worker1", signal.SIGKILL, command=WORKER_PROCESS) != 1:
+        raise TimeoutError("worker1's host had no single worker process to kill")
+
+
+def same_steps(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
+    """Every step's loss (a step trained again after the restart replacing the lost one) within
+    EXACT_RTOL of the uninterrupted run's, and the restart on record."""
+    ours = {int(r["step"]): float(r["loss"]) for r in step_records(hosts_dir)}
+    theirs = {int(r["step"]): float(r["loss"]) for r in step_records(local_dir)}
+    restarts = [r for r in read_records(hosts_dir / METRICS_FILE) if "restart" in r]
+    if not ours or sorted(ours) != sorted(theirs):
+        return False, f"steps {sorted(ours)} across hosts, {sorted(theirs)} uninterrupted"
+    worst = max(abs(ours[s] - theirs[s]) / abs(theirs[s]) for s in theirs)
+    resumed = min((int(r["step"]) for r in restarts), default=None)
+    same = worst <= EXACT_RTOL and resumed is not None
+    return same, (
+        f"restarted from step {resumed}; {len(ours)} step losses, largest relative difference "
+        f"{worst:.1e} (tolerance {EXACT_RTOL:.0e})"
+    )
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="one model, every worker a replica: torch's elastic agent, DDP or FSDP2, exact",
@@ -131,5 +179,8 @@ MANIFEST = Manifest(
         netproto=False,
         shared=("dp.checkpoint_dir",),
     ),
+    faults={
+        "worker killed mid-run": Fault(kill_a_worker_mid_run, FAULT, "uninterrupted", same_steps),
+    },
     tour=(),
 )

@@ -69,8 +69,9 @@ def listening_store(host: str, port: int, *, taken: str = "fail") -> dist.TCPSto
     )
 
 
-def probe_store(host: str, port: int, timeout_s: float) -> None:
-    """RendezvousFailedError unless a TCPStore answers at host:port within `timeout_s`.
+def probe_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the TCPStore at host:port; RendezvousFailedError unless it answers within
+    `timeout_s`.
 
     torch's TCPStore client waits for ever on a port that accepts and never answers (another
     service, a stopped process, a tarpit), its own timeout notwithstanding (torch 2.13): the
@@ -79,10 +80,13 @@ def probe_store(host: str, port: int, timeout_s: float) -> None:
     """
     where = endpoint_text(Endpoint(host, port))
     outcome: dict[str, BaseException | None] = {}
+    stores: list[dist.TCPStore] = []
 
     def connect() -> None:
         try:
-            dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            stores.append(
+                dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            )
             outcome["error"] = None
         except Exception as exc:  # told to the user below, in one line
             outcome["error"] = exc
@@ -102,3 +106,4 @@ def probe_store(host: str, port: int, timeout_s: float) -> None:
             f"dp.join_timeout_s={timeout_s:g}s: is the first host's role=worker running, and "
             "its port open to this host?"
         )
+    return stores[0]

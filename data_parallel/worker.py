@@ -81,6 +81,12 @@ def autocast_bf16(dp: DPConfig, device: torch.device) -> bool:
     return device.type == "cuda" and supports_bf16(device)
 
 
+JOB_ENV = "DATA_PARALLEL_JOB"
+"""A token the agents agree on at the rendezvous (data_parallel.launch), in every worker's
+environment: a checkpoint written under it is this job's, so workers started again after a
+failure, or after a host joined, go on from it, and a new job does not."""
+
+
 @dataclass(frozen=True)
 class World:
     """This worker's place, as the elastic agent's environment gives it."""
@@ -90,7 +96,11 @@ class World:
     local_rank: int
     local_world_size: int
     restart: int
-    """TORCHELASTIC_RESTART_COUNT: how many times the agent has restarted the workers."""
+    """TORCHELASTIC_RESTART_COUNT: how many times this host's agent has restarted its workers
+    after a failure (not after another host's failure or a host joining: those restart every
+    host's workers without counting)."""
+    job: str = ""
+    """The job's token (JOB_ENV): the same for every worker of every round of one job."""
 
     @classmethod
     def from_env(cls) -> World:
@@ -101,6 +111,7 @@ class World:
             local_rank=int(env["LOCAL_RANK"]),
             local_world_size=int(env["LOCAL_WORLD_SIZE"]),
             restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            job=env.get(JOB_ENV, ""),
         )
 
     @property
@@ -175,6 +186,7 @@ class Trainer:
         self.stream = Stream(len(data.train), seed=settings.seed)
         self.checkpoints = checkpoint_dir(settings)
         self.position = Position()
+        self.restarts = 0
         self.config = redact.redact_config(asdict(settings))
 
     def _load_model(self) -> torch.nn.Module:
@@ -253,34 +265,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
-    def restore(self) -> None:
-        """Go on from the latest checkpoint after a restart by the agent, or with dp.resume."""
-        if not (self.dp.resume or self.world.restart > 0):
-            return
+    def restore(self) -> bool:
+        """Go on from the latest checkpoint: with dp.resume, or when this job wrote it (the
+        workers were started again, after a failure or a host joining). Every worker decides
+        alike: they read the same folder. True when a restarted job went on."""
         folder = checkpoint.latest(self.checkpoints)
-        if folder is None:
-            log.warning("restart %d: no checkpoint yet in %s, starting over",
-                        self.world.restart, self.checkpoints)  # fmt: skip
-            return
+        ours = folder is not None and bool(self.world.job)
+        ours = ours and checkpoint.job_of(folder) == self.world.job  # type: ignore[arg-type]
+        if folder is None or not (self.dp.resume or ours):
+            if self.world.restart:
+                log.warning("restart %d: no checkpoint of this job yet in %s, starting over",
+                            self.world.restart, self.checkpoints)  # fmt: skip
+            return False
         self.position = checkpoint.load(folder, self.model, self.optimizer)
         log.info("resumed from step %d (%s), %d workers", self.position.step, folder,
                  self.world.world_size)  # fmt: skip
+        return ours and not self.dp.resume
 
     def save(self) -> None:
         checkpoint.save(self.checkpoints, self.model, self.optimizer, self.position,
-                        config=self.config)  # fmt: skip
+                        config=self.config, job=self.world.job)  # fmt: skip
 
     def run(self) -> dict[str, float]:
         dp, world = self.dp, self.world
         if world.local_world_size != world.world_size:  # more than one host
             checkpoint.check_shared(self.checkpoints)
-        self.restore()
+        restarted = self.restore()
+        # the group's restarts: the host whose worker failed counts one, the others none
+        counted = torch.tensor([world.restart], dtype=torch.int64, device=self.device)
+        dist.all_reduce(counted, op=dist.ReduceOp.MAX)
+        self.restarts = int(counted.item())
         tracker = Tracker.from_settings(self.settings, job=JOB) if world.logs else None
         results: list[StepResult] = []
         val_loss = float("nan")
         with tracker or contextlib.nullcontext():  # closed as failed if anything raises
-            if tracker is not None and world.restart:
-                tracker.log({"restart": world.restart}, step=self.position.step)
+            if tracker is not None and restarted:
+                tracker.log({"restart": max(self.restarts, 1)}, step=self.position.step)
             progress = Progress(
                 TextColumn(JOB),
                 BarColumn(),
@@ -330,7 +350,7 @@ class Trainer:
         warm-up, left out when there are others)."""
         timed = results[1:] or results
         if not timed:  # restarted after the last step's checkpoint: nothing left to measure
-            return {"steps": float(self.position.step), "restarts": float(self.world.restart)}
+            return {"steps": float(self.position.step), "restarts": float(self.restarts)}
         step_ms = statistics.median(r.step_ms for r in timed)
         comm_ms = statistics.median(r.comm_ms for r in timed)
         tokens = global_batch(self.world.world_size, self.dp.batch_size,
@@ -349,5 +369,5 @@ class Trainer:
             "collectives": float(timed[-1].collectives),
             "workers": float(self.world.world_size),
             "steps": float(self.position.step),
-            "restarts": float(self.world.restart),
+            "restarts": float(self.restarts),
         }

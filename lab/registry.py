@@ -103,6 +103,10 @@ class RunningRoles(Protocol):
 
     def kill(self, name: str) -> None: ...
 
+    def signal(self, name: str, signum: int, *, command: str) -> int:
+        """Send `signum` to `name`'s descendant processes whose command line holds `command`
+        (one worker, not the machine); returns how many there were."""
+
     def start(self, name: str, extra: Sequence[str] = (), *, log_suffix: str = "") -> None: ...
 
     def run_dir(self, name: str) -> Path: ...

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from labtools.hosts.curves import CURVE_DELAYS_MS, CURVE_RATES, curves
 from labtools.hosts.documented import _docs_main
-from labtools.hosts.faults import faults
+from labtools.hosts.faults import fault_names, faults
 from labtools.hosts.network import HostsError, _raise_interrupt, unavailable
 from labtools.hosts.probe import link
 from labtools.hosts.scenarios import check, modules
@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hurt = sub.add_parser(
         "faults", help="each registered fault (a machine lost mid-run) across hosts, vs loopback"
     )
+    hurt.add_argument("--only", action="append", help="an experiment's faults (repeatable)")
     hurt.add_argument("--tls", action="store_true", help="TLS on too")
     hurt.add_argument("--out", type=Path, default=Path("outputs/hosts-faults"))
     hurt.add_argument("--timeout-s", type=float, default=600.0, help="per run")
@@ -91,7 +92,11 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
                timeout_s=args.timeout_s)  # fmt: skip
         return costmodel.report(args.out.resolve(), names)
     if args.command == "faults":
-        done = faults(out=args.out.resolve(), tls=args.tls, timeout_s=args.timeout_s)
+        chosen = [(m, f) for m, f in fault_names() if not args.only or m in args.only]
+        if not chosen:
+            parser.error(f"no faults for {args.only}; experiments with faults: "
+                         f"{', '.join(sorted({m for m, _ in fault_names()}))}")  # fmt: skip
+        done = faults(chosen, out=args.out.resolve(), tls=args.tls, timeout_s=args.timeout_s)
         return 0 if all(o.identical for o in done) else 1
     if args.command == "link":
         rows = link(args.delay_ms, [None if r == "none" else r for r in args.rate])

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+import psutil
+
 from lab import registry
 from lab.registry import RunningRoles, Scenario
 from labtools.hosts.network import CLUSTER_NAME, HostsError, Network
@@ -173,6 +175,23 @@ class Roles:
     def check(self) -> None:
         """HostsError if a role has failed."""
         _raise_if_failed(self.procs)
+
+    def signal(self, role: str, signum: int, *, command: str) -> int:
+        """`signum` to each of `role`'s descendants whose command line holds `command`."""
+
+        proc = self.procs[role]
+        try:
+            found = [
+                child
+                for child in psutil.Process(proc.pid).children(recursive=True)
+                if command in " ".join(child.cmdline())
+            ]
+        except psutil.NoSuchProcess:
+            return 0
+        for child in found:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(signum)
+        return len(found)
 
     def kill(self, role: str) -> None:
         """SIGKILL `role`'s processes, as a machine's power going off would (no goodbye)."""

@@ -235,6 +235,22 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_last_checkpoint(
     assert not _worker_processes(psutil.Process(os.getpid()))  # none left behind
 
 
+def test_a_new_job_does_not_go_on_from_another_jobs_checkpoint(
+    dp_run: Run, tmp_path: Path
+) -> None:
+    """Two runs, one dp.checkpoint_dir: the second (no dp.resume) trains from step 1 with the
+    first's losses, leaving the first's checkpoint to `dp.resume=true`; each checkpoint names
+    the job that wrote it."""
+    shared = f"dp.checkpoint_dir={tmp_path / 'shared'}"
+    first = dp_run(*PAIR, shared, fresh=True, run_dir=tmp_path / "first")
+    job = json.loads((tmp_path / "shared" / "step-000010" / "meta.json").read_text())["job"]
+    second = dp_run(*PAIR, shared, fresh=True, run_dir=tmp_path / "second")
+    assert sorted(losses(second)) == list(range(1, 11))
+    assert worst_relative(losses(second), losses(first)) == 0.0
+    again = json.loads((tmp_path / "shared" / "step-000010" / "meta.json").read_text())["job"]
+    assert job and again and job != again
+
+
 def test_two_hosts_agents_meet_at_the_rendezvous_and_train_as_one_job(
     dp_run: Run, tmp_path: Path, lab_cache: Path
 ) -> None:

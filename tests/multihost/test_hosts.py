@@ -25,6 +25,7 @@ from labtools.hosts import (
     check,
     curves,
     documented_runs,
+    fault_names,
     faults,
     measure_link,
     modules,
@@ -273,11 +274,24 @@ def test_fed_learn_across_hosts_recovers_from_a_dead_client_and_a_dead_coordinat
     on with the other client, exactly as the same fault on one machine's loopback. The
     coordinator's machine dies after round 1 and comes back with fed.resume=true: the clients
     redial it and every round's validation loss is the uninterrupted loopback run's."""
-    outcomes = faults(out=tmp_path, tls=True, timeout_s=300)
+    fed = [(module, name) for module, name in fault_names() if module == "fed_learn"]
+    outcomes = faults(fed, out=tmp_path, tls=True, timeout_s=300)
     assert [o.identical for o in outcomes] == [True, True], [o.detail for o in outcomes]
     assert "clients per round [2, 1, 1]" in outcomes[0].detail
     resumed = tmp_path / "fed_learn-faults" / "coordinator-killed-and-resumed" / "hosts"
     assert "(round 1)" in (resumed / "desktop-coordinator-resumed.log").read_text()
+
+
+def test_data_parallel_across_hosts_goes_on_from_its_checkpoint_after_a_worker_is_killed(
+    tmp_path: Path,
+) -> None:
+    """The laptop's worker process is SIGKILLed after step 6, its agent alive: both hosts'
+    agents start their workers again, which load the step-5 checkpoint from the shared folder
+    (the desktop's agent counted no restart of its own), and every step's loss is the
+    uninterrupted loopback run's."""
+    (outcome,) = faults([("data_parallel", "worker killed mid-run")], out=tmp_path, timeout_s=300)
+    assert outcome.identical, outcome.detail
+    assert "restarted from step 5" in outcome.detail
 
 
 def test_curves_put_a_link_under_every_protocol_and_predict_it_from_the_local_run(
