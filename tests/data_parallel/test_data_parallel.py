@@ -235,9 +235,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_last_checkpoint(
     assert not _worker_processes(psutil.Process(os.getpid()))  # none left behind
 
 
-def test_a_new_job_does_not_go_on_from_another_jobs_checkpoint(
-    dp_run: Run, tmp_path: Path
-) -> None:
+def test_a_new_job_does_not_go_on_from_another_jobs_checkpoint(dp_run: Run, tmp_path: Path) -> None:
     """Two runs, one dp.checkpoint_dir: the second (no dp.resume) trains from step 1 with the
     first's losses, leaving the first's checkpoint to `dp.resume=true`; each checkpoint names
     the job that wrote it."""
