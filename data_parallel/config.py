@@ -82,12 +82,15 @@ class DPConfig:
     """Times the elastic agent restarts the workers (from the last checkpoint) after a failure."""
     join_timeout_s: int = 60
     """Seconds for the rendezvous at cluster.master to be reached and filled; then it fails."""
+    last_call_s: int = 30
+    """With dp.nnodes=MIN:MAX: once MIN hosts are in, seconds the rendezvous waits for more
+    before the job starts (torch's last_call_timeout); later hosts join at the next restart."""
 
     def __post_init__(self) -> None:
         check_fields_positive(
             "dp", self, ("workers", "steps", "batch_size", "grad_accum_steps", "lr", "eval_blocks")
         )
-        check_fields_positive("dp", self, ("max_train_blocks", "join_timeout_s"))
+        check_fields_positive("dp", self, ("max_train_blocks", "join_timeout_s", "last_call_s"))
         check_choice("dp.engine", self.engine, ENGINES)
         check_choice("dp.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.block_size < 2:

@@ -117,6 +117,7 @@ def launch_config(
         rdzv_configs={
             "join_timeout": dp.join_timeout_s,
             "read_timeout": dp.join_timeout_s,  # the store's connect and read timeout
+            "last_call_timeout": dp.last_call_s,
             "is_host": hosting,
         },
         max_restarts=dp.max_restarts,

@@ -300,7 +300,7 @@ class Trainer:
         val_loss = float("nan")
         with tracker or contextlib.nullcontext():  # closed as failed if anything raises
             if tracker is not None and restarted:
-                tracker.log({"restart": max(self.restarts, 1)}, step=self.position.step)
+                tracker.log({"restart": self.restarts}, step=self.position.step)
             progress = Progress(
                 TextColumn(JOB),
                 BarColumn(),

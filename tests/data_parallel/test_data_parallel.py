@@ -18,7 +18,7 @@ import pytest
 
 from data_parallel.config import DataParallelRunConfig
 from data_parallel.data import Stream, global_batch, rank_micro_batches
-from data_parallel.manifest import predict_step_ms, step_ms
+from data_parallel.manifest import predict_step_ms, step_ms, step_records
 from data_parallel.network import listening_store
 from lab.config import to_settings
 from lab.launch import free_port
@@ -284,6 +284,56 @@ def test_two_hosts_agents_meet_at_the_rendezvous_and_train_as_one_job(
         "__0_0.distcp",
         "__1_0.distcp",
     }
+
+
+def test_a_third_host_joining_a_two_to_three_host_job_is_admitted_at_the_next_restart(
+    tmp_path: Path, lab_cache: Path, tiny_models: Path
+) -> None:
+    """`dp.nnodes=2:3`: two agents start the job; a third started once it trains makes torch
+    restart every host's workers, and all three go on from the job's last checkpoint (DCP
+    reshards two workers' state to three) to the end, each step once."""
+    shared = tmp_path / "shared"
+    common = [
+        sys.executable, "-m", "data_parallel", "role=worker", "dp.nnodes=2:3", "dp.workers=1",
+        "dp.last_call_s=1", "dp.batch_size=2", "dp.steps=600", "dp.checkpoint_every=10",
+        "dp.eval_every=0", "dp.max_train_blocks=256", "cluster.master.host=127.0.0.1",
+        f"cluster.master.port={free_port()}", f"dp.checkpoint_dir={shared}", "num_threads=1",
+        "model.lab_preset=debug", "tracking.wandb=false", f"paths.cache_dir={lab_cache}",
+    ]  # fmt: skip
+    hosts = {name: tmp_path / name for name in ("desktop", "laptop", "pc")}
+    procs: dict[str, subprocess.Popen] = {}
+
+    def start(name: str) -> None:
+        argv = [*common, f"hydra.run.dir={hosts[name]}"]
+        procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)  # fmt: skip
+
+    try:
+        start("desktop")
+        start("laptop")
+        started = time.monotonic()
+        while max(_trained_steps(hosts["desktop"] / "metrics.jsonl"), default=0) < 3:
+            assert procs["desktop"].poll() is None, procs["desktop"].communicate()[0][-3000:]
+            assert time.monotonic() - started < 120, "the two hosts never trained"
+            time.sleep(0.05)
+        joined_after = max(_trained_steps(hosts["desktop"] / "metrics.jsonl"))
+        start("pc")
+        outputs = {name: proc.communicate(timeout=300)[0] for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for name, proc in procs.items():
+        assert proc.returncode == 0, outputs[name][-3000:]
+    steps = step_records(hosts["desktop"])
+    assert [int(r["step"]) for r in steps] == list(range(1, 601))  # each step once
+    workers = [int(r["workers"]) for r in steps]
+    first_of_three = workers.index(3) + 1
+    assert set(workers[: first_of_three - 1]) == {2} and set(workers[first_of_three - 1 :]) == {3}
+    assert first_of_three > joined_after  # admitted at a restart, not in the first round
+    assert (first_of_three - 1) % 10 == 0  # went on from a checkpoint
+    assert "resumed from step" in outputs["pc"]
+    pc_steps = [int(r["step"]) for r in step_records(hosts["pc"])]
+    assert pc_steps == list(range(first_of_three, 601))
 
 
 def test_a_rendezvous_that_never_answers_fails_within_the_join_timeout_naming_it(
