@@ -14,6 +14,7 @@ from lab.config import (
 )
 
 ENGINES = ("ddp", "fsdp")
+SYNCS = ("ddp", "none")
 MIXED_PRECISIONS = ("auto", "bf16", "none")
 
 
@@ -43,6 +44,10 @@ class DPConfig:
     engine: str = "ddp"
     """ddp: DistributedDataParallel, every worker holds the whole model; fsdp: FSDP2
     (`fully_shard`), parameters, gradients and optimizer state sharded across workers."""
+    sync: str = "ddp"
+    """How DDP's gradient buckets are synchronised: ddp, a SUM all-reduce of each; none, a
+    no-op communication hook (each worker keeps its own gradients: not data-parallel training,
+    the baseline bench/data_parallel_bench.py subtracts to find what communication costs)."""
     steps: int = 20
     """Optimizer steps."""
     batch_size: int = 8
@@ -92,6 +97,9 @@ class DPConfig:
         )
         check_fields_positive("dp", self, ("max_train_blocks", "join_timeout_s", "last_call_s"))
         check_choice("dp.engine", self.engine, ENGINES)
+        check_choice("dp.sync", self.sync, SYNCS)
+        if self.sync != "ddp" and self.engine != "ddp":
+            raise ValueError(f"dp.sync={self.sync} is for dp.engine=ddp (DDP's communication hook)")
         check_choice("dp.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.block_size < 2:
             raise ValueError(f"dp.block_size={self.block_size} must be >= 2")

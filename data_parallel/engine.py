@@ -52,11 +52,14 @@ class CommTimer:
     """What each worker sends with ring algorithms: 2(N-1)/N of an all-reduce's bytes, (N-1)/N
     of an all-gather's output or a reduce-scatter's input."""
     collectives: int = 0
+    bytes_each: list[int] = field(default_factory=list)
+    """Each collective's bytes, in the order of `intervals`."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def reset(self) -> None:
         with self._lock:
             self.intervals.clear()
+            self.bytes_each.clear()
             self.collective_bytes = 0
             self.wire_bytes = 0.0
             self.collectives = 0
@@ -65,6 +68,7 @@ class CommTimer:
         """One collective (called from gloo's threads too)."""
         with self._lock:
             self.intervals.append((started, ended))
+            self.bytes_each.append(nbytes)
             self.collective_bytes += nbytes
             self.wire_bytes += wire_share * nbytes
             self.collectives += 1
@@ -73,6 +77,15 @@ class CommTimer:
     def ring_share(self) -> float:
         """(N-1)/N: the share of a gather's or a scatter's bytes each worker sends."""
         return (self.world_size - 1) / self.world_size
+
+    def trace(self, origin: float) -> list[list[float]]:
+        """Each collective as [launched, completed] ms after `origin`, and its bytes, by launch:
+        a DDP bucket is launched when its gradients are ready."""
+        with self._lock:
+            spans = list(zip(self.intervals, self.bytes_each, strict=True))
+        rows = [[1e3 * (start - origin), 1e3 * (end - origin), float(nbytes)]
+                for (start, end), nbytes in spans]  # fmt: skip
+        return sorted(rows)
 
     def in_flight_s(self) -> float:
         """Seconds during which at least one collective was in flight."""
@@ -112,6 +125,14 @@ def summed_allreduce_hook(
         return fut.value()[0]
 
     return future.then(done)
+
+
+def noop_hook(timer: CommTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook that communicates nothing: the bucket's local gradients as they
+    are (dp.sync=none, the bench's baseline)."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def _timed(timer: CommTimer, work: Any, started: float, nbytes: int) -> Any:
@@ -176,7 +197,12 @@ def layer_classes(model: torch.nn.Module) -> set[str]:
 
 
 def wrap(
-    model: torch.nn.Module, *, engine: str, device: torch.device, timer: CommTimer
+    model: torch.nn.Module,
+    *,
+    engine: str,
+    device: torch.device,
+    timer: CommTimer,
+    sync: str = "ddp",
 ) -> torch.nn.Module:
     """`model` under DDP or FSDP2 (each decoder layer its own unit, then the root), gradients
     summed across workers and every collective timed."""
@@ -184,8 +210,11 @@ def wrap(
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids)
-        ddp.register_comm_hook(timer, summed_allreduce_hook)
+        # broadcast_buffers=False: DDP would otherwise send rank 0's buffers before every
+        # forward (two one-way delays a step on gloo); a language model's buffers (rotary
+        # frequencies) are computed alike on every worker and never change
+        ddp = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        ddp.register_comm_hook(timer, noop_hook if sync == "none" else summed_allreduce_hook)
         return ddp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard

@@ -18,7 +18,16 @@ from omegaconf import OmegaConf
 from lab.linkmodel import Link, run_steps
 from lab.plots import pyplot, save, smoothed
 from lab.records import METRICS_FILE, read_records, same_losses
-from lab.registry import Fault, Headline, Manifest, Metric, RunningRoles, Scenario, Workload
+from lab.registry import (
+    Fault,
+    Headline,
+    Manifest,
+    Metric,
+    RunningRoles,
+    Scenario,
+    Variant,
+    Workload,
+)
 from lab.tracking import CONFIG_FILE
 
 NAME = "data_parallel"
@@ -86,27 +95,80 @@ def step_ms(run_dir: Path) -> float:
     return statistics.median(steps)
 
 
-def predict_step_ms(run_dir: Path, link: Link) -> float:
-    """Provisional: the local step's compute plus a ring all-reduce of its bytes on `link`.
+TRACE_FILE = "comm_trace.jsonl"
+"""Each step's collectives as a worker saw them: [launched, completed] ms after the step began,
+and bytes; when its synchronising backward returned (data_parallel.worker writes it)."""
 
-    Each worker sends 2(N-1)/N of the step's all-reduced bytes at the link's rate, and each
-    all-reduce (every DDP bucket, and the loss's) waits 2(N-1) one-way delays in turn. It counts
-    no overlap with the backward and no TCP slow start, and covers dp.engine=ddp only; the
-    cost-model work of issue 29 replaces it.
-    """
-    config = OmegaConf.load(run_dir / CONFIG_FILE)  # what the tracker recorded of the run
-    if config.dp.engine != "ddp":
-        raise ValueError("the provisional model covers dp.engine=ddp only")
-    steps = step_records(run_dir, "compute_ms")[1:]
-    if not steps:
-        raise ValueError(f"no training steps after the first in {run_dir}")
-    compute_ms = statistics.median(float(r["compute_ms"]) for r in steps)
-    workers = int(steps[-1]["workers"])
+
+def trace_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's traced steps, the first (warm-up) left out: `role=worker`'s own, or a local
+    run's agent's."""
+    for path in (run_dir / TRACE_FILE, run_dir / "agent" / TRACE_FILE):
+        if path.is_file():
+            return read_records(path)[1:]
+    return []
+
+
+def allreduce_on_link_ms(nbytes: float, workers: int, link: Link) -> float:
+    """What `link` adds to one gloo all-reduce of `nbytes` among `workers` (ms).
+
+    gloo's ring (torch 2.13) takes 2(N-1) steps, a reduce-scatter then an all-gather, each
+    segment sent once the receiver has said it is ready. In the harness's namespaces (2 workers,
+    tests/multihost) a bucket waited 3 one-way delays a step while the link was quick, and 2
+    plus its bytes' time on a slow one (its segments go out while the notices cross), so a
+    bucket costs max(3, 2 + wire time) delays a step; a tensor of one element (the loss) moves
+    in one chunk, one delay a step. These counts were measured for 2 workers; for more, the same
+    counts per ring step are assumed."""
+    steps = 2 * (workers - 1)
+    share = steps / workers  # of its bytes, what each worker sends
+    one_way, wire = link.one_way_s, link.serialize_s(share * nbytes)
+    if nbytes < 16 * workers:  # fewer elements than the ring's segments: one chunk
+        return 1e3 * (steps * one_way + wire)
+    return 1e3 * max(3 * steps * one_way, 2 * steps * one_way + wire)
+
+
+def predict_traced_step(row: dict[str, Any], link: Link) -> float:
+    """One traced step of N workers replayed on `link`, bucket by bucket (ms).
+
+    Each DDP bucket is launched when its gradients are ready (the trace's launch time) and
+    waits for the one before it (the process group reduces them in turn). Its time on the link
+    is its local time (the CPU's part: copies, the reduction) plus what the link adds to a gloo
+    all-reduce (allreduce_on_link_ms). The backward returns when the last bucket is done, or the
+    compute is, whichever is later; what follows it (the clip, the optimizer, the loss's
+    all-reduce) takes its local time plus, for each collective, the link's."""
+    workers = int(row["workers"])
+    step, synced = float(row["step_ms"]), float(row["synced_ms"])
     if workers == 1:
-        return compute_ms
-    ring_bytes = 2 * (workers - 1) / workers * float(steps[-1]["comm_bytes"])
-    delays = 2 * (workers - 1) * int(steps[-1]["collectives"])
-    return compute_ms + 1e3 * (link.serialize_s(ring_bytes) + delays * link.one_way_s)
+        return step
+
+    def on_link(nbytes: float) -> float:
+        return allreduce_on_link_ms(nbytes, workers, link)
+
+    buckets = [c for c in row["collectives"] if c[0] <= synced]
+    after = [c for c in row["collectives"] if c[0] > synced]
+    if not buckets:
+        return step + sum(on_link(c[2]) for c in after)
+    local_end = replayed_end = float("-inf")
+    for launched, completed, nbytes in buckets:
+        service = completed - max(launched, local_end)  # its own time, not its wait
+        local_end = completed
+        replayed_end = max(launched, replayed_end) + service + on_link(nbytes)
+    ready = buckets[-1][0]  # the last bucket's gradients: the backward's compute is done
+    waited = synced - max(ready, local_end)
+    replayed_synced = max(ready, replayed_end) + waited
+    return step + (replayed_synced - synced) + sum(on_link(c[2]) for c in after)
+
+
+def predict_step_ms(run_dir: Path, link: Link) -> float:
+    """The median step of a local DDP run (its trace, data_parallel.worker) replayed on `link`,
+    bucket by bucket (predict_traced_step)."""
+    config = OmegaConf.load(run_dir / CONFIG_FILE)  # what the tracker recorded of the run
+    if config.dp.engine != "ddp" or config.dp.get("sync", "ddp") != "ddp":
+        raise ValueError("the cost model covers dp.engine=ddp with dp.sync=ddp")
+    rows = trace_rows(run_dir)
+    if not rows:
+        raise ValueError(f"no traced steps after the first in {run_dir} ({TRACE_FILE})")
+    return statistics.median(predict_traced_step(row, link) for row in rows)
 
 
 FAULT = ["dp.steps=16", "dp.max_restarts=3"]
@@ -179,6 +241,7 @@ MANIFEST = Manifest(
         netproto=False,
         shared=("dp.checkpoint_dir",),
     ),
+    variants=(Variant(NAME, NAME, ACROSS),),
     faults={
         "worker killed mid-run": Fault(kill_a_worker_mid_run, FAULT, "uninterrupted", same_steps),
     },

@@ -12,11 +12,12 @@ losses are global (summed over every worker), the timings that worker's own.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from data_parallel import checkpoint, engine
 from data_parallel.checkpoint import Position
 from data_parallel.config import DataParallelRunConfig, DPConfig
 from data_parallel.data import Stream, gather_blocks, global_batch, rank_micro_batches
+from data_parallel.manifest import TRACE_FILE
 from data_parallel.network import listening_store
 from lab import redact
 from lab.corpus import train_and_validation_blocks
@@ -160,6 +162,11 @@ class StepResult:
     comm_bytes: int
     wire_bytes: float
     collectives: int
+    synced_ms: float = 0.0
+    """When the step's synchronising backward returned (DDP: every bucket reduced), ms after
+    the step began."""
+    trace: list[list[float]] = field(default_factory=list)
+    """Its collectives: [launched, completed] ms after the step began, and bytes."""
 
 
 class Trainer:
@@ -178,7 +185,7 @@ class Trainer:
         self.autocast = autocast_bf16(self.dp, device)
         self.timer = engine.CommTimer(world.world_size)
         self.model = engine.wrap(self._load_model(), engine=self.dp.engine, device=device,
-                                 timer=self.timer)  # fmt: skip
+                                 timer=self.timer, sync=self.dp.sync)  # fmt: skip
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=self.dp.lr, weight_decay=self.dp.weight_decay
@@ -237,6 +244,7 @@ class Trainer:
                     logits = self.model(input_ids=ids, use_cache=False).logits  # (b, T, V)
                 token_sum = next_token_loss(logits, ids, reduction="sum")
                 (token_sum / global_tokens).backward()
+            synced = time.perf_counter()
             local_sum += token_sum.detach().double()
         grad_norm = engine.clip_gradients(self.parameters, dp.grad_clip)
         self.optimizer.step()
@@ -252,7 +260,9 @@ class Trainer:
             wall_s=self.position.wall_s + step_ms / 1e3,
         )
         return StepResult(loss, grad_norm, step_ms, comm_ms, self.timer.collective_bytes,
-                          self.timer.wire_bytes, self.timer.collectives)  # fmt: skip
+                          self.timer.wire_bytes, self.timer.collectives,
+                          synced_ms=(synced - started) * 1e3,
+                          trace=self.timer.trace(started))  # fmt: skip
 
     def evaluate(self) -> float:
         """Mean next-token loss on the held-out blocks; every worker computes it on the same
@@ -317,6 +327,7 @@ class Trainer:
                     step = self.position.step
                     if tracker is not None:
                         tracker.log(self._record(result), step=step)
+                        self._trace(result, step)
                     progress.update(task, completed=step, loss=f"{result.loss:.3f}")
                     if dp.eval_every and (step % dp.eval_every == 0 or step == dp.steps):
                         val_loss = self.evaluate()
@@ -329,6 +340,14 @@ class Trainer:
             if tracker is not None:
                 tracker.summary(metrics)
             return metrics
+
+    def _trace(self, result: StepResult, step: int) -> None:
+        """One line of `<run dir>/comm_trace.jsonl`: when the step's collectives ran (the cost
+        model's input, data_parallel.manifest)."""
+        line = {"step": step, "workers": self.world.world_size, "step_ms": result.step_ms,
+                "synced_ms": result.synced_ms, "collectives": result.trace}  # fmt: skip
+        with (self.settings.paths.run_path / TRACE_FILE).open("a") as out:
+            out.write(json.dumps(line) + "\n")
 
     def _record(self, result: StepResult) -> dict[str, Any]:
         return {
