@@ -230,6 +230,7 @@ MANIFEST = Manifest(
         repeat=lambda cell, repeats: [f"dp.steps={max(2, repeats + 1)}"],
     ),
     quick=("dp.steps=4", "dp.max_train_blocks=64", "dp.eval_blocks=4"),
+    documented=("model.lab_preset=debug", "num_threads=1"),
     plots=plots,
     scenario=Scenario(
         NAME,

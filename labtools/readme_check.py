@@ -194,6 +194,17 @@ def with_quick(argv: list[str], *, out: Path, extra: Sequence[str] = ()) -> list
     return [sys.executable, *argv[1:head], *args, *added, *where]
 
 
+def with_shared(argv: list[str], out: Path) -> list[str]:
+    """`argv` with each folder its experiment needs every host to see (its scenario's
+    `shared` keys: dp.checkpoint_dir, which the docs point at a mount) one under `out`."""
+    manifest = registry.find(target_of(argv))
+    keys = manifest.scenario.shared if manifest and manifest.scenario else ()
+    if not any(a.split("=", 1)[0] in keys for a in argv):
+        return argv
+    kept = [a for a in argv if a.split("=", 1)[0] not in keys]
+    return [*kept, *(f"{key}={out / 'shared' / key}" for key in keys)]
+
+
 def loopback_hosts(ports: dict[str, int]) -> list[str]:
     """Every `cluster.*` endpoint on loopback, at `ports`: a multi-machine example on one host."""
     return [
@@ -227,7 +238,8 @@ def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool,
         ports = {name: free_port("127.0.0.1") for name in endpoints}
         extra = [*loopback_hosts(ports), "num_threads=1"]
     argvs = [
-        with_quick(argv, out=out / f"p{i}", extra=extra) for i, argv in enumerate(command.argvs)
+        with_shared(with_quick(argv, out=out / f"p{i}", extra=extra), out)
+        for i, argv in enumerate(command.argvs)
     ]
     checkpoints = f"{CHECKPOINT_DIR}={out / 'checkpoints'}"  # the README's `...`, filled in
     argvs = [[checkpoints if a == f"{CHECKPOINT_DIR}=..." else a for a in argv] for argv in argvs]

@@ -51,7 +51,7 @@ def run_documented(
 ) -> tuple[bool, str]:
     """`run`'s lines, each in its host's namespace, the serving host at the address the cluster
     file names; `cluster=mine` is conf/cluster/two_hosts.yaml copied (docs step 3)."""
-    from labtools.readme_check import with_quick
+    from labtools.readme_check import with_quick, with_shared
 
     names = list(dict.fromkeys(host for host, _ in run.lines))
     others = iter(range(10, 250))
@@ -67,7 +67,8 @@ def run_documented(
         for index, (host, argv) in enumerate(run.lines):
             manifest = registry.find(argv[2])
             extra = [*(manifest.documented if manifest else ()), "tracking.wandb=false"]
-            full = with_quick(argv, out=out / f"{index}-{host}", extra=extra)
+            # a folder the docs say every host mounts (dp.checkpoint_dir): one of the run's own
+            full = with_shared(with_quick(argv, out=out / f"{index}-{host}", extra=extra), out)
             full.append(f"hydra.searchpath=[file://{out / 'conf'}]")
             name = f"{index}-{host}"
             procs[name] = network[host].start(

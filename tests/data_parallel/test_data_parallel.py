@@ -18,7 +18,13 @@ import pytest
 
 from data_parallel.config import DataParallelRunConfig
 from data_parallel.data import Stream, global_batch, rank_micro_batches
-from data_parallel.manifest import predict_step_ms, step_ms, step_records
+from data_parallel.manifest import (
+    allreduce_on_link_ms,
+    predict_step_ms,
+    predict_traced_step,
+    step_ms,
+    step_records,
+)
 from data_parallel.network import listening_store
 from lab.config import to_settings
 from lab.launch import free_port
@@ -452,11 +458,32 @@ def test_the_rendezvous_store_listens_on_its_address_only() -> None:
     assert [address.ip for address in listening] == ["127.0.0.1"]  # torch's own: 0.0.0.0 / ::
 
 
-def test_the_provisional_cost_model_adds_a_ring_all_reduce_per_step(dp_run: Run) -> None:
+TRACED = {"workers": 2, "step_ms": 50.0, "synced_ms": 40.0,
+          "collectives": [[10.0, 12.0, 1e6], [38.0, 39.5, 3e6], [45.0, 45.2, 8.0]]}  # fmt: skip
+"""A traced step: a 1 MB bucket launched mid-backward, a 3 MB one at its end, the loss after."""
+
+
+def test_the_cost_model_replays_each_bucket_on_the_link_and_hides_what_the_backward_covers() -> (
+    None
+):
+    # no link: the step as it ran
+    assert predict_traced_step(TRACED, Link(0.0, None)) == pytest.approx(50.0)
+    # 5 ms one way, a fast link: a bucket waits 3 delays a ring step (2 steps), the loss 1
+    fast = Link(0.005, 1e10)
+    assert allreduce_on_link_ms(1e6, 2, fast) == pytest.approx(30.0)
+    assert allreduce_on_link_ms(8.0, 2, fast) == pytest.approx(10.0, rel=1e-3)
+    # bucket 1 ends at 10+2+30 = 42, after bucket 2 is ready (38): bucket 2 waits for it and
+    # ends at 42+1.5+30 = 73.5; the backward returns 0.5 ms later (74, not 40); the loss +10
+    assert predict_traced_step(TRACED, fast) == pytest.approx(50 + (74 - 40) + 10, rel=1e-3)
+    # a slow link: 2 delays a step plus the bytes' time on the wire (1 MB at 100 Mbit/s: 80 ms)
+    slow = Link(0.005, 1e8)
+    assert allreduce_on_link_ms(1e6, 2, slow) == pytest.approx(20 + 80)
+    # one worker: nothing crosses
+    assert predict_traced_step({**TRACED, "workers": 1}, fast) == 50.0
+
+
+def test_the_cost_model_reads_a_local_runs_trace(dp_run: Run) -> None:
     run_dir = dp_run(*PAIR)
-    local = predict_step_ms(run_dir, Link(0.0, None))
-    assert 0 < local <= step_ms(run_dir) * 1.5
-    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert predict_step_ms(run_dir, Link(0.0, None)) == pytest.approx(step_ms(run_dir))
     delayed = predict_step_ms(run_dir, Link(0.005, 1e8))
-    ring = 2 * (2 - 1) / 2 * summary["comm_bytes"] * 8 / 1e8
-    assert delayed - local == pytest.approx(1e3 * (ring + 2 * summary["collectives"] * 0.005))
+    assert delayed >= step_ms(run_dir) + 4 * 5  # a bucket's 2 ring steps, the loss's 2 at least
