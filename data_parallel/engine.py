@@ -210,10 +210,11 @@ def wrap(
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
-        # broadcast_buffers=False: DDP would otherwise send rank 0's buffers before every
+        # forward_sync_buffers=False: DDP would otherwise send rank 0's buffers before every
         # forward (two one-way delays a step on gloo); a language model's buffers (rotary
-        # frequencies) are computed alike on every worker and never change
-        ddp = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        # frequencies) are computed alike on every worker and never change (they are still
+        # synced once, at construction)
+        ddp = DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
         ddp.register_comm_hook(timer, noop_hook if sync == "none" else summed_allreduce_hook)
         return ddp
     from torch.distributed.device_mesh import init_device_mesh

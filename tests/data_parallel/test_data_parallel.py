@@ -380,6 +380,8 @@ def test_a_rendezvous_that_never_answers_fails_within_the_join_timeout_naming_it
         ("dp.grad_clip=-1", "dp.grad_clip"),
         ("dp.join_timeout_s=0", "dp.join_timeout_s"),
         ("dp.mixed_precision=fp8", "dp.mixed_precision"),
+        ("dp.sync=powersgd", "dp.sync"),
+        ("dp.last_call_s=0", "dp.last_call_s"),
     ],
 )
 def test_a_bad_setting_is_one_error_naming_its_key(
@@ -388,6 +390,14 @@ def test_a_bad_setting_is_one_error_naming_its_key(
     with pytest.raises(ValueError, match=rf"^{key}=") as info:
         to_settings(compose_dp(tmp_path, lab_cache, (override,)), DataParallelRunConfig)
     assert "\n" not in str(info.value)
+
+
+def test_a_no_op_hook_is_refused_for_fsdp_which_has_no_ddp_hook(
+    tmp_path: Path, lab_cache: Path
+) -> None:
+    with pytest.raises(ValueError, match=r"^dp.sync=none is for dp.engine=ddp"):
+        to_settings(compose_dp(tmp_path, lab_cache, ("dp.engine=fsdp", "dp.sync=none")),
+                    DataParallelRunConfig)  # fmt: skip
 
 
 def test_the_command_says_a_bad_setting_in_one_line(tmp_path: Path) -> None:
