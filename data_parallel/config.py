@@ -14,7 +14,7 @@ from lab.config import (
 )
 
 ENGINES = ("ddp", "fsdp")
-SYNCS = ("ddp", "none")
+SYNCS = ("ddp", "none", "fp16", "bf16", "powersgd")
 MIXED_PRECISIONS = ("auto", "bf16", "none")
 
 
@@ -45,9 +45,22 @@ class DPConfig:
     """ddp: DistributedDataParallel, every worker holds the whole model; fsdp: FSDP2
     (`fully_shard`), parameters, gradients and optimizer state sharded across workers."""
     sync: str = "ddp"
-    """How DDP's gradient buckets are synchronised: ddp, a SUM all-reduce of each; none, a
-    no-op communication hook (each worker keeps its own gradients: not data-parallel training,
-    the baseline bench/data_parallel_bench.py subtracts to find what communication costs)."""
+    """How DDP's gradient buckets are synchronised: ddp, a SUM all-reduce of each in fp32;
+    fp16 / bf16, torch's compression hooks (half the bytes; refused where this torch's gloo
+    sums that dtype wrong); powersgd, torch's PowerSGD hook (low-rank factors, the powersgd_*
+    settings); none, a no-op hook (each worker keeps its own gradients: not data-parallel
+    training, the baseline bench/data_parallel_bench.py subtracts to find what communication
+    costs). data_parallel/sync.py."""
+    powersgd_rank: int = 4
+    """PowerSGD's matrix approximation rank: each compressed gradient matrix n x m is sent as
+    (n + m) x rank numbers."""
+    powersgd_start_step: int = 10
+    """Plain all-reduce before this step, PowerSGD from it (at least 2 with error feedback or
+    warm start: DDP rebuilds its buckets after the first step)."""
+    powersgd_error_feedback: bool = True
+    """Add what compression left out of a step's gradients to the next step's."""
+    powersgd_warm_start: bool = True
+    """Start each step's power iteration from the last step's factors."""
     steps: int = 20
     """Optimizer steps."""
     batch_size: int = 8
@@ -98,6 +111,14 @@ class DPConfig:
         check_fields_positive("dp", self, ("max_train_blocks", "join_timeout_s", "last_call_s"))
         check_choice("dp.engine", self.engine, ENGINES)
         check_choice("dp.sync", self.sync, SYNCS)
+        check_fields_positive("dp", self, ("powersgd_rank", "powersgd_start_step"))
+        if self.powersgd_start_step < 2 and (
+            self.powersgd_error_feedback or self.powersgd_warm_start
+        ):
+            raise ValueError(
+                f"dp.powersgd_start_step={self.powersgd_start_step} must be >= 2 with error "
+                "feedback or warm start (DDP rebuilds its buckets after the first step)"
+            )
         if self.sync != "ddp" and self.engine != "ddp":
             raise ValueError(f"dp.sync={self.sync} is for dp.engine=ddp (DDP's communication hook)")
         check_choice("dp.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)

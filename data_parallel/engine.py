@@ -203,6 +203,7 @@ def wrap(
     device: torch.device,
     timer: CommTimer,
     sync: str = "ddp",
+    dp: Any = None,
 ) -> torch.nn.Module:
     """`model` under DDP or FSDP2 (each decoder layer its own unit, then the root), gradients
     summed across workers and every collective timed."""
@@ -215,7 +216,12 @@ def wrap(
         # frequencies) are computed alike on every worker and never change (they are still
         # synced once, at construction)
         ddp = DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
-        ddp.register_comm_hook(timer, noop_hook if sync == "none" else summed_allreduce_hook)
+        if sync in ("ddp", "none"):
+            ddp.register_comm_hook(timer, noop_hook if sync == "none" else summed_allreduce_hook)
+        else:  # torch's own hooks (data_parallel.sync)
+            from data_parallel import sync as syncs
+
+            ddp.register_comm_hook(syncs.make_hook(dp, timer), syncs.timed_torch_hook)
         return ddp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard

@@ -185,7 +185,7 @@ class Trainer:
         self.autocast = autocast_bf16(self.dp, device)
         self.timer = engine.CommTimer(world.world_size)
         self.model = engine.wrap(self._load_model(), engine=self.dp.engine, device=device,
-                                 timer=self.timer, sync=self.dp.sync)  # fmt: skip
+                                 timer=self.timer, sync=self.dp.sync, dp=self.dp)  # fmt: skip
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.parameters, lr=self.dp.lr, weight_decay=self.dp.weight_decay

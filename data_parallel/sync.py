@@ -1,0 +1,118 @@
+"""How DDP's gradient buckets cross the network (`dp.sync`): torch's own communication hooks,
+each timed and counted in bytes like the plain all-reduce.
+
+- `ddp`: a SUM all-reduce of each bucket in fp32 (data_parallel.engine).
+- `none`: nothing crosses (the bench's baseline; not data-parallel training).
+- `fp16`, `bf16`: torch's `fp16_compress_hook` / `bf16_compress_hook`: the bucket cast down,
+  all-reduced, cast back (half the bytes). Whether the installed gloo sums that dtype right is
+  checked at start-up on the workers' own group (`check_dtype`), not assumed: bf16 on gloo has
+  been broken in some torch releases.
+- `powersgd`: torch's `powerSGD_hook` (Vogels et al. 2019): each large enough gradient matrix
+  sent as two rank-r factors, with error feedback and warm start; plain all-reduce before
+  `dp.powersgd_start_step`.
+
+torch's hooks average (they divide by the world size); this module's losses are already divided
+by the global token count, so its gradients must be summed. Each bucket is multiplied by the
+world size before torch's hook divides it again (exact when the world size is a power of two,
+within the dtype's rounding otherwise).
+"""
+
+# No `from __future__ import annotations`: DDP reads a hook's annotations at registration.
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from data_parallel.config import DPConfig
+from lab.cli import ConfigError
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TORCH_HOOKS = {
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
+}
+
+
+class TimedTorchHook:
+    """The hook state DDP hands back on every bucket: torch's hook and its own state, and the
+    step's timer (data_parallel.engine.CommTimer)."""
+
+    def __init__(self, sync: str, timer: Any, state: Any, hook: Callable[..., Any]) -> None:
+        self.sync, self.timer, self.state, self.hook = sync, timer, state, hook
+        self.world_size = dist.get_world_size()
+
+    def bucket_bytes(self, bucket: dist.GradBucket) -> tuple[float, float]:
+        """(bytes handed to the collectives, bytes one worker sends over a ring)."""
+        ring = 2 * (self.world_size - 1) / self.world_size
+        numel = bucket.buffer().numel()
+        if self.sync in DTYPES:
+            sent = 2.0 * numel
+            return sent, ring * sent
+        state = self.state
+        if state.iter < state.start_powerSGD_iter:  # still the plain fp32 all-reduce
+            return 4.0 * numel, ring * 4.0 * numel
+        rank = state.matrix_approximation_rank
+        total = 0.0
+        for grad in bucket.gradients():
+            rows, cols = grad.shape[0], grad.numel() // max(grad.shape[0], 1)
+            compressed = (rows + cols) * rank
+            worth = grad.dim() > 1 and compressed * state.min_compression_rate < rows * cols
+            total += 4.0 * (compressed if worth else grad.numel())
+        return total, ring * total
+
+
+def timed_torch_hook(
+    wrapped: TimedTorchHook, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: torch's, on the bucket scaled to a sum, timed from its launch to
+    its completion."""
+    bucket.buffer().mul_(wrapped.world_size)  # torch's hook divides by it: the sum remains
+    nbytes, wire = wrapped.bucket_bytes(bucket)
+    started = time.perf_counter()
+    future = wrapped.hook(wrapped.state, bucket)
+
+    def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        wrapped.timer.record(started, time.perf_counter(), int(nbytes),
+                             wire_share=wire / nbytes if nbytes else 0.0)  # fmt: skip
+        return fut.value()
+
+    return future.then(done)
+
+
+def make_hook(dp: DPConfig, timer: Any) -> TimedTorchHook:
+    """The state and hook of `dp.sync` (fp16, bf16, powersgd) for DDP.register_comm_hook."""
+    if dp.sync == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=dp.powersgd_rank,
+            start_powerSGD_iter=dp.powersgd_start_step,
+            use_error_feedback=dp.powersgd_error_feedback,
+            warm_start=dp.powersgd_warm_start,
+        )
+        return TimedTorchHook(dp.sync, timer, state, powerSGD_hook.powerSGD_hook)
+    check_dtype(dp.sync)
+    return TimedTorchHook(dp.sync, timer, None, TORCH_HOOKS[dp.sync])
+
+
+def check_dtype(sync: str, all_reduce: Callable[[torch.Tensor], object] = dist.all_reduce) -> None:
+    """ConfigError (on every worker alike) unless the process group sums `sync`'s dtype right:
+    each worker all-reduces known values and compares the sum with fp32's, to the dtype's
+    rounding (a collective)."""
+    dtype = DTYPES[sync]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = torch.linspace(0.5, 64.0, 257)
+    values = (base * (rank + 1)).to(dtype)
+    expected = sum((base * (r + 1)).to(dtype).float() for r in range(world))
+    all_reduce(values)
+    # each addition may round once: world_size half-ulps of the dtype at most
+    tolerance = world * torch.finfo(dtype).eps
+    error = ((values.float() - expected).abs() / expected.abs()).max().item()
+    if not error <= tolerance:
+        raise ConfigError(
+            f"dp.sync={sync}: this torch's {dist.get_backend()} all-reduce of {dtype} gave a "
+            f"wrong sum (relative error {error:.2g}, at most {tolerance:.2g} expected); use "
+            "dp.sync=fp16 or dp.sync=ddp"
+        )

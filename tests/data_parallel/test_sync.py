@@ -1,0 +1,88 @@
+"""dp.sync: torch's compression hooks under data_parallel's summed gradients, their bytes, and
+the start-up check that gloo sums a half-precision dtype right."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from data_parallel.config import DataParallelRunConfig
+from data_parallel.manifest import step_records
+from data_parallel.sync import check_dtype
+from lab.cli import ConfigError
+from lab.config import to_settings
+
+from .conftest import Run, compose_dp, losses, worst_relative
+
+PAIR = ("dp.workers=2", "dp.batch_size=2", "dp.grad_accum_steps=1", "dp.engine=ddp")
+
+
+def test_fp16_all_reduce_trains_as_fp32_does_to_its_rounding_with_half_the_bytes(
+    dp_run: Run,
+) -> None:
+    reference, half = dp_run(*PAIR), dp_run(*PAIR, "dp.sync=fp16")
+    assert worst_relative(losses(half), losses(reference)) < 1e-2
+    norm = worst_relative(losses(half, "grad_norm"), losses(reference, "grad_norm"))
+    assert norm < 1e-2  # a sum, as fp32's: torch's hook's division by the world size undone
+    fp32 = step_records(reference, "comm_bytes")[-1]["comm_bytes"]
+    assert step_records(half, "comm_bytes")[-1]["comm_bytes"] == pytest.approx(fp32 / 2, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_bf16_all_reduce_trains_as_fp32_does_to_its_rounding(dp_run: Run) -> None:
+    reference, half = dp_run(*PAIR), dp_run(*PAIR, "dp.sync=bf16")
+    assert worst_relative(losses(half), losses(reference)) < 3e-2
+
+
+def test_powersgd_is_the_plain_sum_before_its_start_step_and_a_tenth_of_the_bytes_after(
+    dp_run: Run,
+) -> None:
+    reference = dp_run(*PAIR)
+    low_rank = dp_run(*PAIR, "dp.sync=powersgd", "dp.powersgd_start_step=4",
+                      "dp.powersgd_rank=2")  # fmt: skip
+    ours, theirs = losses(low_rank), losses(reference)
+    # steps 1-3: torch's plain all-reduce, scaled back to a sum: the same losses and gradient
+    # norms (AdamW after clipping hides a gradient's scale; the norm does not)
+    assert worst_relative({s: ours[s] for s in (1, 2, 3)}, theirs) < 1e-6
+    norms, their_norms = losses(low_rank, "grad_norm"), losses(reference, "grad_norm")
+    assert worst_relative({s: norms[s] for s in (1, 2, 3)}, their_norms) < 1e-6
+    assert all(torch.isfinite(torch.tensor(list(ours.values()))))
+    sent = {int(r["step"]): float(r["comm_bytes"]) for r in step_records(low_rank, "comm_bytes")}
+    full = step_records(reference, "comm_bytes")[-1]["comm_bytes"]
+    assert sent[2] == pytest.approx(full, rel=1e-3)
+    assert max(sent[s] for s in range(5, 11)) < full / 5
+
+
+def test_a_start_step_below_two_with_error_feedback_is_one_line(
+    tmp_path: Path, lab_cache: Path
+) -> None:
+    with pytest.raises(ValueError, match=r"^dp.powersgd_start_step=1 must be >= 2") as info:
+        to_settings(compose_dp(tmp_path, lab_cache, ("dp.powersgd_start_step=1",)),
+                    DataParallelRunConfig)  # fmt: skip
+    assert "\n" not in str(info.value)
+
+
+@pytest.fixture
+def one_process_group(tmp_path: Path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sync", ["fp16", "bf16"])
+def test_a_backend_that_sums_a_dtype_wrong_is_refused_at_start_up(
+    one_process_group: None, sync: str
+) -> None:
+    check_dtype(sync)  # gloo here: right
+
+    def broken(tensor: torch.Tensor) -> None:  # what a broken kernel did: half the values lost
+        tensor[::2] = 0
+
+    with pytest.raises(ConfigError, match=rf"^dp.sync={sync}: .* gave a wrong sum") as info:
+        check_dtype(sync, all_reduce=broken)
+    assert "\n" not in str(info.value)
