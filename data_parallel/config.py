@@ -14,7 +14,7 @@ from lab.config import (
 )
 
 ENGINES = ("ddp", "fsdp")
-SYNCS = ("ddp", "none", "fp16", "bf16", "powersgd")
+SYNCS = ("ddp", "none", "fp16", "bf16", "topk", "powersgd")
 MIXED_PRECISIONS = ("auto", "bf16", "none")
 
 
@@ -51,6 +51,9 @@ class DPConfig:
     settings); none, a no-op hook (each worker keeps its own gradients: not data-parallel
     training, the baseline bench/data_parallel_bench.py subtracts to find what communication
     costs). data_parallel/sync.py."""
+    topk_fraction: float = 0.01
+    """dp.sync=topk: the share of each bucket's entries a worker sends a step (the rest waits in
+    its error feedback)."""
     powersgd_rank: int = 4
     """PowerSGD's matrix approximation rank: each compressed gradient matrix n x m is sent as
     (n + m) x rank numbers."""
@@ -112,6 +115,8 @@ class DPConfig:
         check_choice("dp.engine", self.engine, ENGINES)
         check_choice("dp.sync", self.sync, SYNCS)
         check_fields_positive("dp", self, ("powersgd_rank", "powersgd_start_step"))
+        if not 0 < self.topk_fraction <= 1:
+            raise ValueError(f"dp.topk_fraction={self.topk_fraction} must be in (0, 1]")
         if self.powersgd_start_step < 2 and (
             self.powersgd_error_feedback or self.powersgd_warm_start
         ):

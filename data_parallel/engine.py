@@ -218,6 +218,10 @@ def wrap(
         ddp = DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
         if sync in ("ddp", "none"):
             ddp.register_comm_hook(timer, noop_hook if sync == "none" else summed_allreduce_hook)
+        elif sync == "topk":
+            from data_parallel import sync as syncs
+
+            ddp.register_comm_hook(syncs.TopK(dp.topk_fraction, timer), syncs.topk_hook)
         else:  # torch's own hooks (data_parallel.sync)
             from data_parallel import sync as syncs
 

@@ -7,6 +7,10 @@ each timed and counted in bytes like the plain all-reduce.
   all-reduced, cast back (half the bytes). Whether the installed gloo sums that dtype right is
   checked at start-up on the workers' own group (`check_dtype`), not assumed: bf16 on gloo has
   been broken in some torch releases.
+- `topk`: the k largest entries of each bucket's gradients plus what earlier steps did not
+  send (error feedback, lab.sparse), as int32 indices and fp32 values. Top-k is an
+  all-gather, not an all-reduce (workers keep different entries): each worker receives every
+  other's, so its bytes grow with the number of workers.
 - `powersgd`: torch's `powerSGD_hook` (Vogels et al. 2019): each large enough gradient matrix
   sent as two rank-r factors, with error feedback and warm start; plain all-reduce before
   `dp.powersgd_start_step`.
@@ -28,6 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from data_parallel.config import DPConfig
 from lab.cli import ConfigError
+from lab.sparse import sparse_with_feedback
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TORCH_HOOKS = {
@@ -80,6 +85,55 @@ def timed_torch_hook(
         return fut.value()
 
     return future.then(done)
+
+
+class TopK:
+    """The top-k hook's state: the fraction kept and, per parameter (DDP rebuilds its buckets
+    after the first step, so not per bucket), what has not been sent yet."""
+
+    def __init__(self, fraction: float, timer: Any) -> None:
+        self.fraction, self.timer = fraction, timer
+        self.world_size = dist.get_world_size()
+        self.residuals: dict[int, torch.Tensor] = {}
+        """id(parameter) -> its unsent gradient (flat, fp32)."""
+
+    def bucket_residual(self, bucket: dist.GradBucket) -> torch.Tensor:
+        parts = [self.residuals.get(id(p), torch.zeros(p.numel())) for p in bucket.parameters()]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def keep(self, bucket: dist.GradBucket, remaining: torch.Tensor) -> None:
+        offset = 0
+        for param in bucket.parameters():
+            self.residuals[id(param)] = remaining[offset : offset + param.numel()].clone()
+            offset += param.numel()
+
+
+def topk_hook(state: TopK, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the bucket's top-k (with error feedback) all-gathered, each
+    worker's entries summed into a dense bucket, timed."""
+    buffer = bucket.buffer()
+    indices, kept, remaining = sparse_with_feedback(
+        buffer.detach(), state.bucket_residual(bucket), fraction=state.fraction
+    )
+    state.keep(bucket, remaining)
+    world = state.world_size
+    all_indices = torch.empty(world * indices.numel(), dtype=indices.dtype)
+    all_values = torch.empty(world * kept.numel(), dtype=kept.dtype)
+    started = time.perf_counter()
+    gathered = torch.futures.collect_all([
+        dist.all_gather_single(all_indices, indices, async_op=True).get_future(),  # type: ignore[union-attr]
+        dist.all_gather_single(all_values, kept, async_op=True).get_future(),  # type: ignore[union-attr]
+    ])  # fmt: skip
+    nbytes = indices.numel() * 4 + kept.numel() * 4
+
+    def summed(_: Any) -> torch.Tensor:
+        dense = torch.zeros(buffer.numel(), dtype=torch.float32)
+        dense.index_add_(0, all_indices.long(), all_values)
+        # an all-gather over a ring: each worker sends its own part N-1 times onward
+        state.timer.record(started, time.perf_counter(), nbytes, wire_share=world - 1)
+        return dense.to(buffer.dtype).view_as(buffer)
+
+    return gathered.then(summed)
 
 
 def make_hook(dp: DPConfig, timer: Any) -> TimedTorchHook:

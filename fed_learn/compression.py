@@ -1,4 +1,5 @@
-"""Compressing adapter updates: top-k sparsification with error feedback, optional int8.
+"""Compressing adapter updates: top-k sparsification with error feedback, optional int8 (the
+tensor functions are lab.sparse's; the wire format is this module's).
 
 A client sends its update (delta from the global adapter) as the k largest-magnitude entries
 of each tensor; what it did not send is kept as a residual and added to its next update
@@ -18,28 +19,12 @@ from collections.abc import Mapping
 
 import torch
 
+from lab.sparse import quantize_int8, topk
 from netproto.errors import peer_text
 
 COMPRESSIONS = ("none", "topk", "topk_int8")
 MAX_PACKED = 2**31 - 1
 """Indices are int32: adapters up to 2^31 - 1 entries."""
-
-
-def topk(delta: torch.Tensor, *, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat int32 indices, float32 values) of the ceil(fraction * numel) largest |entries|."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction={fraction} must be in (0, 1]")
-    flat = delta.reshape(-1).float()
-    k = max(1, min(flat.numel(), int(-(-fraction * flat.numel() // 1))))
-    indices = flat.abs().topk(k, sorted=False).indices
-    return indices.to(torch.int32), flat[indices]
-
-
-def quantize_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8: values ~= q * scale with |error| <= scale / 2."""
-    peak = values.abs().max() if values.numel() else torch.tensor(0.0)
-    scale = (peak / 127.0).clamp_min(1e-12).float()
-    return (values / scale).round().clamp(-127, 127).to(torch.int8), scale.reshape(())
 
 
 def compress(

@@ -86,3 +86,17 @@ def test_a_backend_that_sums_a_dtype_wrong_is_refused_at_start_up(
     with pytest.raises(ConfigError, match=rf"^dp.sync={sync}: .* gave a wrong sum") as info:
         check_dtype(sync, all_reduce=broken)
     assert "\n" not in str(info.value)
+
+
+def test_topk_of_everything_is_the_plain_sum_and_of_a_twentieth_a_tenth_of_the_bytes(
+    dp_run: Run,
+) -> None:
+    reference = dp_run(*PAIR)
+    everything = dp_run(*PAIR, "dp.sync=topk", "dp.topk_fraction=1.0")
+    assert worst_relative(losses(everything), losses(reference)) < 1e-6
+    assert worst_relative(losses(everything, "grad_norm"), losses(reference, "grad_norm")) < 1e-6
+    sparse = dp_run(*PAIR, "dp.sync=topk", "dp.topk_fraction=0.05")
+    full = step_records(reference, "comm_bytes")[-1]["comm_bytes"]
+    sent = step_records(sparse, "comm_bytes")[-1]["comm_bytes"]
+    assert sent == pytest.approx(full / 10, rel=0.05)  # indices and values: 2 x 5%
+    assert worst_relative(losses(sparse), losses(reference)) < 0.1  # trains, not diverges

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fed_learn.compression import (
-    ErrorFeedback,
-    compress,
-    decompress,
-    quantize_int8,
-    topk,
-    wire_bytes,
-)
+from fed_learn.compression import ErrorFeedback, compress, decompress, wire_bytes
+from lab.sparse import quantize_int8, sparse_with_feedback, topk
 
 
 def test_topk_keeps_the_largest_magnitudes() -> None:
@@ -93,3 +87,14 @@ def test_decompress_refuses_a_scale_per_tensor_mismatch() -> None:
     }
     with pytest.raises(ValueError, match="scales for 2"):
         decompress(wire, method="topk_int8", shapes=SHAPES)
+
+
+def test_sparse_with_feedback_keeps_every_residual_exactly() -> None:
+    torch.manual_seed(0)
+    values, residual = torch.randn(1000), torch.randn(1000) * 0.1
+    indices, kept, remaining = sparse_with_feedback(values, residual, fraction=0.05)
+    sent = torch.zeros(1000)
+    sent[indices.long()] = kept
+    assert indices.numel() == 50
+    assert torch.equal(sent + remaining, values + residual)  # nothing lost, bit for bit
+    assert torch.all(remaining[indices.long()] == 0)
