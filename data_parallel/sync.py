@@ -121,8 +121,8 @@ def topk_hook(state: TopK, bucket: dist.GradBucket) -> torch.futures.Future[torc
     all_values = torch.empty(world * kept.numel(), dtype=kept.dtype)
     started = time.perf_counter()
     gathered = torch.futures.collect_all([
-        dist.all_gather_single(all_indices, indices, async_op=True).get_future(),  # type: ignore[union-attr]
-        dist.all_gather_single(all_values, kept, async_op=True).get_future(),  # type: ignore[union-attr]
+        dist.all_gather_single(all_indices, indices, async_op=True).get_future(),
+        dist.all_gather_single(all_values, kept, async_op=True).get_future(),
     ])  # fmt: skip
     nbytes = indices.numel() * 4 + kept.numel() * 4
 
@@ -159,7 +159,7 @@ def check_dtype(sync: str, all_reduce: Callable[[torch.Tensor], object] = dist.a
     rank, world = dist.get_rank(), dist.get_world_size()
     base = torch.linspace(0.5, 64.0, 257)
     values = (base * (rank + 1)).to(dtype)
-    expected = sum((base * (r + 1)).to(dtype).float() for r in range(world))
+    expected = torch.stack([(base * (r + 1)).to(dtype).float() for r in range(world)]).sum(0)
     all_reduce(values)
     # each addition may round once: world_size half-ulps of the dtype at most
     tolerance = world * torch.finfo(dtype).eps
