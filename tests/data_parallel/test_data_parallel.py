@@ -380,7 +380,7 @@ def test_a_rendezvous_that_never_answers_fails_within_the_join_timeout_naming_it
         ("dp.grad_clip=-1", "dp.grad_clip"),
         ("dp.join_timeout_s=0", "dp.join_timeout_s"),
         ("dp.mixed_precision=fp8", "dp.mixed_precision"),
-        ("dp.sync=powersgd", "dp.sync"),
+        ("dp.sync=pigeon", "dp.sync"),
         ("dp.last_call_s=0", "dp.last_call_s"),
     ],
 )
