@@ -53,6 +53,7 @@ from data_parallel.network import (
     holds_address,
     listening_store,
     probe_store,
+    unreachable,
 )
 from data_parallel.worker import JOB_ENV, train_worker, training_data
 from lab.cli import ConfigError, UserError
@@ -156,11 +157,7 @@ def run_agent(settings: DataParallelRunConfig) -> dict[str, float]:
         try:
             results = elastic_launch(config, train_worker)(settings, data)
         except RendezvousConnectionError:
-            raise RendezvousFailedError(
-                f"cannot reach the rendezvous at cluster.master={where} within "
-                f"dp.join_timeout_s={settings.dp.join_timeout_s}s: is the first host's "
-                "role=worker running, and its port open to this host?"
-            ) from None
+            raise unreachable(where, settings.dp.join_timeout_s) from None
         except RendezvousTimeoutError:
             raise RendezvousFailedError(
                 f"the rendezvous at cluster.master={where} did not fill within "

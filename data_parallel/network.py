@@ -101,9 +101,14 @@ def probe_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
             "the rendezvous (another service on that port?)"
         )
     if outcome["error"] is not None:
-        raise RendezvousFailedError(
-            f"cannot reach the rendezvous at cluster.master={where} within "
-            f"dp.join_timeout_s={timeout_s:g}s: is the first host's role=worker running, and "
-            "its port open to this host?"
-        )
+        raise unreachable(where, timeout_s)
     return stores[0]
+
+
+def unreachable(where: str, timeout_s: float) -> RendezvousFailedError:
+    """The one line for a rendezvous nobody answered at `where` within `timeout_s`."""
+    return RendezvousFailedError(
+        f"cannot reach the rendezvous at cluster.master={where} within "
+        f"dp.join_timeout_s={timeout_s:g}s: is the first host's role=worker running, and "
+        "its port open to this host?"
+    )
