@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 
 EXIT_USER_ERROR = 2
@@ -41,6 +43,12 @@ def full_errors() -> bool:
 def reported(*, interrupted: str = "interrupted; nothing of this run is kept") -> Iterator[None]:
     """Run a command's body: user errors become one line and exit 2, Ctrl-C prints
     `interrupted` and exits 130, bugs raise as they are."""
+    if threading.current_thread() is threading.main_thread():
+        # a command started as a shell's background job (`cmd &`, a script without job
+        # control) inherits SIGINT ignored, and Python keeps it so: `kill -INT` would then do
+        # nothing and the run would go on to its end. Ctrl-C's meaning holds however it started
+        # (and the roles it launches inherit the default, not the ignore).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if full_errors():
         yield
         return

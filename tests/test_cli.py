@@ -98,6 +98,9 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(
              "fed.centralized_baseline=false", f"paths.cache_dir={lab_cache}",
              f"hydra.run.dir={run_dir}"],
             stdout=subprocess.DEVNULL, stderr=err, text=True,
+            # as a shell's background job starts it (`cmd &`: SIGINT ignored, which Python
+            # keeps): `kill -INT` must still stop it as Ctrl-C does, however pytest was started
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )  # fmt: skip
     try:
         latest = run_dir / "coordinator" / "checkpoints" / "latest.json"
