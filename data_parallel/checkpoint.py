@@ -33,8 +33,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_optimizer_state_dict,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 from lab import atomic
@@ -43,6 +45,9 @@ from lab.cli import ConfigError
 log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
+RANK_STATE = "rank-{rank}.pt"
+"""A worker's own state beside DCP's files (top-k's residuals), read back with
+weights_only=True: tensors, never pickled objects."""
 META = "meta.json"
 KEEP = 2
 """Checkpoints kept (the newest); older ones are removed once a newer one is in place."""
@@ -72,9 +77,24 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    outer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """What a checkpoint holds. With DiLoCo's `outer` optimizer, each worker's inner optimizer
+    differs from the others': it is kept under the worker's rank (`optim-rank<r>`), the outer
+    one (the same on every worker) under `outer`."""
     weights, optim = get_state_dict(model, optimizer, options=OPTIONS)
-    return {"model": weights, "optim": optim}
+    if outer is None:
+        return {"model": weights, "optim": optim}
+    outer_state = get_optimizer_state_dict(model, outer, options=OPTIONS)
+    return {"model": weights, inner_key(): optim, "outer": outer_state}
+
+
+def inner_key(rank: int | None = None) -> str:
+    """Where a DiLoCo worker's own inner optimizer state is kept in a checkpoint."""
+    return f"optim-rank{dist.get_rank() if rank is None else rank}"
 
 
 def _broadcast(value: Any) -> Any:
@@ -91,16 +111,20 @@ def save(
     *,
     config: dict[str, Any],
     job: str = "",
+    outer: torch.optim.Optimizer | None = None,
+    rank_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Every worker's part of the model and optimizer at `position`, then `latest.json` (a
     collective: every rank calls it)."""
     final = directory / f"step-{position.step:06d}"
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, outer)
     with contextlib.ExitStack() as stack:
         staging = None
         if dist.get_rank() == 0:
             staging = stack.enter_context(atomic.staged_dir(final))
         folder = Path(_broadcast(None if staging is None else str(staging)))
+        if rank_state is not None:  # this worker's own (top-k's residuals): tensors only
+            torch.save(rank_state, folder / RANK_STATE.format(rank=dist.get_rank()))
         dcp.save(state, checkpoint_id=folder)
         dist.barrier()
         if staging is not None:
@@ -137,18 +161,39 @@ def job_of(folder: Path) -> str:
     return str(json.loads((folder / META).read_text()).get("job", ""))
 
 
-def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Position:
-    """Restore the model and optimizer from `folder`, resharded to this world; returns the
-    position it was saved at (a collective)."""
-    state = _state(model, optimizer)
+def load(
+    folder: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    outer: torch.optim.Optimizer | None = None,
+) -> Position:
+    """Restore the model and optimizer (and DiLoCo's outer one) from `folder`, resharded to
+    this world; returns the position it was saved at (a collective).
+
+    A DiLoCo worker whose rank did not exist when the checkpoint was written (it was written
+    by fewer workers) starts its inner optimizer afresh, and says so."""
+    state = _state(model, optimizer, outer)
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    tops = {key.split(".", 1)[0] for key in saved}
+    if ("outer" in tops) != (outer is not None):
+        written = "dp.sync=diloco" if "outer" in tops else "a dp.sync other than diloco"
+        raise ConfigError(
+            f"the checkpoint in {folder} was written with {written}: resume it with the dp.sync "
+            "it was trained with (DiLoCo keeps other optimizer state than DDP)"
+        )
+    own = inner_key() if outer is not None else "optim"
+    if own not in tops:
+        log.warning("rank %d: the checkpoint in %s has no inner optimizer state of this "
+                    "rank (written by fewer workers): starting it afresh", dist.get_rank(),
+                    folder)  # fmt: skip
+        del state[own]
     dcp.load(state, checkpoint_id=folder)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=LOAD_OPTIONS,
-    )
+    set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
+    if own in state:
+        set_optimizer_state_dict(model, optimizer, state[own], options=LOAD_OPTIONS)
+    if outer is not None:
+        set_optimizer_state_dict(model, outer, state["outer"], options=LOAD_OPTIONS)
     meta = json.loads((folder / META).read_text())
     return Position(
         step=int(meta["step"]),
@@ -156,6 +201,20 @@ def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
         tokens=int(meta["tokens"]),
         wall_s=float(meta["wall_s"]),
     )
+
+
+def load_rank_state(folder: Path) -> dict[str, torch.Tensor] | None:
+    """This worker's own state in the checkpoint at `folder` (None: it has none, e.g. the
+    checkpoint was written by fewer workers)."""
+    path = folder / RANK_STATE.format(rank=dist.get_rank())
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ConfigError(f"{path} is not a checkpoint's worker state (names to tensors)")
+    return state
 
 
 def check_shared(directory: Path) -> None:

@@ -14,7 +14,10 @@ from lab.config import (
 )
 
 ENGINES = ("ddp", "fsdp")
-SYNCS = ("ddp", "none", "fp16", "bf16", "topk", "powersgd")
+SYNCS = ("ddp", "none", "fp16", "bf16", "topk", "powersgd", "diloco", "auto")
+OPTIMIZERS = ("adamw", "sgd")
+PSEUDO_GRAD_DTYPES = ("fp32", "fp16", "int8")
+BALANCES = ("none", "tokens")
 MIXED_PRECISIONS = ("auto", "bf16", "none")
 
 
@@ -34,6 +37,24 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return bounds
 
 
+def parse_slow_worker(value: str) -> tuple[int, float] | None:
+    """`dp.slow_worker` as (rank, factor), None when empty; ValueError naming the key."""
+    text = str(value).strip()
+    if not text:
+        return None
+    rank, sep, factor = text.partition(":")
+    try:
+        parsed = (int(rank), float(factor))
+    except ValueError:
+        parsed = (-1, 0.0)
+    if not sep or parsed[0] < 0 or not 1.0 <= parsed[1] <= 100.0:
+        raise ValueError(
+            f"dp.slow_worker={value!r} must be RANK:FACTOR, RANK >= 0 and FACTOR in [1, 100] "
+            "(1:2 makes worker 1 take twice as long a micro-step)"
+        )
+    return parsed
+
+
 @dataclass
 class DPConfig:
     """How the replicas are launched, fed and kept in step."""
@@ -51,6 +72,24 @@ class DPConfig:
     settings); none, a no-op hook (each worker keeps its own gradients: not data-parallel
     training, the baseline bench/data_parallel_bench.py subtracts to find what communication
     costs). data_parallel/sync.py."""
+    inner_steps: int = 50
+    """dp.sync=diloco: H, the steps each worker takes on its own between two syncs of the
+    model (data_parallel/diloco.py)."""
+    outer_lr: float = 0.7
+    """dp.sync=diloco: the outer SGD's learning rate, applied to the averaged pseudo-gradient."""
+    outer_momentum: float = 0.9
+    """dp.sync=diloco: the outer SGD's momentum (Nesterov's when outer_nesterov; 0: plain SGD)."""
+    outer_nesterov: bool = True
+    pseudo_grad_dtype: str = "fp32"
+    """dp.sync=diloco: how the pseudo-gradient crosses: fp32, fp16 (half the bytes), int8 (one
+    scale per worker, all-gathered: its bytes grow with the workers)."""
+    balance: str = "none"
+    """none: every worker trains the same tokens a step; tokens: each worker's share follows its
+    measured speed (DiLoCo: its inner steps a round), the averages weighted by the tokens each
+    trained on, so a slow machine does not hold the others back."""
+    slow_worker: str = ""
+    """RANK:FACTOR: worker RANK takes FACTOR times as long a micro-step (it sleeps the
+    difference): an uneven pair of machines on one, to measure dp.balance with. "" = none."""
     topk_fraction: float = 0.01
     """dp.sync=topk: the share of each bucket's entries a worker sends a step (the rest waits in
     its error feedback)."""
@@ -73,6 +112,8 @@ class DPConfig:
     """Tokens per training sequence."""
     grad_accum_steps: int = 1
     """Micro-steps per optimizer step; gradients are synchronised on the last one only."""
+    optimizer: str = "adamw"
+    """The step's optimizer (DiLoCo's inner optimizer): adamw, or sgd (no momentum)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -114,6 +155,14 @@ class DPConfig:
         check_fields_positive("dp", self, ("max_train_blocks", "join_timeout_s", "last_call_s"))
         check_choice("dp.engine", self.engine, ENGINES)
         check_choice("dp.sync", self.sync, SYNCS)
+        check_choice("dp.optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("dp.pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
+        check_choice("dp.balance", self.balance, BALANCES)
+        check_fields_positive("dp", self, ("inner_steps", "outer_lr"))
+        check_positive("dp.outer_momentum", self.outer_momentum, allow_zero=True)
+        if self.outer_momentum >= 1:
+            raise ValueError(f"dp.outer_momentum={self.outer_momentum} must be below 1")
+        parse_slow_worker(self.slow_worker)
         check_fields_positive("dp", self, ("powersgd_rank", "powersgd_start_step"))
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"dp.topk_fraction={self.topk_fraction} must be in (0, 1]")
@@ -125,7 +174,15 @@ class DPConfig:
                 "feedback or warm start (DDP rebuilds its buckets after the first step)"
             )
         if self.sync != "ddp" and self.engine != "ddp":
-            raise ValueError(f"dp.sync={self.sync} is for dp.engine=ddp (DDP's communication hook)")
+            raise ValueError(
+                f"dp.sync={self.sync} is for dp.engine=ddp (DDP's communication hooks; DiLoCo "
+                "keeps a whole replica on every worker)"
+            )
+        if self.balance == "tokens" and self.sync not in ("diloco", "auto"):
+            raise ValueError(
+                f"dp.balance=tokens is for dp.sync=diloco (or auto): with dp.sync={self.sync} "
+                "every step waits for every worker's gradients"
+            )
         check_choice("dp.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.block_size < 2:
             raise ValueError(f"dp.block_size={self.block_size} must be >= 2")

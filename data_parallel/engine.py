@@ -207,6 +207,8 @@ def wrap(
 ) -> torch.nn.Module:
     """`model` under DDP or FSDP2 (each decoder layer its own unit, then the root), gradients
     summed across workers and every collective timed."""
+    if engine == "ddp" and sync == "diloco":  # every worker trains its own replica, apart
+        return model
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -221,7 +223,10 @@ def wrap(
         elif sync == "topk":
             from data_parallel import sync as syncs
 
-            ddp.register_comm_hook(syncs.TopK(dp.topk_fraction, timer), syncs.topk_hook)
+            names = {id(p): name for name, p in model.named_parameters()}
+            state = syncs.TopK(dp.topk_fraction, timer, names)
+            ddp.register_comm_hook(state, syncs.topk_hook)
+            ddp.lab_hook_state = state  # its residuals go into the checkpoints
         else:  # torch's own hooks (data_parallel.sync)
             from data_parallel import sync as syncs
 
@@ -250,7 +255,10 @@ def micro_step(model: torch.nn.Module, *, engine: str, sync: bool) -> Iterator[N
     """One micro-step's forward and backward; gradients are synchronised only when `sync` (the
     step's last micro-step): the others accumulate locally, without communication."""
     if engine == "ddp":
-        with contextlib.nullcontext() if sync else model.no_sync():  # type: ignore[operator]
+        if sync or not hasattr(model, "no_sync"):  # no DDP wrapper (DiLoCo): nothing to skip
+            yield
+            return
+        with model.no_sync():  # type: ignore[operator]
             yield
         return
     model.set_requires_gradient_sync(sync)  # type: ignore[operator]

@@ -9,6 +9,7 @@ and when it is done copies its records into this run's metrics, W&B run and fina
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -91,12 +92,32 @@ def check_resume(settings: DataParallelRunConfig) -> None:
             f"dp.resume=true, but there is no checkpoint at {folder / LATEST}: point "
             "hydra.run.dir (or dp.checkpoint_dir) at the run to resume"
         )
+    written = checkpoint_sync(folder)
+    if (written == "diloco") != (settings.dp.sync == "diloco") and settings.dp.sync != "auto":
+        raise ConfigError(
+            f"the checkpoint in {folder} was written with dp.sync={written}, whose optimizer "
+            f"state dp.sync={settings.dp.sync} does not keep (DiLoCo's outer and per-worker "
+            f"inner state, or one shared optimizer): resume it with dp.sync={written}"
+        )
     if step >= settings.dp.steps:
         raise ConfigError(
             f"nothing left to train: the checkpoint in {folder} is at step {step} and "
             f"dp.steps={settings.dp.steps}; to train further, resume with dp.steps={step + 20} "
             "(or any number above the checkpoint's step)"
         )
+
+
+def checkpoint_sync(folder: Path) -> str:
+    """The dp.sync of the run that wrote the newest checkpoint in `folder`."""
+    import json
+
+    from data_parallel.checkpoint import META, latest
+
+    newest = latest(folder)
+    if newest is None:
+        return "ddp"
+    meta = json.loads((newest / META).read_text())
+    return str(meta.get("config", {}).get("dp", {}).get("sync", "ddp"))
 
 
 def _agent_settings(settings: DataParallelRunConfig) -> DataParallelRunConfig:

@@ -88,34 +88,52 @@ def timed_torch_hook(
 
 
 class TopK:
-    """The top-k hook's state: the fraction kept and, per parameter (DDP rebuilds its buckets
-    after the first step, so not per bucket), what has not been sent yet."""
+    """The top-k hook's state: the fraction kept and, per parameter (by name), what has not
+    been sent yet. Top-k is taken per parameter, not per bucket: DDP rebuilds its buckets after
+    the first step (and again after a restart), so a per-bucket choice would change with them."""
 
-    def __init__(self, fraction: float, timer: Any) -> None:
-        self.fraction, self.timer = fraction, timer
+    def __init__(self, fraction: float, timer: Any, names: dict[int, str]) -> None:
+        self.fraction, self.timer, self.names = fraction, timer, names
         self.world_size = dist.get_world_size()
-        self.residuals: dict[int, torch.Tensor] = {}
-        """id(parameter) -> its unsent gradient (flat, fp32)."""
+        self.residuals: dict[str, torch.Tensor] = {}
+        """parameter name -> its unsent gradient (flat, fp32)."""
 
-    def bucket_residual(self, bucket: dist.GradBucket) -> torch.Tensor:
-        parts = [self.residuals.get(id(p), torch.zeros(p.numel())) for p in bucket.parameters()]
-        return torch.cat(parts) if parts else torch.zeros(0)
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What this worker has not sent yet (its checkpoint's part: each worker's differs)."""
+        return {name: value.clone() for name, value in self.residuals.items()}
 
-    def keep(self, bucket: dist.GradBucket, remaining: torch.Tensor) -> None:
-        offset = 0
-        for param in bucket.parameters():
-            self.residuals[id(param)] = remaining[offset : offset + param.numel()].clone()
-            offset += param.numel()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = {name: value.float().clone() for name, value in state.items()}
+
+
+def compress_bucket(
+    buffer: torch.Tensor,
+    parts: list[tuple[str, int]],
+    residuals: dict[str, torch.Tensor],
+    fraction: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each parameter's top-k of its gradient plus its residual, for a bucket laid out as
+    `parts` ((name, numel), in order): (indices into the bucket, values). `residuals` is updated
+    in place so that the sent values laid out at their indices, plus the new residuals, are the
+    gradients plus the old residuals exactly."""
+    all_indices, all_values, offset = [], [], 0
+    for name, numel in parts:
+        grad = buffer[offset : offset + numel]
+        previous = residuals.get(name, torch.zeros(numel))
+        indices, kept, remaining = sparse_with_feedback(grad.detach(), previous, fraction=fraction)
+        residuals[name] = remaining
+        all_indices.append(indices + offset)
+        all_values.append(kept)
+        offset += numel
+    return torch.cat(all_indices), torch.cat(all_values)
 
 
 def topk_hook(state: TopK, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the bucket's top-k (with error feedback) all-gathered, each
+    """DDP communication hook: each parameter's top-k (with error feedback) all-gathered, each
     worker's entries summed into a dense bucket, timed."""
     buffer = bucket.buffer()
-    indices, kept, remaining = sparse_with_feedback(
-        buffer.detach(), state.bucket_residual(bucket), fraction=state.fraction
-    )
-    state.keep(bucket, remaining)
+    parts = [(state.names.get(id(p), str(id(p))), p.numel()) for p in bucket.parameters()]
+    indices, kept = compress_bucket(buffer, parts, state.residuals, state.fraction)
     world = state.world_size
     all_indices = torch.empty(world * indices.numel(), dtype=indices.dtype)
     all_values = torch.empty(world * kept.numel(), dtype=kept.dtype)

@@ -28,8 +28,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from data_parallel import checkpoint, engine
 from data_parallel.checkpoint import Position
-from data_parallel.config import DataParallelRunConfig, DPConfig
+from data_parallel.config import DataParallelRunConfig, DPConfig, parse_slow_worker
 from data_parallel.data import Stream, gather_blocks, global_batch, rank_micro_batches
+from data_parallel.diloco import DiLoCo
 from data_parallel.manifest import TRACE_FILE
 from data_parallel.network import listening_store
 from lab import redact
@@ -167,6 +168,58 @@ class StepResult:
     the step began."""
     trace: list[list[float]] = field(default_factory=list)
     """Its collectives: [launched, completed] ms after the step began, and bytes."""
+    worker_loss: float = float("nan")
+    """DiLoCo: this worker's own loss on its last inner step (`loss` is the global one, at
+    syncs only)."""
+
+
+@dataclass
+class Window:
+    """What one worker trained since DiLoCo's last sync."""
+
+    steps: int = 0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    """Predicted tokens (block_size - 1 a block), the loss's divisor and the sync's weight."""
+    blocks: int = 0
+    seconds: float = 0.0
+    last_loss: float = float("nan")
+
+    def add(self, loss_sum: float, tokens: int, blocks: int, seconds: float) -> None:
+        self.steps += 1
+        self.loss_sum += loss_sum
+        self.tokens += tokens
+        self.blocks += blocks
+        self.seconds += seconds
+        self.last_loss = loss_sum / tokens
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / self.steps if self.steps else 0.0
+
+
+def balanced_inner_steps(seconds_per_step: list[float], inner_steps: int, rank: int) -> int:
+    """dp.balance=tokens: `rank`'s inner steps for the next round, so that every worker reaches
+    the sync when the fastest has taken `inner_steps`: its share is the fastest worker's step
+    time over its own (at least one step)."""
+    measured = [s for s in seconds_per_step if s > 0]
+    own = seconds_per_step[rank]
+    if not measured or own <= 0:
+        return inner_steps
+    return max(1, min(inner_steps, round(inner_steps * min(measured) / own)))
+
+
+def due(every: int, since: int, step: int, total: int) -> bool:
+    """Whether something done every `every` steps (0: never; and at the last step) fell due
+    in the steps after `since` up to `step`."""
+    return every > 0 and (step // every > since // every or step == total)
+
+
+def make_optimizer(dp: DPConfig, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """dp.optimizer: AdamW, or SGD without momentum (DiLoCo's inner optimizer, or DDP's)."""
+    if dp.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=dp.lr, weight_decay=dp.weight_decay)
+    return torch.optim.AdamW(parameters, lr=dp.lr, weight_decay=dp.weight_decay)
 
 
 class Trainer:
@@ -184,17 +237,56 @@ class Trainer:
         self.world, self.device = world, device
         self.autocast = autocast_bf16(self.dp, device)
         self.timer = engine.CommTimer(world.world_size)
-        self.model = engine.wrap(self._load_model(), engine=self.dp.engine, device=device,
+        model = self._load_model()
+        self.stream = Stream(len(data.train), seed=settings.seed)
+        if self.dp.sync == "auto":
+            self._choose_sync(model)
+        self.model = engine.wrap(model, engine=self.dp.engine, device=device,
                                  timer=self.timer, sync=self.dp.sync, dp=self.dp)  # fmt: skip
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.parameters, lr=self.dp.lr, weight_decay=self.dp.weight_decay
-        )
-        self.stream = Stream(len(data.train), seed=settings.seed)
+        self.optimizer = make_optimizer(self.dp, self.parameters)
+        self.outer: DiLoCo | None = None
+        self.window = Window()
+        self.inner_steps = self.dp.inner_steps
+        """This worker's inner steps in the current DiLoCo round (dp.balance=tokens: its speed's
+        share of dp.inner_steps)."""
+        self.slow = parse_slow_worker(self.dp.slow_worker)
+        self.round_steps = 0
+        if self.dp.sync == "diloco":
+            for param in self.parameters:  # one start for every replica, as DDP's broadcast
+                dist.broadcast(param.data, src=0)
+            self.outer = DiLoCo(self.parameters, lr=self.dp.outer_lr,
+                                momentum=self.dp.outer_momentum, nesterov=self.dp.outer_nesterov,
+                                wire=self.dp.pseudo_grad_dtype, timer=self.timer)  # fmt: skip
         self.checkpoints = checkpoint_dir(settings)
         self.position = Position()
         self.restarts = 0
-        self.config = redact.redact_config(asdict(settings))
+        self.config = redact.redact_config(asdict(self.settings))
+
+    def _choose_sync(self, model: torch.nn.Module) -> None:
+        """dp.sync=auto: measure the link and a step's compute, take the method the cost model
+        predicts reaches DDP's loss first (data_parallel.autosync), say why in one line."""
+        from data_parallel import autosync
+
+        dp, world = self.dp, self.world
+        first = rank_micro_batches(self.stream, 0, rank=world.rank, world_size=world.world_size,
+                                   batch_size=dp.batch_size, accum=dp.grad_accum_steps)  # fmt: skip
+
+        def compute_step() -> None:  # forward and backward of a step; the weights untouched
+            for indices in first:
+                ids = gather_blocks(self.data.train, indices).to(self.device)
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+                    logits = model(input_ids=ids, use_cache=False).logits
+                next_token_loss(logits, ids, reduction="mean").backward()
+            model.zero_grad(set_to_none=True)
+
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        sync, inner, reason = autosync.decide(world.world_size, numel, compute_step,
+                                              topk_fraction=dp.topk_fraction)  # fmt: skip
+        self.dp = replace(dp, sync=sync, inner_steps=inner or dp.inner_steps)
+        self.settings = replace(self.settings, dp=self.dp)
+        if world.rank == 0:
+            log.info("%s", reason)
 
     def _load_model(self) -> torch.nn.Module:
         """The same weights on every worker: the configured model, in fp32 (`auto`; bf16 comes
@@ -219,8 +311,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
+    def _slow_down(self, seconds: float) -> None:
+        """dp.slow_worker: this worker takes FACTOR times as long as it did."""
+        if self.slow is not None and self.slow[0] == self.world.rank:
+            time.sleep((self.slow[1] - 1.0) * seconds)
+
     def step(self) -> StepResult:
         """One optimizer step over the next global batch of the stream."""
+        if self.outer is not None:
+            return self.step_apart()
         dp, world = self.dp, self.world
         micro = rank_micro_batches(
             self.stream,
@@ -239,12 +338,14 @@ class Trainer:
         for index, indices in enumerate(micro):
             ids = gather_blocks(self.data.train, indices).to(self.device)  # (b, T)
             last = index == len(micro) - 1
+            computing = time.perf_counter()
             with engine.micro_step(self.model, engine=dp.engine, sync=last):
                 with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
                     logits = self.model(input_ids=ids, use_cache=False).logits  # (b, T, V)
                 token_sum = next_token_loss(logits, ids, reduction="sum")
                 (token_sum / global_tokens).backward()
             synced = time.perf_counter()
+            self._slow_down(synced - computing)
             local_sum += token_sum.detach().double()
         grad_norm = engine.clip_gradients(self.parameters, dp.grad_clip)
         self.optimizer.step()
@@ -263,6 +364,77 @@ class Trainer:
                           self.timer.wire_bytes, self.timer.collectives,
                           synced_ms=(synced - started) * 1e3,
                           trace=self.timer.trace(started))  # fmt: skip
+
+    def sync_due(self, step: int) -> bool:
+        """DiLoCo syncs every dp.inner_steps steps, and at the last."""
+        return step % self.dp.inner_steps == 0 or step == self.dp.steps
+
+    def step_apart(self) -> StepResult:
+        """One DiLoCo inner step on this worker's own slice of the step's global batch (no
+        communication), and at a round's end the sync (data_parallel.diloco)."""
+        dp, world, outer = self.dp, self.world, self.outer
+        assert outer is not None
+        micro = rank_micro_batches(self.stream, self.position.blocks, rank=world.rank,
+                                   world_size=world.world_size, batch_size=dp.batch_size,
+                                   accum=dp.grad_accum_steps)  # fmt: skip
+        local_tokens = dp.batch_size * dp.grad_accum_steps * (dp.block_size - 1)
+        self.timer.reset()
+        started = time.perf_counter()
+        grad_norm = float("nan")
+        if self.window.steps < self.inner_steps:  # dp.balance=tokens: its share done, it waits
+            local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+            for indices in micro:
+                ids = gather_blocks(self.data.train, indices).to(self.device)  # (b, T)
+                computing = time.perf_counter()
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+                    logits = self.model(input_ids=ids, use_cache=False).logits  # (b, T, V)
+                token_sum = next_token_loss(logits, ids, reduction="sum")
+                (token_sum / local_tokens).backward()
+                local_sum += token_sum.detach().double()
+                self._slow_down(time.perf_counter() - computing)
+            grad_norm = engine.clip_gradients(self.parameters, dp.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.window.add(float(local_sum), local_tokens, len(micro) * dp.batch_size,
+                            time.perf_counter() - started)  # fmt: skip
+        blocks = global_batch(world.world_size, dp.batch_size, dp.grad_accum_steps)
+        step = self.position.step + 1
+        loss, worker_loss = float("nan"), self.window.last_loss
+        tokens = self.position.tokens
+        synced = time.perf_counter()
+        if self.sync_due(step):
+            loss, trained_blocks = self._sync()
+            tokens += trained_blocks * dp.block_size
+            synced = time.perf_counter()
+        step_ms = (time.perf_counter() - started) * 1e3
+        self.position = Position(step=step, blocks=self.position.blocks + blocks, tokens=tokens,
+                                 wall_s=self.position.wall_s + step_ms / 1e3)  # fmt: skip
+        result = StepResult(loss, grad_norm, step_ms, min(self.timer.in_flight_s() * 1e3, step_ms),
+                            self.timer.collective_bytes, self.timer.wire_bytes,
+                            self.timer.collectives, synced_ms=(synced - started) * 1e3,
+                            trace=self.timer.trace(started))  # fmt: skip
+        result.worker_loss = worker_loss
+        return result
+
+    def _sync(self) -> tuple[float, int]:
+        """The round's end: the outer step on the averaged pseudo-gradient (weighted by each
+        worker's tokens), the round's global loss, and (dp.balance=tokens) each worker's inner
+        steps for the next round from the speeds every worker reports. Returns (the round's mean
+        loss over every worker's tokens, the blocks every worker trained on together)."""
+        dp, world, window = self.dp, self.world, self.window
+        assert self.outer is not None
+        speeds = torch.zeros(world.world_size, dtype=torch.float64)
+        speeds[world.rank] = window.seconds_per_step
+        extras = torch.cat([torch.tensor([window.loss_sum, window.tokens, window.blocks],
+                                         dtype=torch.float64), speeds])  # fmt: skip
+        summed, _ = self.outer.sync(float(window.tokens), extras)
+        loss = float(summed[0] / summed[1]) if summed[1] > 0 else float("nan")
+        self.round_steps = window.steps
+        if dp.balance == "tokens":
+            self.inner_steps = balanced_inner_steps(summed[3:].tolist(), dp.inner_steps,
+                                                    world.rank)  # fmt: skip
+        self.window = Window()
+        return loss, int(summed[2])
 
     def evaluate(self) -> float:
         """Mean next-token loss on the held-out blocks; every worker computes it on the same
@@ -287,14 +459,32 @@ class Trainer:
                 log.warning("restart %d: no checkpoint of this job yet in %s, starting over",
                             self.world.restart, self.checkpoints)  # fmt: skip
             return False
-        self.position = checkpoint.load(folder, self.model, self.optimizer)
+        self.position = checkpoint.load(folder, self.model, self.optimizer, outer=self._outer_opt())
+        hook = getattr(self.model, "lab_hook_state", None)
+        if hook is not None:
+            own = checkpoint.load_rank_state(folder)
+            if own is None:
+                log.warning("rank %d: no top-k residuals of this rank in %s (written by fewer "
+                            "workers): they start at zero", self.world.rank, folder)  # fmt: skip
+            else:
+                hook.load_state_dict(own)
+        if self.outer is not None:
+            self.outer.reset_anchor()  # a DiLoCo checkpoint is written at a sync
         log.info("resumed from step %d (%s), %d workers", self.position.step, folder,
                  self.world.world_size)  # fmt: skip
         return ours and not self.dp.resume
 
     def save(self) -> None:
         checkpoint.save(self.checkpoints, self.model, self.optimizer, self.position,
-                        config=self.config, job=self.world.job)  # fmt: skip
+                        config=self.config, job=self.world.job, outer=self._outer_opt(),
+                        rank_state=self._rank_state())  # fmt: skip
+
+    def _rank_state(self) -> dict[str, torch.Tensor] | None:
+        hook = getattr(self.model, "lab_hook_state", None)
+        return None if hook is None else hook.state_dict()
+
+    def _outer_opt(self) -> torch.optim.Optimizer | None:
+        return None if self.outer is None else self.outer.outer
 
     def run(self) -> dict[str, float]:
         dp, world = self.dp, self.world
@@ -321,6 +511,7 @@ class Trainer:
             with progress:
                 task = progress.add_task("train", total=dp.steps, completed=self.position.step,
                                          loss="-")  # fmt: skip
+                last_sync = self.position.step
                 while self.position.step < dp.steps:
                     result = self.step()
                     results.append(result)
@@ -328,13 +519,20 @@ class Trainer:
                     if tracker is not None:
                         tracker.log(self._record(result), step=step)
                         self._trace(result, step)
-                    progress.update(task, completed=step, loss=f"{result.loss:.3f}")
-                    if dp.eval_every and (step % dp.eval_every == 0 or step == dp.steps):
+                    shown = result.loss if result.loss == result.loss else result.worker_loss
+                    progress.update(task, completed=step, loss=f"{shown:.3f}")
+                    at_sync = self.outer is None or self.sync_due(step)
+                    # DiLoCo: the global model exists at syncs only; they take what fell due
+                    since = last_sync
+                    if at_sync:
+                        last_sync = step
+                    if at_sync and due(dp.eval_every, since, step, dp.steps):
                         val_loss = self.evaluate()
                         if tracker is not None:
                             tracker.log({"val_loss": val_loss}, step=step)
-                    every = dp.checkpoint_every
-                    if (every and step % every == 0) or step == dp.steps:
+                    if at_sync and (
+                        due(dp.checkpoint_every, since, step, dp.steps) or step == dp.steps
+                    ):
                         self.save()
             metrics = self._summary(results, val_loss)
             if tracker is not None:
@@ -350,6 +548,19 @@ class Trainer:
             out.write(json.dumps(line) + "\n")
 
     def _record(self, result: StepResult) -> dict[str, Any]:
+        record = self._step_record(result)
+        if self.outer is None:
+            return record
+        # DiLoCo: the global loss exists at syncs; between them, this worker's own
+        record["worker_loss"] = result.worker_loss
+        for key in ("loss", "grad_norm", "worker_loss"):
+            if record[key] != record[key]:  # NaN: not computed this step
+                del record[key]
+        if "loss" in record:
+            record["inner_steps"] = self.round_steps
+        return record
+
+    def _step_record(self, result: StepResult) -> dict[str, Any]:
         return {
             "loss": result.loss,
             "grad_norm": result.grad_norm,
@@ -370,13 +581,21 @@ class Trainer:
         timed = results[1:] or results
         if not timed:  # restarted after the last step's checkpoint: nothing left to measure
             return {"steps": float(self.position.step), "restarts": float(self.restarts)}
-        step_ms = statistics.median(r.step_ms for r in timed)
-        comm_ms = statistics.median(r.comm_ms for r in timed)
+        # DiLoCo's steps are uneven (a sync every dp.inner_steps): its means, DDP's medians
+        middle = statistics.median if self.outer is None else statistics.fmean
+        step_ms = middle(r.step_ms for r in timed)
+        comm_ms = middle(r.comm_ms for r in timed)
         tokens = global_batch(self.world.world_size, self.dp.batch_size,
                               self.dp.grad_accum_steps) * self.dp.block_size  # fmt: skip
+        synced = [r for r in results if r.loss == r.loss]
+        extra = {}
+        if self.outer is not None:
+            extra = {"inner_steps": float(self.dp.inner_steps), "syncs": float(len(synced)),
+                     "comm_bytes": sum(r.comm_bytes for r in timed) / len(timed),
+                     "wire_bytes": sum(r.wire_bytes for r in timed) / len(timed)}  # fmt: skip
         return {
-            "final_loss": results[-1].loss,
-            "first_loss": results[0].loss,
+            "final_loss": synced[-1].loss if synced else float("nan"),
+            "first_loss": synced[0].loss if synced else float("nan"),
             **({"val_loss": val_loss} if self.dp.eval_every else {}),
             "tokens_per_s": tokens * len(timed) / (sum(r.step_ms for r in timed) / 1e3),
             "step_ms": step_ms,
@@ -389,4 +608,6 @@ class Trainer:
             "workers": float(self.world.world_size),
             "steps": float(self.position.step),
             "restarts": float(self.restarts),
+            "sent_bytes": float(sum(r.wire_bytes for r in results)),
+            **extra,
         }

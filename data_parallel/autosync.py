@@ -1,0 +1,143 @@
+"""`dp.sync=auto`: measure the link and the step, predict each method's time to a loss, pick.
+
+At start-up, before training, every worker takes part in:
+- the link: a one-element all-reduce (what the ring's delays cost: 2(N-1) one-way delays) and
+  a 1 MiB one (the same delays plus the bytes' time), a few times each, the fastest kept;
+- the compute: a training step of this worker's batch without communication, twice (the first
+  warms up), on a copy of the model that is then thrown away.
+
+From those, the cost model (data_parallel.manifest's all-reduce on a link) predicts each
+method's step and multiplies it by the steps that method needs to reach the loss DDP reaches
+(STEPS_TO_LOSS, measured by bench/low_comm_bench.py: DiLoCo and the compressed methods learn
+less a step). The fastest is chosen on rank 0 and sent to every worker, and printed in one line
+with its reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lab.linkmodel import Link
+
+STEPS_TO_LOSS: dict[str, float] = {
+    "ddp": 1.0,
+    "powersgd": 1.25,
+    "topk": 1.5,
+    "diloco:10": 1.25,
+    "diloco:50": 1.6,
+}
+"""Steps each method needs, over DDP's, to reach DDP's validation loss at the same tokens a step
+(the default tiny model, 3 workers, data_parallel's default batch): `python
+bench/low_comm_bench.py` prints them (`steps to DDP's loss / DDP's steps`) from its 1 Gbit/s
+runs, where the link costs least. Methods missing from a run's table are not candidates."""
+
+PROBE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Measured:
+    one_way_s: float
+    rate_bps: float
+    """Bits per second each worker's link carries (from the large all-reduce)."""
+    compute_s: float
+    """One training step's compute, without communication."""
+    numel: int
+    """Trainable parameters (what DDP all-reduces a step, in fp32)."""
+    workers: int
+
+    @property
+    def link(self) -> Link:
+        return Link(one_way_s=self.one_way_s, rate_bps=self.rate_bps)
+
+
+def measure_link(workers: int, repeats: int = 5) -> tuple[float, float]:
+    """(one-way delay s, rate bits/s) from timed all-reduces among the group (a collective)."""
+
+    def fastest(numel: int) -> float:
+        buffer = torch.zeros(numel)
+        dist.all_reduce(buffer)  # warm-up: the connections and buffers
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            started = time.perf_counter()
+            dist.all_reduce(buffer)
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    small = fastest(1)
+    large = fastest(PROBE_BYTES // 4)
+    # one element: 2(N-1) one-way delays; the large one adds its bytes' time on the wire
+    one_way = small / (2 * (workers - 1))
+    # a large all-reduce on a slow link: 2 delays a ring step plus its bytes' time
+    # (data_parallel.manifest.allreduce_on_link_ms)
+    wire_s = max(large - 2 * 2 * (workers - 1) * one_way, 1e-6)
+    sent_bits = 8 * PROBE_BYTES * 2 * (workers - 1) / workers
+    return one_way, sent_bits / wire_s
+
+
+def predict_step_s(method: str, measured: Measured, *, topk_fraction: float = 0.01,
+                   powersgd_ratio: float = 0.1) -> float:  # fmt: skip
+    """One step of `method` on the measured link: the compute plus what crosses, all-reduces
+    at the cost model's price (no overlap with the backward assumed: an upper bound)."""
+    from data_parallel.manifest import allreduce_on_link_ms
+
+    n, link, compute = measured.workers, measured.link, measured.compute_s
+    full = 4.0 * measured.numel
+    if n == 1:
+        return compute
+    if method == "ddp":
+        return compute + allreduce_on_link_ms(full, n, link) / 1e3
+    if method == "powersgd":  # two factor all-reduces (P, then Q): two rings' delays
+        return compute + 2 * allreduce_on_link_ms(full * powersgd_ratio / 2, n, link) / 1e3
+    if method == "topk":  # indices and values all-gathered: N-1 ring steps, each part N-1 times
+        sent = 8.0 * topk_fraction * measured.numel * (n - 1)
+        return compute + 2 * (n - 1) * 3 * link.one_way_s + link.serialize_s(sent)
+    name, _, h = method.partition(":")
+    if name == "diloco":
+        return compute + allreduce_on_link_ms(full, n, link) / 1e3 / int(h)
+    raise ValueError(f"no cost model for {method!r}")
+
+
+def choose(measured: Measured, **options: float) -> tuple[str, int | None, str]:
+    """(dp.sync, dp.inner_steps or None, the one-line reason): the method with the shortest
+    predicted time to DDP's loss."""
+    predicted = {
+        method: predict_step_s(method, measured, **options) * factor
+        for method, factor in STEPS_TO_LOSS.items()
+    }
+    best = min(predicted, key=predicted.__getitem__)
+    sync, _, h = best.partition(":")
+    ranking = ", ".join(f"{m} {1e3 * t:.0f}" for m, t in sorted(predicted.items(),
+                                                                 key=lambda kv: kv[1]))  # fmt: skip
+    reason = (
+        f"dp.sync=auto chose {best}: link {1e3 * measured.one_way_s:.1f} ms one-way, "
+        f"{measured.rate_bps / 1e6:.0f} Mbit/s, compute {1e3 * measured.compute_s:.0f} ms a step, "
+        f"{measured.numel / 1e6:.2f} M parameters; predicted ms per DDP-step of progress: "
+        f"{ranking}"
+    )
+    return sync, int(h) if h else None, reason
+
+
+def decide(
+    workers: int, numel: int, compute_step: Callable[[], None], **options: float
+) -> tuple[str, int | None, str]:
+    """Measure (a collective: every worker calls it) and choose on rank 0; every worker gets
+    rank 0's choice."""
+    one_way, rate = measure_link(workers)
+    times = []
+    for _ in range(2):
+        started = time.perf_counter()
+        compute_step()
+        times.append(time.perf_counter() - started)
+    compute = torch.tensor([times[-1]], dtype=torch.float64)
+    dist.all_reduce(compute, op=dist.ReduceOp.MAX)  # the slowest worker sets the pace
+    measured = Measured(one_way, rate, float(compute), numel, workers)
+    box = [choose(measured, **options) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]

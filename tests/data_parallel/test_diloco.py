@@ -1,0 +1,129 @@
+"""dp.sync=diloco: DDP's special case where it must be, communication at syncs only, its outer
+state through a resume, and uneven machines balanced by their measured speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from data_parallel.config import DataParallelRunConfig
+from data_parallel.manifest import step_records
+from data_parallel.worker import balanced_inner_steps, due
+from lab.config import to_settings
+
+from .conftest import Run, compose_dp, losses, worst_relative
+
+PAIR = ("dp.workers=2", "dp.batch_size=2", "dp.grad_accum_steps=1")
+SGD = ("dp.optimizer=sgd", "dp.lr=0.5", "dp.grad_clip=0")
+"""Plain SGD with a step large enough that the losses move (so an equality means something);
+no clipping (DiLoCo clips each worker's own gradients, DDP the sum)."""
+AS_DDP = ("dp.sync=diloco", "dp.inner_steps=1", "dp.outer_lr=1", "dp.outer_momentum=0")
+DILOCO = ("dp.sync=diloco", "dp.inner_steps=5")
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_one_inner_sgd_step_and_a_plain_outer_step_is_ddp_with_sgd(
+    dp_run: Run, workers: int
+) -> None:
+    """H = 1, inner SGD, outer lr 1 and momentum 0: the averaged pseudo-gradient is lr times
+    the averaged gradient, so every step is DDP's, loss for loss."""
+    shape = (f"dp.workers={workers}", *PAIR[1:])
+    ddp, diloco = losses(dp_run(*shape, *SGD)), losses(dp_run(*shape, *SGD, *AS_DDP))
+    assert sorted(diloco) == list(range(1, 11))
+    assert worst_relative(diloco, ddp) < 1e-5
+    # the steps moved the model (the same batches, barely trained, lose otherwise), so the
+    # equality is not one of two runs that did nothing
+    frozen = losses(dp_run(*shape, *SGD[:1], "dp.lr=1e-9", *SGD[2:]))
+    assert worst_relative(ddp, frozen) > 1e-2
+
+
+def test_diloco_communicates_at_its_syncs_only_and_trains(dp_run: Run) -> None:
+    run = dp_run(*PAIR, *DILOCO)
+    sent = {int(r["step"]): r["comm_bytes"] for r in step_records(run, "comm_bytes")}
+    assert [s for s, b in sorted(sent.items()) if b > 0] == [5, 10]
+    numel = sent[5] / 4  # the fp32 pseudo-gradient, and a few fp64 numbers
+    assert sorted(losses(run)) == [5, 10]
+    assert losses(run)[10] < losses(run)[5]
+    half = dp_run(*PAIR, *DILOCO, "dp.pseudo_grad_dtype=fp16")
+    half_sent = step_records(half, "comm_bytes")[4]["comm_bytes"]
+    assert half_sent == pytest.approx(numel * 2, rel=1e-3)
+    assert worst_relative(losses(half), losses(run)) < 1e-2
+    quarter = dp_run(*PAIR, *DILOCO, "dp.pseudo_grad_dtype=int8")
+    assert step_records(quarter, "comm_bytes")[4]["comm_bytes"] == pytest.approx(numel, rel=1e-3)
+    assert worst_relative(losses(quarter), losses(run)) < 3e-2
+    assert summary(run)["syncs"] == 2 and summary(run)["inner_steps"] == 5
+
+
+def test_a_resumed_diloco_run_has_the_uninterrupted_losses(dp_run: Run, tmp_path: Path) -> None:
+    """The step-5 checkpoint holds the outer momentum and each worker's inner AdamW: a resume
+    from it repeats steps 6-10 exactly (a lost inner state would change them)."""
+    import shutil
+
+    original = dp_run(*PAIR, *DILOCO)
+    copy = tmp_path / "resumed"
+    shutil.copytree(original, copy)
+    (copy / "agent" / "checkpoints" / "latest.json").write_text(
+        json.dumps({"step": 5, "folder": "step-000005"})
+    )
+    dp_run(*PAIR, *DILOCO, "dp.resume=true", fresh=True, run_dir=copy)
+    assert worst_relative({10: losses(copy)[10]}, losses(original)) < 1e-6
+    assert worst_relative(losses(copy, "worker_loss"), losses(original, "worker_loss")) < 1e-6
+
+
+def test_a_checkpoint_of_another_sync_is_refused_before_anything_starts(
+    dp_run: Run, tmp_path: Path, lab_cache: Path
+) -> None:
+    from data_parallel.run import check
+
+    checkpoints = dp_run(*PAIR) / "agent" / "checkpoints"  # DDP's
+    settings = to_settings(compose_dp(tmp_path, lab_cache, (*PAIR, *DILOCO, "dp.resume=true",
+                                      "dp.steps=20", f"dp.checkpoint_dir={checkpoints}")),
+                           DataParallelRunConfig)  # fmt: skip
+    with pytest.raises(ValueError, match=r"written with dp\.sync=ddp.*resume it with dp\.sync="):
+        check(settings)
+
+
+def test_a_slow_worker_takes_fewer_inner_steps_and_weighs_by_its_tokens(dp_run: Run) -> None:
+    """dp.slow_worker=1:3 (worker 1 sleeps twice its compute): after the first round, which
+    measures, worker 1 takes about a third of the fast worker's inner steps."""
+    run = dp_run(*PAIR, "dp.sync=diloco", "dp.inner_steps=5", "dp.balance=tokens",
+                 "dp.slow_worker=1:3", "dp.steps=15")  # fmt: skip
+    rounds = {int(r["step"]): r for r in step_records(run, "inner_steps")}
+    assert sorted(rounds) == [5, 10, 15]
+    assert rounds[5]["inner_steps"] == 5  # rank 0's own count (the fast one's): always H
+    assert rounds[15]["inner_steps"] == 5
+    assert summary(run)["syncs"] == 3
+
+
+def test_balanced_inner_steps_give_each_worker_its_speeds_share() -> None:
+    assert balanced_inner_steps([0.1, 0.2], 50, 0) == 50
+    assert balanced_inner_steps([0.1, 0.2], 50, 1) == 25
+    assert balanced_inner_steps([0.1, 10.0], 50, 1) == 1  # never none
+    assert balanced_inner_steps([0.0, 0.0], 50, 1) == 50  # nothing measured yet
+
+
+def test_what_falls_due_between_syncs_is_done_at_the_next() -> None:
+    assert due(10, 8, 12, 100) and not due(10, 12, 16, 100) and due(10, 96, 100, 100)
+    assert not due(0, 0, 100, 100)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("dp.balance=tokens", r"dp\.balance=tokens is for dp\.sync=diloco"),
+        ("dp.slow_worker=one", r"dp\.slow_worker='one' must be RANK:FACTOR"),
+        ("dp.outer_momentum=1", r"dp\.outer_momentum=1\.0 must be below 1"),
+        ("dp.pseudo_grad_dtype=int4", r"dp\.pseudo_grad_dtype"),
+    ],
+)
+def test_a_bad_diloco_setting_is_one_error_naming_its_key(
+    tmp_path: Path, lab_cache: Path, override: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        to_settings(compose_dp(tmp_path, lab_cache, (override,)), DataParallelRunConfig)
