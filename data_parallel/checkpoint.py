@@ -203,6 +203,24 @@ def load(
     )
 
 
+def load_weights(folder: Path, model: torch.nn.Module) -> Position:
+    """Only the model weights of the checkpoint in `folder` (a warm start: dp.init_from), or of
+    the newest in it; returns the position it was written at (a collective)."""
+    newest = folder if (folder / META).is_file() else latest(folder)
+    if newest is None:
+        raise ConfigError(f"dp.init_from={folder}: no checkpoint there (no {LATEST} or {META})")
+    weights, _ = get_state_dict(model, [], options=OPTIONS)
+    state = {"model": weights}
+    dcp.load(state, checkpoint_id=newest)
+    set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
+    return _position(json.loads((newest / META).read_text()))
+
+
+def _position(meta: dict[str, Any]) -> Position:
+    return Position(step=int(meta["step"]), blocks=int(meta["blocks"]), tokens=int(meta["tokens"]),
+                    wall_s=float(meta["wall_s"]))  # fmt: skip
+
+
 def load_rank_state(folder: Path) -> dict[str, torch.Tensor] | None:
     """This worker's own state in the checkpoint at `folder` (None: it has none, e.g. the
     checkpoint was written by fewer workers)."""

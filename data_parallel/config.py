@@ -90,6 +90,10 @@ class DPConfig:
     slow_worker: str = ""
     """RANK:FACTOR: worker RANK takes FACTOR times as long a micro-step (it sleeps the
     difference): an uneven pair of machines on one, to measure dp.balance with. "" = none."""
+    bucket_cap_mb: float = 25.0
+    """DDP's gradient bucket size (MiB; torch's default 25): each bucket is one collective, so
+    fewer, larger buckets pay the link's delays fewer times, smaller ones overlap more of the
+    backward."""
     topk_fraction: float = 0.01
     """dp.sync=topk: the share of each bucket's entries a worker sends a step (the rest waits in
     its error feedback)."""
@@ -128,6 +132,9 @@ class DPConfig:
     """Validation loss (held-out stdlib text) every this many steps and at the end; 0 = never."""
     eval_blocks: int = 16
     """Validation sequences of block_size tokens."""
+    target_val_loss: float = 0.0
+    """End the run at the first evaluation whose validation loss is at or below this (a
+    checkpoint is written there); 0 = train all dp.steps (bench/low_comm_bench.py times it)."""
     checkpoint_every: int = 10
     """Save a torch.distributed.checkpoint every this many steps, and at the end (0 = at the
     end only)."""
@@ -137,6 +144,11 @@ class DPConfig:
     resume: bool = False
     """Continue from the latest checkpoint in checkpoint_dir (same data order: the losses of an
     uninterrupted run), with any number of workers."""
+    init_from: str = ""
+    """A warm start: a checkpoint folder (a run's `checkpoints`, or one `step-N` in it) whose
+    model weights this run starts from, at step 0 with fresh optimizers, its data going on
+    where the warm start's stopped (any dp.sync: only the weights are read). "" = the model as
+    loaded."""
     nnodes: str = "1"
     """role=worker: the hosts (agents) in the job, N or MIN:MAX (`2:3`: starts with 2, a third
     joins at the next restart). A local run is one host."""
@@ -158,11 +170,15 @@ class DPConfig:
         check_choice("dp.optimizer", self.optimizer, OPTIMIZERS)
         check_choice("dp.pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
         check_choice("dp.balance", self.balance, BALANCES)
-        check_fields_positive("dp", self, ("inner_steps", "outer_lr"))
+        check_fields_positive("dp", self, ("inner_steps", "outer_lr", "bucket_cap_mb"))
         check_positive("dp.outer_momentum", self.outer_momentum, allow_zero=True)
         if self.outer_momentum >= 1:
             raise ValueError(f"dp.outer_momentum={self.outer_momentum} must be below 1")
         parse_slow_worker(self.slow_worker)
+        if self.target_val_loss > 0 and not self.eval_every:
+            raise ValueError(
+                f"dp.target_val_loss={self.target_val_loss} needs evaluations: set dp.eval_every"
+            )
         check_fields_positive("dp", self, ("powersgd_rank", "powersgd_start_step"))
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"dp.topk_fraction={self.topk_fraction} must be in (0, 1]")
@@ -186,7 +202,8 @@ class DPConfig:
         check_choice("dp.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.block_size < 2:
             raise ValueError(f"dp.block_size={self.block_size} must be >= 2")
-        for name in ("weight_decay", "grad_clip", "eval_every", "checkpoint_every", "max_restarts"):
+        for name in ("weight_decay", "grad_clip", "eval_every", "checkpoint_every", "max_restarts",
+                     "target_val_loss"):  # fmt: skip
             check_positive(f"dp.{name}", getattr(self, name), allow_zero=True)
         parse_nnodes(self.nnodes)
 

@@ -217,7 +217,9 @@ def wrap(
         # forward (two one-way delays a step on gloo); a language model's buffers (rotary
         # frequencies) are computed alike on every worker and never change (they are still
         # synced once, at construction)
-        ddp = DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+        cap = 25.0 if dp is None else dp.bucket_cap_mb
+        ddp = DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False,
+                                      bucket_cap_mb=cap)  # fmt: skip
         if sync in ("ddp", "none"):
             ddp.register_comm_hook(timer, noop_hook if sync == "none" else summed_allreduce_hook)
         elif sync == "topk":

@@ -79,6 +79,15 @@ def check(settings: DataParallelRunConfig) -> None:
         )
     if dp.resume:
         check_resume(settings)
+    if dp.init_from:
+        from data_parallel.checkpoint import LATEST, META, latest
+
+        warm = Path(dp.init_from).expanduser()
+        if not (warm / META).is_file() and latest(warm) is None:
+            raise ConfigError(
+                f"dp.init_from={dp.init_from}: no checkpoint there (neither {LATEST} nor a "
+                f"checkpoint's {META}); point it at a run's checkpoints folder"
+            )
 
 
 def check_resume(settings: DataParallelRunConfig) -> None:

@@ -48,6 +48,8 @@ class TimedTorchHook:
     def __init__(self, sync: str, timer: Any, state: Any, hook: Callable[..., Any]) -> None:
         self.sync, self.timer, self.state, self.hook = sync, timer, state, hook
         self.world_size = dist.get_world_size()
+        self.pending: torch.futures.Future[Any] | None = None
+        """PowerSGD: the last bucket's future, which the next bucket waits for."""
 
     def bucket_bytes(self, bucket: dist.GradBucket) -> tuple[float, float]:
         """(bytes handed to the collectives, bytes one worker sends over a ring)."""
@@ -76,6 +78,13 @@ def timed_torch_hook(
     its completion."""
     bucket.buffer().mul_(wrapped.world_size)  # torch's hook divides by it: the sum remains
     nbytes, wire = wrapped.bucket_bytes(bucket)
+    if wrapped.pending is not None:
+        # PowerSGD issues its later all-reduces (P, then Q) from the callbacks of the earlier
+        # ones, on whichever thread completes them: with two buckets in flight the workers'
+        # collectives interleave in different orders, which gloo aborts on ("Received data size
+        # doesn't match expected size"; seen at 3 workers with the default model's two
+        # buckets). One bucket's collectives at a time keeps every worker's order the same.
+        wrapped.pending.wait()
     started = time.perf_counter()
     future = wrapped.hook(wrapped.state, bucket)
 
@@ -84,7 +93,10 @@ def timed_torch_hook(
                              wire_share=wire / nbytes if nbytes else 0.0)  # fmt: skip
         return fut.value()
 
-    return future.then(done)
+    chained = future.then(done)
+    if wrapped.sync == "powersgd":
+        wrapped.pending = chained
+    return chained
 
 
 class TopK:

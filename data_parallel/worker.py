@@ -491,6 +491,15 @@ class Trainer:
         if world.local_world_size != world.world_size:  # more than one host
             checkpoint.check_shared(self.checkpoints)
         restarted = self.restore()
+        if dp.init_from and self.position.step == 0:  # a warm start, not a resume
+            warm = Path(dp.init_from).expanduser().resolve()
+            at = checkpoint.load_weights(warm, self.model)
+            if self.outer is not None:
+                self.outer.reset_anchor()
+            # the data goes on where the warm start stopped: its batches are not trained twice
+            self.position = Position(blocks=at.blocks)
+            log.info("warm start: the weights of %s (step %d), the data from block %d", warm,
+                     at.step, at.blocks)  # fmt: skip
         # the group's restarts: the host whose worker failed counts one, the others none
         counted = torch.tensor([world.restart], dtype=torch.int64, device=self.device)
         dist.all_reduce(counted, op=dist.ReduceOp.MAX)
@@ -526,18 +535,35 @@ class Trainer:
                     since = last_sync
                     if at_sync:
                         last_sync = step
+                    reached = False
                     if at_sync and due(dp.eval_every, since, step, dp.steps):
                         val_loss = self.evaluate()
+                        reached = self._reached(val_loss)
                         if tracker is not None:
                             tracker.log({"val_loss": val_loss}, step=step)
                     if at_sync and (
-                        due(dp.checkpoint_every, since, step, dp.steps) or step == dp.steps
+                        due(dp.checkpoint_every, since, step, dp.steps)
+                        or step == dp.steps
+                        or reached
                     ):
                         self.save()
+                    if reached:
+                        log.info("validation loss %.4f reached dp.target_val_loss=%g at step %d: "
+                                 "done", val_loss, dp.target_val_loss, step)  # fmt: skip
+                        break
             metrics = self._summary(results, val_loss)
             if tracker is not None:
                 tracker.summary(metrics)
             return metrics
+
+    def _reached(self, val_loss: float) -> bool:
+        """dp.target_val_loss met, as rank 0 measured it (every worker ends at the same step,
+        even where two CPUs round a loss apart)."""
+        if self.dp.target_val_loss <= 0:
+            return False
+        flag = torch.tensor([float(val_loss <= self.dp.target_val_loss)], device=self.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
 
     def _trace(self, result: StepResult, step: int) -> None:
         """One line of `<run dir>/comm_trace.jsonl`: when the step's collectives ran (the cost
