@@ -228,7 +228,8 @@ def wrap(
             names = {id(p): name for name, p in model.named_parameters()}
             state = syncs.TopK(dp.topk_fraction, timer, names)
             ddp.register_comm_hook(state, syncs.topk_hook)
-            ddp.lab_hook_state = state  # its residuals go into the checkpoints
+            # its residuals go into the checkpoints (nn.Module.__setattr__ keeps a plain object)
+            object.__setattr__(ddp, "lab_hook_state", state)
         else:  # torch's own hooks (data_parallel.sync)
             from data_parallel import sync as syncs
 

@@ -252,6 +252,8 @@ class Trainer:
         share of dp.inner_steps)."""
         self.slow = parse_slow_worker(self.dp.slow_worker)
         self.round_steps = 0
+        self.round_blocks = 0
+        """DiLoCo: the blocks every worker trained on together in the last round."""
         if self.dp.sync == "diloco":
             for param in self.parameters:  # one start for every replica, as DDP's broadcast
                 dist.broadcast(param.data, src=0)
@@ -430,6 +432,7 @@ class Trainer:
         summed, _ = self.outer.sync(float(window.tokens), extras)
         loss = float(summed[0] / summed[1]) if summed[1] > 0 else float("nan")
         self.round_steps = window.steps
+        self.round_blocks = int(summed[2])
         if dp.balance == "tokens":
             self.inner_steps = balanced_inner_steps(summed[3:].tolist(), dp.inner_steps,
                                                     world.rank)  # fmt: skip
@@ -584,6 +587,7 @@ class Trainer:
                 del record[key]
         if "loss" in record:
             record["inner_steps"] = self.round_steps
+            record["round_blocks"] = self.round_blocks
         return record
 
     def _step_record(self, result: StepResult) -> dict[str, Any]:
