@@ -194,13 +194,7 @@ def load(
         set_optimizer_state_dict(model, optimizer, state[own], options=LOAD_OPTIONS)
     if outer is not None:
         set_optimizer_state_dict(model, outer, state["outer"], options=LOAD_OPTIONS)
-    meta = json.loads((folder / META).read_text())
-    return Position(
-        step=int(meta["step"]),
-        blocks=int(meta["blocks"]),
-        tokens=int(meta["tokens"]),
-        wall_s=float(meta["wall_s"]),
-    )
+    return _position(json.loads((folder / META).read_text()))
 
 
 def load_weights(folder: Path, model: torch.nn.Module) -> Position:
