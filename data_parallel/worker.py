@@ -277,9 +277,7 @@ class Trainer:
         def compute_step() -> None:  # forward and backward of a step; the weights untouched
             for indices in first:
                 ids = gather_blocks(self.data.train, indices).to(self.device)
-                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
-                    logits = model(input_ids=ids, use_cache=False).logits
-                next_token_loss(logits, ids, reduction="mean").backward()
+                self._token_sum(model, ids).backward()
             model.zero_grad(set_to_none=True)
 
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -313,6 +311,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
+    def _token_sum(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """The summed next-token loss of `ids` (b, T) under `model`, autocast as configured."""
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            logits = model(input_ids=ids, use_cache=False).logits  # (b, T, V)
+        return next_token_loss(logits, ids, reduction="sum")
+
     def _slow_down(self, seconds: float) -> None:
         """dp.slow_worker: this worker takes FACTOR times as long as it did."""
         if self.slow is not None and self.slow[0] == self.world.rank:
@@ -342,9 +346,7 @@ class Trainer:
             last = index == len(micro) - 1
             computing = time.perf_counter()
             with engine.micro_step(self.model, engine=dp.engine, sync=last):
-                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
-                    logits = self.model(input_ids=ids, use_cache=False).logits  # (b, T, V)
-                token_sum = next_token_loss(logits, ids, reduction="sum")
+                token_sum = self._token_sum(self.model, ids)
                 (token_sum / global_tokens).backward()
             synced = time.perf_counter()
             self._slow_down(synced - computing)
@@ -388,9 +390,7 @@ class Trainer:
             for indices in micro:
                 ids = gather_blocks(self.data.train, indices).to(self.device)  # (b, T)
                 computing = time.perf_counter()
-                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
-                    logits = self.model(input_ids=ids, use_cache=False).logits  # (b, T, V)
-                token_sum = next_token_loss(logits, ids, reduction="sum")
+                token_sum = self._token_sum(self.model, ids)
                 (token_sum / local_tokens).backward()
                 local_sum += token_sum.detach().double()
                 self._slow_down(time.perf_counter() - computing)
