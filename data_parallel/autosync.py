@@ -99,9 +99,15 @@ def predict_step_s(method: str, measured: Measured, *, topk_fraction: float = 0.
     if method == "topk":  # indices and values all-gathered: N-1 ring steps, each part N-1 times
         sent = 8.0 * topk_fraction * measured.numel * (n - 1)
         return compute + 2 * (n - 1) * 3 * link.one_way_s + link.serialize_s(sent)
-    name, _, h = method.partition(":")
-    if name == "diloco":
-        return compute + allreduce_on_link_ms(full, n, link) / 1e3 / int(h)
+    name, *numbers = method.split(":")
+    if name == "diloco" and len(numbers) == 1:  # the whole model every H steps
+        return compute + allreduce_on_link_ms(full, n, link) / 1e3 / int(numbers[0])
+    if name == "diloco" and len(numbers) == 3:  # streaming, diloco:H:P:tau
+        h, fragments, overlap = (int(x) for x in numbers)
+        # each of the P syncs a round carries 1/P of the model; the workers wait for what
+        # tau steps of compute did not cover
+        sync = allreduce_on_link_ms(full / fragments, n, link) / 1e3
+        return compute + fragments * max(0.0, sync - overlap * compute) / h
     raise ValueError(f"no cost model for {method!r}")
 
 

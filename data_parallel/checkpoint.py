@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
 RANK_STATE = "rank-{rank}.pt"
-"""A worker's own state beside DCP's files (top-k's residuals), read back with
-weights_only=True: tensors, never pickled objects."""
+"""A worker's own state beside DCP's files (top-k's residuals, PowerSGD's error feedback and
+factors), read back with weights_only=True: tensors, never pickled objects."""
 META = "meta.json"
 KEEP = 2
 """Checkpoints kept (the newest); older ones are removed once a newer one is in place."""
@@ -123,7 +123,7 @@ def save(
         if dist.get_rank() == 0:
             staging = stack.enter_context(atomic.staged_dir(final))
         folder = Path(_broadcast(None if staging is None else str(staging)))
-        if rank_state is not None:  # this worker's own (top-k's residuals): tensors only
+        if rank_state is not None:  # this worker's own (a hook's state): tensors only
             torch.save(rank_state, folder / RANK_STATE.format(rank=dist.get_rank()))
         dcp.save(state, checkpoint_id=folder)
         dist.barrier()
@@ -215,10 +215,10 @@ def _position(meta: dict[str, Any]) -> Position:
                     wall_s=float(meta["wall_s"]))  # fmt: skip
 
 
-def load_rank_state(folder: Path) -> dict[str, torch.Tensor] | None:
-    """This worker's own state in the checkpoint at `folder` (None: it has none, e.g. the
-    checkpoint was written by fewer workers)."""
-    path = folder / RANK_STATE.format(rank=dist.get_rank())
+def load_rank_state(folder: Path, *, rank: int | None = None) -> dict[str, torch.Tensor] | None:
+    """This worker's own state (or worker `rank`'s) in the checkpoint at `folder` (None: it has
+    none, e.g. the checkpoint was written by fewer workers)."""
+    path = folder / RANK_STATE.format(rank=dist.get_rank() if rank is None else rank)
     if not path.is_file():
         return None
     state = torch.load(path, weights_only=True, map_location="cpu")

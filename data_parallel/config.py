@@ -80,13 +80,27 @@ class DPConfig:
     outer_momentum: float = 0.9
     """dp.sync=diloco: the outer SGD's momentum (Nesterov's when outer_nesterov; 0: plain SGD)."""
     outer_nesterov: bool = True
+    fragments: int = 1
+    """dp.sync=diloco: the model cut into this many fragments (contiguous runs of parameters
+    of about equal size), each synced once every dp.inner_steps steps, at staggered steps
+    (streaming DiLoCo): each sync sends 1/fragments of the model, so the link's peak load falls
+    by that factor. 1: the whole model at once."""
+    overlap_steps: int = 0
+    """dp.sync=diloco: inner steps a sync runs behind (tau): its all-reduce starts and the
+    workers train on; it lands this many steps later, mixed with what each worker trained
+    meanwhile (dp.overlap_mix). 0: the workers wait for it."""
+    overlap_mix: float = 0.5
+    """dp.overlap_steps > 0: the share of a worker's own parameters kept when a late sync
+    lands (alpha * own + (1 - alpha) * global; 0 takes the global ones)."""
     pseudo_grad_dtype: str = "fp32"
     """dp.sync=diloco: how the pseudo-gradient crosses: fp32, fp16 (half the bytes), int8 (one
     scale per worker, all-gathered: its bytes grow with the workers)."""
     balance: str = "none"
     """none: every worker trains the same tokens a step; tokens: each worker's share follows its
-    measured speed (DiLoCo: its inner steps a round), the averages weighted by the tokens each
-    trained on, so a slow machine does not hold the others back."""
+    measured speed, so a slow machine does not hold the others back: with DiLoCo its inner
+    steps a round, the pseudo-gradients averaged weighted by the tokens each trained on; with
+    DDP its blocks of each step's global batch (the same batch, so the same gradient: only who
+    computes which blocks changes)."""
     slow_worker: str = ""
     """RANK:FACTOR: worker RANK takes FACTOR times as long a micro-step (it sleeps the
     difference): an uneven pair of machines on one, to measure dp.balance with. "" = none."""
@@ -172,6 +186,7 @@ class DPConfig:
         check_choice("dp.balance", self.balance, BALANCES)
         check_fields_positive("dp", self, ("inner_steps", "outer_lr", "bucket_cap_mb"))
         check_positive("dp.outer_momentum", self.outer_momentum, allow_zero=True)
+        self._check_streaming()
         if self.outer_momentum >= 1:
             raise ValueError(f"dp.outer_momentum={self.outer_momentum} must be below 1")
         parse_slow_worker(self.slow_worker)
@@ -194,10 +209,10 @@ class DPConfig:
                 f"dp.sync={self.sync} is for dp.engine=ddp (DDP's communication hooks; DiLoCo "
                 "keeps a whole replica on every worker)"
             )
-        if self.balance == "tokens" and self.sync not in ("diloco", "auto"):
+        if self.balance == "tokens" and self.engine != "ddp":
             raise ValueError(
-                f"dp.balance=tokens is for dp.sync=diloco (or auto): with dp.sync={self.sync} "
-                "every step waits for every worker's gradients"
+                "dp.balance=tokens is for dp.engine=ddp: FSDP2's forward gathers each layer "
+                "from every worker, so every worker must run as many micro-steps as the others"
             )
         check_choice("dp.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.block_size < 2:
@@ -206,6 +221,34 @@ class DPConfig:
                      "target_val_loss"):  # fmt: skip
             check_positive(f"dp.{name}", getattr(self, name), allow_zero=True)
         parse_nnodes(self.nnodes)
+
+    def _check_streaming(self) -> None:
+        """dp.fragments, dp.overlap_steps, dp.overlap_mix: in range, and with DiLoCo only."""
+        check_fields_positive("dp", self, ("fragments",))
+        check_positive("dp.overlap_steps", self.overlap_steps, allow_zero=True)
+        if not 0 <= self.overlap_mix <= 1:
+            raise ValueError(f"dp.overlap_mix={self.overlap_mix} must be in [0, 1]")
+        streaming = self.fragments > 1 or self.overlap_steps > 0
+        if streaming and self.sync != "diloco":
+            raise ValueError(
+                "dp.fragments and dp.overlap_steps are for dp.sync=diloco "
+                f"(got dp.sync={self.sync})"
+            )
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                f"dp.fragments={self.fragments} must be at most dp.inner_steps={self.inner_steps} "
+                "(each fragment syncs at a step of its own)"
+            )
+        if self.overlap_steps >= self.inner_steps:
+            raise ValueError(
+                f"dp.overlap_steps={self.overlap_steps} must be below dp.inner_steps="
+                f"{self.inner_steps} (a fragment's sync lands before its next one starts)"
+            )
+        if streaming and self.balance == "tokens":
+            raise ValueError(
+                "dp.balance=tokens needs rounds the workers end together: use it with "
+                "dp.fragments=1 and dp.overlap_steps=0"
+            )
 
     @property
     def node_bounds(self) -> tuple[int, int]:

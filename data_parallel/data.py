@@ -15,6 +15,15 @@ block is seen once per epoch, and no worker ever waits on a smaller share than a
 
 Positions count blocks, not steps: a run resumed with another number of workers (another global
 batch) goes on from the block where the checkpoint stopped.
+
+With dp.balance=tokens (DDP on uneven machines) a step takes the same global batch, cut instead
+into one contiguous share per rank, each share its worker's speed's part (`balanced_shares`),
+trained in micro-batches of at most `batch_size`:
+
+    stream:  ... | step s: [rank 0: 12 blocks | rank 1: 4 blocks] | ...
+
+The step's blocks, and so its gradient, are those of the even cut: only who computes which
+changes.
 """
 
 from __future__ import annotations
@@ -70,3 +79,36 @@ def global_batch(world_size: int, batch_size: int, accum: int) -> int:
 def gather_blocks(blocks: torch.Tensor, indices: list[int]) -> torch.Tensor:
     """(len(indices), T) rows of `blocks` (N, T)."""
     return blocks[torch.tensor(indices, dtype=torch.long)]  # (b, T)
+
+
+def balanced_shares(seconds_per_block: list[float], total: int) -> list[int]:
+    """`total` blocks cut among the ranks in proportion to their speeds (1 / seconds a block),
+    at least one each, rounded by largest remainder (ties to the lower rank): every rank
+    computes the same cut from the same measured times. Equal shares where a rank has not been
+    measured (0)."""
+    ranks = len(seconds_per_block)
+    if ranks < 1 or total < ranks:
+        raise ValueError(f"{total} blocks cannot give each of {ranks} ranks one")
+    if any(not s > 0 or s != s or s == float("inf") for s in seconds_per_block):
+        speeds = [1.0] * ranks
+    else:
+        speeds = [1.0 / s for s in seconds_per_block]
+    spare = total - ranks  # one block each first
+    ideal = [spare * v / sum(speeds) for v in speeds]
+    shares = [1 + int(x) for x in ideal]
+    order = sorted(range(ranks), key=lambda r: (-(ideal[r] - int(ideal[r])), r))
+    for rank in order[: total - sum(shares)]:
+        shares[rank] += 1
+    return shares
+
+
+def rank_share_micro_batches(
+    stream: Stream, position: int, *, shares: list[int], rank: int, batch_size: int
+) -> list[list[int]]:
+    """Rank `rank`'s contiguous share of the step starting at stream `position`
+    (dp.balance=tokens), in micro-batches of at most `batch_size` blocks."""
+    if not 0 <= rank < len(shares):
+        raise ValueError(f"rank {rank} is outside a world of {len(shares)}")
+    start = position + sum(shares[:rank])
+    blocks = stream.take(start, shares[rank])
+    return [blocks[i : i + batch_size] for i in range(0, len(blocks), batch_size)]

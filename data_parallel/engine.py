@@ -54,10 +54,26 @@ class CommTimer:
     collectives: int = 0
     bytes_each: list[int] = field(default_factory=list)
     """Each collective's bytes, in the order of `intervals`."""
+    ready: float = 0.0
+    """When a DDP hook was last handed a bucket (perf_counter; 0: none this step): DDP hands
+    them over in order as the backward computes them, so the last is when this worker's own
+    gradients were all computed, before it waits for anyone else's."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def blocked(self, started: float, ended: float) -> None:
+        """Time this worker waited for a collective it started earlier (DiLoCo's sync landing):
+        communication in the step, but no new collective and no bytes."""
+        with self._lock:
+            self.intervals.append((started, ended))
+            self.bytes_each.append(0)
+
+    def bucket_ready(self) -> None:
+        """A hook's first call on a bucket (from the backward's thread)."""
+        self.ready = time.perf_counter()
 
     def reset(self) -> None:
         with self._lock:
+            self.ready = 0.0
             self.intervals.clear()
             self.bytes_each.clear()
             self.collective_bytes = 0
@@ -113,6 +129,7 @@ def summed_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket all-reduced with SUM (no division by the world size;
     the loss carries it), timed from launch to completion."""
+    timer.bucket_ready()
     buffer = bucket.buffer()
     started = time.perf_counter()
     work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
@@ -130,6 +147,7 @@ def summed_allreduce_hook(
 def noop_hook(timer: CommTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook that communicates nothing: the bucket's local gradients as they
     are (dp.sync=none, the bench's baseline)."""
+    timer.bucket_ready()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
@@ -222,18 +240,19 @@ def wrap(
                                       bucket_cap_mb=cap)  # fmt: skip
         if sync in ("ddp", "none"):
             ddp.register_comm_hook(timer, noop_hook if sync == "none" else summed_allreduce_hook)
-        elif sync == "topk":
+        else:
             from data_parallel import sync as syncs
 
             names = {id(p): name for name, p in model.named_parameters()}
-            state = syncs.TopK(dp.topk_fraction, timer, names)
-            ddp.register_comm_hook(state, syncs.topk_hook)
-            # its residuals go into the checkpoints (nn.Module.__setattr__ keeps a plain object)
+            if sync == "topk":
+                state: Any = syncs.TopK(dp.topk_fraction, timer, names)
+                ddp.register_comm_hook(state, syncs.topk_hook)
+            else:  # torch's own hooks (data_parallel.sync)
+                state = syncs.make_hook(dp, timer, names)
+                ddp.register_comm_hook(state, syncs.timed_torch_hook)
+            # its state (top-k's residuals, PowerSGD's) goes into the checkpoints
+            # (nn.Module.__setattr__ would not keep a plain object)
             object.__setattr__(ddp, "lab_hook_state", state)
-        else:  # torch's own hooks (data_parallel.sync)
-            from data_parallel import sync as syncs
-
-            ddp.register_comm_hook(syncs.make_hook(dp, timer), syncs.timed_torch_hook)
         return ddp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard

@@ -13,7 +13,12 @@ each timed and counted in bytes like the plain all-reduce.
   other's, so its bytes grow with the number of workers.
 - `powersgd`: torch's `powerSGD_hook` (Vogels et al. 2019): each large enough gradient matrix
   sent as two rank-r factors, with error feedback and warm start; plain all-reduce before
-  `dp.powersgd_start_step`.
+  `dp.powersgd_start_step`. torch keys its state (each worker's error feedback, the warm
+  start's Q factors) by bucket index, and DDP's buckets after a restart are not the ones before
+  it (its first step runs on the initial buckets, then it rebuilds them): `PowerSGDByParameter`
+  keeps that state per parameter, lays it out for whichever bucket torch's hook is given, and
+  reads it back when the bucket is done, so it goes into the checkpoint and a restart resumes
+  the compression exactly where it stopped.
 
 torch's hooks average (they divide by the world size); this module's losses are already divided
 by the global token count, so its gradients must be summed. Each bucket is multiplied by the
@@ -29,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
 from data_parallel.config import DPConfig
 from lab.cli import ConfigError
@@ -45,11 +51,29 @@ class TimedTorchHook:
     """The hook state DDP hands back on every bucket: torch's hook and its own state, and the
     step's timer (data_parallel.engine.CommTimer)."""
 
-    def __init__(self, sync: str, timer: Any, state: Any, hook: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        sync: str,
+        timer: Any,
+        state: Any,
+        hook: Callable[..., Any],
+        *,
+        by_parameter: "PowerSGDByParameter | None" = None,
+    ) -> None:
         self.sync, self.timer, self.state, self.hook = sync, timer, state, hook
         self.world_size = dist.get_world_size()
         self.pending: torch.futures.Future[Any] | None = None
         """PowerSGD: the last bucket's future, which the next bucket waits for."""
+        self.by_parameter = by_parameter
+        """PowerSGD: its state kept per parameter (checkpointed; None for the other hooks)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this hook (PowerSGD's state; nothing for the others)."""
+        return {} if self.by_parameter is None else self.by_parameter.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], *, own: bool = True) -> None:
+        if self.by_parameter is not None:
+            self.by_parameter.load_state_dict(state, own=own)
 
     def bucket_bytes(self, bucket: dist.GradBucket) -> tuple[float, float]:
         """(bytes handed to the collectives, bytes one worker sends over a ring)."""
@@ -76,6 +100,7 @@ def timed_torch_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: torch's, on the bucket scaled to a sum, timed from its launch to
     its completion."""
+    wrapped.timer.bucket_ready()
     bucket.buffer().mul_(wrapped.world_size)  # torch's hook divides by it: the sum remains
     nbytes, wire = wrapped.bucket_bytes(bucket)
     if wrapped.pending is not None:
@@ -86,9 +111,13 @@ def timed_torch_hook(
         # buckets). One bucket's collectives at a time keeps every worker's order the same.
         wrapped.pending.wait()
     started = time.perf_counter()
+    layout = None if wrapped.by_parameter is None else wrapped.by_parameter.lay_out(bucket)
     future = wrapped.hook(wrapped.state, bucket)
 
     def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        if layout is not None:
+            assert wrapped.by_parameter is not None
+            wrapped.by_parameter.read_back(bucket.index(), layout)
         wrapped.timer.record(started, time.perf_counter(), int(nbytes),
                              wire_share=wire / nbytes if nbytes else 0.0)  # fmt: skip
         return fut.value()
@@ -97,6 +126,107 @@ def timed_torch_hook(
     if wrapped.sync == "powersgd":
         wrapped.pending = chained
     return chained
+
+
+class BucketLayout:
+    """Where each parameter's PowerSGD state lies in one bucket's flat tensors, as torch's hook
+    lays them out: the error feedback in the bucket's order; the Q factors of the compressed
+    matrices grouped by shape (first seen first), each group in the bucket's order."""
+
+    def __init__(self, bucket: dist.GradBucket, names: dict[int, str], state: Any) -> None:
+        self.errors: list[tuple[str, int]] = []
+        """(name, numel) in the bucket's order."""
+        groups: dict[torch.Size, list[tuple[str, int]]] = {}
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            name = names.get(id(param), str(id(param)))
+            self.errors.append((name, grad.numel()))
+            matrix = grad.view(grad.shape[0], -1)
+            rows, cols = matrix.shape
+            rank = min(rows, cols, state.matrix_approximation_rank)
+            if _should_compress(rows, cols, rank, state.min_compression_rate)[0]:
+                groups.setdefault(matrix.shape, []).append((name, cols * rank))
+        self.factors = [entry for group in groups.values() for entry in group]
+        """(name, numel of its Q factor) in torch's order."""
+        self.p_numel = sum(
+            shape[0] * min(shape[0], shape[1], state.matrix_approximation_rank) * len(group)
+            for shape, group in groups.items()
+        )
+
+
+class PowerSGDByParameter:
+    """torch's PowerSGD state, kept per parameter name: each worker's error feedback (what
+    compression left out), the warm start's Q factors (the same on every worker), the step
+    count and the seed generator torch draws fresh Q factors from."""
+
+    def __init__(self, state: Any, names: dict[int, str]) -> None:
+        self.state, self.names = state, names
+        self.errors: dict[str, torch.Tensor] = {}
+        self.factors: dict[str, torch.Tensor] = {}
+
+    def lay_out(self, bucket: dist.GradBucket) -> BucketLayout | None:
+        """Before torch's hook runs on `bucket`: its state for this bucket's parameters, laid
+        out as the hook reads it. None while the hook is still a plain all-reduce."""
+        state = self.state
+        if state.iter < state.start_powerSGD_iter:
+            return None
+        layout = BucketLayout(bucket, self.names, state)
+        index = bucket.index()
+        state.error_dict.pop(index, None)
+        if state.use_error_feedback and all(name in self.errors for name, _ in layout.errors):
+            state.error_dict[index] = torch.cat([self.errors[name] for name, _ in layout.errors])
+        state.p_memory_dict.pop(index, None)
+        state.q_memory_dict.pop(index, None)
+        if state.warm_start and all(name in self.factors for name, _ in layout.factors):
+            # torch draws new Q factors where a bucket has none; P is computed before it is read
+            dtype, device = bucket.buffer().dtype, bucket.buffer().device
+            state.p_memory_dict[index] = torch.empty(layout.p_numel, dtype=dtype, device=device)
+            state.q_memory_dict[index] = torch.cat(
+                [self.factors[name] for name, _ in layout.factors]
+            ).to(device=device, dtype=dtype)
+        return layout
+
+    def read_back(self, index: int, layout: BucketLayout) -> None:
+        """After torch's hook finished the bucket: its new state, back to each parameter."""
+        state = self.state
+        if index in state.error_dict:
+            parts = torch.split(state.error_dict[index], [n for _, n in layout.errors])
+            for (name, _), part in zip(layout.errors, parts, strict=True):
+                self.errors[name] = part.detach().clone()
+        if index in state.q_memory_dict:
+            parts = torch.split(state.q_memory_dict[index], [n for _, n in layout.factors])
+            for (name, _), part in zip(layout.factors, parts, strict=True):
+                self.factors[name] = part.detach().clone()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors only (a checkpoint's `rank-<r>.pt` is read back with weights_only)."""
+        kind, keys, position, has_gauss, cached = self.state.rng.get_state()
+        assert kind == "MT19937"
+        return {
+            "iter": torch.tensor(self.state.iter, dtype=torch.int64),
+            "rng_keys": torch.from_numpy(keys.astype("int64")),
+            "rng_rest": torch.tensor([position, has_gauss, cached], dtype=torch.float64),
+            **{f"error/{name}": value.cpu() for name, value in self.errors.items()},
+            **{f"factor/{name}": value.cpu() for name, value in self.factors.items()},
+        }
+
+    def load_state_dict(self, saved: dict[str, torch.Tensor], *, own: bool = True) -> None:
+        """`own=False`: another worker's (this rank is new): everything but its error feedback,
+        which starts at zero."""
+        import numpy as np
+
+        missing = {"iter", "rng_keys", "rng_rest"} - set(saved)
+        if missing:
+            raise ConfigError(f"a PowerSGD checkpoint state lacks {sorted(missing)}")
+        self.state.iter = int(saved["iter"])
+        position, has_gauss, cached = saved["rng_rest"].tolist()
+        keys = saved["rng_keys"].numpy().astype(np.uint32)
+        self.state.rng.set_state(("MT19937", keys, int(position), int(has_gauss), cached))
+        self.factors = {k.split("/", 1)[1]: v for k, v in saved.items() if k.startswith("factor/")}
+        self.errors = {}
+        if own:
+            self.errors = {
+                k.split("/", 1)[1]: v for k, v in saved.items() if k.startswith("error/")
+            }
 
 
 class TopK:
@@ -114,8 +244,11 @@ class TopK:
         """What this worker has not sent yet (its checkpoint's part: each worker's differs)."""
         return {name: value.clone() for name, value in self.residuals.items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.residuals = {name: value.float().clone() for name, value in state.items()}
+    def load_state_dict(self, state: dict[str, torch.Tensor], *, own: bool = True) -> None:
+        """`own=False`: another worker's residuals (this rank is new): it starts at zero."""
+        self.residuals = {}
+        if own:
+            self.residuals = {name: value.float().clone() for name, value in state.items()}
 
 
 def compress_bucket(
@@ -143,6 +276,7 @@ def compress_bucket(
 def topk_hook(state: TopK, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: each parameter's top-k (with error feedback) all-gathered, each
     worker's entries summed into a dense bucket, timed."""
+    state.timer.bucket_ready()
     buffer = bucket.buffer()
     parts = [(state.names.get(id(p), str(id(p))), p.numel()) for p in bucket.parameters()]
     indices, kept = compress_bucket(buffer, parts, state.residuals, state.fraction)
@@ -166,8 +300,9 @@ def topk_hook(state: TopK, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return gathered.then(summed)
 
 
-def make_hook(dp: DPConfig, timer: Any) -> TimedTorchHook:
-    """The state and hook of `dp.sync` (fp16, bf16, powersgd) for DDP.register_comm_hook."""
+def make_hook(dp: DPConfig, timer: Any, names: dict[int, str]) -> TimedTorchHook:
+    """The state and hook of `dp.sync` (fp16, bf16, powersgd) for DDP.register_comm_hook;
+    `names`: each parameter's name by id (PowerSGD's state is kept by name)."""
     if dp.sync == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=None,
@@ -176,7 +311,8 @@ def make_hook(dp: DPConfig, timer: Any) -> TimedTorchHook:
             use_error_feedback=dp.powersgd_error_feedback,
             warm_start=dp.powersgd_warm_start,
         )
-        return TimedTorchHook(dp.sync, timer, state, powerSGD_hook.powerSGD_hook)
+        return TimedTorchHook(dp.sync, timer, state, powerSGD_hook.powerSGD_hook,
+                              by_parameter=PowerSGDByParameter(state, names))  # fmt: skip
     check_dtype(dp.sync)
     return TimedTorchHook(dp.sync, timer, None, TORCH_HOOKS[dp.sync])
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,11 +30,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from data_parallel import checkpoint, engine
 from data_parallel.checkpoint import Position
 from data_parallel.config import DataParallelRunConfig, DPConfig, parse_slow_worker
-from data_parallel.data import Stream, gather_blocks, global_batch, rank_micro_batches
+from data_parallel.data import (
+    Stream,
+    balanced_shares,
+    gather_blocks,
+    global_batch,
+    rank_micro_batches,
+    rank_share_micro_batches,
+)
 from data_parallel.diloco import DiLoCo
 from data_parallel.manifest import TRACE_FILE
 from data_parallel.network import listening_store
 from lab import redact
+from lab.cli import ConfigError
 from lab.corpus import train_and_validation_blocks
 from lab.device import share_of_cores, supports_bf16
 from lab.losses import evaluate, next_token_loss
@@ -251,15 +260,26 @@ class Trainer:
         """This worker's inner steps in the current DiLoCo round (dp.balance=tokens: its speed's
         share of dp.inner_steps)."""
         self.slow = parse_slow_worker(self.dp.slow_worker)
+        self.block_seconds = [0.0] * world.world_size
+        """dp.balance=tokens with DDP: each worker's compute seconds a block, as measured on
+        the last steps (the same numbers on every worker: they are all-reduced)."""
+        self.shares: list[int] = []
+        """dp.balance=tokens with DDP: each worker's blocks in the current step."""
         self.round_steps = 0
         self.round_blocks = 0
         """DiLoCo: the blocks every worker trained on together in the last round."""
         if self.dp.sync == "diloco":
             for param in self.parameters:  # one start for every replica, as DDP's broadcast
                 dist.broadcast(param.data, src=0)
-            self.outer = DiLoCo(self.parameters, lr=self.dp.outer_lr,
-                                momentum=self.dp.outer_momentum, nesterov=self.dp.outer_nesterov,
-                                wire=self.dp.pseudo_grad_dtype, timer=self.timer)  # fmt: skip
+            dp = self.dp
+            local_tokens = dp.batch_size * dp.grad_accum_steps * (dp.block_size - 1)
+            self.outer = DiLoCo(self.parameters, lr=dp.outer_lr, momentum=dp.outer_momentum,
+                                nesterov=dp.outer_nesterov, wire=dp.pseudo_grad_dtype,
+                                timer=self.timer, fragments=dp.fragments,
+                                overlap_steps=dp.overlap_steps, mix=dp.overlap_mix,
+                                reference_tokens=dp.inner_steps * local_tokens)  # fmt: skip
+            self.fragment_tokens = [0.0] * dp.fragments
+            """This worker's tokens since each fragment's last sync (its weight there)."""
         self.checkpoints = checkpoint_dir(settings)
         self.position = Position()
         self.restarts = 0
@@ -317,30 +337,44 @@ class Trainer:
             logits = model(input_ids=ids, use_cache=False).logits  # (b, T, V)
         return next_token_loss(logits, ids, reduction="sum")
 
-    def _slow_down(self, seconds: float) -> None:
-        """dp.slow_worker: this worker takes FACTOR times as long as it did."""
-        if self.slow is not None and self.slow[0] == self.world.rank:
-            time.sleep((self.slow[1] - 1.0) * seconds)
+    def _slow_down(self, seconds: float) -> float:
+        """dp.slow_worker: this worker takes FACTOR times as long as it did; returns the
+        seconds slept."""
+        if self.slow is None or self.slow[0] != self.world.rank:
+            return 0.0
+        extra = (self.slow[1] - 1.0) * seconds
+        time.sleep(extra)
+        return extra
+
+    def _micro_batches(self) -> list[list[int]]:
+        """This worker's blocks of the step, micro-batch by micro-batch: its slice of each
+        micro-step, or (dp.balance=tokens) its speed's share of the step in one piece."""
+        dp, world = self.dp, self.world
+        if dp.balance == "tokens":
+            total = global_batch(world.world_size, dp.batch_size, dp.grad_accum_steps)
+            self.shares = balanced_shares(self.block_seconds, total)
+            return rank_share_micro_batches(self.stream, self.position.blocks,
+                                            shares=self.shares, rank=world.rank,
+                                            batch_size=dp.batch_size)  # fmt: skip
+        return rank_micro_batches(self.stream, self.position.blocks, rank=world.rank,
+                                  world_size=world.world_size, batch_size=dp.batch_size,
+                                  accum=dp.grad_accum_steps)  # fmt: skip
 
     def step(self) -> StepResult:
         """One optimizer step over the next global batch of the stream."""
         if self.outer is not None:
             return self.step_apart()
         dp, world = self.dp, self.world
-        micro = rank_micro_batches(
-            self.stream,
-            self.position.blocks,
-            rank=world.rank,
-            world_size=world.world_size,
-            batch_size=dp.batch_size,
-            accum=dp.grad_accum_steps,
-        )
+        micro = self._micro_batches()
         global_tokens = global_batch(world.world_size, dp.batch_size, dp.grad_accum_steps) * (
             dp.block_size - 1
         )
         self.timer.reset()
         started = time.perf_counter()
         local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        compute_s = 0.0
+        """This worker's own forward and backward seconds (and dp.slow_worker's sleep), not
+        its wait for the others' gradients: dp.balance=tokens cuts the next step by it."""
         for index, indices in enumerate(micro):
             ids = gather_blocks(self.data.train, indices).to(self.device)  # (b, T)
             last = index == len(micro) - 1
@@ -349,12 +383,25 @@ class Trainer:
                 token_sum = self._token_sum(self.model, ids)
                 (token_sum / global_tokens).backward()
             synced = time.perf_counter()
-            self._slow_down(synced - computing)
+            computed = self.timer.ready if last and self.timer.ready else synced
+            compute_s += computed - computing
+            compute_s += self._slow_down(computed - computing)
             local_sum += token_sum.detach().double()
         grad_norm = engine.clip_gradients(self.parameters, dp.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = float(self.timer.all_reduce(local_sum).item()) / global_tokens
+        # the step's loss, summed over the workers; with dp.balance=tokens each worker's
+        # seconds a block ride along (one collective either way)
+        sums = torch.zeros(1 + world.world_size, dtype=torch.float64, device=self.device)
+        sums[0] = local_sum
+        sums[1 + world.rank] = compute_s / max(1, sum(len(m) for m in micro))
+        sums = self.timer.all_reduce(sums if dp.balance == "tokens" else sums[:1])
+        loss = float(sums[0].item()) / global_tokens
+        if dp.balance == "tokens":
+            measured = sums[1:].tolist()
+            # smoothed over the last steps: two busy cores make one step's time noisy
+            pairs = zip(measured, self.block_seconds, strict=True)
+            self.block_seconds = [m if not old > 0 else (m + old) / 2 for m, old in pairs]
         step_ms = (time.perf_counter() - started) * 1e3
         comm_ms = min(self.timer.in_flight_s() * 1e3, step_ms)
         blocks = global_batch(world.world_size, dp.batch_size, dp.grad_accum_steps)
@@ -375,7 +422,7 @@ class Trainer:
 
     def step_apart(self) -> StepResult:
         """One DiLoCo inner step on this worker's own slice of the step's global batch (no
-        communication), and at a round's end the sync (data_parallel.diloco)."""
+        communication), then whatever syncs fall at this step (data_parallel.diloco)."""
         dp, world, outer = self.dp, self.world, self.outer
         assert outer is not None
         micro = rank_micro_batches(self.stream, self.position.blocks, rank=world.rank,
@@ -399,13 +446,15 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.window.add(float(local_sum), local_tokens, len(micro) * dp.batch_size,
                             time.perf_counter() - started)  # fmt: skip
+            self.fragment_tokens = [t + local_tokens for t in self.fragment_tokens]
         blocks = global_batch(world.world_size, dp.batch_size, dp.grad_accum_steps)
         step = self.position.step + 1
         loss, worker_loss = float("nan"), self.window.last_loss
         tokens = self.position.tokens
         synced = time.perf_counter()
-        if self.sync_due(step):
-            loss, trained_blocks = self._sync()
+        landed = self._sync(step)
+        if landed is not None:
+            loss, trained_blocks = landed
             tokens += trained_blocks * dp.block_size
             synced = time.perf_counter()
         step_ms = (time.perf_counter() - started) * 1e3
@@ -418,32 +467,50 @@ class Trainer:
         result.worker_loss = worker_loss
         return result
 
-    def _sync(self) -> tuple[float, int]:
-        """The round's end: the outer step on the averaged pseudo-gradient (weighted by each
-        worker's tokens), the round's global loss, and (dp.balance=tokens) each worker's inner
-        steps for the next round from the speeds every worker reports. Returns (the round's mean
-        loss over every worker's tokens, the blocks every worker trained on together)."""
-        dp, world, window = self.dp, self.world, self.window
-        assert self.outer is not None
-        speeds = torch.zeros(world.world_size, dtype=torch.float64)
-        speeds[world.rank] = window.seconds_per_step
-        extras = torch.cat([torch.tensor([window.loss_sum, window.tokens, window.blocks],
-                                         dtype=torch.float64), speeds])  # fmt: skip
-        summed, _ = self.outer.sync(float(window.tokens), extras)
+    def _sync(self, step: int) -> tuple[float, int] | None:
+        """The syncs at the end of `step`: those due land (the outer step on each one's averaged
+        pseudo-gradient, weighted by each worker's tokens), those whose turn it is start (at
+        the last step: every sync in flight lands, then every fragment syncs at once). The
+        first started carries the window's loss and counts, and (dp.balance=tokens) each
+        worker's speed, which sets its inner steps for the next round. Returns (the landed
+        windows' mean loss over every worker's tokens, the blocks every worker trained on
+        together in them), or None when nothing landed."""
+        dp, world, window, outer = self.dp, self.world, self.window, self.outer
+        assert outer is not None
+        last = step == dp.steps
+        landed = outer.land_due(sys.maxsize if last else step)
+        starting = list(range(dp.fragments)) if last else outer.due_fragments(step, dp.inner_steps)
+        for number, fragment in enumerate(starting):
+            extras = torch.zeros(3 + world.world_size, dtype=torch.float64)
+            if number == 0:
+                extras[:3] = torch.tensor([window.loss_sum, window.tokens, window.blocks])
+                extras[3 + world.rank] = window.seconds_per_step
+                self.round_steps = window.steps
+                self.window = Window()
+            due = step if last else step + dp.overlap_steps
+            flight = outer.launch(fragment, self.fragment_tokens[fragment], extras, step=step,
+                                  due=due)  # fmt: skip
+            self.fragment_tokens[fragment] = 0.0
+            if due == step:
+                landed.append(outer.land(flight))
+        if not landed:
+            return None
+        summed = torch.stack(landed).sum(0)
         loss = float(summed[0] / summed[1]) if summed[1] > 0 else float("nan")
-        self.round_steps = window.steps
         self.round_blocks = int(summed[2])
         if dp.balance == "tokens":
             self.inner_steps = balanced_inner_steps(summed[3:].tolist(), dp.inner_steps,
                                                     world.rank)  # fmt: skip
-        self.window = Window()
         return loss, int(summed[2])
 
     def evaluate(self) -> float:
         """Mean next-token loss on the held-out blocks; every worker computes it on the same
         blocks (FSDP2's forward is a collective: every worker must run it)."""
         module = engine.inner(self.model)
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+        with (
+            self.outer.global_model() if self.outer is not None else contextlib.nullcontext(),
+            torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast),
+        ):
             loss = evaluate(module, self.data.validation, batch_size=self.dp.batch_size)
         module.train()
         return loss
@@ -463,28 +530,60 @@ class Trainer:
                             self.world.restart, self.checkpoints)  # fmt: skip
             return False
         self.position = checkpoint.load(folder, self.model, self.optimizer, outer=self._outer_opt())
-        hook = getattr(self.model, "lab_hook_state", None)
-        if hook is not None:
-            own = checkpoint.load_rank_state(folder)
-            if own is None:
-                log.warning("rank %d: no top-k residuals of this rank in %s (written by fewer "
-                            "workers): they start at zero", self.world.rank, folder)  # fmt: skip
-            else:
-                hook.load_state_dict(own)
         if self.outer is not None:
-            self.outer.reset_anchor()  # a DiLoCo checkpoint is written at a sync
+            self.outer.reset_anchor()  # the checkpoint's model is the global one
+        self._restore_rank_state(folder)
         log.info("resumed from step %d (%s), %d workers", self.position.step, folder,
                  self.world.world_size)  # fmt: skip
         return ours and not self.dp.resume
 
+    def _restore_rank_state(self, folder: Path) -> None:
+        """This worker's own part of the checkpoint in `folder`: a DDP hook's state (top-k's
+        residuals, PowerSGD's), streaming DiLoCo's own parameters and syncs in flight. A rank
+        the checkpoint lacks (it was written by fewer workers) takes what every worker shares
+        from rank 0's part and starts its own afresh."""
+        hook = getattr(self.model, "lab_hook_state", None)
+        if hook is None and (self.outer is None or not self.outer.streaming):
+            return
+        saved, own = checkpoint.load_rank_state(folder), True
+        if saved is None:
+            saved, own = checkpoint.load_rank_state(folder, rank=0), False
+            if saved is None:
+                return
+            log.warning("rank %d: no state of this rank in %s (written by fewer workers): its "
+                        "error feedback (or its own DiLoCo parameters) start afresh",
+                        self.world.rank, folder)  # fmt: skip
+        outer_part = {k.split("/", 1)[1]: v for k, v in saved.items() if k.startswith("diloco/")}
+        if hook is not None:
+            hook.load_state_dict({k: v for k, v in saved.items() if not k.startswith("diloco/")},
+                                 own=own)  # fmt: skip
+        if self.outer is not None and self.outer.streaming:
+            fragments = int(outer_part.get("fragments", torch.tensor(1)))
+            if fragments != self.dp.fragments:
+                raise ConfigError(
+                    f"the checkpoint in {folder} was written with dp.fragments={fragments}: "
+                    "resume it with the same (its syncs in flight are by fragment)"
+                )
+            self.outer.load_state_dict(outer_part, own=own)
+            if "fragment_tokens" in outer_part:
+                self.fragment_tokens = outer_part["fragment_tokens"].tolist()
+
     def save(self) -> None:
-        checkpoint.save(self.checkpoints, self.model, self.optimizer, self.position,
-                        config=self.config, job=self.world.job, outer=self._outer_opt(),
-                        rank_state=self._rank_state())  # fmt: skip
+        rank_state = self._rank_state()  # before the model is set to the global one
+        with self.outer.global_model() if self.outer is not None else contextlib.nullcontext():
+            checkpoint.save(self.checkpoints, self.model, self.optimizer, self.position,
+                            config=self.config, job=self.world.job, outer=self._outer_opt(),
+                            rank_state=rank_state)  # fmt: skip
 
     def _rank_state(self) -> dict[str, torch.Tensor] | None:
         hook = getattr(self.model, "lab_hook_state", None)
-        return None if hook is None else hook.state_dict()
+        state = dict(hook.state_dict()) if hook is not None else {}
+        if self.outer is not None and self.outer.streaming:
+            state.update({f"diloco/{k}": v for k, v in self.outer.state_dict().items()})
+            state["diloco/fragments"] = torch.tensor(self.dp.fragments)
+            state["diloco/fragment_tokens"] = torch.tensor(self.fragment_tokens,
+                                                           dtype=torch.float64)  # fmt: skip
+        return state or None
 
     def _outer_opt(self) -> torch.optim.Optimizer | None:
         return None if self.outer is None else self.outer.outer
@@ -591,7 +690,11 @@ class Trainer:
         return record
 
     def _step_record(self, result: StepResult) -> dict[str, Any]:
+        shares = {}
+        if self.outer is None and self.shares:  # dp.balance=tokens: who trained what
+            shares = {"own_blocks": self.shares[self.world.rank], "fewest_blocks": min(self.shares)}
         return {
+            **shares,
             "loss": result.loss,
             "grad_norm": result.grad_norm,
             "step_ms": result.step_ms,

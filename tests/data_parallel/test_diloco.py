@@ -123,10 +123,79 @@ def test_what_falls_due_between_syncs_is_done_at_the_next() -> None:
     assert not due(0, 0, 100, 100)
 
 
+STREAMING = (*DILOCO, "dp.fragments=2", "dp.overlap_steps=1")
+"""H = 5, two fragments: fragment 0 starts its sync at steps 2 and 7, fragment 1 at 5; each
+lands one step later; at step 10 (the last) everything syncs at once."""
+
+
+def test_streaming_syncs_a_fragment_at_a_time_and_lands_each_a_step_later(dp_run: Run) -> None:
+    whole = dp_run(*PAIR, *DILOCO)
+    run = dp_run(*PAIR, *STREAMING)
+    sent = {int(r["step"]): r["comm_bytes"] for r in step_records(run, "comm_bytes")}
+    assert [s for s, b in sorted(sent.items()) if b > 0] == [2, 5, 7, 10]
+    full = step_records(whole, "comm_bytes")[4]["comm_bytes"]  # the whole model, at step 5
+    assert sent[2] + sent[5] == pytest.approx(full, rel=1e-3)
+    assert 0.2 * full < sent[2] < 0.8 * full  # a share, not all or nothing
+    assert sent[10] == pytest.approx(full, rel=1e-3)  # the last step: every fragment
+    assert sorted(losses(run)) == [3, 6, 8, 10]  # each sync's loss when it lands
+    # it trains: the validation loss falls from the untrained model's (the frozen run above)
+    # by at least a third of what DDP's ten steps take off it (ours: 0.027 of 0.067)
+    untrained = summary(dp_run(*PAIR, *SGD[:1], "dp.lr=1e-9", *SGD[2:]))["val_loss"]
+    ddp = summary(dp_run(*PAIR, "dp.engine=ddp"))["val_loss"]  # the exactness tests' run
+    assert untrained - summary(run)["val_loss"] > (untrained - ddp) / 3
+
+
+def test_a_streaming_run_resumed_mid_flight_has_the_uninterrupted_losses(
+    dp_run: Run, tmp_path: Path
+) -> None:
+    """The step-5 checkpoint is written while fragment 1's sync (started at 5) is in flight and
+    fragment 0 has trained 3 steps apart: the checkpoint's model is the global one, each
+    worker's own parameters, the sync's sum and its tokens are in its part, and a resume
+    repeats steps 6-10."""
+    import shutil
+
+    original = dp_run(*PAIR, *STREAMING)
+    copy = tmp_path / "resumed"
+    shutil.copytree(original, copy)
+    checkpoints = copy / "agent" / "checkpoints"
+    (checkpoints / "latest.json").write_text(json.dumps({"step": 5, "folder": "step-000005"}))
+    import torch
+
+    part = torch.load(checkpoints / "step-000005" / "rank-1.pt", weights_only=True)
+    assert "diloco/flight/1/summed" in part and "diloco/flight/0/summed" not in part
+    dp_run(*PAIR, *STREAMING, "dp.resume=true", fresh=True, run_dir=copy)
+    later = range(6, 11)
+    assert worst_relative({s: v for s, v in losses(copy).items() if s in later},
+                          losses(original)) < 1e-6  # fmt: skip
+    assert worst_relative({s: v for s, v in losses(copy, "worker_loss").items() if s in later},
+                          losses(original, "worker_loss")) < 1e-6  # fmt: skip
+
+
+def test_fragments_are_contiguous_runs_of_about_equal_size_each_synced_once_a_round() -> None:
+    from data_parallel.diloco import cut_fragments, fragment_offset
+
+    assert cut_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert cut_fragments([5] + [1] * 9, 2) == [[0, 1, 2], list(range(3, 10))]
+    assert cut_fragments([100, 1, 1], 3) == [[0], [1], [2]]  # never an empty one
+    for numels, count in (([3, 1, 4, 1, 5, 9, 2, 6], 3), ([1] * 7, 7), ([8], 1)):
+        runs = cut_fragments(numels, count)
+        assert [i for run in runs for i in run] == list(range(len(numels)))
+        assert len(runs) == count and all(runs)
+    with pytest.raises(ValueError, match="3 fragments of 2 parameters"):
+        cut_fragments([1, 1], 3)
+    for fragments, inner in ((1, 5), (2, 5), (4, 10), (5, 5)):
+        offsets = [fragment_offset(f, fragments, inner) for f in range(fragments)]
+        assert len(set(offsets)) == fragments and offsets[-1] == 0
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("dp.balance=tokens", r"dp\.balance=tokens is for dp\.sync=diloco"),
+        ("dp.fragments=2", r"dp\.fragments and dp\.overlap_steps are for dp\.sync=diloco"),
+        ("dp.sync=diloco dp.inner_steps=4 dp.fragments=5", r"dp\.fragments=5 must be at most"),
+        ("dp.sync=diloco dp.inner_steps=4 dp.overlap_steps=4", r"dp\.overlap_steps=4 must be"),
+        ("dp.sync=diloco dp.overlap_mix=1.5", r"dp\.overlap_mix=1\.5 must be in \[0, 1\]"),
+        ("dp.sync=diloco dp.fragments=2 dp.balance=tokens", r"dp\.balance=tokens needs rounds"),
         ("dp.slow_worker=one", r"dp\.slow_worker='one' must be RANK:FACTOR"),
         ("dp.outer_momentum=1", r"dp\.outer_momentum=1\.0 must be below 1"),
         ("dp.pseudo_grad_dtype=int4", r"dp\.pseudo_grad_dtype"),
@@ -136,7 +205,8 @@ def test_a_bad_diloco_setting_is_one_error_naming_its_key(
     tmp_path: Path, lab_cache: Path, override: str, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        to_settings(compose_dp(tmp_path, lab_cache, (override,)), DataParallelRunConfig)
+        to_settings(compose_dp(tmp_path, lab_cache, tuple(override.split())),
+                    DataParallelRunConfig)  # fmt: skip
 
 
 def test_auto_picks_ddp_on_a_fast_link_and_diloco_on_a_slow_one() -> None:
@@ -163,3 +233,16 @@ def test_auto_measures_chooses_says_why_and_trains(
     assert chosen in ("ddp", "powersgd", "topk", "diloco")  # what it ran is what it saved
     assert f"chose {chosen}" in said[0]
     assert sorted(losses(run))[-1] == 10
+
+
+def test_the_cost_model_hides_a_streamed_sync_behind_the_steps_that_overlap_it() -> None:
+    from data_parallel.autosync import Measured, predict_step_s
+
+    slow = Measured(one_way_s=0.010, rate_bps=10e6, compute_s=0.1, numel=1_000_000, workers=3)
+    whole = predict_step_s("diloco:50", slow)
+    unhidden = predict_step_s("diloco:50:5:0", slow)  # five syncs of a fifth: more delays
+    assert whole < unhidden < whole * 1.1
+    assert predict_step_s("diloco:50:5:8", slow) < whole  # 0.8 s of compute hides most of each
+    assert predict_step_s("diloco:50:5:49", slow) == pytest.approx(0.1)  # all of it
+    with pytest.raises(ValueError, match="no cost model"):
+        predict_step_s("diloco:50:5", slow)
