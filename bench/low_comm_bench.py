@@ -55,13 +55,17 @@ OUT = Path("outputs/bench/low_comm")
 HOSTS = ("desktop", "laptop", "pc")
 LINKS = {"10mbit": (10.0, "10mbit"), "1gbit": (0.0, "1gbit")}
 """name -> (one-way delay ms, rate): the issue's two settings."""
+DILOCO = "dp.sync=diloco"
 METHODS: dict[str, list[str]] = {
     "ddp": ["dp.sync=ddp"],
     "powersgd": ["dp.sync=powersgd"],
     "topk": ["dp.sync=topk"],
-    "diloco:25": ["dp.sync=diloco", "dp.inner_steps=25"],
-    "diloco:50": ["dp.sync=diloco", "dp.inner_steps=50"],
+    "diloco:25": [DILOCO, "dp.inner_steps=25"],
+    "diloco:50": [DILOCO, "dp.inner_steps=50"],
+    "diloco:50:5:8": [DILOCO, "dp.inner_steps=50", "dp.fragments=5", "dp.overlap_steps=8"],
 }
+"""diloco:H:P:tau is streaming DiLoCo: P fragments, each synced once every H steps at staggered
+steps, its all-reduce overlapped with tau inner steps."""
 AUTO_LINE = re.compile(r"dp\.sync=auto chose (\S+):")
 
 
@@ -381,9 +385,11 @@ def main() -> None:
     if args.quick:
         args.steps, args.warm_steps, args.eval_every, args.ddp_slow_steps = 20, 10, 5, 3
         args.preset, args.train_blocks, args.eval_blocks = "debug", 1024, 8
-        del METHODS["diloco:25"], METHODS["diloco:50"]
+        del METHODS["diloco:25"], METHODS["diloco:50"], METHODS["diloco:50:5:8"]
         METHODS["diloco:5"] = ["dp.sync=diloco", "dp.inner_steps=5"]
         METHODS["diloco:10"] = ["dp.sync=diloco", "dp.inner_steps=10"]
+        METHODS["diloco:10:2:2"] = ["dp.sync=diloco", "dp.inner_steps=10", "dp.fragments=2",
+                                    "dp.overlap_steps=2"]  # fmt: skip
     from labtools.hosts.network import unavailable
 
     why = unavailable()

@@ -103,7 +103,9 @@ class DPConfig:
     computes which blocks changes)."""
     slow_worker: str = ""
     """RANK:FACTOR: worker RANK takes FACTOR times as long a micro-step (it sleeps the
-    difference): an uneven pair of machines on one, to measure dp.balance with. "" = none."""
+    difference: with DDP before each micro-step, FACTOR - 1 times its last one's time a block,
+    so its gradients are late as a slower machine's are): an uneven pair of machines on one,
+    to measure dp.balance with. "" = none."""
     bucket_cap_mb: float = 25.0
     """DDP's gradient bucket size (MiB; torch's default 25): each bucket is one collective, so
     fewer, larger buckets pay the link's delays fewer times, smaller ones overlap more of the

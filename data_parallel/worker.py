@@ -263,6 +263,9 @@ class Trainer:
         self.block_seconds = [0.0] * world.world_size
         """dp.balance=tokens with DDP: each worker's compute seconds a block, as measured on
         the last steps (the same numbers on every worker: they are all-reduced)."""
+        self.block_compute_s = 0.0
+        """This worker's own seconds a block in its last micro-step (DDP; dp.slow_worker
+        sleeps FACTOR - 1 times it before the next)."""
         self.shares: list[int] = []
         """dp.balance=tokens with DDP: each worker's blocks in the current step."""
         self.round_steps = 0
@@ -378,6 +381,9 @@ class Trainer:
         for index, indices in enumerate(micro):
             ids = gather_blocks(self.data.train, indices).to(self.device)  # (b, T)
             last = index == len(micro) - 1
+            # dp.slow_worker: slow before its gradients are ready, as a slower machine is (a
+            # sleep after the backward would hold the next collective instead)
+            compute_s += self._slow_down(self.block_compute_s * len(indices))
             computing = time.perf_counter()
             with engine.micro_step(self.model, engine=dp.engine, sync=last):
                 token_sum = self._token_sum(self.model, ids)
@@ -385,7 +391,7 @@ class Trainer:
             synced = time.perf_counter()
             computed = self.timer.ready if last and self.timer.ready else synced
             compute_s += computed - computing
-            compute_s += self._slow_down(computed - computing)
+            self.block_compute_s = (computed - computing) / len(indices)
             local_sum += token_sum.detach().double()
         grad_norm = engine.clip_gradients(self.parameters, dp.grad_clip)
         self.optimizer.step()
