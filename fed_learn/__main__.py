@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 import fed_learn.config  # noqa: F401  (registers the schema)
 from fed_learn.run import EXPERIMENT
-from lab import experiment
+from lab import commandline, experiment
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="fed_learn")
@@ -16,4 +16,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    commandline.check_or_exit(EXPERIMENT)  # a mistaken override: one line, exit 2
     main()

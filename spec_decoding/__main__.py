@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 import spec_decoding.config  # noqa: F401  (registers the schema)
-from lab import experiment
+from lab import commandline, experiment
 from spec_decoding.run import EXPERIMENT
 
 
@@ -16,4 +16,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    commandline.check_or_exit(EXPERIMENT)  # a mistaken override: one line, exit 2
     main()

@@ -6,7 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 import split_inference.config  # noqa: F401  (registers the schema)
-from lab import experiment
+from lab import commandline, experiment
 from split_inference.run import EXPERIMENT
 
 
@@ -16,4 +16,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    commandline.check_or_exit(EXPERIMENT)  # a mistaken override: one line, exit 2
     main()
