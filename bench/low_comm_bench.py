@@ -1,4 +1,4 @@
-"""Training across slow links: DDP, PowerSGD, top-k and DiLoCo on three hosts, same tokens.
+"""Training across slow links: DDP, PowerSGD, top-k, DiLoCo and streaming DiLoCo on three hosts.
 
 Three worker hosts (network namespaces on this machine, root; `labtools.hosts`), one worker
 each, train a model of the lab's default tiny shape with data_parallel's default per-worker
@@ -369,7 +369,7 @@ def main() -> None:
     parser.add_argument(
         "--ddp-slow-steps",
         type=int,
-        default=8,
+        default=5,
         help="DDP's steps at 10 Mbit/s (its losses are the 1 Gbit/s run's)",
     )
     parser.add_argument("--quick", action="store_true", help="debug model, a smoke run")

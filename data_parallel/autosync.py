@@ -30,13 +30,25 @@ STEPS_TO_LOSS: dict[str, float] = {
     "topk": 1.8,
     "diloco:25": 1.25,
     "diloco:50": 1.5,
+    "diloco:50:5:8": 1.5,
 }
 """Steps each method needs, over DDP's, to reach DDP's validation loss at the same tokens a step:
 `python bench/low_comm_bench.py` prints them (`steps to DDP's final validation loss / DDP's
 steps`) from its 1 Gbit/s runs (the default tiny shape after a 300-step DDP warm start, 3
 workers, data_parallel's default batch, 200 DDP steps; evaluated every 10 steps, so each is
 known to 0.05). Measured on the 2-core AMD EPYC, 2026-11-25. Another model or budget may need
-others; the methods here are the candidates."""
+others; the methods here are the candidates (`diloco:H` is DiLoCo every H steps,
+`diloco:H:P:tau` streaming DiLoCo: P fragments, each sync overlapped with tau steps)."""
+
+
+def settings_of(method: str) -> dict[str, str | int]:
+    """The dp.* settings a method name stands for: `ddp`, `diloco:50`, `diloco:50:5:8`."""
+    name, *numbers = method.split(":")
+    settings: dict[str, str | int] = {"sync": name}
+    for key, number in zip(("inner_steps", "fragments", "overlap_steps"), numbers, strict=False):
+        settings[key] = int(number)
+    return settings
+
 
 PROBE_BYTES = 1 << 20
 
@@ -111,15 +123,16 @@ def predict_step_s(method: str, measured: Measured, *, topk_fraction: float = 0.
     raise ValueError(f"no cost model for {method!r}")
 
 
-def choose(measured: Measured, **options: float) -> tuple[str, int | None, str]:
-    """(dp.sync, dp.inner_steps or None, the one-line reason): the method with the shortest
-    predicted time to DDP's loss."""
+def choose(measured: Measured, *, streaming: bool = True, **options: float) -> tuple[str, str]:
+    """(the method, as `settings_of` reads it; the one-line reason): the method with the
+    shortest predicted time to DDP's loss (`streaming=False`: not streaming DiLoCo, which
+    dp.balance=tokens cannot run)."""
     predicted = {
         method: predict_step_s(method, measured, **options) * factor
         for method, factor in STEPS_TO_LOSS.items()
+        if streaming or method.count(":") < 2
     }
     best = min(predicted, key=predicted.__getitem__)
-    sync, _, h = best.partition(":")
     ranking = ", ".join(f"{m} {1e3 * t:.0f}" for m, t in sorted(predicted.items(),
                                                                  key=lambda kv: kv[1]))  # fmt: skip
     reason = (
@@ -128,12 +141,17 @@ def choose(measured: Measured, **options: float) -> tuple[str, int | None, str]:
         f"{measured.numel / 1e6:.2f} M parameters; predicted ms per DDP-step of progress: "
         f"{ranking}"
     )
-    return sync, int(h) if h else None, reason
+    return best, reason
 
 
 def decide(
-    workers: int, numel: int, compute_step: Callable[[], None], **options: float
-) -> tuple[str, int | None, str]:
+    workers: int,
+    numel: int,
+    compute_step: Callable[[], None],
+    *,
+    streaming: bool = True,
+    **options: float,
+) -> tuple[str, str]:
     """Measure (a collective: every worker calls it) and choose on rank 0; every worker gets
     rank 0's choice."""
     one_way, rate = measure_link(workers)
@@ -145,7 +163,7 @@ def decide(
     compute = torch.tensor([times[-1]], dtype=torch.float64)
     dist.all_reduce(compute, op=dist.ReduceOp.MAX)  # the slowest worker sets the pace
     measured = Measured(one_way, rate, float(compute), numel, workers)
-    box = [choose(measured, **options) if dist.get_rank() == 0 else None]
+    box = [choose(measured, streaming=streaming, **options) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None
     return box[0]

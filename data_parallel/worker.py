@@ -304,9 +304,10 @@ class Trainer:
             model.zero_grad(set_to_none=True)
 
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        sync, inner, reason = autosync.decide(world.world_size, numel, compute_step,
-                                              topk_fraction=dp.topk_fraction)  # fmt: skip
-        self.dp = replace(dp, sync=sync, inner_steps=inner or dp.inner_steps)
+        method, reason = autosync.decide(world.world_size, numel, compute_step,
+                                         streaming=dp.balance != "tokens",
+                                         topk_fraction=dp.topk_fraction)  # fmt: skip
+        self.dp = replace(dp, **autosync.settings_of(method))  # type: ignore[arg-type]
         self.settings = replace(self.settings, dp=self.dp)
         if world.rank == 0:
             log.info("%s", reason)

@@ -211,15 +211,19 @@ def test_a_bad_diloco_setting_is_one_error_naming_its_key(
 
 def test_auto_picks_ddp_on_a_fast_link_and_diloco_on_a_slow_one() -> None:
     """The choice follows the link: 1 M parameters, 100 ms of compute a step, three workers."""
-    from data_parallel.autosync import Measured, choose
+    from data_parallel.autosync import Measured, choose, settings_of
 
     fast = Measured(one_way_s=0.0001, rate_bps=10e9, compute_s=0.1, numel=1_000_000, workers=3)
     slow = Measured(one_way_s=0.010, rate_bps=10e6, compute_s=0.1, numel=1_000_000, workers=3)
     assert choose(fast)[0] == "ddp"
-    sync, inner, reason = choose(slow)
-    assert sync == "diloco" and inner in (25, 50)
-    assert reason.startswith("dp.sync=auto chose diloco:") and "\n" not in reason
+    method, reason = choose(slow)
+    assert method == "diloco:50:5:8"  # its syncs hidden behind 8 steps of compute
+    assert settings_of(method) == {"sync": "diloco", "inner_steps": 50, "fragments": 5,
+                                   "overlap_steps": 8}  # fmt: skip
+    assert reason.startswith("dp.sync=auto chose diloco:50:5:8:") and "\n" not in reason
     assert "10.0 ms one-way, 10 Mbit/s" in reason
+    # dp.balance=tokens cannot stream: the best of the others
+    assert choose(slow, streaming=False)[0] in ("diloco:25", "diloco:50")
 
 
 def test_auto_measures_chooses_says_why_and_trains(
