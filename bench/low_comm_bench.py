@@ -19,10 +19,13 @@ counters), and the training time (evaluation excluded) to reach DDP's final vali
 `dp.sync=auto` picked there and that method's time against the fastest. A method that never
 reaches the loss in the budget fails its row.
 
-DDP's losses do not depend on the link (the same sums in the same order; the bench checks its
-first steps at 10 Mbit/s against the 1 Gbit/s run), so at 10 Mbit/s, where a step takes
-seconds, DDP runs only its first `--ddp-slow-steps` steps; its time to its own final loss is
-its steps times that run's median step, said so in the table.
+The losses of DDP, PowerSGD and top-k do not depend on the link (the same sums in the same
+order, the same seeds; the bench checks the steps it runs at 10 Mbit/s against the 1 Gbit/s
+run's), so at 10 Mbit/s, where their steps take seconds, they run only their first steps
+(`--ddp-slow-steps` for DDP, `--slow-steps` for the others: past PowerSGD's start step); the
+time to the step at which the 1 Gbit/s run reached DDP's loss is what those steps took plus the
+rest at the median of their second half (PowerSGD's first steps are plain all-reduces), said so
+in the table. DiLoCo's steps are uneven (a sync every H): it runs whole at both links.
 
 Writes bench/results/low_comm_bench.json, the measured rows as run_matrix results and the cost
 model's time-to-loss heatmaps over delay x rate for each method (data_parallel.autosync: the
@@ -187,9 +190,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             print(f"\n{link_name}: every link {rate}, {delay:g} ms one-way", flush=True)
             rows: dict[str, Any] = {}
             for method, settings in METHODS.items():
-                short = method == "ddp" and link_name == "10mbit"
+                short = link_name == "10mbit" and method in ("ddp", "powersgd", "topk")
                 if short:
-                    common = [*base, *settings, f"dp.steps={args.ddp_slow_steps}"]
+                    few = args.ddp_slow_steps if method == "ddp" else args.slow_steps
+                    common = [*base, *settings, f"dp.steps={few}", "dp.eval_every=0"]
                 elif method == "ddp":
                     common = [*base, *settings, f"dp.steps={args.steps}"]
                 else:  # up to twice DDP's tokens, to reach DDP's final loss
@@ -208,6 +212,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             pick = auto_pick(network, security, out / link_name / "auto", base)
             results["links"][link_name] = {"rows": rows, "auto": pick}
     return results
+
+
+def steady_ms(run_dir: str) -> float:
+    """The median step of a run's second half (past any slow start: PowerSGD's first steps
+    are plain all-reduces)."""
+    records = [r for r in read_records(Path(run_dir) / METRICS_FILE)
+               if "step_ms" in r and "step" in r]  # fmt: skip
+    ran = max(int(r["step"]) for r in records)
+    return statistics.median(float(r["step_ms"]) for r in records if int(r["step"]) > ran // 2)
+
+
+def extrapolated_s(run_dir: str, step: int) -> float:
+    """Training seconds to `step` of a run that stopped short of it: its own steps as they
+    took, the rest at its steady step (`steady_ms`)."""
+    records = [r for r in read_records(Path(run_dir) / METRICS_FILE)
+               if "step_ms" in r and "step" in r]  # fmt: skip
+    wall = {int(r["step"]): float(r["wall_s"]) for r in records}
+    ran = max(wall)
+    if step <= ran:
+        return wall[step]
+    return wall[ran] + (step - ran) * steady_ms(run_dir) / 1e3
 
 
 def at_step(points: list[tuple[int, float, float]], step: int) -> float:
@@ -235,16 +260,23 @@ def analyse(results: dict[str, Any], steps: int) -> dict[str, Any]:
         for method, row in link["rows"].items():
             summary = row["summary"]
             note, worst = "", math.nan
-            if row["short"]:  # DDP at 10 Mbit/s: its steps, at this link's median step
-                reach, step = steps * float(summary["step_ms"]) / 1e3, steps
-                same = fast["ddp"]["losses"]
+            if row["short"]:  # at 10 Mbit/s: its first steps, the rest at their median
+                step = steps if method == "ddp" else time_to(fast[method]["evals"], target)[1]
+                reach = extrapolated_s(row["run_dir"], step) if step else math.nan
+                same = fast[method]["losses"]
                 worst = max(abs(row["losses"][s] - same[s]) / abs(same[s]) for s in row["losses"])
-                val = target
-                note = (f"{len(row['losses'])} of {steps} steps run, the rest at their median "
+                val = target if method == "ddp" else at_step(fast[method]["evals"], steps)
+                note = (f"{len(row['losses'])} of {step} steps run, the rest at their median "
                         f"(losses within {worst:.0e} of the 1 Gbit/s run's)")  # fmt: skip
+                if not step:
+                    note = (f"{len(row['losses'])} steps run (losses within {worst:.0e} of the "
+                            "1 Gbit/s run's, which never reached DDP's loss)")  # fmt: skip
             else:
                 reach, step = time_to(row["evals"], target)
                 val = at_step(row["evals"], steps)
+            step_ms = float(summary.get("step_ms", math.nan))
+            if row["short"]:
+                step_ms = steady_ms(row["run_dir"])
             fast_bytes = statistics.fmean(fast[method]["crossed"].values())
             fast_steps = max(float(fast[method]["summary"].get("steps", steps)), 1.0)
             per_budget = fast_bytes * steps / fast_steps  # bytes for DDP's token budget
@@ -253,12 +285,12 @@ def analyse(results: dict[str, Any], steps: int) -> dict[str, Any]:
                 "val_ratio": val / target,
                 "bytes_per_worker": per_budget,
                 "bytes_ratio": per_budget / ddp_bytes,
-                "step_ms": float(summary.get("step_ms", math.nan)),
+                "step_ms": step_ms,
                 "comm_share": float(summary.get("comm_share", math.nan)),
                 "time_to_loss_s": reach,
                 "reached_at_step": step,
                 "note": note,
-                "ddp_losses_vs_fast_link": worst if row["short"] else None,
+                "losses_vs_fast_link": worst if row["short"] else None,
             }
         fastest = min((r["time_to_loss_s"] for r in rows.values()
                        if not math.isnan(r["time_to_loss_s"])), default=math.nan)  # fmt: skip
@@ -372,6 +404,12 @@ def main() -> None:
         default=5,
         help="DDP's steps at 10 Mbit/s (its losses are the 1 Gbit/s run's)",
     )
+    parser.add_argument(
+        "--slow-steps",
+        type=int,
+        default=24,
+        help="PowerSGD's and top-k's steps at 10 Mbit/s (their losses are the 1 Gbit/s run's)",
+    )
     parser.add_argument("--quick", action="store_true", help="debug model, a smoke run")
     parser.add_argument(
         "--replot", action="store_true", help=f"only draw the heatmaps again from {RESULTS.name}"
@@ -384,6 +422,7 @@ def main() -> None:
     args.preset, args.train_blocks, args.eval_blocks = "default", 16384, 64
     if args.quick:
         args.steps, args.warm_steps, args.eval_every, args.ddp_slow_steps = 20, 10, 5, 3
+        args.slow_steps = 6
         args.preset, args.train_blocks, args.eval_blocks = "debug", 1024, 8
         del METHODS["diloco:25"], METHODS["diloco:50"], METHODS["diloco:50:5:8"]
         METHODS["diloco:5"] = ["dp.sync=diloco", "dp.inner_steps=5"]
