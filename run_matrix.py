@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from lab.cli import reported
 from lab.config import to_settings
 from lab.machine import Machine
 from lab.redact import redact_argv, redact_config, scrub_argv
@@ -180,11 +181,15 @@ def log_to_wandb(
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="matrix")
 def main(cfg: DictConfig) -> None:
-    config = to_settings(cfg, matrix.MatrixConfig)
-    records = sweep(config)
-    ok = sum(r["status"] == "ok" for r in records)
-    total = len(matrix.cells(config)) if config.cell < 0 else 1
-    print(f"cells ok: {ok} of {total}")
+    with reported():  # a bad setting: one line, exit 2
+        config = to_settings(cfg, matrix.MatrixConfig)
+    kept = (f"interrupted; the cells done are kept in {config.out_dir}: the same command goes "
+            "on with the others")  # fmt: skip
+    with reported(interrupted=kept):
+        records = sweep(config)
+        ok = sum(r["status"] == "ok" for r in records)
+        total = len(matrix.cells(config)) if config.cell < 0 else 1
+        print(f"cells ok: {ok} of {total}")
 
 
 if __name__ == "__main__":

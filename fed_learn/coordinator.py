@@ -84,6 +84,10 @@ class Coordinator:
         """Every client whose update a round took, for checkpoints: id, name, examples and
         the rounds it took part in (small records: no connection is kept)."""
         self.round = 0
+        self.history: list[dict[str, float]] = []
+        """Every finished round's metrics, those before a resume included (checkpointed)."""
+        self.initial_loss: float | None = None
+        """The global adapter's validation loss before the first round (kept across resumes)."""
         self._lock = self.admission.lock  # one lock for the client table and what rounds share
         self._finished = threading.Event()
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
@@ -195,6 +199,14 @@ class Coordinator:
             if client.task is task:
                 client.task = None
 
+    def _initial_loss(self, tracker: Tracker, start: int) -> float:
+        """The validation loss before the first round: measured and logged (at step 0) by a
+        run that starts there, the first run's by one that resumes (nothing logged twice)."""
+        if self.initial_loss is None:
+            self.initial_loss = evaluate(self.model, self.val_blocks)
+            tracker.log({"val_loss": self.initial_loss}, step=start)
+        return self.initial_loss
+
     def _rounds_to_run(self) -> range:
         """The rounds (0-based) this run is to run, in both modes: from the one after the last
         checkpoint with fed.resume (whose adapter this loads), else from the first, up to
@@ -207,9 +219,8 @@ class Coordinator:
             return self.run_async(tracker)
         rounds = self._rounds_to_run()
         rng = random.Random(self.settings.seed)
-        history: list[dict[str, float]] = []
-        initial_loss = evaluate(self.model, self.val_blocks)
-        tracker.log({"val_loss": initial_loss}, step=rounds.start)
+        history = self.history
+        initial_loss = self._initial_loss(tracker, rounds.start)
         for round_index in rounds:
             self.round = round_index  # sessions read it: a client joining now starts next round
             first = round_index == rounds.start  # give the whole roster a moment to join
@@ -277,7 +288,7 @@ class Coordinator:
         return {
             "initial_val_loss": initial_loss,
             "final_val_loss": final["val_loss"],
-            "rounds": float(rounds.stop - rounds.start),
+            "rounds": float(len(history)),  # the whole run's, rounds before a resume included
             "refused": sum(h["refused"] for h in history),
             "dropped_results": float(self.admission.dropped_results()),
             **round_averages(history),
@@ -321,8 +332,7 @@ class Coordinator:
         """
         fed = self.fed
         rounds = self._rounds_to_run()
-        initial_loss = evaluate(self.model, self.val_blocks)
-        tracker.log({"val_loss": initial_loss}, step=rounds.start)
+        initial_loss = self._initial_loss(tracker, rounds.start)
         self.wait_for_clients(
             fed.min_fit_clients,
             hoped=fed.num_clients,
@@ -331,7 +341,7 @@ class Coordinator:
         version = 0
         versions = {version: adapter_state(self.model)}  # what clients may be training from
         busy: dict[int, tuple[ClientHandle, Task]] = {}  # client_id -> it, its task (version)
-        history: list[dict[str, float]] = []
+        history = self.history
         applied, refused = 0, 0
         staleness: list[int] = []
         norms: list[float] = []  # of the applied updates (see fed.max_update_norm)
@@ -481,6 +491,8 @@ class Coordinator:
         its work so far, plus the checkpoint). Returns `metrics`."""
         metrics["val_perplexity"] = math.exp(min(metrics["val_loss"], 50.0))
         checkpoint_started = time.perf_counter()
+        metrics["round_s"] = checkpoint_started - started  # as the checkpoint keeps it
+        metrics["coordinator_share"] = coordinator_s / metrics["round_s"]
         self.checkpoint(metrics, outcome=outcome)
         coordinator_s += time.perf_counter() - checkpoint_started
         metrics["round_s"] = time.perf_counter() - started
@@ -569,6 +581,8 @@ class Coordinator:
             "round": self.round + 1,
             "outcome": outcome,
             "metrics": metrics,
+            "history": [*self.history, metrics],  # a resumed run's tables cover the whole run
+            "initial_val_loss": self.initial_loss,
             "roster": roster,
             "config": config,
         }
@@ -590,7 +604,14 @@ class Coordinator:
         pointer = json.loads(latest.read_text())
         folder = self.checkpoint_dir / pointer["path"]
         load_adapter_state(self.model, load_file(str(folder / "adapter_model.safetensors")))
-        log.info("resumed from %s (round %d)", folder, pointer["round"])
+        state = json.loads((folder / "fed_state.json").read_text())
+        self.history = [dict(h) for h in state.get("history", [])]
+        initial = state.get("initial_val_loss")
+        self.initial_loss = float(initial) if isinstance(initial, (int, float)) else None
+        # the adapter it loaded, on the same held-out text: the saved round's loss again
+        log.info("resumed from %s (round %d): validation loss %.6f, saved %.6f", folder,
+                 pointer["round"], evaluate(self.model, self.val_blocks),
+                 float(state["metrics"]["val_loss"]))  # fmt: skip
         return int(pointer["round"])
 
 

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
@@ -29,9 +29,9 @@ class ConfigError(UserError, ValueError):
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types a command reports as one line (netproto's own included)."""
-    from netproto.errors import AuthenticationError
+    from netproto.errors import AuthenticationError, ListenError
 
-    return (UserError, AuthenticationError)
+    return (UserError, AuthenticationError, ListenError)
 
 
 def full_errors() -> bool:
@@ -40,9 +40,12 @@ def full_errors() -> bool:
 
 
 @contextlib.contextmanager
-def reported(*, interrupted: str = "interrupted; nothing of this run is kept") -> Iterator[None]:
+def reported(
+    *, interrupted: str | Callable[[], str] = "interrupted; nothing of this run is kept"
+) -> Iterator[None]:
     """Run a command's body: user errors become one line and exit 2, Ctrl-C prints
-    `interrupted` and exits 130, bugs raise as they are."""
+    `interrupted` (a function: what it returns then, so it can say what was really kept) and
+    exits 130, bugs raise as they are."""
     if threading.current_thread() is threading.main_thread():
         # a command started as a shell's background job (`cmd &`, a script without job
         # control) inherits SIGINT ignored, and Python keeps it so: `kill -INT` would then do
@@ -61,5 +64,6 @@ def reported(*, interrupted: str = "interrupted; nothing of this run is kept") -
         raise SystemExit(EXIT_USER_ERROR) from None
     except KeyboardInterrupt:
         sys.stdout.flush()
-        print(f"\n{interrupted}", file=sys.stderr, flush=True)
+        said = interrupted() if callable(interrupted) else interrupted
+        print(f"\n{said}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_INTERRUPTED) from None

@@ -73,8 +73,11 @@ def check(
         except HydraException as exc:  # the grammar's errors
             why = str(exc).strip().splitlines()[0]
             raise ConfigError(f"cannot read the override {text!r}: {why}") from None
-    # each value of a sweep once, the other keys at their first value
-    choices = [_values(o) for o in parsed]
+    # each value of a sweep once, the other keys at their first value (a sweep that cannot
+    # be enumerated, glob() or interval(), is left to Hydra)
+    choices = [values for values in (_values(o) for o in parsed) if values]
+    if not choices:
+        return
     first = [values[0] for values in choices]
     _compose_checked(name, schema, first, config_dir)
     for index, values in enumerate(choices):
@@ -89,10 +92,15 @@ def _key(override: str) -> str:
 
 def _values(override: Any) -> list[str]:
     """`override` as one plain override per value it sweeps over."""
+    from hydra.errors import HydraException
+
     key = override.get_key_element()
     if not override.is_sweep_override():
         return [override.input_line]
-    return [f"{key}={value}" for value in override.sweep_string_iterator()]
+    try:
+        return [f"{key}={value}" for value in override.sweep_string_iterator()]
+    except HydraException:
+        return []
 
 
 def _compose_checked(name: str, schema: type, overrides: list[str], config_dir: Path) -> None:

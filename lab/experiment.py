@@ -22,6 +22,7 @@ import os
 import shlex
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, TextIO
 
 from omegaconf import DictConfig
@@ -101,6 +102,9 @@ class Experiment:
     Ctrl-C then prints the command that goes on."""
     resume_roles: tuple[str, ...] = ("local",)
     """The roles whose run `resume` continues (the one that keeps the checkpoints)."""
+    checkpoint_marker: str = "latest.json"
+    """The file a checkpoint is complete with, somewhere in the run folder: Ctrl-C claims
+    checkpoints only where one is."""
 
     @property
     def schema_name(self) -> str:
@@ -274,16 +278,23 @@ def main(experiment: Experiment, cfg: DictConfig) -> None:
         run(experiment, cfg)
 
 
-def interrupted_message(experiment: Experiment, cfg: DictConfig) -> str:
-    """What Ctrl-C leaves behind, and the command that continues from it where one can."""
+def interrupted_message(experiment: Experiment, cfg: DictConfig) -> Callable[[], str]:
+    """What Ctrl-C leaves behind, and the command that continues from it where one can (a
+    function: whether a checkpoint exists is known when Ctrl-C comes, not before)."""
+    return lambda: _interrupted(experiment, cfg)
+
+
+def _interrupted(experiment: Experiment, cfg: DictConfig) -> str:
     role = str(cfg.get("role", "local"))
     try:
         run_dir = str(cfg.paths.run_dir)
     except Exception:
         run_dir = ""
+    where = f"; its log and metrics so far are in {run_dir}" if run_dir else ""
     if experiment.resume is None or role not in experiment.resume_roles or not run_dir:
-        where = f"; its log and metrics so far are in {run_dir}" if run_dir else ""
         return f"interrupted{where}"
+    if not any(Path(run_dir).rglob(experiment.checkpoint_marker)):
+        return f"interrupted before its first checkpoint: nothing to go on from{where}"
     resume_key = override_key(experiment.resume)
     kept = [
         o

@@ -45,6 +45,27 @@ def hub_offline() -> bool:
     )
 
 
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def hub_unreachable() -> str:
+    """Why the Hugging Face hub (its endpoint, HF_ENDPOINT) cannot be reached: "" when a TCP
+    connection to it opens within HUB_PROBE_TIMEOUT_S."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    endpoint = urlsplit(constants.ENDPOINT)
+    host = endpoint.hostname or ""
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        return f"{host}:{port}: {exc.strerror or type(exc).__name__}"
+    return ""
+
+
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 """`name` or `org/name`: anything else is meant as a filesystem path."""
 
@@ -100,6 +121,13 @@ def _from_pretrained(loader, source: str, cfg: ModelConfig, *, key: str = "model
                 f"(HF_HUB_OFFLINE); download it on a connected machine (`hf download {source}`) "
                 f"or set {key}.pretrained=/path/to/a/local/copy."
             ) from None
+    unreachable = hub_unreachable()
+    if unreachable:  # said now, not after the hub client's minute of retries
+        raise ModelUnavailableError(
+            f"Model {source!r} is not in the local Hugging Face cache and the hub cannot be "
+            f"reached from here ({unreachable}); set {key}.pretrained=/path/to/a/local/copy "
+            f"(on a connected machine: `hf download {source}`), or use lab:tiny_target"
+        )
     try:
         return loader.from_pretrained(source, **common)
     except OSError as exc:

@@ -33,6 +33,19 @@ from lab.cli import ConfigError
 from lab.linkmodel import Link, parse_rate
 
 
+def check_run_of(module: str, run_dir: Path) -> None:
+    """ValueError when `run_dir` is (its lab_run.json says) a run of another experiment."""
+    import json
+
+    record = Path(run_dir) / "lab_run.json"
+    job = json.loads(record.read_text()).get("job") if record.is_file() else None
+    if job and job != module:
+        raise ValueError(
+            f"{run_dir} is a run of {job}, not {module}: python -m labtools.costmodel {job} "
+            f"{run_dir}"
+        )
+
+
 def headline(module: str, run_dir: Path) -> float:
     """The headline figure of experiment `module`'s run in `run_dir`."""
     return registry.manifest(module).headline.read(Path(run_dir))
@@ -139,24 +152,32 @@ def report(out: Path, names: Sequence[str], *, log: Any = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m labtools.costmodel", description=(__doc__ or "").splitlines()[0]
-    )
-    parser.add_argument("module", choices=list(registry.manifests()))
+    first_paragraph = " ".join((__doc__ or "").split("\n\n", 1)[0].split())
+    parser = argparse.ArgumentParser(prog="python -m labtools.costmodel",
+                                     description=first_paragraph)  # fmt: skip
+    parser.add_argument("module", choices=list(registry.manifests()),
+                        help="the experiment the run is of")  # fmt: skip
     parser.add_argument("run_dir", type=Path, help="a local run of it (its metrics.jsonl)")
-    parser.add_argument("--delay-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0, 50.0])
-    parser.add_argument("--rate", nargs="+", default=["1gbit", "100mbit", "10mbit"])
+    parser.add_argument("--delay-ms", type=float, nargs="+", default=[0.0, 2.0, 10.0, 50.0],
+                        help="one-way delays, ms (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--rate", nargs="+", default=["1gbit", "100mbit", "10mbit"],
+                        help="link rates, as tc writes them (default: %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
     label = registry.manifest(args.module).headline.label
     try:
+        check_run_of(args.module, args.run_dir)
         local = headline(args.module, args.run_dir)
         rows = [
             (d, r, predict(args.module, args.run_dir, delay_ms=d, rate=r))
             for d in args.delay_ms
             for r in args.rate
         ]
-    except (ValueError, KeyError, ConfigError) as exc:
-        print(f"labtools.costmodel: {exc}", file=sys.stderr)
+    except KeyError as exc:
+        print(f"error: {args.run_dir} has no {exc.args[0]!s} in its metrics: not a finished "
+              f"local run of {args.module}", file=sys.stderr)  # fmt: skip
+        return 2
+    except (ValueError, ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{args.module}, {label}: {local:.4g} in the local run {args.run_dir}")
     print(f"{'one-way delay':>14} {'rate':>8} {'predicted':>10}")

@@ -90,8 +90,12 @@ class MatrixConfig:
     def __post_init__(self) -> None:
         known = registry.manifests()
         if self.workload not in known:
+            import difflib
+
+            close = difflib.get_close_matches(self.workload, list(known), n=1)
+            guess = f"did you mean {close[0]}? " if close else ""
             raise ValueError(
-                f"workload={self.workload!r} is not one run_matrix can sweep; "
+                f"workload={self.workload!r} is not one run_matrix can sweep; {guess}"
                 f"choose one of {list(known)}"
             )
         check_fields_positive("matrix", self, ("repeats", "timeout_s"))
@@ -213,17 +217,42 @@ class CellOutcome:
     peak_total_rss_mib: float = 0.0
 
 
-def _role_of(proc: psutil.Process, cell_pid: int) -> str:
+def _role_of(proc: psutil.Process, cell_pid: int, names: dict[int, str]) -> str:
+    """The name a cell's process is reported under: `main`, its `role=` (`stage1`,
+    `client0`), or, for a process started without one (torch's elastic workers, helpers), its
+    nearest named ancestor's name and its rank (`main.rank1`) or its place among that
+    ancestor's unnamed ones (`main.sub1`): the same columns in every cell, never a pid.
+    `names` remembers each pid's name once known."""
+    if proc.pid in names:
+        return names[proc.pid]
     if proc.pid == cell_pid:
         return "main"
     try:
         args = proc.cmdline()
     except (psutil.Error, OSError):
-        return f"pid{proc.pid}"
+        args = []
     role = next((a.split("=", 1)[1] for a in args if a.startswith("role=")), None)
-    rank = next((a.split("=", 1)[1] for a in args if a.startswith("split.rank=")), "")
-    index = next((a.split("=", 1)[1] for a in args if a.startswith("client_index=")), "")
-    return f"{role}{rank}{index}" if role else f"pid{proc.pid}"
+    if role:  # read each time: a child just forked still shows its parent's command line
+        rank = next((a.split("=", 1)[1] for a in args if a.startswith("split.rank=")), "")
+        index = next((a.split("=", 1)[1] for a in args if a.startswith("client_index=")), "")
+        return f"{role}{rank}{index}"
+    try:
+        parent = proc.parent()
+    except psutil.Error:
+        parent = None
+    orphan = parent is None or parent.pid <= 1  # its parent gone: init took it in
+    above = "main" if orphan or parent is None else _role_of(parent, cell_pid, names)
+    try:
+        local_rank = proc.environ().get("LOCAL_RANK")
+    except (psutil.Error, OSError):
+        local_rank = None
+    if local_rank is not None:
+        name = f"{above}.rank{local_rank}"
+    else:
+        siblings = sum(n.startswith(f"{above}.sub") for n in names.values())
+        name = f"{above}.sub{siblings + 1}"
+    names[proc.pid] = name
+    return name
 
 
 def _tree(root: psutil.Process) -> list[psutil.Process]:
@@ -257,6 +286,7 @@ def run_cell_process(
     added to this process's environment."""
     started = time.monotonic()
     peaks: dict[str, float] = {}
+    names: dict[int, str] = {}
     peak_total = 0.0
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
@@ -282,8 +312,7 @@ def run_cell_process(
                     except psutil.Error:
                         continue
                     total += rss
-                    # read each time: a child just forked still shows its parent's command line
-                    role = _role_of(member, proc.pid)
+                    role = _role_of(member, proc.pid, names)
                     peaks[role] = max(peaks.get(role, 0.0), rss)
                 peak_total = max(peak_total, total)
                 if on_sample is not None:

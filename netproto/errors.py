@@ -52,6 +52,11 @@ class NetTimeout(NetprotoError, TimeoutError):
     """Connecting or waiting for a frame took longer than its timeout."""
 
 
+class ListenError(NetprotoError, OSError):
+    """This process cannot listen where it was told to (the port is taken, the address is not
+    this host's): a setting to change, said in one line."""
+
+
 class AuthenticationError(NetprotoError):
     """The shared-secret handshake failed: wrong or missing secret, or a replayed handshake."""
 

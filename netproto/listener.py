@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from netproto.errors import ListenError
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1
@@ -37,9 +39,14 @@ def listen(
         listener.bind((host, port))
     except OSError as exc:
         listener.close()
-        raise OSError(
-            exc.errno, f"{name}: cannot listen on {host}:{port}: {exc.strerror}"
-        ) from None
+        hint = {
+            errno.EADDRINUSE: ": another process holds that port (another run?); stop it, or "
+            "choose a free port (0: any)",
+            errno.EADDRNOTAVAIL: ": that address is not one of this host's",
+        }.get(exc.errno or 0, "")
+        error = ListenError(f"{name} cannot listen on {host}:{port}: {exc.strerror}{hint}")
+        error.errno = exc.errno
+        raise error from None
     listener.listen(backlog)
     listener.setblocking(False)
     return listener

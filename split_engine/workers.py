@@ -51,6 +51,11 @@ def stage_name(rank: int) -> str:
     return f"stage{rank}"
 
 
+class SecretMismatchError(UserError, PermissionError):
+    """A stage and the driver could not prove the same shared secret to each other: said in
+    one line, naming the role whose secret differs."""
+
+
 class StageLostError(UserError, RuntimeError):
     """A stage did not answer (it died, hung, or the network between went away)."""
 
@@ -142,26 +147,26 @@ def authenticate_stage(
         and len(reply) == 2
         and all(isinstance(part, bytes) and len(part) <= 64 for part in reply)
     ):
-        raise PermissionError(f"{name} answered the handshake with something else than 2 MACs")
+        raise SecretMismatchError(f"{name} answered the handshake with something else than 2 MACs")
     stage_mac, stage_nonce = reply
     if secret is not None:
         expected = mac(secret, b"stage", name.encode(), nonce, stage_nonce)
         if not stage_mac or not hmac.compare_digest(stage_mac, expected):
-            raise PermissionError(
-                f"{name} could not prove the shared secret (cluster.secret / LAB_SECRET "
-                f"differ, or it has none): stopping the run"
+            raise SecretMismatchError(
+                f"{name} could not prove the shared secret: its cluster.secret / LAB_SECRET "
+                "differs from this driver's, or it has none; the run is stopped"
             )
         proof = mac(secret, b"driver", stage_nonce, world_nonce)
     else:
         if stage_mac:
-            raise PermissionError(
+            raise SecretMismatchError(
                 f"{name} expects a shared secret and this driver has none: set cluster.secret "
                 "(or LAB_SECRET) to the stages' secret"
             )
         proof = b""
     accepted = rpc.rpc_sync(name, stage_accept_driver, args=(proof, world_nonce), timeout=timeout_s)
     if accepted is not True:
-        raise PermissionError(f"{name} refused this driver's proof of the shared secret")
+        raise SecretMismatchError(f"{name} refused this driver's proof of the shared secret")
 
 
 # ---------------------------------------------------------------------------- the world
@@ -710,8 +715,10 @@ def serve_until_released(*, ping_s: float, timeout_s: float) -> None:
         except RuntimeError as exc:
             if _auth.secret is not None and not _auth.driver_proved:
                 raise StageLostError(
-                    "the driver left without proving the shared secret to this stage: "
-                    "cluster.secret / LAB_SECRET must be the same on the driver and every stage"
+                    "the driver left before proving the shared secret to this stage: its secret "
+                    "differs from this stage's, or it stopped at another stage whose secret "
+                    "differs (the driver's error names it); cluster.secret / LAB_SECRET must be "
+                    "the same on the driver and every stage"
                 ) from None
             raise StageLostError(f"the driver stopped answering ({exc}); leaving the run") from None
     if _release_reason[0]:

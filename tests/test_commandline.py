@@ -68,6 +68,8 @@ def test_right_overrides_and_sweeps_pass() -> None:
         ["dp.sync=diloco", "dp.fragments=2", "dp.inner_steps=4,8", "model.lab_preset=debug"],
     )
     check("spec_decoding", SCHEMAS["spec_decoding"], ["spec.gamma=4", "model@target=tiny_target"])
+    # a sweep no list can hold (a sweeper plug-in's interval) is left to Hydra
+    check("data_parallel", SCHEMAS["data_parallel"], ["dp.lr=interval(0.1,1)", "dp.steps=3"])
 
 
 def test_field_docstrings_are_read_from_the_schema_source() -> None:

@@ -73,3 +73,15 @@ def test_the_command_prints_a_prediction_per_link_and_says_what_is_wrong(
     assert "4 in the local run" in out and "40" in out.splitlines()[-1]
     assert main(["split_inference", str(tmp_path / "missing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_the_command_given_another_modules_run_names_whose_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = split_inference_run(tmp_path / "run", token_ms=4.0)
+    (run / "lab_run.json").write_text('{"job": "split_inference"}')
+    assert main(["spec_decoding", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run} is a run of split_inference, not spec_decoding")
+    assert f"python -m labtools.costmodel split_inference {run}" in err
+    assert len(err.strip().splitlines()) == 1

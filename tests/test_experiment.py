@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +189,20 @@ def test_tensorpipe_and_gloo_both_listen_towards_the_master_unless_the_user_chos
         assert os.environ["GLOO_SOCKET_IFNAME"] == "wg0"
         assert os.environ["TP_SOCKET_IFNAME"] == loopback
     assert os.environ["GLOO_SOCKET_IFNAME"] == "wg0" and "TP_SOCKET_IFNAME" not in os.environ
+
+
+def test_ctrl_c_claims_checkpoints_only_once_one_exists(tmp_path: Path) -> None:
+    """Ctrl-C before the first checkpoint said checkpoints were kept; it is said when it comes,
+    from what the run folder holds then."""
+    from omegaconf import OmegaConf
+
+    from fed_learn.run import EXPERIMENT
+
+    cfg = OmegaConf.create({"role": "local", "paths": {"run_dir": str(tmp_path)}})
+    message = experiment.interrupted_message(EXPERIMENT, cfg)
+    assert message().startswith("interrupted before its first checkpoint: nothing to go on from")
+    latest = tmp_path / "coordinator" / "checkpoints" / "latest.json"
+    latest.parent.mkdir(parents=True)
+    latest.write_text("{}")
+    assert message().startswith(f"interrupted; its checkpoints are kept in {tmp_path}")
+    assert "fed.resume=true" in message()

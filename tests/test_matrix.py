@@ -164,3 +164,22 @@ def test_a_key_the_experiment_does_not_have_is_refused_before_any_cell_runs(
     with pytest.raises(ValueError, match=r"does not compose: .*split\.depth"):
         run_matrix.sweep(cfg)
     assert not (Path(cfg.out_dir) / "results.jsonl").exists()
+
+
+def test_a_cells_processes_are_reported_by_role_never_by_pid(tmp_path: Path) -> None:
+    """A process without `role=` (torch's elastic workers, a helper) is named after its
+    nearest named ancestor and its rank or place: the CSV's columns are the same in every
+    cell, not `peak_rss_mib.pid25390`."""
+    script = (
+        "import os, subprocess, sys\n"
+        "nap = [sys.executable, '-c', 'import time; time.sleep(2)']\n"
+        "kids = [subprocess.Popen([*nap, 'role=stage', 'split.rank=1']),\n"
+        "        subprocess.Popen(nap, env={**os.environ, 'LOCAL_RANK': '1'}),\n"
+        "        subprocess.Popen(nap)]\n"
+        "[k.wait() for k in kids]\n"
+    )
+    outcome = matrix.run_cell_process([sys.executable, "-c", script], cwd=tmp_path,
+                                      log_path=tmp_path / "cell.log", timeout_s=60,
+                                      memory_mib=10_000)  # fmt: skip
+    assert outcome.status == "ok", (tmp_path / "cell.log").read_text()
+    assert set(outcome.peak_rss_mib) == {"main", "stage1", "main.rank1", "main.sub1"}

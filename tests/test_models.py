@@ -76,6 +76,32 @@ def test_uncached_hub_model_offline_fails_with_one_clear_sentence(
     assert "\n" not in message
 
 
+def test_an_unreachable_hub_is_said_at_once_not_after_a_minute_of_retries(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, lab_cache: Path
+) -> None:
+    """Hub access on, but the hub cannot be reached (here: HF_ENDPOINT at a loopback port
+    nobody listens on, so no address beyond this machine is dialled): one sentence naming the
+    endpoint and the local-folder way out, from the probe before any download is tried (the
+    hub client's own retries took 77 s to fail)."""
+    import socket
+
+    import huggingface_hub.constants
+
+    with socket.socket() as closed:  # a port that was free a moment ago: refused at once
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    cfg = ModelConfig(name="llama3_8b", pretrained="meta-llama/Meta-Llama-3-8B")
+    with pytest.raises(ModelUnavailableError) as info:
+        load_tokenizer(cfg, cache_dir=lab_cache)
+    message = str(info.value)
+    assert f"the hub cannot be reached from here (127.0.0.1:{port}: Connection refused)" in message
+    assert "model.pretrained=/path/to/a/local/copy" in message and "\n" not in message
+
+
 @pytest.mark.parametrize("source", ["/nonexistent/model_folder", "./no/such/dir", "lab:tiny_giant"])
 def test_bad_source_is_a_clear_error(source: str, lab_cache: Path) -> None:
     with pytest.raises(ModelUnavailableError, match=r"model\.pretrained="):

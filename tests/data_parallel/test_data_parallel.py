@@ -78,14 +78,20 @@ def test_every_block_is_seen_once_an_epoch_and_no_step_is_short() -> None:
 
 @pytest.mark.parametrize(
     ("engine", "accum"),
-    [("ddp", 1), ("fsdp", 1), ("fsdp", 2), pytest.param("ddp", 2, marks=pytest.mark.slow)],
+    [
+        ("ddp", 1),
+        ("fsdp", 1),
+        pytest.param("fsdp", 2, marks=pytest.mark.slow),
+        pytest.param("ddp", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_two_workers_train_as_one_process_with_twice_the_batch(
     dp_run: Run, engine: str, accum: int
 ) -> None:
     """Per-step loss and gradient norm of 2 workers x batch 2 against 1 process x batch 4.
-    (DDP's accumulation without a sync is also in make test's balance test: the fast worker's
-    three blocks are two micro-steps, the first under no_sync.)"""
+    (Accumulation is in the slow cases, for make test's time; DDP's without a sync is also in
+    make test's balance test: the fast worker's three blocks are two micro-steps, the first
+    under no_sync.)"""
     single = dp_run("dp.workers=1", "dp.batch_size=4", f"dp.grad_accum_steps={accum}")
     pair = dp_run("dp.workers=2", "dp.batch_size=2", f"dp.grad_accum_steps={accum}",
                   f"dp.engine={engine}")  # fmt: skip

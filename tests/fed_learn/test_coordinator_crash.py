@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,15 +105,22 @@ def test_killed_coordinator_resumes_at_the_next_round_from_its_checkpoint(
                 proc.kill()
                 proc.communicate()
 
-    assert f"(round {k})" in out  # "resumed from .../round_000k (round k)"
-    lines = read_records(metrics_file)[before_restart:]
-    steps = [line for line in lines if line.get("kind") == "metrics"]
-    # The restart's first evaluation, before any training, is of the adapter it loaded: the
-    # checkpoint's own validation loss, on the same held-out text.
-    assert steps[0]["step"] == k
-    assert steps[0]["val_loss"] == pytest.approx(saved_loss, abs=1e-6)
-    # Then rounds k+1 .. ROUNDS, and nothing before k+1 was redone.
-    assert [s["step"] for s in steps[1:]] == list(range(k + 1, ROUNDS + 1))
+    # "resumed from .../round_000k (round k): validation loss X, saved Y": the restart's first
+    # evaluation, before any training, is of the adapter it loaded, on the same held-out text
+    resumed = re.search(rf"\(round {k}\): validation loss ([\d.]+), saved ([\d.]+)", out)
+    assert resumed, out[-3000:]
+    assert float(resumed.group(1)) == pytest.approx(saved_loss, abs=1e-5)
+    everything = read_records(metrics_file)
+    steps = [line for line in everything[before_restart:] if line.get("kind") == "metrics"]
+    # Then rounds k+1 .. ROUNDS, nothing before k+1 redone, and no round logged twice
+    assert [s["step"] for s in steps] == list(range(k + 1, ROUNDS + 1))
+    logged = [line["step"] for line in everything if line.get("kind") == "metrics"]
+    assert sorted(logged) == list(range(ROUNDS + 1))  # step 0: the loss before round 1
+    # the final metrics are the whole run's, not the resumed part's
+    (summary,) = [line for line in everything if line.get("kind") == "summary"]
+    assert summary["rounds"] == ROUNDS
+    initial = next(line for line in everything if line.get("step") == 0)["val_loss"]
+    assert summary["initial_val_loss"] == pytest.approx(initial)
     assert json.loads((checkpoints / "latest.json").read_text())["round"] == ROUNDS
     assert (folder / "adapter_model.safetensors").read_bytes() == saved_bytes
     final = load_file(str(checkpoints / f"round_{ROUNDS:04d}" / "adapter_model.safetensors"))

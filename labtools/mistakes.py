@@ -1,0 +1,274 @@
+"""Replay the mistakes a new user made (issue 35's list), each as that user typed it, and check
+that each is answered in one line: `error: ...` on stderr naming what is wrong, exit 2, no
+traceback, every role stopped (or, for Ctrl-C, a message that tells the truth about what was
+kept).
+
+    python -m labtools.mistakes              # every case
+    python -m labtools.mistakes --only port  # the cases whose name says port
+
+Its last line: `user mistakes answered in one line: N of M`.
+
+Each case runs the lab's own commands in subprocesses on loopback, with the debug model
+(`model.lab_preset=debug`) where a model is needed: about two minutes in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lab.config import default_cache_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG = ("model.lab_preset=debug", "tracking.wandb=false")
+SPEC_DEBUG = ("target.lab_preset=debug", "draft.lab_preset=debug", "tracking.wandb=false")
+
+
+@dataclass
+class Outcome:
+    returncode: int | None
+    stderr: str
+    stdout: str = ""
+
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error: ")]
+
+
+@dataclass
+class Mistake:
+    name: str
+    what: str
+    """What the user typed or did."""
+    says: str
+    """A fragment the answer must contain."""
+    run: Callable[[Path], Outcome | list[Outcome]]
+    exit_code: int = 2
+    extra: Callable[[Path, list[Outcome]], str] = field(default=lambda folder, outcomes: "")
+    """A further check: "" when it holds, else what is wrong."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def command(
+    argv: list[str], folder: Path, *, env: dict[str, str] | None = None, timeout_s: float = 300
+) -> Outcome:
+    result = subprocess.run(
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    (folder / "stderr.log").write_text(result.stderr)
+    return Outcome(result.returncode, result.stderr, result.stdout)
+
+
+def module(name: str, *overrides: str, env: dict[str, str] | None = None) -> Callable:
+    def run(folder: Path) -> Outcome:
+        argv = [sys.executable, "-m", name, *overrides, f"hydra.run.dir={folder / 'run'}"]
+        return command(argv, folder, env=env)
+
+    return run
+
+
+def _held_port(name: str, role_overrides: tuple[str, ...], key: str) -> Callable:
+    """A server role told to listen on a port another process holds."""
+
+    def run(folder: Path) -> Outcome:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen(1)
+            port = holder.getsockname()[1]
+            return module(name, *role_overrides, f"{key}={port}")(folder)
+
+    return run
+
+
+def _split_secrets_differ(folder: Path) -> list[Outcome]:
+    """A stage with one secret, a driver with another: each is told what is really wrong."""
+    port = _free_port()
+    common = ["model.lab_preset=debug", "tracking.wandb=false", "split.num_stages=1",
+              f"cluster.master.port={port}", "split.join_timeout_s=60"]  # fmt: skip
+    stage = subprocess.Popen(
+        [sys.executable, "-m", "split_inference", "role=stage", "split.rank=1", *common,
+         f"hydra.run.dir={folder / 'stage'}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "LAB_SECRET": "the-stages-secret"},
+    )  # fmt: skip
+    try:
+        driver = command([sys.executable, "-m", "split_inference", "role=driver", *common,
+                          f"hydra.run.dir={folder / 'driver'}"], folder,
+                         env={"LAB_SECRET": "the-drivers-secret"})  # fmt: skip
+        stdout, stderr = stage.communicate(timeout=120)
+    finally:
+        stage.kill()
+    return [driver, Outcome(stage.returncode, stderr, stdout)]
+
+
+def _stage_told_the_truth(folder: Path, outcomes: list[Outcome]) -> str:
+    stage = outcomes[1]
+    lines = stage.error_lines()
+    if stage.returncode != 2 or len(lines) != 1 or "Traceback" in stage.stderr:
+        return f"the stage ended {stage.returncode} with {stage.stderr[-400:]!r}"
+    return "" if "secret" in lines[0] else f"the stage said {lines[0]!r}"
+
+
+def _ctrl_c_early(folder: Path) -> Outcome:
+    """Ctrl-C a federated run early: what it says it kept must be what is on disk."""
+    run_dir = folder / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fed_learn", *DEBUG, "fed.num_clients=2", "fed.rounds=50",
+         "fed.centralized_baseline=false", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (run_dir / "coordinator").is_dir():
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return Outcome(proc.returncode, stderr, stdout)
+
+
+def _ctrl_c_truth(folder: Path, outcomes: list[Outcome]) -> str:
+    kept = any((folder / "run").rglob("latest.json"))
+    said = outcomes[0].stderr
+    claims = "its checkpoints are kept" in said
+    if claims != kept:
+        return f"it said {said.strip().splitlines()[-1:]!r} with a checkpoint on disk: {kept}"
+    return ""
+
+
+def _costmodel_other_run(folder: Path) -> Outcome:
+    run = folder / "a_split_training_run"
+    run.mkdir()
+    (run / "lab_run.json").write_text(json.dumps({"job": "split_training"}))
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "summary", "step_ms": 80.0}) + "\n")
+    return command([sys.executable, "-m", "labtools.costmodel", "spec_decoding", str(run)], folder)
+
+
+def _hub_unreachable(folder: Path) -> Outcome:
+    endpoint = f"http://127.0.0.1:{_free_port()}"  # nobody listens: no address beyond this host
+    return module("split_inference", "model.pretrained=TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+                  env={"HF_ENDPOINT": endpoint, "HF_HOME": str(folder / "hf")})(folder)  # fmt: skip
+
+
+def _help_lists_keys(folder: Path, outcomes: list[Outcome]) -> str:
+    text = outcomes[0].stdout
+    return "" if "  spec.gamma=" in text and "--hydra-help" in text else text[-400:]
+
+
+# fmt: off
+MISTAKES = [
+    Mistake("key typo", "python -m spec_decoding spec.gama=4",
+            "spec.gama is not a setting of spec_decoding; did you mean spec.gamma?",
+            module("spec_decoding", "spec.gama=4", *SPEC_DEBUG)),
+    Mistake("Hydra's + hint on a typo", "python -m spec_decoding +spec.gama=4",
+            "spec.gama is not a setting of spec_decoding; did you mean spec.gamma?",
+            module("spec_decoding", "+spec.gama=4", *SPEC_DEBUG)),
+    Mistake("a word for a number", "python -m fed_learn fed.rounds=two",
+            "fed.rounds=two must be an integer", module("fed_learn", "fed.rounds=two", *DEBUG)),
+    Mistake("a word for a boolean", "python -m spec_decoding spec.pipeline=maybe",
+            "spec.pipeline=maybe must be true or false",
+            module("spec_decoding", "spec.pipeline=maybe", *SPEC_DEBUG)),
+    Mistake("a config group option that is not there", "python -m spec_decoding model=tinylama",
+            "model=tinylama is not one of conf/model/",
+            module("spec_decoding", "model=tinylama", *SPEC_DEBUG)),
+    Mistake("the verifier's port is taken", "python -m spec_decoding role=verifier "
+            "cluster.verifier.port=<a port in use>", "Address already in use",
+            _held_port("spec_decoding", ("role=verifier", *SPEC_DEBUG), "cluster.verifier.port")),
+    Mistake("the coordinator's port is taken", "python -m fed_learn role=coordinator "
+            "cluster.coordinator.port=<a port in use>", "Address already in use",
+            _held_port("fed_learn", ("role=coordinator", *DEBUG), "cluster.coordinator.port")),
+    Mistake("split roles with different secrets", "LAB_SECRET=a python -m split_inference "
+            "role=stage ... & LAB_SECRET=b python -m split_inference role=driver ...",
+            "stage1 could not prove the shared secret", _split_secrets_differ,
+            extra=_stage_told_the_truth),
+    Mistake("a workload typo", "python run_matrix.py workload=fed_lern",
+            "did you mean fed_learn?",
+            lambda folder: command([sys.executable, "run_matrix.py", "workload=fed_lern",
+                                    f"hydra.run.dir={folder / 'run'}"], folder)),
+    Mistake("a hub model, offline", "python -m split_inference model.pretrained=<hub id> "
+            "(no network)", "the hub cannot be reached from here", _hub_unreachable),
+    Mistake("Ctrl-C before the first checkpoint", "python -m fed_learn, Ctrl-C in round 1",
+            "interrupted", _ctrl_c_early, exit_code=130, extra=_ctrl_c_truth),
+    Mistake("the cost model given another module's run",
+            "python -m labtools.costmodel spec_decoding <a split_training run>",
+            "is a run of split_training, not spec_decoding", _costmodel_other_run),
+    Mistake("a role the module does not have", "python -m fed_learn role=drafter",
+            "fed_learn has roles", module("fed_learn", "role=drafter", *DEBUG)),
+    Mistake("a value out of range", "python -m fed_learn fed.rounds=-1", "fed.rounds",
+            module("fed_learn", "fed.rounds=-1", *DEBUG)),
+    Mistake("--help", "python -m spec_decoding --help", "",
+            lambda folder: command([sys.executable, "-m", "spec_decoding", "--help"], folder),
+            exit_code=0, extra=_help_lists_keys),
+]
+# fmt: on
+
+
+def judge(mistake: Mistake, folder: Path) -> tuple[bool, str]:
+    """(answered in one line, what was seen)."""
+    try:
+        got = mistake.run(folder)
+    except subprocess.TimeoutExpired as exc:
+        return False, f"still running after {exc.timeout:.0f} s"
+    outcomes = got if isinstance(got, list) else [got]
+    first = outcomes[0]
+    if first.returncode != mistake.exit_code:
+        return False, f"exit {first.returncode}, not {mistake.exit_code}: {first.stderr[-600:]}"
+    if "Traceback" in first.stderr:
+        return False, f"a traceback: {first.stderr[-600:]}"
+    if mistake.exit_code == 2:
+        lines = first.error_lines()
+        if len(lines) != 1:
+            return False, f"{len(lines)} error lines: {first.stderr[-600:]}"
+        if mistake.says not in lines[0]:
+            return False, f"it said {lines[0]!r}"
+        seen = lines[0]
+    else:
+        if mistake.says not in first.stderr + first.stdout:
+            return False, f"no {mistake.says!r} in {first.stderr[-300:]!r}"
+        seen = (first.stderr.strip().splitlines() or ["(exit 0)"])[-1]
+    wrong = mistake.extra(folder, outcomes)
+    return (not wrong, wrong or seen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    about = " ".join((__doc__ or "").split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(prog="python -m labtools.mistakes", description=about)
+    parser.add_argument("--only", default="", help="only the cases whose name contains this")
+    parser.add_argument("--out", type=Path, default=None, help="default: a temporary folder")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("LAB_CACHE", str(default_cache_dir()))
+    out = args.out or Path(tempfile.mkdtemp(prefix="mistakes_"))
+    chosen = [m for m in MISTAKES if args.only in m.name]
+    answered = 0
+    for index, mistake in enumerate(chosen):
+        folder = out / f"{index:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        ok, seen = judge(mistake, folder)
+        answered += ok
+        mark = "ok  " if ok else "FAIL"
+        print(f"{mark} {mistake.name} ({time.monotonic() - started:.0f} s): {mistake.what}")
+        print(f"       {seen.strip()[:300]}", flush=True)
+    print(f"user mistakes answered in one line: {answered} of {len(chosen)}")
+    return 0 if answered == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
