@@ -99,7 +99,7 @@ def _split_secrets_differ(folder: Path) -> list[Outcome]:
     """A stage with one secret, a driver with another: each is told what is really wrong."""
     port = _free_port()
     common = ["model.lab_preset=debug", "tracking.wandb=false", "split.num_stages=1",
-              f"cluster.master.port={port}", "split.join_timeout_s=60"]  # fmt: skip
+              f"cluster.master.port={port}", "split.join_timeout_s=20"]  # fmt: skip
     stage = subprocess.Popen(
         [sys.executable, "-m", "split_inference", "role=stage", "split.rank=1", *common,
          f"hydra.run.dir={folder / 'stage'}"],
@@ -196,7 +196,7 @@ MISTAKES = [
             _held_port("fed_learn", ("role=coordinator", *DEBUG), "cluster.coordinator.port")),
     Mistake("split roles with different secrets", "LAB_SECRET=a python -m split_inference "
             "role=stage ... & LAB_SECRET=b python -m split_inference role=driver ...",
-            "stage1 could not prove the shared secret", _split_secrets_differ,
+            "failed the shared-secret handshake", _split_secrets_differ,
             extra=_stage_told_the_truth),
     Mistake("a workload typo", "python run_matrix.py workload=fed_lern",
             "did you mean fed_learn?",

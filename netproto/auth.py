@@ -19,7 +19,7 @@ import hmac
 import secrets
 from typing import Any, Protocol
 
-from netproto.errors import AuthenticationError, PeerProtocolError, RemoteError
+from netproto.errors import AuthenticationError, ConnectionClosed, PeerProtocolError, RemoteError
 from netproto.wire import MsgType
 
 
@@ -90,6 +90,11 @@ def server_handshake(conn: Connection, secret: bytes) -> None:
         proof = conn.recv(expect=MsgType.AUTH_PROOF).payload
     except PeerProtocolError as exc:
         raise AuthenticationError(f"peer broke the handshake: {exc}") from None
+    except ConnectionClosed:  # the client checks our proof first: it hangs up on a wrong one
+        raise AuthenticationError(
+            "peer left after our handshake reply: its shared secret differs from ours, most "
+            "likely (or it was no client of this run)"
+        ) from None
     if not hmac.compare_digest(proof, mac(secret, b"cli", nonce_s, nonce_c)):
         conn.send_error("auth_failed", "wrong shared secret")
         raise AuthenticationError(

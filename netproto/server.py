@@ -145,6 +145,8 @@ class Server:
         self.sessions_started = 0
         self.sessions_authenticated = 0
         self.sessions_failed = 0
+        self.handshakes_failed = 0
+        """Sessions whose peer failed the shared-secret handshake (a wrong or missing secret)."""
         self.sessions_evicted = 0
         self.sessions_refused = 0
         self.sessions_capped = 0
@@ -428,7 +430,7 @@ class Server:
                     "refused or timed out" if refused else "closed",
                     peer_text(exc),
                 )
-                self._count_failure()  # after its line: a reader of the count finds the line
+                self._count_failure(handshake=isinstance(exc, AuthenticationError))
         except Exception as exc:
             log.exception("%s: session handler failed", self.name)
             self._count_failure()
@@ -447,9 +449,11 @@ class Server:
                 with contextlib.suppress(OSError):
                     session.sock.close()
 
-    def _count_failure(self) -> None:
+    def _count_failure(self, *, handshake: bool = False) -> None:
+        """After the failure's log line: a reader of the counts finds the line."""
         with self._lock:
             self.sessions_failed += 1
+            self.handshakes_failed += handshake
 
     def stop(self, *, timeout_s: float = 5.0) -> None:
         """Stop accepting, close every session's socket, and wait for their threads."""

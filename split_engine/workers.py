@@ -558,6 +558,14 @@ def joined(
                     f"{world.master.port}) did not assemble within {join_timeout_s:.0f}s; check "
                     f"that every stage runs with the same cluster.master and split.num_stages"
                 )
+                refused = _end.server.server.handshakes_failed if _end.server else 0
+                if refused:  # a stage with another secret, most likely (or a stranger)
+                    reason = (
+                        f"the RPC world (driver + {world.num_stages} stages) did not assemble "
+                        f"within {join_timeout_s:.0f}s: {refused} connection(s) to its "
+                        "rendezvous store failed the shared-secret handshake; cluster.secret / "
+                        "LAB_SECRET must be the same on the driver and every stage"
+                    )
                 break
         else:
             return

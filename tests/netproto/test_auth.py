@@ -51,10 +51,16 @@ def test_client_without_the_secret_is_refused_before_any_message_is_read(start_s
     assert wait_for(lambda: server.sessions_failed == 1)
 
 
-def test_wrong_secret_is_refused(start_server) -> None:
+def test_wrong_secret_is_refused_and_counted_on_both_sides(start_server) -> None:
+    """The client sees the server's wrong proof first and hangs up; the server counts a failed
+    handshake all the same (a run waiting for its peers can then say a secret differs)."""
     server = start_server(secret=SECRET)
     with pytest.raises(AuthenticationError, match="shared secret differs from ours"):
         Connection.connect(*server.address, secret=b"wrong")
+    assert wait_for(lambda: server.handshakes_failed == 1)
+    with Connection.connect(*server.address, secret=SECRET):
+        pass
+    assert server.handshakes_failed == 1
 
 
 def test_secret_on_one_side_only_says_so(start_server) -> None:
