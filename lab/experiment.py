@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import shlex
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from lab.cli import ConfigError, reported
 from lab.config import ClusterConfig, Endpoint, LabConfig, to_settings
 from lab.device import apply_num_threads, share_of_cores
 from lab.launch import Role, ServiceGroup, free_port, launch, services, settings_role
+from lab.multirun import JOB_LABEL_ENV, job_label, sweep_keys
 
 log = logging.getLogger(__name__)
 
@@ -270,12 +272,31 @@ def serving(
         yield local, group
 
 
-def main(experiment: Experiment, cfg: DictConfig) -> None:
+def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
     """`python -m <experiment>`: run it as `run` does, ending as a command should: a problem the
     user can fix is one line on stderr (exit 2), Ctrl-C says what was kept and how to go on
-    (exit 130), a bug keeps its traceback."""
-    with reported(interrupted=interrupted_message(experiment, cfg)):
-        run(experiment, cfg)
+    (exit 130), a bug keeps its traceback. Returns the run's metrics (a multirun's summary
+    table collects them: lab.multirun). In a multirun, the job's settings go to its roles in
+    JOB_LABEL_ENV, so every table it prints names them."""
+    label = _multirun_label()
+    if label:
+        os.environ[JOB_LABEL_ENV] = label
+    try:
+        with reported(interrupted=interrupted_message(experiment, cfg)):
+            return run(experiment, cfg)
+    finally:
+        os.environ.pop(JOB_LABEL_ENV, None)
+
+
+def _multirun_label() -> str:
+    """This job's settings when it is one job of a multirun, else ""."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return ""
+    # the basic launcher runs the jobs in this process: its command line names what was swept
+    return job_label(list(HydraConfig.get().overrides.task), sweep_keys(sys.argv[1:]))
 
 
 def interrupted_message(experiment: Experiment, cfg: DictConfig) -> Callable[[], str]:

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from lab import redact
 from lab.config import LabConfig, TrackingConfig
+from lab.multirun import JOB_LABEL_ENV
 from lab.plots import draw_run
 from lab.records import METRICS_FILE, OUTPUTS_FILE, read_records  # noqa: F401  (their home before)
 
@@ -179,7 +180,9 @@ class Tracker:
         return path
 
     def print_table(self, console: Console | None = None) -> None:
-        table = Table(title=f"{self.job}: final metrics", title_justify="left")
+        label = os.environ.get(JOB_LABEL_ENV, "")  # one job of a multirun: its settings
+        title = f"{self.job}: final metrics" + (f" ({label})" if label else "")
+        table = Table(title=title, title_justify="left", min_width=len(title))  # title whole
         table.add_column("metric")
         table.add_column("value", justify="right")
         for key, value in self._final.items():

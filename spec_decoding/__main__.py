@@ -11,8 +11,8 @@ from spec_decoding.run import EXPERIMENT
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="spec_decoding")
-def main(cfg: DictConfig) -> None:
-    experiment.main(EXPERIMENT, cfg)
+def main(cfg: DictConfig) -> dict[str, float]:
+    return experiment.main(EXPERIMENT, cfg)
 
 
 if __name__ == "__main__":

@@ -206,3 +206,23 @@ def test_ctrl_c_claims_checkpoints_only_once_one_exists(tmp_path: Path) -> None:
     latest.write_text("{}")
     assert message().startswith(f"interrupted; its checkpoints are kept in {tmp_path}")
     assert "fed.resume=true" in message()
+
+
+def test_a_multirun_summary_has_a_column_per_swept_key_and_a_row_per_job() -> None:
+    from lab.multirun import job_label, summary_rows, sweep_keys, swept_keys
+
+    jobs = [
+        ({"fed.strategy": "fedavg", "seed": "0"}, {"final_val_loss": 3.21, "rounds": 3.0}),
+        ({"fed.strategy": "ffa", "seed": "0"}, {"final_val_loss": 3.1234567, "rounds": 3.0}),
+        ({"fed.strategy": "median", "seed": "0"}, None),  # failed
+    ]
+    assert swept_keys([values for values, _ in jobs]) == ["fed.strategy"]
+    keys, metrics, rows = summary_rows(jobs)
+    assert keys == ["fed.strategy"] and metrics == ["final_val_loss", "rounds"]
+    assert rows == [["fedavg", "3.21", "3"], ["ffa", "3.123", "3"], ["median", "failed", ""]]
+    assert summary_rows(jobs, first=["rounds"])[1] == ["rounds", "final_val_loss"]
+    job = ["fed.strategy=ffa", "hydra.run.dir=x", "seed=1"]
+    assert job_label(job) == "fed.strategy=ffa seed=1"
+    assert job_label(job, sweep_keys(["fed.strategy=fedavg,ffa", "seed=1", "a=range(2)"])) == (
+        "fed.strategy=ffa"
+    )

@@ -36,7 +36,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory, lab_cache: Path) -> list[Path
     output, _ = multirun.communicate(timeout=600)
     assert beside.returncode == 0, beside.stderr[-3000:]
     assert multirun.returncode == 0, output[-3000:]
+    (root / "multirun" / "output.txt").write_text(output)
     return [root / "multirun" / "0", root / "multirun" / "1", root / "beside"]
+
+
+def test_a_multirun_names_each_jobs_values_and_ends_with_one_summary(runs: list[Path]) -> None:
+    """Each job's final table names the values it ran with; at the end one table of every job
+    by its swept values, with its metrics, also as summary.csv in the sweep's folder."""
+    import csv
+
+    sweep = runs[0].parent
+    output = (sweep / "output.txt").read_text()
+    for seed in (0, 1):
+        assert re.search(rf"spec_decoding: final metrics \(seed={seed}\)", output), output[-3000:]
+    assert "spec_decoding: 2 jobs" in output and f"summary: {sweep / 'summary.csv'}" in output
+    rows = list(csv.reader((sweep / "summary.csv").open()))
+    assert rows[0][:2] == ["seed", "speedup"]  # only the swept key, then the headline figure
+    assert [row[0] for row in rows[1:]] == ["0", "1"]
+    assert all(float(value) > 0 for value in rows[1][1:] if value)
+    assert (sweep / "summary.md").read_text().startswith("| seed |")
 
 
 def test_a_multirun_beside_another_run_completes_on_ports_of_its_own(runs: list[Path]) -> None:
