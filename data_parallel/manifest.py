@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from lab.linkmodel import Link, run_steps
-from lab.plots import pyplot, save, smoothed
+from lab.plots import pyplot, rising_validation, save, smoothed
 from lab.records import METRICS_FILE, read_records, same_losses
 from lab.registry import (
     Fault,
@@ -84,7 +84,8 @@ def plots(run_dir: Path) -> list[Path]:
     axes[0].legend(fontsize=8)
     workers = int(steps[-1].get("workers", 1))
     fig.suptitle(f"data parallel: {workers} workers")
-    return [save(fig, plt, run_dir / "dp_loss.png")]
+    remark = rising_validation(sorted(val.items()), losses)
+    return [save(fig, plt, run_dir / "dp_loss.png", remark=remark)]
 
 
 def step_ms(run_dir: Path) -> float:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from lab.linkmodel import Link, run_steps
-from lab.plots import pyplot, save, step_rows
+from lab.plots import pyplot, rising_validation, save, step_rows
 from lab.records import LOSS_RTOL, METRICS_FILE, read_records, same_losses, step_metrics
 from lab.registry import (
     Fault,
@@ -65,7 +65,8 @@ def plots(run_dir: Path) -> list[Path]:
     for ax in (loss_ax, bytes_ax):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
         ax.grid(alpha=0.3)
-    return [save(fig, plt, run_dir / "fed_rounds.png")]
+    remark = rising_validation([(r["step"], r["val_loss"]) for r in rounds], step="round")
+    return [save(fig, plt, run_dir / "fed_rounds.png", remark=remark)]
 
 
 def round_s(run_dir: Path) -> float:

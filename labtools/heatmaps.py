@@ -59,9 +59,11 @@ def draw(
             figsize=(3.2 + 1.5 * len(cols) * len(panels), 2.2 + 0.8 * len(rows)),
             squeeze=False,
         )
+        texts, grey = [], False
         for panel, ax in zip(panels, panel_axes[0], strict=True):
             values = np.full((len(rows), len(cols)), np.nan)
             text = [["" for _ in cols] for _ in rows]
+            texts.append(text)
             for i, row in enumerate(rows):
                 for j, col in enumerate(cols):
                     settings = {row_axis: row, **({col_axis: col} if col_axis else {}), **panel}
@@ -78,15 +80,8 @@ def draw(
                         text[i][j] = _format(value) + (
                             f"\n±{spread / 2:.0%}" if spread is not None and spread >= 0.005 else ""
                         )
-            finite = values[np.isfinite(values)]
-            options: dict[str, Any] = {}
-            if metric.ratio and finite.size:
-                options = {"cmap": "RdBu_r", "center": 1.0}
-                if (finite > 0).all():  # symmetric in log: 2x and 0.5x equally far from 1
-                    spread = max(abs(math.log(v)) for v in finite)
-                    options.update(vmin=math.exp(-spread), vmax=math.exp(spread))
-            else:
-                options = {"cmap": "viridis"}
+            grey = grey or not np.isfinite(values).all()
+            options = colour_scale(metric, [float(v) for v in values[np.isfinite(values)]])
             ax.set_facecolor(FAILED_COLOUR)
             sns.heatmap(
                 values,
@@ -112,14 +107,43 @@ def draw(
             if panel:
                 ax.set_title(", ".join(f"{k}={v}" for k, v in panel.items()), fontsize=9)
         fig.suptitle(f"{title}\n{metric.label} ({metric.unit})", fontsize=10)
-        fig.text(0.01, 0.01, "± half the spread (max-min)/median of the cell's repeats; "
-                 "grey: the cell failed", fontsize=7, color="#555555")  # fmt: skip
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
+        note = footnote(
+            spread=any("±" in cell for panel_text in texts for row in panel_text for cell in row),
+            failed=grey,
+        )
+        if note:
+            fig.text(0.01, 0.01, note, fontsize=7, color="#555555")
+        fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
         path = out_dir / f"{metric.key}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
     return written
+
+
+RATIO_SPAN = 2.0
+"""A ratio's colour scale reaches at least RATIO_SPAN x and 1/RATIO_SPAN x: a 10% difference
+is a pale tint, not the palette's ends."""
+
+
+def colour_scale(metric: Metric, values: Sequence[float]) -> dict[str, Any]:
+    """seaborn's colour options for `metric` over the cells' `values`: a ratio is diverging
+    around 1, symmetric in log (2x and 0.5x equally far from 1), at least RATIO_SPAN either
+    way; anything else sequential over its range."""
+    if not metric.ratio or not values:
+        return {"cmap": "viridis"}
+    options: dict[str, Any] = {"cmap": "RdBu_r", "center": 1.0}
+    if all(v > 0 for v in values):
+        spread = max([math.log(RATIO_SPAN)] + [abs(math.log(v)) for v in values])
+        options.update(vmin=math.exp(-spread), vmax=math.exp(spread))
+    return options
+
+
+def footnote(*, spread: bool, failed: bool) -> str:
+    """The heatmap's footnote: only what its cells show (a ± spread, a grey failed cell)."""
+    parts = ["± half the spread (max-min)/median of the cell's repeats"] if spread else []
+    parts += ["grey: the cell did not run or failed"] if failed else []
+    return "; ".join(parts)
 
 
 def _combinations(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.linkmodel import Link, run_config, run_steps
-from lab.plots import pyplot, save, smoothed, step_rows
+from lab.plots import pyplot, rising_validation, save, smoothed, step_rows
 from lab.records import METRICS_FILE, read_records, same_losses
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
 from split_engine.placement import ACROSS, DOCUMENTED, SPLIT_ROLES
@@ -46,7 +46,8 @@ def plots(run_dir: Path) -> list[Path]:
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("split training")
     ax.grid(alpha=0.3)
-    return [save(fig, plt, run_dir / "loss_curve.png")]
+    remark = rising_validation([(r["step"], r["val_loss"]) for r in val], losses)
+    return [save(fig, plt, run_dir / "loss_curve.png", remark=remark)]
 
 
 def hidden_size(config: dict[str, Any]) -> int:

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from lab import registry
+from lab.registry import Metric
 from labtools import matrix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -183,3 +184,21 @@ def test_a_cells_processes_are_reported_by_role_never_by_pid(tmp_path: Path) -> 
                                       memory_mib=10_000)  # fmt: skip
     assert outcome.status == "ok", (tmp_path / "cell.log").read_text()
     assert set(outcome.peak_rss_mib) == {"main", "stage1", "main.rank1", "main.sub1"}
+
+
+def test_a_ratio_heatmap_is_centred_on_1_symmetric_in_log_and_spans_at_least_2x() -> None:
+    """0.5x and 2x are equally far from white; a 10% difference is a tint, not the palette's
+    ends; a sweep with 0.12x in it reaches 1/0.12 on the other side."""
+    from labtools.heatmaps import colour_scale, footnote
+
+    ratio = Metric("memory_ratio", "peak RSS ratio", "x", ratio=True)
+    pale = colour_scale(ratio, [0.90, 1.12])
+    assert pale["center"] == 1.0 and pale["cmap"] == "RdBu_r"
+    assert pale["vmin"] == pytest.approx(0.5) and pale["vmax"] == pytest.approx(2.0)
+    wide = colour_scale(ratio, [0.12, 0.83, 1.5])
+    assert wide["vmin"] == pytest.approx(0.12) and wide["vmax"] == pytest.approx(1 / 0.12)
+    assert colour_scale(Metric("step_ms", "step", "ms"), [1.0, 9.0]) == {"cmap": "viridis"}
+    assert footnote(spread=False, failed=False) == ""
+    assert "±" in footnote(spread=True, failed=False)
+    assert "±" not in footnote(spread=False, failed=True)
+    assert "grey" in footnote(spread=False, failed=True)

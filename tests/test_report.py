@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.plots import legend_check
 from labtools import report
 
 QUICK = ["spec.num_prompts=1", "spec.max_new_tokens=8", "spec.prompt_tokens=16",
@@ -63,6 +64,7 @@ def test_a_multirun_beside_another_run_completes_on_ports_of_its_own(runs: list[
         text = (run_dir / "verifier_config.yaml").read_text()
         ports.append(int(re.search(r"verifier:\n\s+host: \S+\n\s+port: (\d+)", text)[1]))  # type: ignore[index]
         assert (run_dir / "spec_prompts.png").stat().st_size > 5000  # its own plot
+        assert legend_check(run_dir / "spec_prompts.png") == "none"
     assert len(set(ports)) == 3 and 0 not in ports
 
 

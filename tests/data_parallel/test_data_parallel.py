@@ -29,6 +29,7 @@ from data_parallel.network import listening_store
 from lab.config import to_settings
 from lab.launch import free_port
 from lab.linkmodel import Link
+from lab.plots import legend_check
 
 from .conftest import SHORT, Run, compose_dp, losses, worst_relative
 
@@ -250,6 +251,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_last_checkpoint(
     assert proc.returncode == 0, output[-3000:]
     assert killed_after < 10, "the run ended before the kill: nothing was tested"
     assert "resumed from step 5" in output
+    assert legend_check(run_dir / "dp_loss.png") == "none"
     summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert summary["restarts"] == 1, output[-6000:]
     final = losses(run_dir)

@@ -17,6 +17,7 @@ from fed_learn.protocol import FedMsg
 from fed_learn.run import round_table, run
 from lab.cluster import serve
 from lab.config import ClusterConfig, Endpoint, ModelConfig, to_settings
+from lab.plots import legend_check
 from lab.tracking import METRICS_FILE, read_records
 from netproto import Connection, RemoteError
 
@@ -43,6 +44,7 @@ def test_two_clients_lower_the_global_validation_loss(
     assert len(list(tmp_path.rglob("offline-run-*"))) == 1
     rounds = [r for r in read_records(tmp_path / METRICS_FILE) if "clients" in r]
     assert [r["step"] for r in rounds] == [1, 2]
+    assert legend_check(tmp_path / "fed_rounds.png") == "none"  # not over the traffic bars
     assert 0 < metrics["bytes_up_per_round"] < 1e6  # adapters only: never the base weights
     # the pooled-data baseline ran on the same steps, and the ratio is reported
     assert metrics["centralized_val_loss"] < metrics["initial_val_loss"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lab.cli import ConfigError
+from lab.plots import legend_check
 from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
 from split_engine.workers import StageLostError
 from split_inference.run import run as run_inference
@@ -53,6 +54,7 @@ def test_local_split_inference_end_to_end(
     # hidden states of one new token per row, in and out of the driver, float32
     assert metrics["bytes_between_stages_per_token"] > 0
     assert (tmp_path / "metrics.jsonl").is_file()
+    assert legend_check(tmp_path / "split_latency.png") == "none"  # the legend clear of the bars
 
 
 def test_local_split_training_checkpoints_and_resumes(
@@ -77,6 +79,7 @@ def test_local_split_training_checkpoints_and_resumes(
     assert [r["step"] for r in evaluated] == [1, 2]
     assert first["val_loss"] == evaluated[-1]["val_loss"] and 0 < first["val_loss"] < 20
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+    assert legend_check(tmp_path / "loss_curve.png") == "none"  # not over the validation point
     manifest = json.loads((tmp_path / "ckpt" / "latest.json").read_text())
     assert manifest["step"] == 2
     second = run_training(
