@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-slow multihost-deps test-multihost gpu-check lint format bench readme-check lock clean
+.PHONY: help venv run test test-slow browser-deps multihost-deps test-multihost gpu-check lint format bench readme-check lock clean
 
 help: ## List every target with its one-line description
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-15s\033[0m %s\n", $$1, $$2}'
@@ -27,8 +27,16 @@ run: $(STAMP) ## The lab tour: every experiment briefly on offline defaults, a s
 test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded)
 	$(PY) -m pytest -m "not slow and not multihost" -q
 
-test-slow: $(STAMP) ## Run only the slow tests (minutes)
-	$(PY) -m pytest -m "slow" -q
+test-slow: $(STAMP) browser-deps ## Run only the slow tests (minutes; the report's browser test needs chromium)
+	$(PY) -m pytest -m "slow" -q -rs
+
+browser-deps: ## Install headless Chromium for the report's browser test (root, Debian; else it is skipped, saying why)
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then \
+	  echo "browser-deps: chromium is installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    chromium >/dev/null && echo "browser-deps: installed"; \
+	else echo "browser-deps: not root or no apt-get: the report's browser test will be skipped, saying why"; fi
 
 multihost-deps: ## Install what the multi-host tests need (root, Debian): WireGuard tools, wireguard-go, nftables
 	@if command -v wg >/dev/null && command -v nft >/dev/null && command -v wireguard-go >/dev/null; then \

@@ -9,6 +9,7 @@ particular is imported only when 4-bit is asked for).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
@@ -77,6 +78,13 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 @dataclass(frozen=True)
 class Machine:
     """What ran a measurement: CPU, cores, memory, accelerator, library versions."""
@@ -93,6 +101,10 @@ class Machine:
     bnb_4bit: str | None = None
     """Only when 4-bit was asked for: which bitsandbytes imports here (None: not asked, so
     bitsandbytes was not imported)."""
+    load_1m: float | None = None
+    """The system's load average over the minute before the probe (None where the system has
+    none): near or above `cores`, something else was running, and timings are not the
+    machine's best (the report says so)."""
 
     @classmethod
     def probe(cls, *, quantization: bool = False) -> Machine:
@@ -123,6 +135,7 @@ class Machine:
             device_name=device_name,
             packages={name: _version(name) for name in PACKAGES},
             bnb_4bit=bnb_4bit,
+            load_1m=_load(),
         )
 
     def describe(self) -> str:

@@ -78,7 +78,7 @@ def summary_rows(
         for name, value in (returned or {}).items():
             if name not in reported and isinstance(value, int | float):
                 reported.append(name)
-    metrics = [m for m in first if m in reported]
+    metrics = [m for m in dict.fromkeys(first) if m in reported]
     metrics = (metrics + [m for m in reported if m not in metrics])[:MAX_METRICS]
     rows = []
     for number, (values, returned) in enumerate(jobs):

@@ -67,6 +67,13 @@ class Headline:
     """The figure of the run in a run folder (its metrics.jsonl)."""
     predict: Callable[[Path, Link], float]
     """The figure the local run in a folder predicts on a link (lab.linkmodel)."""
+    means: str = ""
+    """What the figure tells a user, in a sentence (the report's summary says it beside it)."""
+    benchmark: str = ""
+    """The benchmark figure the docs give for the same question: the figure, its settings, the
+    machine and the command that measures it (the report's summary sets a run beside it)."""
+    benchmark_key: str = ""
+    """The run's metric that is comparable with `benchmark` (default: `key`)."""
 
 
 Compare = Callable[[Path, Path], tuple[bool, str]]

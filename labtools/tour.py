@@ -30,6 +30,13 @@ from rich.progress import (
 from lab import registry
 from labtools.report import write_report
 
+PREFACE = (
+    "The tour (`make run`) runs each experiment once, briefly, on the lab's tiny models, one "
+    "after another on this machine: figures that show each part works and what it reports, "
+    "not benchmarks. The summary sets each beside the benchmark figure the docs give, with the "
+    "command that measures it."
+)
+
 MATRIX_STEP = (
     "matrix",
     ["run_matrix.py", "grid.context=[128,512]", "grid.batch=[1,4]", "repeats=2"],
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"    {line}", markup=False, highlight=False, soft_wrap=True
                     )
             progress.advance(task)
-    page = write_report(done, out) if done else None
+    page = write_report(done, out, preface=PREFACE) if done else None
     minutes = (time.monotonic() - started) / 60
     if page is not None:
         console.print(f"report: {page.resolve()}  (and index.md beside it)", soft_wrap=True)

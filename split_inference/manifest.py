@@ -80,7 +80,17 @@ def repeat(cell: Mapping[str, Any], repeats: int) -> list[str]:
 MANIFEST = Manifest(
     name=NAME,
     summary="a model cut at layer boundaries across hosts (torch.distributed.rpc), decoding",
-    headline=Headline("token_ms", "per-token latency (ms, median)", token_ms, predict_token_ms),
+    headline=Headline(
+        "token_ms",
+        "per-token latency (ms, median)",
+        token_ms,
+        predict_token_ms,
+        means="one generated token through every stage; latency_ratio sets it against the "
+        "unsplit model in one process: splitting buys memory per host, not speed",
+        benchmark="split / unsplit per-token latency 1.25x (16.1 against 12.8 ms, random-init "
+        "Llamas, `python bench/split_bench.py`, loopback, a 2-core AMD EPYC)",
+        benchmark_key="latency_ratio",
+    ),
     workload=Workload(
         (
             Metric("token_ms_p50", "split: per-token latency p50", "ms"),

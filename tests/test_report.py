@@ -83,6 +83,38 @@ def test_the_report_shows_every_run_with_its_metrics_plots_and_command(
     assert markdown.count("## spec_decoding") == 3 and "| tokens_per_s |" in markdown
 
 
+def test_the_report_of_a_multirun_folder_opens_with_a_summary_and_names_jobs_by_their_values(
+    runs: list[Path], tmp_path: Path
+) -> None:
+    """`python -m labtools.report multirun/...`: the summary first (each run's headline figure
+    with its unit, what it means, the docs' benchmark figure beside it, and why they may
+    differ), the sweep's table, then each job titled by its swept values; numbers in a fixed
+    precision with their units, never in exponent form."""
+    sweep = runs[0].parent
+    result = subprocess.run(
+        [sys.executable, "-m", "labtools.report", str(sweep), "--out", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    markdown = (tmp_path / "r" / "index.md").read_text()
+    titles = re.findall(r"^## (.+)$", markdown, flags=re.M)
+    assert titles == ["Summary", "multirun: multirun (2 jobs)", "spec_decoding (seed=0)",
+                      "spec_decoding (seed=1)"], titles  # fmt: skip
+    summary = markdown.split("## multirun")[0]
+    rows = [line for line in summary.splitlines() if line.startswith("| spec_decoding (seed=")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == "speedup over the target alone"
+        assert re.fullmatch(r"\d+\.\d\dx", cells[2]), cells[2]
+        assert "target.lab_preset=debug" in cells[3]  # why it may differ: its settings
+    assert summary.count("bench/spec_decoding_bench.py") == 1  # the benchmark, once
+    assert "| tokens_per_s | " in markdown and " | tokens/s |" in markdown
+    assert not re.search(r"\d\.\d+e[+-]\d\d", markdown.split("## spec_decoding (seed=0)")[1])
+    html_text = (tmp_path / "r" / "index.html").read_text()
+    assert html_text.index("<h2>Summary</h2>") < html_text.index("<h2>spec_decoding (seed=0)")
+
+
 def test_the_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "labtools.report", str(tmp_path), "--out", str(tmp_path / "r")],
@@ -93,15 +125,40 @@ def test_the_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_refused_folder_points_at_the_runs_further_down(runs: list[Path], tmp_path: Path) -> None:
+    deep = tmp_path / "a" / "b" / "c"
+    shutil.copytree(runs[2], deep / "beside")
+    with pytest.raises(ValueError, match=r"runs further down: .*a/b/c/beside"):
+        report.discover(tmp_path)
+
+
+def test_metrics_read_in_fixed_precision_with_their_units() -> None:
+    assert [report.unit_of(k) for k in ("token_ms_p50", "tokens_per_s", "bytes_up_per_round",
+            "final_val_loss", "acceptance_rate", "latency_ratio", "stage1_peak_rss_mib",
+            "round_s", "rounds")] == ["ms", "tokens/s", "B", "nats/token", "fraction", "x",
+                                      "MiB", "s", ""]  # fmt: skip
+    assert report.fixed(952600.0, "B") == "952,600"
+    assert report.fixed(3.123456, "nats/token") == "3.1235"
+    assert report.fixed(0.71234, "fraction") == "0.712"
+    assert report.fixed(1.2345, "x") == "1.23"
+    assert report.fixed(1234.5678, "ms") == "1,235"
+    assert report.fixed(16.123, "ms") == "16.12"
+    assert report.fixed(3, "") == "3"
+
+
 @pytest.mark.slow
-def test_the_report_opens_in_a_real_browser_with_every_image_loaded(
+def test_the_report_opens_in_a_real_browser_summary_first_images_loaded_and_compact(
     runs: list[Path], tmp_path: Path
 ) -> None:
-    """Headless Chromium (Debian's `chromium`) loads the page: images decode, tables have rows."""
+    """Headless Chromium (Debian's `chromium`; `make browser-deps`) loads the page: the summary
+    is the first section, images decode, tables have rows, the page is no wider than the window
+    and about a screen per run, and a screenshot of it is written."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        pytest.skip("no chromium on this machine (apt install chromium)")
+        pytest.skip("no chromium on this machine (make browser-deps, or apt install chromium)")
     page = report.write_report(runs, tmp_path / "report")
+    for image in (page.parent / "images").glob("*.png"):
+        assert legend_check(image) == "none", image  # the copies keep the plots' own check
     probe = page.parent / "probe.html"
     probe.write_text(
         page.read_text().replace(
@@ -109,18 +166,32 @@ def test_the_report_opens_in_a_real_browser_with_every_image_loaded(
             """<script>
 window.addEventListener('load', () => {
   const imgs = [...document.images];
-  document.body.dataset.images = imgs.length;
-  document.body.dataset.broken = imgs.filter(i => !i.complete || i.naturalWidth === 0).length;
-  document.body.dataset.empty = [...document.querySelectorAll('table')]
+  const d = document.body.dataset, root = document.documentElement;
+  d.images = imgs.length;
+  d.broken = imgs.filter(i => !i.complete || i.naturalWidth === 0).length;
+  d.empty = [...document.querySelectorAll('table')]
     .filter(t => t.tBodies[0].rows.length === 0).length;
+  d.first = document.querySelector('h2').textContent;
+  d.height = root.scrollHeight;
+  d.wide = root.scrollWidth > root.clientWidth ? 1 : 0;
 });</script></body>""",
         )
     )
+    window = ["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,1000",
+              "--allow-file-access-from-files"]  # fmt: skip
     dom = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
-         "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()],
+        [browser, *window, "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()],
         capture_output=True, text=True, timeout=120,
     ).stdout  # fmt: skip
-    found = re.search(r'data-images="(\d+)" data-broken="(\d+)" data-empty="(\d+)"', dom)
+    found = re.search(
+        r'data-images="(\d+)" data-broken="(\d+)" data-empty="(\d+)" data-first="([^"]*)" '
+        r'data-height="(\d+)" data-wide="(\d)"', dom
+    )  # fmt: skip
     assert found, dom[:2000]
-    assert found.groups() == ("3", "0", "0")
+    images, broken, empty, first, height, wide = found.groups()
+    assert (images, broken, empty, first, wide) == ("3", "0", "0", "Summary", "0")
+    assert int(height) < 1400 * (len(runs) + 1), height  # it was 8,460 px for the tour's six
+    shot = tmp_path / "report.png"
+    subprocess.run([browser, *window, "--hide-scrollbars", f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    assert shot.stat().st_size > 20_000
