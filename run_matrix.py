@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from lab.cli import reported
 from lab.config import to_settings
 from lab.machine import Machine
 from lab.redact import redact_argv, redact_config, scrub_argv
+from lab.tracking import print_wide
 from labtools import matrix
 from labtools.heatmaps import draw
 
@@ -87,8 +89,20 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
             progress.advance(task)
     latest = results.latest(fingerprint)
     records = [latest[c.name] for c in matrix.cells(config) if c.name in latest]
+    flags = flagged(config, records)
+    if flags and config.retry_flagged and config.cell < 0:
+        again = [c for c in grid_cells if c.name in flags]
+        console.print(f"[yellow]{len(again)} cells with a baseline off their group's: "
+                      "running them again[/]")  # fmt: skip
+        for cell in again:
+            matrix.run_cell(config, cell, machine=machine, results=results)
+        latest = results.latest(fingerprint)
+        records = [latest[c.name] for c in matrix.cells(config) if c.name in latest]
+        flags = flagged(config, records)
+    for reason in flags.values():
+        console.print(f"[yellow]flagged[/] {reason}", soft_wrap=True)
     if config.cell < 0:
-        console.print(results_table(config, records))
+        print_wide(results_table(config, records, flags), console)
         if config.plot:
             paths = draw(
                 records,
@@ -97,11 +111,18 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
                 axes=config.axes,
                 out_dir=out_dir / "heatmaps",
                 title=config.workload,
+                flagged=set(flags),
             )
             console.print(f"heatmaps: {len(paths)} PNG files in {out_dir / 'heatmaps'}")
             if config.wandb:
                 log_to_wandb(config, records, paths, out_dir)
     return records
+
+
+def flagged(config: matrix.MatrixConfig, records: list[dict[str, Any]]) -> dict[str, str]:
+    """The cells whose baseline is off their group's (matrix.busy_baselines), with why."""
+    workload = matrix.workload_of(config)
+    return matrix.busy_baselines(records, workload, config.axes, config.baseline_tolerance)
 
 
 def command_of(config: matrix.MatrixConfig) -> str:
@@ -124,28 +145,37 @@ def write_sweep_file(config: matrix.MatrixConfig, out_dir: Path) -> None:
         "grid": config.grid,
         "axes": config.axes,
         "metrics": [m.key for m in matrix.workload_of(config).metrics],
+        "baseline_tolerance": config.baseline_tolerance,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out_dir / SWEEP_FILE, json.dumps(record, indent=2))
 
 
-def results_table(config: matrix.MatrixConfig, records: list[dict[str, Any]]) -> Table:
+def results_table(
+    config: matrix.MatrixConfig, records: list[dict[str, Any]], flags: Mapping[str, str] = {}
+) -> Table:
+    """The sweep's table: a row per cell, its status (`ok, busy?` where its baseline is off its
+    group's), the workload's first metrics with their units, its seconds."""
+    from labtools.report import fixed
+
     metrics = matrix.workload_of(config).metrics[:4]
     table = Table(title=f"run_matrix: {config.workload}", title_justify="left")
     for axis in config.grid:
-        table.add_column(axis, justify="right")
-    table.add_column("status")
+        table.add_column(axis, justify="right", overflow="fold")
+    table.add_column("status", overflow="fold")
     for metric in metrics:
-        table.add_column(f"{metric.key} ({metric.unit})", justify="right")
-    table.add_column("s", justify="right")
+        table.add_column(f"{metric.key} ({metric.unit})", justify="right", overflow="fold")
+    table.add_column("time (s)", justify="right")
     for record in records:
         values = record["metrics"]
+        status = record["status"]
         table.add_row(
             *(str(record["settings"][axis]) for axis in config.grid),
-            record["status"] if record["status"] == "ok" else f"[red]{record['status']}",
-            *(f"{values[m.key]:.4g}" if m.key in values else "" for m in metrics),
+            (f"[yellow]{status}, busy?" if record["cell"] in flags else status)
+            if status == "ok" else f"[red]{status}",
+            *(fixed(values[m.key], m.unit) if m.key in values else "" for m in metrics),
             f"{record['seconds']:.0f}",
-        )
+        )  # fmt: skip
     return table
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -27,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from lab.config import CONF_DIR, ModelConfig, default_cache_dir
+from lab.config import ModelConfig, default_cache_dir
 from lab.machine import announce_machine, write_results
 from lab.models import load_model
+from lab.tracking import METRICS_FILE, read_records
 
 RESULTS = Path(__file__).resolve().parent / "results" / "split_bench.json"
 RUNS = Path("outputs/bench/split")
@@ -94,28 +95,22 @@ def random_llama(
 
 
 def run_module(module: str, name: str, overrides: list[str]) -> dict[str, float]:
-    """`python -m <module> <overrides>`'s `run`, in this process (its stages are processes)."""
-    import split_inference.config  # registers the schema (also used below)
-    import split_inference.run
-    import split_training.config  # registers the schema
-    import split_training.run
-
-    run = split_inference.run.run if module == "split_inference" else split_training.run.run
+    """`python -m <module> <overrides>`, as a user runs it: a driver process of its own per run
+    (torch keeps one RRef context per process, spent at its first RPC shutdown: a driver that
+    joined a second world in the same process could no longer delete its RRefs, and every
+    stage would report them leaked). Returns the run's summary metrics."""
     run_dir = (RUNS / name).resolve()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name=module,
-            overrides=[
-                f"paths.run_dir={run_dir}",
-                "tracking.wandb=false",
-                "tracking.console=false",
-                *overrides,
-            ],
-        )
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
     started = time.perf_counter()
-    metrics = run(cfg)
+    subprocess.run(
+        [sys.executable, "-m", module, f"hydra.run.dir={run_dir}", "tracking.wandb=false",
+         "tracking.console=false", f"paths.cache_dir={CACHE}", *overrides],
+        check=True,
+    )  # fmt: skip
     print(f"{name}: {time.perf_counter() - started:.0f}s", file=sys.stderr)
-    return metrics
+    summaries = [r for r in read_records(run_dir / METRICS_FILE) if r.get("kind") == "summary"]
+    return {k: v for k, v in summaries[-1].items() if k != "kind"}
 
 
 def unsplit_peak_rss_mib(folder: Path, new_tokens: int) -> float:

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -22,7 +21,7 @@ from lab.cluster import connect_when_ready, emulated_link, serve
 from lab.experiment import Experiment, LocalPlan, Process
 from lab.losses import evaluate
 from lab.models import count_4bit_layers, load_tokenizer
-from lab.tracking import METRICS_FILE, Tracker, read_records
+from lab.tracking import METRICS_FILE, Tracker, print_wide, read_records
 from netproto import ConnectionClosed, NetTimeout, TruncatedFrame
 
 log = logging.getLogger(__name__)
@@ -152,7 +151,7 @@ def finish_local(local: FedLearnRunConfig) -> dict[str, float]:
     records = read_records(local.paths.run_path / "coordinator" / METRICS_FILE)
     metrics = _summary(records)
     if local.tracking.console:
-        Console().print(round_table(records))
+        print_wide(round_table(records))
     with Tracker.from_settings(local, job="fed_learn") as tracker:
         for record in records:  # the rounds, into this run's metrics.jsonl and W&B run
             if record.get("kind") == "metrics":

@@ -142,8 +142,9 @@ class MultirunSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.jobs:
             return
-        from rich.console import Console
         from rich.table import Table
+
+        from lab.tracking import print_wide
 
         manifest = _manifest(str(config.hydra.job.name))
         first = (
@@ -165,5 +166,5 @@ class MultirunSummary(Callback):
                              overflow="fold")  # fmt: skip
         for row in rows:
             table.add_row(*row)
-        Console(width=max(100, Console().width)).print(table)
+        print_wide(table)
         print(f"summary: {folder / SUMMARY_CSV}")

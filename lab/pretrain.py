@@ -29,7 +29,6 @@ import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -433,7 +432,7 @@ def read_build_metrics(folder: Path) -> dict[str, float]:
 
 def run(cfg: DictConfig | PretrainRunConfig) -> dict[str, float]:
     """Build (or find) the tiny models for `cfg.pretrain`; returns their headline metrics."""
-    from lab.tracking import Tracker
+    from lab.tracking import Tracker, print_wide
 
     settings = to_settings(cfg, PretrainRunConfig)
     with Tracker.from_settings(settings, job="pretrain") as tracker:
@@ -442,7 +441,7 @@ def run(cfg: DictConfig | PretrainRunConfig) -> dict[str, float]:
         tracker.summary(metrics)
         log.info("tiny models ready in %s", folder)
         if settings.tracking.console:
-            Console().print(models_table(folder, metrics))
+            print_wide(models_table(folder, metrics))
         print(f"tiny_target: {folder / 'tiny_target'}\ntiny_draft:  {folder / 'tiny_draft'}")
         return metrics
 

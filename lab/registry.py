@@ -53,6 +53,13 @@ class Workload:
     given the cell's resolved settings (dotted key -> value)."""
     base: tuple[str, ...] = ()
     """Overrides every cell of this workload gets (before the sweep's own)."""
+    baseline: str = ""
+    """The metric that measures the workload's baseline in each cell (the target alone, the
+    unsplit model): what its ratios divide by. "": none."""
+    baseline_free: tuple[str, ...] = ()
+    """Config keys (or prefixes ending in `.`) that do not change the baseline: cells that
+    differ only in them should measure the same baseline, and one that does not was measured
+    on a busy machine (labtools.matrix.busy_baselines)."""
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,22 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+WIDEST = 320
+"""The widest a table is printed where stdout is no terminal (a pipe, a file, a log)."""
+
+
+def print_wide(table: Any, console: Console | None = None) -> None:
+    """Print a rich table whole: where stdout is no terminal (piped, into a log) rich would cut
+    it to 80 columns and its headers to a few letters; there it is printed at its natural
+    width instead (up to WIDEST). A terminal folds what does not fit."""
+    console = console or Console()
+    if not console.is_terminal:
+        natural = console.measure(table, options=console.options.update_width(WIDEST)).maximum
+        width = min(max(natural, 80), WIDEST)
+        console = Console(file=console.file, width=width, color_system=None)
+    console.print(table)
+
+
 class Tracker:
     """Logs a run's metrics to `<run_dir>/metrics.jsonl`, W&B and the console."""
 
@@ -187,7 +203,7 @@ class Tracker:
         table.add_column("value", justify="right")
         for key, value in self._final.items():
             table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-        (console or Console()).print(table)
+        print_wide(table, console)
 
     def close(self, *, failed: bool = False) -> None:
         if not self._jsonl.closed:

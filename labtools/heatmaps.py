@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,12 @@ def draw(
     axes: dict[str, str],
     out_dir: Path,
     title: str,
+    flagged: Collection[str] = (),
 ) -> list[Path]:
     """One PNG per metric over the grid's first two axes (rows: first, columns: second; a
     1-axis grid is one row). With more axes, one panel per combination of the others. A cell
-    that failed is grey with its status written in it. Returns the files written."""
+    that failed is grey with its status written in it; a cell in `flagged` (its baseline off
+    its group's: labtools.matrix.busy_baselines) says `busy?`. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,8 +79,14 @@ def draw(
                     else:
                         values[i, j] = value
                         spread = record["metrics"].get(f"{metric.key}_spread")
-                        text[i][j] = _format(value) + (
-                            f"\n±{spread / 2:.0%}" if spread is not None and spread >= 0.005 else ""
+                        text[i][j] = (
+                            _format(value)
+                            + (
+                                f"\n±{spread / 2:.0%}"
+                                if spread is not None and spread >= 0.005
+                                else ""
+                            )
+                            + ("\nbusy?" if record["cell"] in flagged else "")
                         )
             grey = grey or not np.isfinite(values).all()
             options = colour_scale(metric, [float(v) for v in values[np.isfinite(values)]])
@@ -110,6 +118,7 @@ def draw(
         note = footnote(
             spread=any("±" in cell for panel_text in texts for row in panel_text for cell in row),
             failed=grey,
+            busy=any(r["cell"] in flagged for r in records),
         )
         if note:
             fig.text(0.01, 0.01, note, fontsize=7, color="#555555")
@@ -139,10 +148,12 @@ def colour_scale(metric: Metric, values: Sequence[float]) -> dict[str, Any]:
     return options
 
 
-def footnote(*, spread: bool, failed: bool) -> str:
-    """The heatmap's footnote: only what its cells show (a ± spread, a grey failed cell)."""
+def footnote(*, spread: bool, failed: bool, busy: bool = False) -> str:
+    """The heatmap's footnote: only what its cells show (a ± spread, a grey failed cell, a
+    cell whose baseline was off: the machine busy)."""
     parts = ["± half the spread (max-min)/median of the cell's repeats"] if spread else []
     parts += ["grey: the cell did not run or failed"] if failed else []
+    parts += ["busy?: its baseline was off its group's (a busy machine?)"] if busy else []
     return "; ".join(parts)
 
 

@@ -83,6 +83,12 @@ class MatrixConfig:
     Hydra launcher plugin (`--multirun cell=0,1,...`); -1 runs every cell, then draws."""
     retry_failed: bool = False
     """Re-run cells recorded with a failed status (a finished `ok` cell is never re-run)."""
+    baseline_tolerance: float = 0.25
+    """A cell whose baseline (the workload's, e.g. the target alone) differs by more than this
+    share from the median of the cells that should measure the same one is flagged: the
+    machine was busy, and its ratios are not comparable (`busy_baselines`)."""
+    retry_flagged: bool = False
+    """Re-run the cells flagged for their baseline, once, at the end of the sweep."""
     plot: bool = True
     wandb: bool = False
     """Also log the heatmaps (as images) and the results table to W&B (offline unless set up)."""
@@ -98,7 +104,7 @@ class MatrixConfig:
                 f"workload={self.workload!r} is not one run_matrix can sweep; {guess}"
                 f"choose one of {list(known)}"
             )
-        check_fields_positive("matrix", self, ("repeats", "timeout_s"))
+        check_fields_positive("matrix", self, ("repeats", "timeout_s", "baseline_tolerance"))
         if self.memory_mib < 0 or self.num_threads < 0:
             raise ValueError("memory_mib and num_threads must be >= 0")
         if not self.grid:
@@ -217,12 +223,19 @@ class CellOutcome:
     peak_total_rss_mib: float = 0.0
 
 
-def _role_of(proc: psutil.Process, cell_pid: int, names: dict[int, str]) -> str:
+FORK_GRACE_S = 2.0
+"""A child younger than this without a `role=` may have only forked (its command line its
+parent's, or empty mid-exec): it is not named (nor sampled) until it shows its own command, or
+has lived this long."""
+
+
+def _role_of(proc: psutil.Process, cell_pid: int, names: dict[int, str]) -> str | None:
     """The name a cell's process is reported under: `main`, its `role=` (`stage1`,
     `client0`), or, for a process started without one (torch's elastic workers, helpers), its
     nearest named ancestor's name and its rank (`main.rank1`) or its place among that
     ancestor's unnamed ones (`main.sub1`): the same columns in every cell, never a pid.
-    `names` remembers each pid's name once known."""
+    `names` remembers each pid's name once known. None: a child younger than FORK_GRACE_S
+    without a role (its name is not known yet)."""
     if proc.pid in names:
         return names[proc.pid]
     if proc.pid == cell_pid:
@@ -241,7 +254,12 @@ def _role_of(proc: psutil.Process, cell_pid: int, names: dict[int, str]) -> str:
     except psutil.Error:
         parent = None
     orphan = parent is None or parent.pid <= 1  # its parent gone: init took it in
+    with contextlib.suppress(psutil.Error, OSError):
+        if time.time() - proc.create_time() < FORK_GRACE_S:
+            return None  # perhaps forked and about to exec a role: named on a later sample
     above = "main" if orphan or parent is None else _role_of(parent, cell_pid, names)
+    if above is None:
+        return None
     try:
         local_rank = proc.environ().get("LOCAL_RANK")
     except (psutil.Error, OSError):
@@ -311,9 +329,12 @@ def run_cell_process(
                         rss = member.memory_info().rss / 2**20
                     except psutil.Error:
                         continue
+                    if rss == 0:  # a zombie, waiting for its parent to reap it: no column
+                        continue
                     total += rss
                     role = _role_of(member, proc.pid, names)
-                    peaks[role] = max(peaks.get(role, 0.0), rss)
+                    if role is not None:
+                        peaks[role] = max(peaks.get(role, 0.0), rss)
                 peak_total = max(peak_total, total)
                 if on_sample is not None:
                     on_sample(total)
@@ -394,6 +415,52 @@ def summarize_cell(run_dir: Path) -> dict[str, float]:
     if stages:
         metrics["max_stage_peak_rss_mib"] = max(stages)
     return metrics
+
+
+def busy_baselines(
+    records: Sequence[Mapping[str, Any]],
+    workload: Workload,
+    axes: Mapping[str, str],
+    tolerance: float,
+) -> dict[str, str]:
+    """The cells whose baseline looks measured on a busy machine, each with why: its baseline
+    metric differs by more than `tolerance` (a share) from the median of the cells of its
+    group (cells whose settings differ only in axes the baseline does not depend on,
+    `Workload.baseline_free`), in groups of at least 3 ok cells. {} when the workload has no
+    baseline."""
+    key = workload.baseline
+    if not key:
+        return {}
+
+    def free(axis: str) -> bool:
+        config_key = axes.get(axis, axis)
+        return any(config_key == k or (k.endswith(".") and config_key.startswith(k))
+                   for k in workload.baseline_free)  # fmt: skip
+
+    groups: dict[tuple[str, ...], list[Mapping[str, Any]]] = {}
+    for record in records:
+        if record.get("status") != "ok" or not _num(record.get("metrics", {}).get(key)):
+            continue
+        settings = record.get("settings", {})
+        group = tuple(f"{a}={settings[a]}" for a in sorted(settings) if not free(a))
+        groups.setdefault(group, []).append(record)
+    flags = {}
+    for members in groups.values():
+        if len(members) < 3:
+            continue
+        median = statistics.median(float(m["metrics"][key]) for m in members)
+        for record in members:
+            value = float(record["metrics"][key])
+            off = abs(value - median) / median if median > 0 else 0.0
+            if off > tolerance:
+                flags[str(record["cell"])] = (
+                    f"{record['cell']}: baseline {key} {value:,.4g} against a median of "
+                    f"{median:,.4g} over the {len(members)} cells that should measure the same "
+                    f"({off:.0%} off): the "
+                    "machine was likely busy, so its ratios are not comparable "
+                    "(retry_flagged=true runs it again)"
+                )
+    return flags
 
 
 def _num(value: Any) -> bool:

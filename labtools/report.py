@@ -246,7 +246,7 @@ def experiment_section(run_dir: Path, label: str = "") -> Section:
 
 def matrix_section(out_dir: Path) -> Section:
     from lab import registry
-    from labtools.matrix import Results
+    from labtools.matrix import MatrixConfig, Results, busy_baselines
 
     sweep = (
         json.loads((out_dir / SWEEP_FILE).read_text()) if (out_dir / SWEEP_FILE).is_file() else {}
@@ -259,12 +259,17 @@ def matrix_section(out_dir: Path) -> Section:
     metric_keys = sweep.get("metrics", [])[:4]
     manifest = registry.find(str(sweep.get("workload", "")))
     units = {m.key: m.unit for m in manifest.workload.metrics} if manifest else {}
+    flags = {} if manifest is None else busy_baselines(
+        cells, manifest.workload, sweep.get("axes", {}),
+        float(sweep.get("baseline_tolerance", MatrixConfig.baseline_tolerance)),
+    )  # fmt: skip
     rows = []
     for record in cells:
         values = record.get("metrics", {})
         rows.append((
             record["cell"],
-            record["status"] + (f": {record['reason']}" if record["status"] != "ok" else ""),
+            record["status"] + (f": {record['reason']}" if record["status"] != "ok" else "")
+            + (", busy?" if record["cell"] in flags else ""),
             *(fixed(values[k], units.get(k, unit_of(k))) if k in values else ""
               for k in metric_keys),
             f"{record.get('seconds', 0):.0f}",
@@ -280,7 +285,7 @@ def matrix_section(out_dir: Path) -> Section:
         rows=rows,
         images=sorted((out_dir / "heatmaps").glob("*.png")),
         note=f"cells ok: {ok} of {len(cells)}",
-        remarks=[str(r["flag"]) for r in cells if r.get("flag")],
+        remarks=list(flags.values()),
     )
 
 

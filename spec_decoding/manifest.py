@@ -167,6 +167,8 @@ MANIFEST = Manifest(
             Metric("speedup", "speedup over target alone", "x", ratio=True),
         ),
         repeat=lambda cell, repeats: [f"spec.num_prompts={repeats}"],
+        baseline="target_tokens_per_s",
+        baseline_free=("spec.gamma", "spec.max_gamma", "spec.pipeline", "draft.", "cluster."),
     ),
     quick=(*DEBUG, *SHORT),
     plots=plots,

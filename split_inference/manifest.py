@@ -104,6 +104,8 @@ MANIFEST = Manifest(
         ),
         repeat=repeat,
         base=("generate.max_new_tokens=16", "generate.temperature=0"),
+        baseline="unsplit_token_ms_p50",
+        baseline_free=("split.", "cluster."),
     ),
     # the default tiny model (4 layers: the README cuts it into 3 stages; the debug one has 2)
     quick=("generate.num_prompts=2", "generate.max_new_tokens=8"),

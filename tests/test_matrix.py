@@ -202,3 +202,81 @@ def test_a_ratio_heatmap_is_centred_on_1_symmetric_in_log_and_spans_at_least_2x(
     assert "±" in footnote(spread=True, failed=False)
     assert "±" not in footnote(spread=False, failed=True)
     assert "grey" in footnote(spread=False, failed=True)
+
+
+def _cell_record(cfg: matrix.MatrixConfig, cell: matrix.Cell, baseline: float) -> dict[str, Any]:
+    return {"sweep": matrix.sweep_fingerprint(cfg), "workload": cfg.workload, "cell": cell.name,
+            "index": cell.index, "settings": dict(cell.values), "status": "ok", "reason": "",
+            "seconds": 1.0, "metrics": {"unsplit_token_ms_p50": baseline, "latency_ratio": 1.2},
+            "peak_rss_mib": {}, "peak_total_rss_mib": 0.0, "repeats": 2, "run_dir": "",
+            "command": [], "machine": {}, "time": 0.0}  # fmt: skip
+
+
+def test_a_cell_whose_baseline_is_off_its_groups_is_flagged_and_can_be_run_again(
+    tmp_path: Path, lab_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three cells that differ only in split.wire_dtype measure the same unsplit model: one
+    whose unsplit latency is 3x the others' was measured on a busy machine. The sweep says so
+    (its table: `ok, busy?`), and retry_flagged=true runs that cell again, not the others."""
+    cfg = config(tmp_path, lab_cache, grid={"wire": ["float32", "float16", "bfloat16"]},
+                 axes={"wire": "split.wire_dtype"}, plot=False)  # fmt: skip
+    cells = matrix.cells(cfg)
+    results = matrix.Results(Path(cfg.out_dir))
+    for cell, baseline in zip(cells, (5.0, 15.0, 5.2), strict=True):
+        results.append(_cell_record(cfg, cell, baseline))
+    run_matrix.sweep(cfg)  # nothing to run: every cell is recorded
+    output = capsys.readouterr().out
+    assert (
+        f"flagged {cells[1].name}: baseline unsplit_token_ms_p50 15 against a median of 5.2"
+        in output
+    )
+    assert output.count("ok, busy?") == 1, output  # its row in the table, the others ok
+    again = config(tmp_path, lab_cache, grid=cfg.grid, axes=cfg.axes, plot=False,
+                   retry_flagged=True)  # fmt: skip
+    run_matrix.sweep(again)
+    records = results.records()
+    assert [r["cell"] for r in records[3:]] == [cells[1].name]  # that cell alone, for real
+    assert records[3]["status"] == "ok" and records[3]["metrics"]["greedy_match"] == 1.0
+
+
+def test_busy_baselines_compares_only_cells_that_should_measure_the_same() -> None:
+    workload = registry.manifest("spec_decoding").workload
+    axes = {"window": "spec.gamma", "context": "spec.prompt_tokens"}
+
+    def record(cell: str, window: int, context: int, baseline: float) -> dict[str, Any]:
+        return {"cell": cell, "status": "ok", "settings": {"window": window, "context": context},
+                "metrics": {"target_tokens_per_s": baseline}}  # fmt: skip
+
+    sweep = [record("a", 2, 64, 1050), record("b", 4, 64, 1154), record("c", 8, 64, 376),
+             record("d", 16, 64, 1100), record("e", 2, 512, 300),
+             record("f", 4, 512, 310)]  # fmt: skip
+    flags = matrix.busy_baselines(sweep, workload, axes, 0.25)
+    assert list(flags) == ["c"]  # e and f measure a longer context: their own group of two
+    assert "376 against a median of 1,075" in flags["c"]
+    assert matrix.busy_baselines(sweep, workload, axes, 0.8) == {}
+    assert matrix.busy_baselines(sweep[:2] + sweep[4:], workload, axes, 0.25) == {}  # < 3 alike
+    fed = registry.manifest("fed_learn").workload  # no baseline: nothing to flag
+    assert matrix.busy_baselines(sweep, fed, axes, 0.25) == {}
+
+
+def test_a_piped_table_keeps_its_headers_whole() -> None:
+    """Piped or logged, rich would cut a table to 80 columns and `tokens_per_s (tokens/s)` to
+    `tokens_p…`; print_wide prints it at its own width."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from lab.tracking import print_wide
+
+    table = Table()
+    for name in ("context", "batch", "status", "tokens_per_s (tokens/s)",
+                 "target_tokens_per_s (tokens/s)", "acceptance_rate (fraction)", "speedup (x)",
+                 "time (s)"):  # fmt: skip
+        table.add_column(name)
+    table.add_row("512", "4", "ok", "1,234", "1,100", "0.720", "1.12", "31")
+    piped = io.StringIO()
+    print_wide(table, Console(file=piped))
+    text = piped.getvalue()
+    assert "target_tokens_per_s (tokens/s)" in text and "acceptance_rate (fraction)" in text
+    assert "…" not in text
