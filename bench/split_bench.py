@@ -143,6 +143,8 @@ def main() -> None:
         help="1b: every part on a random-init TinyLlama-1.1B shape (for a GPU: make gpu-check)",
     )
     parser.add_argument("--models", type=Path, default=CACHE / "bench_models")
+    parser.add_argument("--results", type=Path, default=None,
+                        help=f"where the JSON results go (default: {RESULTS})")  # fmt: skip
     parser.add_argument("--unsplit-peak", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -292,9 +294,9 @@ def main() -> None:
         f"stage idle share with m=4: {t4['idle_share_m4']:.2f} measured vs "
         f"{t4['idle_share_gpipe_m4']:.2f} GPipe's (p-1)/(m+p-1); m=1: {t4['idle_share_m1']:.2f}"
     )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    default = RESULTS.with_name("split_bench_1b.json") if args.shape == "1b" else RESULTS
     write_results(
-        RESULTS.with_name("split_bench_1b.json") if args.shape == "1b" else RESULTS,
+        args.results or default,
         {"rows": rows, "quick": args.quick, "shape": args.shape},
         machine=machine,
     )

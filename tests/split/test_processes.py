@@ -319,3 +319,21 @@ def test_a_loopback_run_listens_on_loopback_only(llama_folder: Path, tmp_path: P
         ]
     assert listening
     assert all(ipaddress.ip_address(addr.ip).is_loopback for addr in listening), listening
+
+
+@pytest.mark.slow
+def test_the_split_bench_prints_no_rref_leak_or_tensorpipe_report(tmp_path: Path) -> None:
+    """`python bench/split_bench.py --quick`, five split runs one after another: each driver is
+    a process of its own (torch's RRef context is spent at a process's first RPC shutdown),
+    so no stage reports RRefs leaked and no pipe error is printed. Minutes: slow."""
+    bench = Path(__file__).resolve().parents[2] / "bench" / "split_bench.py"
+    result = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--results", str(tmp_path / "split.json")],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=1200,
+    )  # fmt: skip
+    output = result.stdout
+    assert result.returncode == 0, output[-3000:]
+    assert "split/unsplit per-token latency:" in output
+    alarming = [line for line in output.splitlines() if any(p in line for p in ALARMING)]
+    assert not alarming, "\n".join(alarming[:20])
