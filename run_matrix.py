@@ -28,7 +28,7 @@ from lab.cli import reported
 from lab.config import to_settings
 from lab.machine import Machine
 from lab.redact import redact_argv, redact_config, scrub_argv
-from lab.tracking import print_wide
+from lab.tables import print_wide
 from labtools import matrix
 from labtools.heatmaps import draw
 

@@ -21,7 +21,8 @@ from lab.cluster import connect_when_ready, emulated_link, serve
 from lab.experiment import Experiment, LocalPlan, Process
 from lab.losses import evaluate
 from lab.models import count_4bit_layers, load_tokenizer
-from lab.tracking import METRICS_FILE, Tracker, print_wide, read_records
+from lab.tables import print_wide
+from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import ConnectionClosed, NetTimeout, TruncatedFrame
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,10 +66,13 @@ def sweep_keys(arguments: Sequence[str]) -> list[str]:
 def summary_rows(
     jobs: Sequence[tuple[Mapping[str, str], Mapping[str, Any] | None]],
     first: Sequence[str] = (),
+    *,
+    readable: bool = True,
 ) -> tuple[list[str], list[str], list[list[str]]]:
     """(swept keys, metric names, rows) of the summary: each job's swept values, then its
     metrics, those named in `first` (the experiment's headline and workload figures) ahead of the
-    rest (numbers in 4 significant digits; a job that returned none: `failed`)."""
+    rest; a job that returned none: `failed`. `readable`: numbers in their unit's fixed precision
+    (lab.tables), for people; else as Python writes them, for a CSV."""
     settings = [values for values, _ in jobs]
     keys = swept_keys(settings) or ["job"]
     reported: list[str] = []
@@ -86,17 +88,18 @@ def summary_rows(
         if returned is None:
             row += ["failed"] + [""] * (len(metrics) - 1) if metrics else ["failed"]
         else:
-            row += [_number(returned.get(name)) for name in metrics]
+            row += [_number(returned.get(name), name, readable) for name in metrics]
         rows.append(row)
     return keys, metrics, rows
 
 
-def _number(value: Any) -> str:
+def _number(value: Any, name: str, readable: bool) -> str:
+    """`value` in the fixed precision of metric `name`'s unit (lab.tables), or as it is."""
+    from lab.tables import fixed, unit_of
+
     if value is None:
         return ""
-    if isinstance(value, int | float) and math.isfinite(value):
-        return f"{value:.4g}"
-    return str(value)
+    return fixed(value, unit_of(name)) if readable else str(value)
 
 
 def _manifest(name: str) -> Any:
@@ -144,7 +147,7 @@ class MultirunSummary(Callback):
             return
         from rich.table import Table
 
-        from lab.tracking import print_wide
+        from lab.tables import print_wide, unit_of
 
         manifest = _manifest(str(config.hydra.job.name))
         first = (
@@ -153,12 +156,13 @@ class MultirunSummary(Callback):
             else [manifest.headline.key] + [m.key for m in manifest.workload.metrics]
         )
         keys, metrics, rows = summary_rows(self.jobs, first)
-        header = keys + metrics
+        _, _, raw = summary_rows(self.jobs, first, readable=False)
         folder = Path(str(config.hydra.sweep.dir))
         folder.mkdir(parents=True, exist_ok=True)
         buffer = io.StringIO()
-        csv.writer(buffer).writerows([header, *rows])
+        csv.writer(buffer).writerows([keys + metrics, *raw])
         (folder / SUMMARY_CSV).write_text(buffer.getvalue())
+        header = keys + [f"{m} ({unit_of(m)})" if unit_of(m) else m for m in metrics]
         (folder / SUMMARY_MD).write_text(markdown(header, rows))
         table = Table(title=f"{config.hydra.job.name}: {len(rows)} jobs", title_justify="left")
         for number, name in enumerate(header):

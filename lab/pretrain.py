@@ -432,7 +432,8 @@ def read_build_metrics(folder: Path) -> dict[str, float]:
 
 def run(cfg: DictConfig | PretrainRunConfig) -> dict[str, float]:
     """Build (or find) the tiny models for `cfg.pretrain`; returns their headline metrics."""
-    from lab.tracking import Tracker, print_wide
+    from lab.tables import print_wide
+    from lab.tracking import Tracker
 
     settings = to_settings(cfg, PretrainRunConfig)
     with Tracker.from_settings(settings, job="pretrain") as tracker:

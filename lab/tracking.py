@@ -29,6 +29,7 @@ from lab.config import LabConfig, TrackingConfig
 from lab.multirun import JOB_LABEL_ENV
 from lab.plots import draw_run
 from lab.records import METRICS_FILE, OUTPUTS_FILE, read_records  # noqa: F401  (their home before)
+from lab.tables import fixed, print_wide, unit_of
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +65,6 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item") and callable(value.item):  # torch / numpy scalars
         return _jsonable(value.item())
     return value
-
-
-WIDEST = 320
-"""The widest a table is printed where stdout is no terminal (a pipe, a file, a log)."""
-
-
-def print_wide(table: Any, console: Console | None = None) -> None:
-    """Print a rich table whole: where stdout is no terminal (piped, into a log) rich would cut
-    it to 80 columns and its headers to a few letters; there it is printed at its natural
-    width instead (up to WIDEST). A terminal folds what does not fit."""
-    console = console or Console()
-    if not console.is_terminal:
-        natural = console.measure(table, options=console.options.update_width(WIDEST)).maximum
-        width = min(max(natural, 80), WIDEST)
-        console = Console(file=console.file, width=width, color_system=None)
-    console.print(table)
 
 
 class Tracker:
@@ -201,8 +186,9 @@ class Tracker:
         table = Table(title=title, title_justify="left", min_width=len(title))  # title whole
         table.add_column("metric")
         table.add_column("value", justify="right")
+        table.add_column("unit")
         for key, value in self._final.items():
-            table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+            table.add_row(key, fixed(value, unit_of(key)), unit_of(key))
         print_wide(table, console)
 
     def close(self, *, failed: bool = False) -> None:

@@ -172,6 +172,67 @@ def _help_lists_keys(folder: Path, outcomes: list[Outcome]) -> str:
     return "" if "  spec.gamma=" in text and "--hydra-help" in text else text[-400:]
 
 
+SPEC_QUICK = (*SPEC_DEBUG, "spec.num_prompts=1", "spec.max_new_tokens=8", "spec.prompt_tokens=16")
+
+
+def _multirun(folder: Path) -> Outcome:
+    return command([sys.executable, "-m", "spec_decoding", "-m", "seed=0,1", *SPEC_QUICK,
+                    f"hydra.sweep.dir={folder / 'sweep'}"], folder)  # fmt: skip
+
+
+def _multirun_named(folder: Path, outcomes: list[Outcome]) -> str:
+    out = outcomes[0].stdout
+    for seed in (0, 1):
+        if f"spec_decoding: final metrics (seed={seed})" not in out:
+            return f"no table names seed={seed}: {out[-400:]!r}"
+    if not (folder / "sweep" / "summary.csv").is_file():
+        return "no summary.csv in the sweep's folder"
+    return ""
+
+
+def _report_of_multirun(folder: Path) -> Outcome:
+    _multirun(folder)
+    return command([sys.executable, "-m", "labtools.report", str(folder / "sweep"),
+                    "--out", str(folder / "report")], folder)  # fmt: skip
+
+
+def _report_names_jobs(folder: Path, outcomes: list[Outcome]) -> str:
+    index = folder / "report" / "index.md"
+    if not index.is_file():
+        return "no report written"
+    text = index.read_text()
+    wanted = ["## Summary", "## spec_decoding (seed=0)", "## spec_decoding (seed=1)"]
+    missing = [w for w in wanted if w not in text]
+    return f"the report lacks {missing}" if missing else ""
+
+
+def _costmodel_help(folder: Path, outcomes: list[Outcome]) -> str:
+    """Its first paragraph whole (it ended mid-sentence), and help for every option."""
+    text = " ".join(outcomes[0].stdout.split())
+    if "judged against what the host harness measured." not in text:
+        return f"its description is cut: {text[:300]!r}"
+    for option in ("one-way delays, ms", "link rates"):
+        if option not in text:
+            return f"no help for an option ({option!r}): {text[-300:]!r}"
+    return ""
+
+
+def _piped_sweep(folder: Path) -> Outcome:
+    return command([sys.executable, "run_matrix.py", "workload=spec_decoding",
+                    "grid={context: [16]}", "axes={context: spec.prompt_tokens}",
+                    "overrides=[target.lab_preset=debug,draft.lab_preset=debug,"
+                    "spec.max_new_tokens=8]", "repeats=1", "plot=false",
+                    f"out_dir={folder / 'sweep'}"], folder)  # fmt: skip
+
+
+def _piped_headers_whole(folder: Path, outcomes: list[Outcome]) -> str:
+    out = outcomes[0].stdout
+    for header in ("tokens_per_s (tokens/s)", "target_tokens_per_s (tokens/s)"):
+        if header not in out:
+            return f"no {header!r} whole in the piped table: {out[-600:]!r}"
+    return ""
+
+
 # fmt: off
 MISTAKES = [
     Mistake("key typo", "python -m spec_decoding spec.gama=4",
@@ -216,6 +277,16 @@ MISTAKES = [
     Mistake("--help", "python -m spec_decoding --help", "",
             lambda folder: command([sys.executable, "-m", "spec_decoding", "--help"], folder),
             exit_code=0, extra=_help_lists_keys),
+    Mistake("a multirun", "python -m spec_decoding -m seed=0,1", "spec_decoding: 2 jobs",
+            _multirun, exit_code=0, extra=_multirun_named),
+    Mistake("the report of a multirun folder", "python -m labtools.report multirun/...",
+            "report:", _report_of_multirun, exit_code=0, extra=_report_names_jobs),
+    Mistake("the cost model's --help", "python -m labtools.costmodel --help", "",
+            lambda folder: command([sys.executable, "-m", "labtools.costmodel", "--help"],
+                                   folder),
+            exit_code=0, extra=_costmodel_help),
+    Mistake("a sweep's table piped", "python run_matrix.py ... | cat", "cells ok: 1 of 1",
+            _piped_sweep, exit_code=0, extra=_piped_headers_whole),
 ]
 # fmt: on
 

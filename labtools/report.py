@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import math
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -21,6 +20,7 @@ from typing import Any
 
 from lab.plots import draw_run
 from lab.redact import redact_text
+from lab.tables import fixed, unit_of, with_unit
 from lab.tracking import METRICS_FILE, RUN_FILE, read_records
 
 SWEEP_FILE = "sweep.json"
@@ -73,66 +73,6 @@ def _machine_line(machine: dict[str, Any] | None) -> str:
     )
 
 
-UNITS: tuple[tuple[str, str], ...] = (
-    (r"tokens_per_s$", "tokens/s"),
-    (r"(^|_)ms($|_)", "ms"),
-    (r"(^|_)(s|seconds)$", "s"),
-    (r"bytes", "B"),
-    (r"_mib$", "MiB"),
-    (r"_gib$", "GiB"),
-    (r"params_m$", "M parameters"),
-    (r"params$", "parameters"),
-    (r"loss", "nats/token"),
-    (r"(ratio|speedup|_over_)", "x"),
-    (r"(share|rate|match|agreement)$", "fraction"),
-)
-"""A metric's unit from its name, first match wins (the lab names metrics by what they hold)."""
-
-
-def unit_of(key: str) -> str:
-    """The unit of metric `key` (`token_ms_p50`: ms, `tokens_per_s`: tokens/s); "" for a count."""
-    import re
-
-    for pattern, unit in UNITS:
-        if re.search(pattern, key):
-            return unit
-    return ""
-
-
-def fixed(value: Any, unit: str = "") -> str:
-    """`value` in a fixed precision for its unit and size, never in exponent form above 0.001:
-    4 decimals for a loss, 3 for a fraction, 2 for a ratio, thousands separated."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if not isinstance(value, int | float):
-        return str(value)
-    if not math.isfinite(value):
-        return str(value)
-    if isinstance(value, int) or (unit in ("", "B", "parameters") and value == int(value)):
-        return f"{int(value):,}"
-    size = abs(value)
-    if unit == "nats/token":
-        return f"{value:.4f}"
-    if unit == "fraction":
-        return f"{value:.3f}"
-    if unit == "x":
-        return f"{value:.2f}"
-    if size >= 1000:
-        return f"{value:,.0f}"
-    if size >= 100:
-        return f"{value:.1f}"
-    if size >= 0.001 or value == 0:
-        return f"{value:.3f}" if size < 10 else f"{value:.2f}"
-    return f"{value:.2e}"
-
-
-def _with_unit(value: Any, unit: str) -> str:
-    text = fixed(value, unit)
-    if unit == "x":
-        return f"{text}x"
-    return f"{text} {unit}" if unit and unit != "fraction" else text
-
-
 def _run_overrides(run_dir: Path) -> list[str]:
     """The settings a run was started with, as typed (Hydra's overrides.yaml), less the folder
     and tracking ones that change no figure."""
@@ -161,13 +101,13 @@ def headline_of(run_dir: Path, info: dict[str, Any], summary: dict[str, Any]) ->
     label, _, unit = head.label.rpartition(" (")
     unit = unit.rstrip(")").split(",")[0].strip()
     try:
-        value = _with_unit(head.read(run_dir), unit)
+        value = with_unit(head.read(run_dir), unit)
     except (OSError, KeyError, ValueError) as exc:
         value = f"not measured ({exc})"
     comparable = ""
     if head.benchmark_key and head.benchmark_key in summary:
         key = head.benchmark_key
-        comparable = f"{key} {_with_unit(summary[key], unit_of(key))}"
+        comparable = f"{key} {with_unit(summary[key], unit_of(key))}"
     overrides = _run_overrides(run_dir)
     parts = [
         "this run: " + (", ".join(overrides) if overrides else "the defaults (the tiny models)")

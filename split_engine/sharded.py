@@ -137,14 +137,19 @@ class ShardedModel:
         )
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """The same call on every stage at once; results in stage order."""
+        """The same call on every stage at once; results in stage order. Where one fails, the
+        others are waited for before the first failure is raised: a call left running on a
+        stage (a model still being built) would overlap that stage's next one."""
         futures = [self.call_async(i, method, *args, **kwargs) for i in range(len(self.stages))]
-        results = []
+        results: list[Any] = []
+        failed: tuple[int, RuntimeError] | None = None
         for index, future in enumerate(futures):
             try:
                 results.append(future.wait())
             except RuntimeError as exc:
-                raise self._lost(index, exc) from None
+                failed = failed or (index, exc)
+        if failed is not None:
+            raise self._lost(*failed) from None
         return results
 
     def run_stages(

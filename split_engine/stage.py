@@ -63,12 +63,25 @@ def _model_config(fields: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+_BUILDING = threading.Lock()
+"""One model built at a time in a stage process: accelerate's `init_empty_weights` patches
+`nn.Module.register_parameter` for the whole process (two overlapping builds can leave it
+patched for good, and every later model is made of meta tensors), and transformers' lazy imports
+are not safe from two threads at once (`cannot import name 'AutoConfig'`). A driver whose build
+failed on one stage while another was still building used to start its next build beside it."""
+
+
 def describe_model(model_fields: dict[str, Any]) -> dict[str, int]:
     """Layer count and parameter costs of the model, read from its config on the stage's host.
 
     The driver asks stage 1 for this, so the driver itself needs no copy of the model.
     """
     require_driver()
+    with _BUILDING:
+        return _describe_model(model_fields)
+
+
+def _describe_model(model_fields: dict[str, Any]) -> dict[str, int]:
     from transformers import AutoConfig
 
     cfg = _model_config(model_fields)
@@ -102,6 +115,30 @@ class Stage:
         seed: int = 0,
     ) -> None:
         require_driver()
+        with _BUILDING:
+            self._build(
+                model_fields,
+                start=start,
+                end=end,
+                wire_dtype=wire_dtype,
+                training=training,
+                mixed_precision=mixed_precision,
+                lora=lora,
+                seed=seed,
+            )
+
+    def _build(
+        self,
+        model_fields: dict[str, Any],
+        *,
+        start: int,
+        end: int,
+        wire_dtype: str,
+        training: bool,
+        mixed_precision: str,
+        lora: dict[str, Any] | None,
+        seed: int,
+    ) -> None:
         host = stage_host()
         cfg = _model_config(model_fields)
         source = resolve_source(cfg, cache_dir=host.cache_dir)

@@ -219,7 +219,9 @@ def test_a_multirun_summary_has_a_column_per_swept_key_and_a_row_per_job() -> No
     assert swept_keys([values for values, _ in jobs]) == ["fed.strategy"]
     keys, metrics, rows = summary_rows(jobs)
     assert keys == ["fed.strategy"] and metrics == ["final_val_loss", "rounds"]
-    assert rows == [["fedavg", "3.21", "3"], ["ffa", "3.123", "3"], ["median", "failed", ""]]
+    assert rows == [["fedavg", "3.2100", "3"], ["ffa", "3.1235", "3"], ["median", "failed", ""]]
+    raw = summary_rows(jobs, readable=False)[2]  # summary.csv's: as Python writes them
+    assert raw[1] == ["ffa", "3.1234567", "3.0"]
     assert summary_rows(jobs, first=["rounds"])[1] == ["rounds", "final_val_loss"]
     job = ["fed.strategy=ffa", "hydra.run.dir=x", "seed=1"]
     assert job_label(job) == "fed.strategy=ffa seed=1"

@@ -267,7 +267,7 @@ def test_a_piped_table_keeps_its_headers_whole() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from lab.tracking import print_wide
+    from lab.tables import print_wide
 
     table = Table()
     for name in ("context", "batch", "status", "tokens_per_s (tokens/s)",

@@ -133,17 +133,19 @@ def test_a_refused_folder_points_at_the_runs_further_down(runs: list[Path], tmp_
 
 
 def test_metrics_read_in_fixed_precision_with_their_units() -> None:
-    assert [report.unit_of(k) for k in ("token_ms_p50", "tokens_per_s", "bytes_up_per_round",
+    from lab.tables import fixed, unit_of
+
+    assert [unit_of(k) for k in ("token_ms_p50", "tokens_per_s", "bytes_up_per_round",
             "final_val_loss", "acceptance_rate", "latency_ratio", "stage1_peak_rss_mib",
             "round_s", "rounds")] == ["ms", "tokens/s", "B", "nats/token", "fraction", "x",
                                       "MiB", "s", ""]  # fmt: skip
-    assert report.fixed(952600.0, "B") == "952,600"
-    assert report.fixed(3.123456, "nats/token") == "3.1235"
-    assert report.fixed(0.71234, "fraction") == "0.712"
-    assert report.fixed(1.2345, "x") == "1.23"
-    assert report.fixed(1234.5678, "ms") == "1,235"
-    assert report.fixed(16.123, "ms") == "16.12"
-    assert report.fixed(3, "") == "3"
+    assert fixed(952600.0, "B") == "952,600"
+    assert fixed(3.123456, "nats/token") == "3.1235"
+    assert fixed(0.71234, "fraction") == "0.712"
+    assert fixed(1.2345, "x") == "1.23"
+    assert fixed(1234.5678, "ms") == "1,235"
+    assert fixed(16.123, "ms") == "16.12"
+    assert fixed(3, "") == "3"
 
 
 @pytest.mark.slow
