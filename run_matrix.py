@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lab.cli import reported
+from lab.cli import ConfigError, reported
 from lab.config import to_settings
 from lab.machine import Machine
 from lab.redact import redact_argv, redact_config, scrub_argv
@@ -47,7 +47,7 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
     grid_cells = matrix.cells(config)
     if config.cell >= 0:
         if config.cell >= len(grid_cells):
-            raise ValueError(f"cell={config.cell}: the grid has {len(grid_cells)} cells")
+            raise ConfigError(f"cell={config.cell}: the grid has {len(grid_cells)} cells")
         grid_cells = [grid_cells[config.cell]]
     write_sweep_file(config, out_dir)
     done = results.latest(fingerprint)

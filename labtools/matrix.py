@@ -38,6 +38,7 @@ from typing import Any
 import psutil
 
 from lab import atomic, experiment, registry
+from lab.cli import ConfigError
 from lab.config import SECRET_ENV, check_fields_positive, register_schema
 from lab.redact import redact_argv, redact_config, split_secret
 from lab.registry import Workload
@@ -177,9 +178,15 @@ def check_sweep(config: MatrixConfig) -> None:
             for line in result.stderr.splitlines()
             if line.strip() and not line.startswith((" ", "Set the environment", "See https://"))
         ]
-        raise ValueError(
+        refused = re.search(r"Could not override '([^']+)'", result.stderr)
+        axis = next((a for a in config.grid if refused and config.axes.get(a) == refused[1]), None)
+        hint = (f" (grid.{axis} sweeps {config.axes[axis]}, which {config.workload} does not "
+                f"have: ~grid.{axis} drops that axis, conf/matrix.yaml's default grid has it)"
+                if axis else "")  # fmt: skip
+        raise ConfigError(
             f"cell {first.name} of workload={config.workload} does not compose: "
             + (" ".join(lines[:3]) if lines else f"exit {result.returncode}")
+            + hint
         )
 
 

@@ -219,9 +219,9 @@ def _costmodel_help(folder: Path, outcomes: list[Outcome]) -> str:
 
 def _piped_sweep(folder: Path) -> Outcome:
     return command([sys.executable, "run_matrix.py", "workload=spec_decoding",
-                    "grid={context: [16]}", "axes={context: spec.prompt_tokens}",
-                    "overrides=[target.lab_preset=debug,draft.lab_preset=debug,"
-                    "spec.max_new_tokens=8]", "repeats=1", "plot=false",
+                    "grid.context=[16]", "~grid.batch", "axes.context=spec.prompt_tokens",
+                    'overrides=["target.lab_preset=debug","draft.lab_preset=debug",'
+                    '"spec.max_new_tokens=8"]', "repeats=1", "plot=false",
                     f"out_dir={folder / 'sweep'}"], folder)  # fmt: skip
 
 
@@ -285,6 +285,12 @@ MISTAKES = [
             lambda folder: command([sys.executable, "-m", "labtools.costmodel", "--help"],
                                    folder),
             exit_code=0, extra=_costmodel_help),
+    Mistake("a sweep that keeps the default grid's batch axis",
+            "python run_matrix.py workload=spec_decoding grid.context=[16] "
+            "axes.context=spec.prompt_tokens overrides=[]", "~grid.batch drops that axis",
+            lambda folder: command([sys.executable, "run_matrix.py", "workload=spec_decoding",
+                                    "grid.context=[16]", "axes.context=spec.prompt_tokens",
+                                    "overrides=[]", f"out_dir={folder / 'sweep'}"], folder)),
     Mistake("a sweep's table piped", "python run_matrix.py ... | cat", "cells ok: 1 of 1",
             _piped_sweep, exit_code=0, extra=_piped_headers_whole),
 ]
@@ -313,7 +319,9 @@ def judge(mistake: Mistake, folder: Path) -> tuple[bool, str]:
     else:
         if mistake.says not in first.stderr + first.stdout:
             return False, f"no {mistake.says!r} in {first.stderr[-300:]!r}"
-        seen = (first.stderr.strip().splitlines() or ["(exit 0)"])[-1]
+        said = [line for line in (first.stdout + first.stderr).splitlines()
+                if mistake.says and mistake.says in line]  # fmt: skip
+        seen = (said or first.stderr.strip().splitlines() or ["(exit 0)"])[-1]
     wrong = mistake.extra(folder, outcomes)
     return (not wrong, wrong or seen)
 

@@ -280,3 +280,20 @@ def test_a_piped_table_keeps_its_headers_whole() -> None:
     text = piped.getvalue()
     assert "target_tokens_per_s (tokens/s)" in text and "acceptance_rate (fraction)" in text
     assert "…" not in text
+
+
+def test_an_axis_the_workload_lacks_is_one_line_naming_the_axis(tmp_path: Path) -> None:
+    """conf/matrix.yaml's default grid sweeps generate.batch_size; a spec_decoding sweep that
+    sets only its own axis is told which axis to drop, in one line, before any cell runs."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "run_matrix.py", "workload=spec_decoding", "grid.context=[16]",
+         "axes.context=spec.prompt_tokens", "overrides=[]", f"out_dir={tmp_path / 'sweep'}"],
+        capture_output=True, text=True, timeout=300, cwd=Path(run_matrix.__file__).parent,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert "~grid.batch drops that axis" in line
+    assert not (tmp_path / "sweep" / "cells").exists()
