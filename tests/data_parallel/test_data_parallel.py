@@ -215,7 +215,9 @@ DILOCO_5 = ("dp.sync=diloco", "dp.inner_steps=5")
 syncs, and the restart must bring back the outer momentum and each worker's inner AdamW."""
 
 
-@pytest.mark.parametrize("sync", [(), DILOCO_5], ids=["ddp", "diloco"])
+@pytest.mark.parametrize(
+    "sync", [(), pytest.param(DILOCO_5, marks=pytest.mark.slow)], ids=["ddp", "diloco"]
+)  # DiLoCo's restart state in make test: test_diloco's resumed runs (the kill itself: slow)
 def test_a_worker_killed_mid_run_is_restarted_from_the_last_checkpoint(
     dp_run: Run, tmp_path: Path, lab_cache: Path, sync: tuple[str, ...]
 ) -> None:
@@ -261,6 +263,7 @@ def test_a_worker_killed_mid_run_is_restarted_from_the_last_checkpoint(
     assert not _worker_processes(psutil.Process(os.getpid()))  # none left behind
 
 
+@pytest.mark.slow  # make test's budget; its job-id check runs in every resumed run's own test
 def test_a_new_job_does_not_go_on_from_another_jobs_checkpoint(dp_run: Run, tmp_path: Path) -> None:
     """Two runs, one dp.checkpoint_dir: the second (no dp.resume) trains from step 1 with the
     first's losses, leaving the first's checkpoint to `dp.resume=true`; each checkpoint names
