@@ -315,6 +315,7 @@ def test_two_hosts_agents_meet_at_the_rendezvous_and_train_as_one_job(
     }
 
 
+@pytest.mark.slow  # make test's budget; two hosts meeting at the rendezvous stays in it
 def test_a_third_host_joining_a_two_to_three_host_job_is_admitted_at_the_next_restart(
     tmp_path: Path, lab_cache: Path, tiny_models: Path
 ) -> None:
