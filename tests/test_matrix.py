@@ -101,8 +101,9 @@ def test_a_failing_cell_is_marked_with_its_reason_and_the_sweep_goes_on(
 @pytest.mark.parametrize(
     ("changes", "status", "reason"),
     [
-        pytest.param({"timeout_s": 6.0}, "timeout", "still running after 6s",
-                     marks=pytest.mark.slow),  # make test's budget: the oom case kills alike
+        pytest.param(
+            {"timeout_s": 6.0}, "timeout", "still running after 6s", marks=pytest.mark.slow
+        ),  # make test's budget: the oom case kills alike
         ({"memory_mib": 150.0}, "oom", "MiB > the 150 MiB cap"),
     ],
 )
