@@ -102,13 +102,6 @@ def _number(value: Any, name: str, readable: bool) -> str:
     return fixed(value, unit_of(name)) if readable else str(value)
 
 
-def _manifest(name: str) -> Any:
-    """The registered experiment `name`'s manifest, or None (a tool's own multirun)."""
-    from lab import registry
-
-    return registry.find(name)
-
-
 def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -127,6 +120,8 @@ class MultirunSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
 
+        from lab import registry
+
         overrides = [o for o in (job_return.overrides or []) if not o.startswith("hydra")]
         values = dict(o.split("=", 1) for o in overrides if "=" in o)
         returned = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
@@ -134,7 +129,7 @@ class MultirunSummary(Callback):
             self.jobs.append((values, None))
             return
         returned = dict(returned)
-        manifest = _manifest(str(config.hydra.job.name))
+        manifest = registry.find(str(config.hydra.job.name))
         if manifest is not None and manifest.headline.key not in returned:
             # the figure the experiment is judged by, from the job's own records
             with contextlib.suppress(OSError, KeyError, ValueError):
@@ -147,9 +142,10 @@ class MultirunSummary(Callback):
             return
         from rich.table import Table
 
+        from lab import registry
         from lab.tables import print_wide, unit_of
 
-        manifest = _manifest(str(config.hydra.job.name))
+        manifest = registry.find(str(config.hydra.job.name))
         first = (
             []
             if manifest is None

@@ -61,11 +61,10 @@ def draw(
             figsize=(3.2 + 1.5 * len(cols) * len(panels), 2.2 + 0.8 * len(rows)),
             squeeze=False,
         )
-        texts, grey = [], False
+        shows_spread, grey = False, False
         for panel, ax in zip(panels, panel_axes[0], strict=True):
             values = np.full((len(rows), len(cols)), np.nan)
             text = [["" for _ in cols] for _ in rows]
-            texts.append(text)
             for i, row in enumerate(rows):
                 for j, col in enumerate(cols):
                     settings = {row_axis: row, **({col_axis: col} if col_axis else {}), **panel}
@@ -89,6 +88,7 @@ def draw(
                             + ("\nbusy?" if record["cell"] in flagged else "")
                         )
             grey = grey or not np.isfinite(values).all()
+            shows_spread = shows_spread or any("±" in cell for row in text for cell in row)
             options = colour_scale(metric, [float(v) for v in values[np.isfinite(values)]])
             ax.set_facecolor(FAILED_COLOUR)
             sns.heatmap(
@@ -116,7 +116,7 @@ def draw(
                 ax.set_title(", ".join(f"{k}={v}" for k, v in panel.items()), fontsize=9)
         fig.suptitle(f"{title}\n{metric.label} ({metric.unit})", fontsize=10)
         note = footnote(
-            spread=any("±" in cell for panel_text in texts for row in panel_text for cell in row),
+            spread=shows_spread,
             failed=grey,
             busy=any(r["cell"] in flagged for r in records),
         )
