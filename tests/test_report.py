@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -54,7 +55,11 @@ def test_a_multirun_names_each_jobs_values_and_ends_with_one_summary(runs: list[
     rows = list(csv.reader((sweep / "summary.csv").open()))
     assert rows[0][:2] == ["seed", "speedup"]  # only the swept key, then the headline figure
     assert [row[0] for row in rows[1:]] == ["0", "1"]
-    assert all(float(value) > 0 for value in rows[1][1:] if value)
+    for row in rows[1:]:  # every cell a finite number; what must be positive is
+        values = {key: float(value) for key, value in zip(rows[0], row, strict=True) if value}
+        assert all(math.isfinite(value) for value in values.values()), row
+        assert values["speedup"] > 0 and values["tokens_per_s"] > 0, values
+        assert 0 <= values["acceptance_rate"] <= 1, values  # a debug draft may accept none
     assert (sweep / "summary.md").read_text().startswith("| seed |")
 
 
