@@ -61,14 +61,11 @@ _REFERENCES = {
     ("split_engine.workers", "stage_accept_driver"),
     ("split_engine.workers", "stage_alive"),
     ("split_engine.workers", "stage_prove"),
-    # torch's RPC internals: RRef method calls, the start-up / shutdown all-gather, and
-    # DistributedOptimizer creating and stepping each stage's local optimizer.
+    # torch's RPC internals: RRef method calls and the start-up / shutdown all-gather.
     ("torch.distributed.rpc.rref_proxy", "_local_invoke"),
     ("torch.distributed.rpc.api", "_rref_typeof_on_owner"),
     ("torch.distributed.rpc.api", "_gather_to_leader"),
     ("torch.distributed.rpc.api", "_broadcast_to_followers"),
-    ("torch.distributed.optim.optimizer", "_new_local_optimizer"),
-    ("torch.distributed.optim.optimizer", "_local_optimizer_step"),
     # The two records a message is built from (called while unpickling: see _may_call) and the
     # RPC pickler itself, whose receivers rebuild tensors and RRefs (see `_receiver`).
     ("torch.distributed.rpc.internal", "PythonUDF"),
@@ -140,7 +137,7 @@ class SafeUnpickler(_PyUnpickler):
       and exception types; no dotted names (protocol 4 would walk `module.a.b` to anything the
       module imported), no other module.
     - REDUCE / NEWOBJ / NEWOBJ_EX: only `_may_call` callables (a message cannot run
-      `save_stage` or build a `Stage` while being unpickled; the call it carries runs later,
+      build a `PipelineStage` or a `Stage` while being unpickled; the call it carries runs later,
       after the RPC layer's own checks).
     - BUILD: only on an object this message built, never on a class, function or module
       global (the stage's auth state, `hmac.compare_digest`, ...).

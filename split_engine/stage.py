@@ -160,9 +160,11 @@ class Stage:
         self.start, self.end = start, end
         self.first = start == 0
         self.last = end == full_config.num_hidden_layers
+        self.hidden_size = int(full_config.hidden_size)
+        """The width of the hidden states that cross the cut."""
         self.tied = bool(getattr(full_config, "tie_word_embeddings", False))
         """The model ties its input embedding and LM head: the first stage holds the matrix,
-        the last a copy; training keeps the two equal (see `tied_grad`)."""
+        the last a copy; training keeps the two equal (split_training.pipeline)."""
         self.wire_dtype = self.dtype if wire_dtype == "auto" else getattr(torch, wire_dtype)
         self.autocast = mixed_precision == "bf16" and supports_bf16(self.device)
         if mixed_precision == "bf16" and not self.autocast:
@@ -186,7 +188,6 @@ class Stage:
         self.caches: dict[int, Any] = {}
         self.pickers: dict[int, TokenPicker] = {}
         """The last stage picks each request's next tokens (`open_request`)."""
-        self._stashed: dict[str, torch.Tensor] = {}
         self.next: RRef | None = None
         self.next_timeout_s = 60.0
         self.lock = threading.Lock()
@@ -208,7 +209,7 @@ class Stage:
 
     def forward(
         self,
-        x: torch.Tensor | RRef,
+        x: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor,
         *,
@@ -224,46 +225,26 @@ class Stage:
         (B, 1, V with `last_only`), with `labels` the summed token loss (a scalar), or with
         `pick` the next token of each row (B,), picked by the request's picker. A request
         opened with a KV cache (`open_request`) keeps its keys and values for its next call.
-        `x` may be an RRef to the previous stage's output (pipelined training): it is fetched
-        straight from there. With `chain`, the output goes on to the next stage (see `link`)
+        With `chain`, the output goes on to the next stage (see `link`)
         and what comes back is the last stage's: activations travel stage to stage, not
         through the driver.
         """
-        if not isinstance(x, torch.Tensor):  # an RRef (torch hands us its C++ PyRRef)
-            x = x.to_here()
-        assert isinstance(x, torch.Tensor)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"a stage's input is a tensor, got {type(x).__name__}")
         self.bytes_received += x.numel() * x.element_size()
-        grad = self.training and torch.is_grad_enabled()
         cache = self.caches.get(request) if request is not None else None
-        with self.lock, torch.set_grad_enabled(grad), self._autocast():
-            inputs: dict[str, Any] = {
-                "attention_mask": None
-                if attention_mask is None
-                else attention_mask.to(self.device),
-                "position_ids": position_ids.to(self.device),
-                "use_cache": cache is not None,
-                "past_key_values": cache,
-            }
-            if self.first:
-                inputs["input_ids"] = x.to(self.device)
-            else:
-                inputs["inputs_embeds"] = x.to(self.device, self.dtype)  # (B, T, H)
-            out = self.decoder(**inputs)
-            if cache is not None:
-                self.caches[request] = out.past_key_values  # type: ignore[index]
-            hidden = out.last_hidden_state  # (B, T, H)
-            if not self.last:
-                result = hidden.to(self.wire_dtype).cpu()
-            else:
-                if last_only or pick:
-                    hidden = hidden[:, -1:]  # (B, 1, H)
-                logits = self.head(hidden)  # (B, T, V)
-                if pick:
-                    result = self.pickers[request](logits[:, -1]).cpu()  # type: ignore[index]
-                elif labels is None:
-                    result = logits.float().cpu()
-                else:
-                    result = self._loss(logits, labels)
+        # inference and evaluation: no graph (training runs `train_forward`)
+        with self.lock, torch.no_grad(), self._autocast():
+            result = self._compute(
+                x,
+                attention_mask,
+                position_ids,
+                cache=cache,
+                request=request,
+                labels=labels,
+                last_only=last_only,
+                pick=pick,
+            )
         self.bytes_sent += result.numel() * result.element_size()
         if chain and self.next is not None:  # outside the lock: this stage is free again
             return self.next.rpc_sync(timeout=self.next_timeout_s).forward(
@@ -277,6 +258,56 @@ class Stage:
                 pick=pick,
             )
         return result
+
+    def _compute(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        *,
+        cache: Any = None,
+        request: int | None = None,
+        labels: torch.Tensor | None = None,
+        last_only: bool = False,
+        pick: bool = False,
+    ) -> torch.Tensor:
+        """This stage's layers on `x` (the caller holds the lock and sets grad and autocast)."""
+        inputs: dict[str, Any] = {
+            "attention_mask": None if attention_mask is None else attention_mask.to(self.device),
+            "position_ids": position_ids.to(self.device),
+            "use_cache": cache is not None,
+            "past_key_values": cache,
+        }
+        if self.first:
+            inputs["input_ids"] = x.to(self.device)
+        else:
+            inputs["inputs_embeds"] = x.to(self.device, self.dtype)  # (B, T, H)
+        out = self.decoder(**inputs)
+        if cache is not None:
+            self.caches[request] = out.past_key_values  # type: ignore[index]
+        hidden = out.last_hidden_state  # (B, T, H)
+        if not self.last:
+            return hidden.to(self.wire_dtype).cpu()
+        if last_only or pick:
+            hidden = hidden[:, -1:]  # (B, 1, H)
+        logits = self.head(hidden)  # (B, T, V)
+        if pick:
+            return self.pickers[request](logits[:, -1]).cpu()  # type: ignore[index]
+        if labels is None:
+            return logits.float().cpu()
+        return self._loss(logits, labels)
+
+    def train_forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A training forward inside this process, its graph kept for a local backward: hidden
+        states in the wire dtype (B, T, H), or on the last stage the summed token loss. `x` may
+        be a leaf that requires grad (the previous stage's output): its `.grad` is what goes
+        back across the cut."""
+        if not self.training:
+            raise ValueError("this stage was built for inference (training=False)")
+        with self.lock, torch.enable_grad(), self._autocast():
+            return self._compute(x, None, position_ids, labels=labels)
 
     def open_request(self, request: int, sampling: dict[str, Any], kv_cache: bool) -> None:
         """Get ready for a generation request on this stage and every later one: its KV cache
@@ -357,10 +388,6 @@ class Stage:
     def parameter_names(self) -> list[str]:
         return [name for name, _ in self.model.named_parameters()]
 
-    def parameter_rrefs(self) -> list[RRef]:
-        """RRefs to the parameters this stage trains (for DistributedOptimizer)."""
-        return [RRef(p) for p in self.model.parameters() if p.requires_grad]
-
     def stats(self) -> dict[str, float]:
         """Memory, CPU time and traffic of this stage's process."""
         stats = peak_memory()
@@ -374,30 +401,6 @@ class Stage:
 
     def reset_traffic(self) -> None:
         self.bytes_received = self.bytes_sent = 0
-
-    # ------------------------------------------------------------------ training
-
-    def _context_gradients(self, context_id: int) -> dict[str, torch.Tensor]:
-        grads = dist_autograd_gradients(context_id)
-        return {name: grads[p] for name, p in self.model.named_parameters() if p in grads}
-
-    def gradients(self, context_id: int) -> dict[str, torch.Tensor]:
-        """This stage's accumulated gradients in a distributed autograd context, by name."""
-        return {name: g.detach().cpu() for name, g in self._context_gradients(context_id).items()}
-
-    def grad_sq_norm(self, context_id: int) -> float:
-        """Squared norm of this stage's gradients; a tied LM head held as a copy on the last
-        stage is left out (after `set_tied_grad` it equals the embedding's, counted on the
-        first stage), so the global norm counts the shared matrix once."""
-        copy = self._tied_copy()
-        params = dict(self.model.named_parameters())
-        return float(
-            sum(
-                g.float().pow(2).sum()
-                for name, g in self._context_gradients(context_id).items()
-                if params[name] is not copy
-            )
-        )
 
     # ------------------------------------------------------------------ tied embeddings
 
@@ -416,31 +419,6 @@ class Stage:
         """The last stage's copy of a tied matrix (None where this stage holds no copy)."""
         ends = self._tied_ends()
         return ends[0] if ends and self.last and not self.first else None
-
-    def tied_grad(self, context_id: int) -> torch.Tensor | None:
-        """This stage's gradient for its end of a tied matrix (None if it holds none)."""
-        grads = dist_autograd_gradients(context_id)
-        held = [grads[p] for p in self._tied_ends() if p in grads]
-        return held[0].detach().cpu() if held else None
-
-    def sum_tied_grad(self, context_id: int, other: RRef, timeout_s: float) -> None:
-        """On the first stage: add the last stage's gradient for its copy of a tied matrix to
-        this stage's, and give both ends the sum (one transfer each way, stage to stage)."""
-        own = self.tied_grad(context_id)
-        theirs = other.rpc_sync(timeout=timeout_s).tied_grad(context_id)
-        if own is None or theirs is None:
-            return  # no tie, or the matrix is frozen (LoRA)
-        total = own + theirs
-        self.set_tied_grad(context_id, total)
-        other.rpc_sync(timeout=timeout_s).set_tied_grad(context_id, total)
-
-    def set_tied_grad(self, context_id: int, total: torch.Tensor) -> None:
-        """Make this stage's end of a tied matrix take the summed gradient of both ends, so
-        that both copies take the identical optimizer update."""
-        grads = dist_autograd_gradients(context_id)
-        for param in self._tied_ends():
-            if param in grads:
-                grads[param].copy_(total.to(grads[param].device, grads[param].dtype))
 
     def tied_weight(self) -> torch.Tensor | None:
         """This stage's copy of a tied matrix, on CPU (None if it holds none)."""
@@ -490,25 +468,6 @@ class Stage:
             and not path.name.endswith(".index.json")
         }
 
-    def scale_grads(self, context_id: int, factor: float) -> None:
-        """Multiply this context's gradients in place (global-norm clipping)."""
-        for grad in self._context_gradients(context_id).values():
-            grad.mul_(factor)
-
-    def stash_grads(self, context_id: int) -> None:
-        """Keep this context's gradients for a later context (gradient accumulation: distributed
-        autograd runs one backward per context, so each accumulated batch gets its own)."""
-        for name, grad in self._context_gradients(context_id).items():
-            held = self._stashed.get(name)
-            self._stashed[name] = grad.detach().clone() if held is None else held.add_(grad)
-
-    def unstash_grads(self, context_id: int) -> None:
-        """Add the stashed gradients into this context's (the one the optimizer steps on)."""
-        grads = self._context_gradients(context_id)
-        for name, held in self._stashed.items():
-            grads[name].add_(held)
-        self._stashed.clear()
-
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint stores of this stage: its trained tensors, a tied LM head's copy
         left out (the first stage stores the matrix once)."""
@@ -536,13 +495,6 @@ class Stage:
 
 
 never_sent(Stage)  # a peer may call its methods, never fetch the model itself
-
-
-def dist_autograd_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-    """Parameter -> accumulated gradient in a distributed autograd context, in this process."""
-    import torch.distributed.autograd as dist_autograd
-
-    return dist_autograd.get_gradients(context_id)
 
 
 def _refuse_adapting_a_tied_matrix(lora: dict[str, Any], layout: Any) -> None:

@@ -8,6 +8,7 @@ from lab.config import LabConfig, LoRASettings, check_choice, check_fields_posit
 from split_engine.config import SplitConfig
 
 MIXED_PRECISIONS = ("auto", "bf16", "none")
+SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass
@@ -17,6 +18,12 @@ class SplitTrainConfig(SplitConfig):
     microbatches: int = 4
     """Micro-batches per batch, flowing through the stages concurrently (GPipe fill-drain);
     1 = no pipelining. Gradients of all of them make one optimizer step."""
+    schedule: str = "gpipe"
+    """The order each stage runs its micro-batches in: gpipe (every forward, then every
+    backward: the most micro-batches in flight, the fewest waits on a slow link) or 1f1b (one
+    forward, one backward in the steady state: stage k holds at most num_stages - k
+    micro-batches' activations, but waits a round trip to the next stage for each backward).
+    Both give the same gradients."""
     steps: int = 40
     """Optimizer steps."""
     batch_size: int = 8
@@ -73,6 +80,7 @@ class SplitTrainConfig(SplitConfig):
                 f"split.eval_every={self.eval_every} must be >= 0 and "
                 f"split.eval_blocks={self.eval_blocks} >= 1"
             )
+        check_choice("split.schedule", self.schedule, SCHEDULES)
         check_choice("split.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.export and self.lora:
             raise ValueError(

@@ -135,6 +135,7 @@ def run_driver(
         losses: list[float] = []
         val_loss = float("nan")
         tokens, seconds = 0, 0.0
+        saved_peak = [0] * split.num_stages
         cpu_before = [s["cpu_s"] for s in sharded.stats()]
         wall_before = time.perf_counter()
         progress = Progress(
@@ -151,8 +152,14 @@ def run_driver(
                 losses.append(result.loss)
                 tokens += result.tokens
                 seconds += result.seconds
+                saved_peak = [max(a, b) for a, b in zip(saved_peak, result.saved_peak_bytes)]
                 tracker.log(
-                    {"loss": result.loss, "grad_norm": result.grad_norm, "step_s": result.seconds},
+                    {
+                        "loss": result.loss,
+                        "grad_norm": result.grad_norm,
+                        "step_s": result.seconds,
+                        "saved_mb": max(result.saved_peak_bytes) / 2**20,
+                    },
                     step=trainer.step,
                 )
                 progress.update(task, completed=trainer.step, loss=f"{result.loss:.3f}")
@@ -180,6 +187,8 @@ def run_driver(
         }
         for rank, share in enumerate(idle, start=1):
             metrics[f"stage{rank}_idle_share"] = share
+        for rank, peak in enumerate(saved_peak, start=1):  # autograd's activations, at most
+            metrics[f"stage{rank}_saved_mb"] = peak / 2**20
         if split.export:
             exported = trainer.export(settings.paths.run_path / "model")
             log.info("the whole trained model, as one Hugging Face folder: %s", exported)

@@ -173,8 +173,9 @@ def test_tied_model_trains_as_one_matrix_across_stages_and_exports_tied(
 def test_without_the_sync_the_copies_drift_and_the_losses_differ(world, tied_folders) -> None:
     """What the sync prevents (and what this suite would miss if it stopped running)."""
     folder = tied_folders["llama"]
-    trainer = _trainer(folder, 2)
-    trainer.sync_tied_grads = lambda context_id: None  # type: ignore[method-assign]
+    split = SplitTrainConfig(num_stages=2, **SPLIT_SETTINGS)
+    sharded = ShardedModel.build(model_config(folder), split, training=True)
+    trainer = DistributedTrainer(sharded, split, sync_tied=False)
     vocab = int(trainer.sharded.call(0, "tied_weight").shape[0])
     data = training_batches(vocab, steps=STEPS)
     got = [trainer.train_step([batch]).loss for batch in data]
