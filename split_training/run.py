@@ -152,7 +152,9 @@ def run_driver(
                 losses.append(result.loss)
                 tokens += result.tokens
                 seconds += result.seconds
-                saved_peak = [max(a, b) for a, b in zip(saved_peak, result.saved_peak_bytes)]
+                saved_peak = [
+                    max(a, b) for a, b in zip(saved_peak, result.saved_peak_bytes, strict=True)
+                ]
                 tracker.log(
                     {
                         "loss": result.loss,
