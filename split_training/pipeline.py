@@ -32,6 +32,7 @@ gradients, and the norm, clip and step read them early (see docs/split_training.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -48,8 +49,8 @@ from split_engine.rpc_guard import never_sent
 from split_engine.stage import Stage
 from split_training.config import SCHEDULES
 
-ACTIVATION, GRADIENT, NORM, TIED = "activation", "gradient", "norm", "tied"
-KINDS = (ACTIVATION, GRADIENT, NORM, TIED)
+ACTIVATION, GRADIENT, NORM, TIED, ABORT = "activation", "gradient", "norm", "tied", "abort"
+KINDS = (ACTIVATION, GRADIENT, NORM, TIED, ABORT)
 
 
 class StageAdamW(torch.optim.AdamW):
@@ -58,11 +59,6 @@ class StageAdamW(torch.optim.AdamW):
 
 
 never_sent(StageAdamW)
-
-
-class PipelineError(RuntimeError):
-    """A step on this stage could not go on: a peer sent what the step did not expect, or
-    nothing arrived in time."""
 
 
 def schedule_order(schedule: str, stage: int, num_stages: int, microbatches: int) -> list[str]:
@@ -92,16 +88,22 @@ class Inbox:
         self.cond = threading.Condition()
         self.done = -1
         """The last step this stage finished; only the two after it are accepted."""
+        self.aborted: dict[int, str] = {}
+        """Steps a peer gave up, with its reason: a wait for them ends at once."""
 
     def put(self, key: tuple, value: Any) -> None:
         with self.cond:
             step = key[1]
             if not self.done < step <= self.done + 2:
-                raise PipelineError(f"a message for step {step}, this stage is past {self.done}")
+                raise ValueError(f"a message for step {step}, this stage is past {self.done}")
+            if key[0] == ABORT:
+                self.aborted[step] = value
+                self.cond.notify_all()
+                return
             if key in self.items:
-                raise PipelineError(f"a second message {key[0]} for the same slot {key[1:]}")
+                raise ValueError(f"a second message {key[0]} for the same slot {key[1:]}")
             if len(self.items) >= self.limit:
-                raise PipelineError(f"more than {self.limit} messages waiting")
+                raise ValueError(f"more than {self.limit} messages waiting")
             self.items[key] = value
             self.cond.notify_all()
 
@@ -109,9 +111,11 @@ class Inbox:
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while key not in self.items:
+                if key[1] in self.aborted:
+                    raise ValueError(self.aborted[key[1]])
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PipelineError(
+                    raise ValueError(
                         f"no {key[0]} for step {key[1]} {key[2:]} within "
                         f"split.rpc_timeout_s={timeout_s:g}: a peer stage is gone or stuck"
                     )
@@ -123,6 +127,7 @@ class Inbox:
         with self.cond:
             self.done = max(self.done, step)
             self.items = {k: v for k, v in self.items.items() if k[1] > step}
+            self.aborted = {k: v for k, v in self.aborted.items() if k > step}
 
 
 @dataclass
@@ -225,31 +230,34 @@ class PipelineStage:
         squared norm, or a tied gradient. Checked here for what it is; checked against the
         step's plan when the step takes it."""
         if kind not in KINDS:
-            raise PipelineError(f"unknown message kind {kind!r}")
+            raise ValueError(f"unknown message kind {kind!r}")
         if not isinstance(step, int) or isinstance(step, bool):
-            raise PipelineError(f"step {step!r} is not an int")
+            raise ValueError(f"step {step!r} is not an int")
         if (
             not isinstance(slot, tuple)
             or len(slot) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in slot)
         ):
-            raise PipelineError(f"slot {slot!r} is not two non-negative ints")
-        if kind == NORM:
+            raise ValueError(f"slot {slot!r} is not two non-negative ints")
+        if kind == ABORT:
+            if not isinstance(value, str) or len(value) > 500:
+                raise ValueError("an abort's reason must be a str of at most 500 characters")
+        elif kind == NORM:
             if not isinstance(value, float) or not math.isfinite(value) or value < 0:
-                raise PipelineError(f"a squared norm must be a finite float >= 0, got {value!r}")
+                raise ValueError(f"a squared norm must be a finite float >= 0, got {value!r}")
         elif not isinstance(value, torch.Tensor) or value.is_sparse or value.is_quantized:
-            raise PipelineError(f"a {kind} must be a dense tensor, got {type(value).__name__}")
+            raise ValueError(f"a {kind} must be a dense tensor, got {type(value).__name__}")
         self.inbox.put((kind, step, *slot), value)
 
     def _take(self, kind: str, step: int, slot: tuple[int, int], like: Any = None) -> Any:
         value = self.inbox.take((kind, step, *slot), self.timeout_s)
         if like is not None and (value.shape != like.shape or value.dtype != like.dtype):
-            raise PipelineError(
-                f"a {kind} for micro-batch {slot} of shape {tuple(value.shape)} {value.dtype}, "
+            raise ValueError(
+                f"{kind} for micro-batch {slot} of shape {tuple(value.shape)} {value.dtype}, "
                 f"expected {tuple(like.shape)} {like.dtype}"
             )
         if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all()):
-            raise PipelineError(f"a {kind} for micro-batch {slot} holds inf or nan")
+            raise ValueError(f"{kind} for micro-batch {slot} holds inf or nan")
         return value
 
     # ------------------------------------------------------------------ one step
@@ -283,6 +291,9 @@ class PipelineStage:
             norm, grads = self._finish(plan, pending)
             for future in pending:  # every push this step made has been served
                 future.wait()
+        except Exception as exc:
+            self._abort(plan.step, exc)
+            raise
         finally:
             self.inbox.finish(plan.step)
             if self.optimizer is not None:
@@ -294,6 +305,20 @@ class PipelineStage:
             "seconds": time.perf_counter() - started,
             "gradients": grads,
         }
+
+    def _abort(self, step: int, exc: Exception) -> None:
+        """Tell every peer this stage gave up on `step` (and why), so that none waits a timeout
+        for a message that will not come; their steps fail naming this stage's reason."""
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if reason.startswith("stage "):  # a peer's abort: it has told everyone already
+            return
+        reason = f"stage {self.index + 1} gave up: {reason}"[:500]
+        for peer in range(self.num_stages):
+            if peer != self.index:
+                with contextlib.suppress(Exception):  # a peer that is gone needs no telling
+                    self.peers[peer].rpc_async(timeout=self.timeout_s).receive(
+                        ABORT, step, (0, self.index), reason
+                    )
 
     def _push(self, pending: list, to: int, kind: str, step: int, slot: tuple, value: Any) -> None:
         pending.append(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch.distributed.rpc import RRef
 
 from lab import atomic
 from split_engine.sharded import ShardedModel
+from split_engine.workers import StageLostError, stage_name
 from split_training.config import SplitTrainConfig
 from split_training.pipeline import PipelineStage, Plan
 
@@ -160,9 +162,19 @@ class DistributedTrainer:
             except RuntimeError as exc:
                 failed = failed or (index, exc)
         if failed is not None:
-            raise self.sharded._lost(*failed) from None
+            raise self._step_failure(*failed) from None
         loss = sum(answers[last]["losses"]) / (per_batch * len(batches))
         return answers, loss
+
+    def _step_failure(self, index: int, exc: RuntimeError) -> Exception:
+        """The error for a failed step: the stage's own reason where it gave one (the last
+        `...Error: ` line of the remote traceback), else the stage is gone."""
+        said = [
+            line for line in str(exc).splitlines() if re.match(r"^\w+(Error|Exception): ", line)
+        ]
+        if not said or said[-1].startswith("RuntimeError: "):  # torch's own: a lost connection
+            return self.sharded._lost(index, exc)
+        return StageLostError(f"the training step failed on {stage_name(index + 1)}: {said[-1]}")
 
     def train_step(
         self, batches: list[torch.Tensor], *, microbatches: int | None = None

@@ -235,3 +235,60 @@ def test_lora_mode_trains_only_the_adapters(world, unsplit) -> None:
         if not torch.equal(stage_b[name], stage_a[name])
     ]
     assert moved and all("lora_B" in n or "lora_A" in n for n in moved)
+
+
+def test_1f1b_gives_gpipes_losses_and_holds_fewer_micro_batches(world, unsplit) -> None:
+    """The same steps under both schedules: equal losses and norms step for step (each stage
+    adds its micro-batches' gradients in the same order), and at 8 micro-batches the first
+    stage holds 2 micro-batches' saved tensors at a time instead of 8."""
+    data = training_batches(unsplit.config.vocab_size, steps=3, batch=8, length=32)
+    runs = {}
+    for schedule in ("gpipe", "1f1b"):
+        split = SplitTrainConfig(
+            num_stages=2, microbatches=8, batch_size=8, lr=3e-3, grad_clip=0.5,
+            schedule=schedule, rpc_timeout_s=20,
+        )  # fmt: skip
+        trainer = build_trainer(world, split)
+        runs[schedule] = [trainer.train_step([batch]) for batch in data]
+    gpipe, one_f_one_b = runs["gpipe"], runs["1f1b"]
+    for a, b in zip(gpipe, one_f_one_b, strict=True):
+        assert b.loss == pytest.approx(a.loss, rel=1e-6) and b.grad_norm == pytest.approx(
+            a.grad_norm, rel=1e-6
+        )
+    first_gpipe, first_1f1b = gpipe[-1].saved_peak_bytes[0], one_f_one_b[-1].saved_peak_bytes[0]
+    assert first_gpipe > 0 and first_1f1b <= 0.6 * first_gpipe, (first_1f1b, first_gpipe)
+    assert first_1f1b == pytest.approx(first_gpipe * 2 / 8, rel=0.05)  # 2 of 8 in flight
+
+
+def test_a_peer_message_that_does_not_fit_the_step_fails_its_sender_only(world, unsplit) -> None:
+    """A push a stage did not expect (another kind, a step long past, a shape or dtype other
+    than the plan's, a non-finite value) is refused to whoever sent it; the stage trains on."""
+    import torch.distributed.rpc as rpc
+
+    split = SplitTrainConfig(num_stages=2, microbatches=2, batch_size=4, rpc_timeout_s=5)
+    trainer = build_trainer(world, split)
+    (batch,) = training_batches(unsplit.config.vocab_size, steps=1)
+    trainer.train_step([batch])
+    last = trainer.pipes[-1]
+    bad = [
+        ("exec", 1, (0, 0), torch.zeros(1)),  # no such kind
+        ("activation", 1, (0, -1), torch.zeros(1)),  # a negative slot
+        ("activation", True, (0, 0), torch.zeros(1)),  # a bool is not a step
+        ("activation", 0, (0, 0), torch.zeros(1)),  # a step already done
+        ("activation", 99, (0, 0), torch.zeros(1)),  # a step far ahead
+        ("norm", 1, (0, 0), float("nan")),
+        ("norm", 1, (0, 0), -1.0),
+        ("gradient", 1, (0, 0), "not a tensor"),
+        ("activation", 1, [0, 0], torch.zeros(1)),  # a list is not a slot
+    ]
+    for kind, step, slot, value in bad:
+        with pytest.raises(Exception, match=r"step|slot|kind|norm|tensor"):
+            last.rpc_sync(timeout=5).receive(kind, step, slot, value)
+    # a wrong shape is accepted into the inbox, then refused by the step that takes it
+    wrong = torch.zeros(1, 3, 5)
+    last.rpc_sync(timeout=5).receive("activation", 1, (0, 0), wrong)
+    with pytest.raises(Exception, match=r"stage 2 gave up: activation .* of shape \(1, 3, 5\)"):
+        trainer.train_step([batch])  # at once: stage 1 hears why and waits no timeout
+    assert rpc.get_worker_info().name == "driver"
+    result = trainer.train_step([batch])  # the stages go on with the next step
+    assert result.loss > 0
