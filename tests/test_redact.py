@@ -235,6 +235,12 @@ def test_no_run_of_any_module_writes_the_secret(
             proc.kill()
     for name in ("fed_learn", "split_inference", "split_training"):
         assert "(auth)" in outputs[name], f"{name}'s server did not require the secret"
+    from labtools.readme_check import NOISE
+
+    for name, output in outputs.items():  # and a successful run prints nothing that alarms
+        assert not NOISE.search(output), (name, [m.group(0) for m in NOISE.finditer(output)])
+        if name != "run_matrix":
+            assert output.count("final metrics") == 1, name
     (cell_log,) = work.glob("outputs/matrix/spec_decoding/cells/*/cell.log")
     assert "(auth)" in cell_log.read_text()
     records = [*work.glob("outputs/*/*/lab_run.json"), *work.glob("multirun/*/*/0/lab_run.json")]
