@@ -8,6 +8,7 @@ Registered by entry point (pyproject.toml); imports no model code.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -73,43 +74,54 @@ def step_ms(run_dir: Path) -> float:
     return 1e3 * statistics.median(steps)
 
 
-SPLIT_TRAINING_CROSSINGS = 13
-"""Per step with 2 stages: forward 5 (driver -> stage 1; stage 1's output, an RRef the driver
-hands stage 2, confirmed with its owner and fetched; the loss back), backward 4, the gradient
-norm 2 and DistributedOptimizer.step 2."""
-CLIP_CROSSINGS = 2
-"""On steps where the norm exceeds split.grad_clip: the scaling, on both stages."""
-TIE_CROSSINGS = 8
-"""A tied embedding / head: stage 1 fetches stage 2's gradient and hands back the sum, two
-nested RPCs through an RRef the driver passed (each with its owner's confirmation)."""
+def crossings(stages: int, *, schedule: str = "gpipe", microbatches: int = 4) -> float:
+    """One-way link delays a step waits for, read from the code path (split_training.pipeline):
+    the driver's call reaching every stage (1), the forward down the stages (stages - 1), the
+    backward back up (stages - 1), the first stage's squared norm reaching the others (1; a
+    tied head's gradient went to the first stage during the backward, and the sum comes back
+    with the norm), the answers (1): 2 x stages + 1 under GPipe, at any micro-batch count.
+    1F1B lets the first stage have `stages` micro-batches in flight: each group of that many
+    waits for its own round trip down the stages and back."""
+    if stages < 1:
+        raise ValueError(f"{stages} stages")
+    rounds = 1 if schedule == "gpipe" else math.ceil(microbatches / stages)
+    return 3 + 2 * (stages - 1) * rounds
+
+
+def _tied(config: dict[str, Any]) -> bool:
+    """Whether the run's model ties its embedding and head (the lab's presets do not)."""
+    path = Path(str(config["model"].get("pretrained", ""))) / "config.json"
+    return path.is_file() and bool(json.loads(path.read_text()).get("tie_word_embeddings"))
+
+
+def _vocab(config: dict[str, Any]) -> int:
+    path = Path(str(config["model"].get("pretrained", ""))) / "config.json"
+    return int(json.loads(path.read_text())["vocab_size"])
 
 
 def predict_step_ms(run_dir: Path, link: Link) -> float:
-    """The local step plus its sequential crossings (13; 2 more where the
-    gradient is clipped, 8 more for a tied embedding) and the activations forward and their
-    gradients backward at the link's rate. The counts were read from the code and checked once
-    with each phase of a step timed at 20 ms one way, a delay outside the judged grid."""
+    """The local step plus its one-way delays (`crossings`), the batch's activations forward
+    and their gradients back at the link's rate, and a tied matrix's gradient each way."""
     config = run_config(run_dir)
     split = config["split"]
-    if int(split["num_stages"]) != 2 or int(split.get("grad_accum_steps", 1)) != 1:
-        raise ValueError("the model covers split_training with 2 stages and no accumulation")
-    steps = run_steps(run_dir, "step_s")[1:]
-    clip = float(split.get("grad_clip", 0.0) or 0.0)
-    clipped = (
-        sum(float(s.get("grad_norm", 0.0)) > clip for s in steps) / len(steps)
-        if clip > 0 and steps
-        else 0.0
+    stages = int(split["num_stages"])
+    count = crossings(
+        stages,
+        schedule=str(split.get("schedule", "gpipe")),
+        microbatches=int(split.get("microbatches", 4)),
     )
-    # the sync runs on every step, tied or not (an untied model's returns early, after its
-    # round trips: skipping it drifted cross-host losses by 1.4e-4, so it stays for now)
-    crossings = SPLIT_TRAINING_CROSSINGS + CLIP_CROSSINGS * clipped + TIE_CROSSINGS
-    activations = int(split["batch_size"]) * int(split["block_size"]) * hidden_size(config) * 4
-    return step_ms(run_dir) + 1e3 * (crossings * link.one_way_s + 2 * link.serialize_s(activations))
+    width = hidden_size(config)
+    batch = int(split["batch_size"]) * int(split.get("grad_accum_steps", 1))
+    activations = batch * int(split["block_size"]) * width * 4
+    wire = 2 * link.serialize_s(activations) if stages > 1 else 0.0
+    if stages > 1 and _tied(config):
+        wire += 2 * link.serialize_s(_vocab(config) * width * 4)
+    return step_ms(run_dir) + 1e3 * (count * link.one_way_s + wire)
 
 
 MANIFEST = Manifest(
     name=NAME,
-    summary="backprop across the cut: distributed autograd and DistributedOptimizer",
+    summary="backprop across the cut: the stages pipeline each step among themselves over RPC",
     headline=Headline(
         "step_ms",
         "training step (ms, median)",
@@ -137,7 +149,8 @@ MANIFEST = Manifest(
         "master",
         SPLIT_ROLES,
         ACROSS,
-        same_losses("loss"),
+        # each stage adds its micro-batches in a fixed order: any link, the same numbers
+        same_losses("loss", rtol=1e-6),
         result_role="driver",
         netproto=False,
     ),

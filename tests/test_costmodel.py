@@ -85,3 +85,29 @@ def test_the_command_given_another_modules_run_names_whose_it_is(
     assert err.startswith(f"error: {run} is a run of split_inference, not spec_decoding")
     assert f"python -m labtools.costmodel split_inference {run}" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def split_training_run(folder: Path, *, stages: int, schedule: str = "gpipe") -> Path:
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "config.yaml").write_text(
+        "model: {pretrained: 'lab:tiny_target', lab_preset: debug}\n"
+        f"split: {{num_stages: {stages}, schedule: {schedule}, microbatches: 4, "
+        "batch_size: 8, block_size: 64, grad_accum_steps: 1}\n"
+    )
+    steps = [{"kind": "metrics", "step": i, "step_s": 0.080} for i in range(1, 6)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("stages", "schedule", "delays"), [(2, "gpipe", 5), (3, "gpipe", 7), (2, "1f1b", 7)]
+)
+def test_split_training_waits_2p_plus_1_delays_under_gpipe_and_more_under_1f1b(
+    tmp_path: Path, stages: int, schedule: str, delays: int
+) -> None:
+    """The count from the code path (split_training.pipeline): the driver's call, the forward
+    down and the backward up the stages, the norm, the answers; 1F1B at 2 stages and 4
+    micro-batches waits a second round trip for micro-batches 3 and 4."""
+    run = split_training_run(tmp_path, stages=stages, schedule=schedule)
+    assert predict("split_training", run, delay_ms=0, rate=None) == pytest.approx(80.0)
+    assert predict("split_training", run, delay_ms=10, rate=None) == pytest.approx(80 + 10 * delays)
