@@ -186,6 +186,10 @@ class Stage:
         if self.tied and self.first and self.last:  # one stage holds both ends: one matrix
             self.head.weight = getattr(self.decoder, layout.embeddings[0]).weight
         self.caches: dict[int, Any] = {}
+        self.masks: dict[int, torch.Tensor] = {}
+        """Each KV-cached request's attention mask so far (B, T_total): a call brings only the
+        columns of its own tokens, so what crosses a cut per token does not grow with the
+        context."""
         self.pickers: dict[int, TokenPicker] = {}
         """The last stage picks each request's next tokens (`open_request`)."""
         self.next: RRef | None = None
@@ -235,9 +239,13 @@ class Stage:
         cache = self.caches.get(request) if request is not None else None
         # inference and evaluation: no graph (training runs `train_forward`)
         with self.lock, torch.no_grad(), self._autocast():
+            if cache is not None and attention_mask is not None:
+                attention_mask, whole = self._extend_mask(request, cache, attention_mask, x)
+            else:
+                whole = attention_mask
             result = self._compute(
                 x,
-                attention_mask,
+                whole,
                 position_ids,
                 cache=cache,
                 request=request,
@@ -258,6 +266,23 @@ class Stage:
                 pick=pick,
             )
         return result
+
+    def _extend_mask(
+        self, request: int | None, cache: Any, attention_mask: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A KV-cached call's mask: the columns of this call's own tokens (what goes on to the
+        next stage) and the request's whole mask so far (what the layers attend with)."""
+        assert request is not None
+        new = attention_mask[:, -x.shape[1] :]  # (B, T_new)
+        held = self.masks.get(request)
+        whole = new if held is None else torch.cat([held, new.to(held.dtype)], dim=1)
+        if whole.shape[1] != cache.get_seq_length() + x.shape[1] or whole.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"request {request}: a mask of {tuple(whole.shape)} for {x.shape[0]} rows of "
+                f"{x.shape[1]} new tokens after {cache.get_seq_length()} cached ones"
+            )
+        self.masks[request] = whole
+        return new, whole
 
     def _compute(
         self,
@@ -316,6 +341,7 @@ class Stage:
 
         picker = TokenPicker(Sampling.from_dict(sampling))
         with self.lock:
+            self.masks.pop(request, None)
             if kv_cache:
                 self.caches[request] = DynamicCache()
             if self.last:
@@ -373,6 +399,7 @@ class Stage:
         too; a later stage that is gone took its state along)."""
         with self.lock:
             self.caches.pop(request, None)
+            self.masks.pop(request, None)
             self.pickers.pop(request, None)
         if chain and self.next is not None:
             with contextlib.suppress(RuntimeError):
