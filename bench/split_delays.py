@@ -180,8 +180,9 @@ def main() -> None:
                             "losses_vs_loopback": drift,
                         }
                     )
+    delayed = f"step @{args.delay_ms:g}"
     print(
-        f"\n{'stages':>6}  {'schedule':<8}{'step @0':>10}{'step @' + format(args.delay_ms, 'g'):>10}"
+        f"\n{'stages':>6}  {'schedule':<8}{'step @0':>10}{delayed:>10}"
         f"{'delays':>8}{'model':>7}{'vs loopback':>13}"
     )
     for row in rows:

@@ -239,10 +239,9 @@ class Stage:
         cache = self.caches.get(request) if request is not None else None
         # inference and evaluation: no graph (training runs `train_forward`)
         with self.lock, torch.no_grad(), self._autocast():
+            whole: torch.Tensor | None = attention_mask
             if cache is not None and attention_mask is not None:
                 attention_mask, whole = self._extend_mask(request, cache, attention_mask, x)
-            else:
-                whole = attention_mask
             result = self._compute(
                 x,
                 whole,

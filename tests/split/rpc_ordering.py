@@ -44,11 +44,11 @@ class Sleepy(torch.autograd.Function):
     """Identity whose backward sleeps 0.2 s the first time it runs and 1 s after."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         global _calls
         with _lock:
             _calls += 1
@@ -82,7 +82,7 @@ def _drive() -> dict[str, object]:
         tensor.fill_(1.0)
         seen.append(future.wait())
     micro = [torch.full((1, 4), float(i + 1)) for i in range(4)]
-    whole = sum(x.t() @ torch.ones(1, 4) for x in micro)  # d sum(x @ W) / dW over all
+    whole = torch.stack([x.t() @ torch.ones(1, 4) for x in micro]).sum(0)  # d sum(xW)/dW
     with dist_autograd.context() as context_id:
         losses = [rpc.rpc_async("w2", last_forward, args=(x,)) for x in micro]
         dist_autograd.backward(context_id, [torch.stack([f.wait() for f in losses]).sum()])
