@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 from dataclasses import asdict
 from typing import Any
 
@@ -40,6 +41,19 @@ def choose_boundaries(split: SplitConfig, costs: StageCosts, *, timeout_s: float
     else:
         capacities = [1.0] * split.num_stages
     return balance_boundaries(costs, capacities=capacities)
+
+
+def remote_reason(exc: Exception) -> str | None:
+    """What a stage's own code raised, from the RPC error that carried it back (the last
+    `SomeError: reason` line of the remote traceback), or None where the call never reached
+    the stage's code (a lost connection, a timeout: torch's messages name no error type)."""
+    said = [
+        line.strip()
+        for line in str(exc).splitlines()
+        if re.match(r"^\s*\w+(Error|Exception): ", line)
+        and "On WorkerInfo(" not in line  # torch's wrapper around the remote error
+    ]
+    return said[-1][:500] if said else None
 
 
 class ShardedModel:
@@ -105,16 +119,26 @@ class ShardedModel:
 
     def _lost(self, index: int, exc: Exception) -> StageLostError:
         """The error for a failed call into stage `index`, naming the stage that is gone (with
-        chained calls the failure may lie further down the pipeline: each stage is probed)."""
+        chained calls the failure may lie further down the pipeline: each stage is probed);
+        where every stage still answers, the stage's own reason (a refused call: the last
+        `...Error: ` line of the remote traceback, the deepest stage's in a chain)."""
         reason = str(exc).splitlines()[0][:300]
         for probe in range(len(self.stages)):
             try:
                 rpc.rpc_sync(stage_name(probe + 1), stage_alive, timeout=min(5.0, self.timeout_s))
             except RuntimeError:
-                index = probe
-                reason = f"it no longer answers ({reason})"
-                break
+                start, end = self.ranges[probe]
+                return StageLostError(
+                    f"{stage_name(probe + 1)} (layers {start}-{end - 1}) failed or stopped "
+                    f"answering within split.rpc_timeout_s={self.timeout_s:g}: it no longer "
+                    f"answers ({reason})"
+                )
         start, end = self.ranges[index]
+        said = remote_reason(exc)
+        if said is not None:
+            return StageLostError(
+                f"{stage_name(index + 1)} (layers {start}-{end - 1}) refused the call: {said}"
+            )
         return StageLostError(
             f"{stage_name(index + 1)} (layers {start}-{end - 1}) failed or stopped answering "
             f"within split.rpc_timeout_s={self.timeout_s:g}: {reason}"

@@ -274,12 +274,19 @@ class Stage:
         assert request is not None
         new = attention_mask[:, -x.shape[1] :]  # (B, T_new)
         held = self.masks.get(request)
-        whole = new if held is None else torch.cat([held, new.to(held.dtype)], dim=1)
-        if whole.shape[1] != cache.get_seq_length() + x.shape[1] or whole.shape[0] != x.shape[0]:
+        cached = cache.get_seq_length()
+        rows, tokens = x.shape[0], x.shape[1]
+        if (
+            attention_mask.dim() != 2
+            or tuple(new.shape) != (rows, tokens)
+            or (held is None and cached)
+            or (held is not None and tuple(held.shape) != (rows, cached))
+        ):
             raise ValueError(
-                f"request {request}: a mask of {tuple(whole.shape)} for {x.shape[0]} rows of "
-                f"{x.shape[1]} new tokens after {cache.get_seq_length()} cached ones"
+                f"request {request}: a mask of {tuple(attention_mask.shape)} for {rows} rows of "
+                f"{tokens} new tokens after {cached} cached ones"
             )
+        whole = new if held is None else torch.cat([held, new.to(held.dtype)], dim=1)
         self.masks[request] = whole
         return new, whole
 
@@ -421,7 +428,7 @@ class Stage:
             bytes_received=float(self.bytes_received),
             bytes_sent=float(self.bytes_sent),
             params=float(sum(p.numel() for p in self.model.parameters())),
-            open_requests=float(len(self.caches) + len(self.pickers)),
+            open_requests=float(len(self.caches) + len(self.pickers) + len(self.masks)),
         )
         return stats
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -167,14 +166,15 @@ class DistributedTrainer:
         return answers, loss
 
     def _step_failure(self, index: int, exc: RuntimeError) -> Exception:
-        """The error for a failed step: the stage's own reason where it gave one (the last
-        `...Error: ` line of the remote traceback), else the stage is gone."""
-        said = [
-            line for line in str(exc).splitlines() if re.match(r"^\w+(Error|Exception): ", line)
-        ]
-        if not said or said[-1].startswith("RuntimeError: "):  # torch's own: a lost connection
-            return self.sharded._lost(index, exc)
-        return StageLostError(f"the training step failed on {stage_name(index + 1)}: {said[-1]}")
+        """The error for a failed step: a stage that is gone, by name, else the stage's own
+        reason (`ShardedModel._lost`)."""
+        lost = self.sharded._lost(index, exc)
+        if "refused the call: " in str(lost):
+            return StageLostError(
+                f"the training step failed on {stage_name(index + 1)}: "
+                + str(lost).split("refused the call: ", 1)[1]
+            )
+        return lost
 
     def train_step(
         self, batches: list[torch.Tensor], *, microbatches: int | None = None

@@ -91,6 +91,26 @@ def test_kv_cache_and_recomputation_agree_and_caches_are_freed(sharded, tokenize
     assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
 
 
+def test_a_cached_request_keeps_its_mask_and_refuses_one_that_does_not_fit(sharded) -> None:
+    """With a KV cache each stage holds the request's mask; a call brings only its own tokens'
+    columns. A mask whose rows or length do not fit the cache is refused, naming the request."""
+    from split_engine.generation import Sampling
+
+    ids = torch.randint(3, 200, (2, 6))
+    request = 10_001
+    sharded.call(0, "open_request", request, Sampling().as_dict(), True)
+    try:
+        positions = torch.arange(6).expand(2, 6)
+        sharded.call(0, "forward", ids, torch.ones(2, 6, dtype=torch.long), positions,
+                     request=request, chain=True, pick=True)  # fmt: skip
+        with pytest.raises(Exception, match=f"request {request}: a mask of"):
+            sharded.call(0, "forward", ids[:, :1], torch.ones(3, 7, dtype=torch.long),
+                         torch.full((2, 1), 6), request=request, chain=True, pick=True)  # fmt: skip
+    finally:
+        sharded.call(0, "end_request", request, chain=True)
+    assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
+
+
 def test_sampling_follows_the_same_distribution_path(sharded, unsplit, tokenizer) -> None:
     ((ids, mask),) = batches(
         prompts(tokenizer, 2), batch_size=2, pad_token_id=tokenizer.pad_token_id
