@@ -1,8 +1,8 @@
 """One stage of a split model, living in its own process and called over RPC.
 
 The driver creates it with `rpc.remote(stage_name, Stage, ...)` and then calls its methods
-through the RRef. Tensors cross the RPC boundary on CPU (distributed autograd supports nothing
-else) and move to the stage's device on arrival. Calls into one stage are serialised by a lock:
+through the RRef. Tensors cross the RPC boundary on CPU (no device maps to set up between
+hosts) and move to the stage's device on arrival. Calls into one stage are serialised by a lock:
 a stage computes one thing at a time, as one machine would, and pipelined micro-batches overlap
 *across* stages.
 """

@@ -1,1 +1,1 @@
-"""split_training: backprop across the split (distributed autograd)."""
+"""split_training: backprop across the split, the stages pipelining each step among themselves."""

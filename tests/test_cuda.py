@@ -4,7 +4,7 @@ other machine skips them, saying why).
 Each module runs as a user runs it, its device detected, on models small enough for seconds:
 the device and dtype a process picks, tensors crossing netproto from the GPU, speculative
 decoding's greedy output, a split model whose stages compute on the GPU while activations cross
-on the CPU (distributed autograd takes CPU tensors only), split training under bf16 autocast,
+on the CPU, split training under bf16 autocast,
 and federated QLoRA with bitsandbytes' NF4 layers on the GPU.
 """
 
