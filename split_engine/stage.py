@@ -161,6 +161,7 @@ class Stage:
         self.first = start == 0
         self.last = end == full_config.num_hidden_layers
         self.hidden_size = int(full_config.hidden_size)
+        self.vocab_size = int(full_config.vocab_size)
         """The width of the hidden states that cross the cut."""
         self.tied = bool(getattr(full_config, "tie_word_embeddings", False))
         """The model ties its input embedding and LM head: the first stage holds the matrix,

@@ -47,10 +47,15 @@ from torch.distributed.rpc import RRef
 from split_engine import rpc_guard
 from split_engine.rpc_guard import never_sent
 from split_engine.stage import Stage
+from split_engine.workers import require_driver
 from split_training.config import SCHEDULES
 
 ACTIVATION, GRADIENT, NORM, TIED, ABORT = "activation", "gradient", "norm", "tied", "abort"
 KINDS = (ACTIVATION, GRADIENT, NORM, TIED, ABORT)
+MAX_MICROBATCHES = 512
+"""Micro-batches of all batches of one step, at most (each holds slots in a stage's inbox)."""
+MAX_TOKENS = 1 << 22
+"""Token positions of one micro-batch, at most (what a peer's activation may claim)."""
 
 
 class StageAdamW(torch.optim.AdamW):
@@ -152,6 +157,12 @@ class Plan:
                 raise ValueError(f"plan.{name}={value!r} must be a non-negative int")
         if min(plan.batches, plan.microbatches, plan.rows) < 1 or plan.tokens < 2:
             raise ValueError(f"an empty step: {fields}")
+        if not isinstance(plan.apply, bool):
+            raise ValueError(f"plan.apply={plan.apply!r} must be a bool")
+        if plan.batches * plan.microbatches > MAX_MICROBATCHES or plan.rows * plan.tokens > (
+            MAX_TOKENS
+        ):
+            raise ValueError(f"a step larger than this stage takes: {fields}")
         return plan
 
 
@@ -213,11 +224,16 @@ class PipelineStage:
             else None
         )
         self.peers: list[RRef] = []
-        self.inbox = Inbox(limit=1024)
+        self.inbox = Inbox(limit=4 * MAX_MICROBATCHES + 4 * num_stages)
         self.saved = SavedBytes(self.stage.model)
+        self.stepping = threading.Lock()
+        """One step at a time: a second `train_step` while one runs is refused."""
 
     def connect(self, peers: list[RRef]) -> int:
         """Every stage's `PipelineStage` RRef, in stage order; returns the count this trains."""
+        require_driver()
+        if self.peers:
+            raise ValueError("this stage's peers are set already")
         if len(peers) != self.num_stages:
             raise ValueError(f"{len(peers)} peers for {self.num_stages} stages")
         self.peers = peers
@@ -239,18 +255,38 @@ class PipelineStage:
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in slot)
         ):
             raise ValueError(f"slot {slot!r} is not two non-negative ints")
+        if kind in (NORM, TIED, ABORT) and (slot[0] != 0 or slot[1] >= self.num_stages):
+            raise ValueError(f"a {kind} for slot {slot}: there are {self.num_stages} stages")
         if kind == ABORT:
-            if not isinstance(value, str) or len(value) > 500:
-                raise ValueError("an abort's reason must be a str of at most 500 characters")
+            if not isinstance(value, str) or len(value) > 500 or not value.isprintable():
+                raise ValueError("an abort's reason must be one printable line of <= 500 chars")
         elif kind == NORM:
             if not isinstance(value, float) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"a squared norm must be a finite float >= 0, got {value!r}")
         elif not isinstance(value, torch.Tensor) or value.is_sparse or value.is_quantized:
             raise ValueError(f"a {kind} must be a dense tensor, got {type(value).__name__}")
+        elif kind == TIED:
+            ends = self.stage._tied_ends()
+            if not ends or tuple(value.shape) != tuple(ends[0].shape):
+                raise ValueError(f"a tied gradient of shape {tuple(value.shape)} here")
+        elif (
+            value.dim() != 3
+            or value.dtype != self.stage.wire_dtype
+            or value.shape[-1] != self.stage.hidden_size
+            or value.shape[0] * value.shape[1] > MAX_TOKENS
+        ):
+            raise ValueError(
+                f"a {kind} of {tuple(value.shape)} {value.dtype}: this cut carries "
+                f"(rows, tokens, {self.stage.hidden_size}) {self.stage.wire_dtype}"
+            )
         self.inbox.put((kind, step, *slot), value)
 
-    def _take(self, kind: str, step: int, slot: tuple[int, int], like: Any = None) -> Any:
-        value = self.inbox.take((kind, step, *slot), self.timeout_s)
+    def _take(
+        self, kind: str, step: int, slot: tuple[int, int], like: Any = None, *, waits: int = 1
+    ) -> Any:
+        """The message for `slot`, waiting up to `waits` x split.rpc_timeout_s (a stage may
+        wait for a whole pipeline fill before its first gradient)."""
+        value = self.inbox.take((kind, step, *slot), self.timeout_s * waits)
         if like is not None and (value.shape != like.shape or value.dtype != like.dtype):
             raise ValueError(
                 f"{kind} for micro-batch {slot} of shape {tuple(value.shape)} {value.dtype}, "
@@ -269,20 +305,35 @@ class PipelineStage:
         microbatches, tokens) goes to the first stage (its input) and the last (its labels).
         Returns the summed losses per batch (the last stage), the global gradient norm, the
         peak saved-tensor bytes and, without `plan.apply`, this stage's gradients."""
+        require_driver()
+        if not self.stepping.acquire(blocking=False):
+            raise ValueError(f"stage {self.index + 1} is in a step already")
+        try:
+            return self._step(plan_fields, tokens, scales)
+        finally:
+            self.stepping.release()
+
+    def _step(
+        self, plan_fields: dict[str, Any], tokens: torch.Tensor | None, scales: list[float]
+    ) -> dict[str, Any]:
         plan = Plan.from_dict(plan_fields)
-        if (self.first or self.last) and (
-            tokens is None
-            or tokens.dtype != torch.long
-            or tuple(tokens.shape) != (plan.batches, plan.rows * plan.microbatches, plan.tokens)
-        ):
-            raise ValueError(f"this stage needs the step's token ids, shaped as {plan}")
-        if len(scales) != plan.batches or not all(
-            isinstance(s, float) and math.isfinite(s) for s in scales
-        ):
-            raise ValueError(f"one finite loss scale per batch, got {scales!r}")
         pending: list[torch.futures.Future] = []
         started = time.perf_counter()
         try:
+            if plan.step != self.inbox.done + 1:
+                raise ValueError(f"step {plan.step} after step {self.inbox.done}")
+            if (self.first or self.last) and (
+                tokens is None
+                or tokens.dtype != torch.long
+                or tuple(tokens.shape) != (plan.batches, plan.rows * plan.microbatches, plan.tokens)
+                or int(tokens.min()) < 0
+                or int(tokens.max()) >= self.stage.vocab_size
+            ):
+                raise ValueError(f"this stage needs the step's token ids, shaped as {plan}")
+            if len(scales) != plan.batches or not all(
+                isinstance(s, float) and math.isfinite(s) for s in scales
+            ):
+                raise ValueError(f"one finite loss scale per batch, got {scales!r}")
             self.saved.live = self.saved.peak = 0
             losses = [
                 self._run_batch(plan, batch, tokens, scales[batch], pending)
@@ -295,7 +346,8 @@ class PipelineStage:
             self._abort(plan.step, exc)
             raise
         finally:
-            self.inbox.finish(plan.step)
+            if plan.step > self.inbox.done:  # a late or repeated step leaves the inbox alone
+                self.inbox.finish(plan.step)
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
         return {
@@ -341,6 +393,7 @@ class PipelineStage:
         kept: dict[int, tuple[torch.Tensor | None, torch.Tensor, int]] = {}
         total = 0.0
         wire = torch.empty(rows, length, self.stage.hidden_size, dtype=self.stage.wire_dtype)
+        fill = plan.microbatches + self.num_stages  # a wait may span a pipeline's fill
         for action in schedule_order(self.schedule, self.index, self.num_stages, plan.microbatches):
             i = int(action[1:])
             slot = (batch, i)
@@ -349,7 +402,7 @@ class PipelineStage:
                     x: torch.Tensor = micro[i]  # type: ignore[index]
                     leaf = None
                 else:
-                    x = self._take(ACTIVATION, plan.step, slot, like=wire)
+                    x = self._take(ACTIVATION, plan.step, slot, like=wire, waits=fill)
                     leaf = x = x.requires_grad_()
                 labels = micro[i] if self.last else None  # type: ignore[index]
                 with self.saved.counting() as seen:
@@ -365,7 +418,7 @@ class PipelineStage:
                 if self.last:
                     out.backward()
                 else:
-                    grad = self._take(GRADIENT, plan.step, slot, like=out)
+                    grad = self._take(GRADIENT, plan.step, slot, like=out, waits=fill)
                     torch.autograd.backward(out, grad)
                 self.saved.release(nbytes)
                 if leaf is not None:
@@ -401,6 +454,8 @@ class PipelineStage:
         for param in self.params:
             if param.grad is not None and param is not copy:
                 own += float(param.grad.detach().float().pow(2).sum())
+        if not math.isfinite(own):
+            raise ValueError(f"stage {self.index + 1}'s gradients hold inf or nan")
         for peer in range(self.num_stages):
             if peer != self.index:
                 self._push(pending, peer, NORM, plan.step, (0, self.index), own)
@@ -414,6 +469,8 @@ class PipelineStage:
             for peer in range(self.num_stages)
         ]
         norm = math.sqrt(sum(squares))  # in stage order: the same float on every stage
+        if not math.isfinite(norm):
+            raise ValueError(f"the global gradient norm is {norm}: not stepping")
         if not plan.apply:
             return norm, {
                 name: p.grad.detach().cpu()
@@ -425,6 +482,8 @@ class PipelineStage:
             for param in self.params:
                 if param.grad is not None:
                     param.grad.mul_(factor)
+        for future in pending:  # every peer took this step's pushes before this stage steps
+            future.wait()
         if self.optimizer is not None:
             self.optimizer.step()
         return norm, None
@@ -438,7 +497,6 @@ class PipelineStage:
         from safetensors.torch import save_file
 
         from lab import atomic
-        from split_engine.workers import require_driver
 
         require_driver()
         target = Path(folder)
@@ -459,8 +517,6 @@ class PipelineStage:
         from pathlib import Path
 
         from safetensors.torch import load_file
-
-        from split_engine.workers import require_driver
 
         require_driver()
         weights, optim = _stage_files(Path(folder))

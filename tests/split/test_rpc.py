@@ -290,24 +290,28 @@ def test_a_peer_message_that_does_not_fit_the_step_fails_its_sender_only(world, 
     (batch,) = training_batches(unsplit.config.vocab_size, steps=1)
     trainer.train_step([batch])
     last = trainer.pipes[-1]
+    hidden = torch.zeros(2, 16, 64)  # an activation as this cut carries it
     bad = [
-        ("exec", 1, (0, 0), torch.zeros(1)),  # no such kind
-        ("activation", 1, (0, -1), torch.zeros(1)),  # a negative slot
-        ("activation", True, (0, 0), torch.zeros(1)),  # a bool is not a step
-        ("activation", 0, (0, 0), torch.zeros(1)),  # a step already done
-        ("activation", 99, (0, 0), torch.zeros(1)),  # a step far ahead
+        ("exec", 1, (0, 0), hidden),  # no such kind
+        ("activation", 1, (0, -1), hidden),  # a negative slot
+        ("activation", True, (0, 0), hidden),  # a bool is not a step
+        ("activation", 0, (0, 0), hidden),  # a step already done
+        ("activation", 99, (0, 0), hidden),  # a step far ahead
+        ("activation", 1, (0, 0), torch.zeros(2, 16, 65)),  # not this cut's width
+        ("activation", 1, (0, 0), hidden.double()),  # not the wire dtype
         ("norm", 1, (0, 0), float("nan")),
         ("norm", 1, (0, 0), -1.0),
+        ("norm", 1, (0, 7), 1.0),  # no stage 8
+        ("abort", 1, (0, 0), "two\nlines"),  # a reason is one printable line
         ("gradient", 1, (0, 0), "not a tensor"),
-        ("activation", 1, [0, 0], torch.zeros(1)),  # a list is not a slot
+        ("activation", 1, [0, 0], hidden),  # a list is not a slot
     ]
     for kind, step, slot, value in bad:
-        with pytest.raises(Exception, match=r"step|slot|kind|norm|tensor"):
+        with pytest.raises(Exception, match=r"step|slot|kind|norm|tensor|cut|stages|line"):
             last.rpc_sync(timeout=5).receive(kind, step, slot, value)
-    # a wrong shape is accepted into the inbox, then refused by the step that takes it
-    wrong = torch.zeros(1, 3, 5)
-    last.rpc_sync(timeout=5).receive("activation", 1, (0, 0), wrong)
-    with pytest.raises(Exception, match=r"stage 2 gave up: activation .* of shape \(1, 3, 5\)"):
+    # rows and tokens other than the plan's pass the door, then fail the step that takes them
+    last.rpc_sync(timeout=5).receive("activation", 1, (0, 0), torch.zeros(1, 3, 64))
+    with pytest.raises(Exception, match=r"stage 2 gave up: activation .* of shape \(1, 3, 64\)"):
         trainer.train_step([batch])  # at once: stage 1 hears why and waits no timeout
     assert rpc.get_worker_info().name == "driver"
     result = trainer.train_step([batch])  # the stages go on with the next step
