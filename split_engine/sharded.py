@@ -56,6 +56,20 @@ def remote_reason(exc: Exception) -> str | None:
     return said[-1][:500] if said else None
 
 
+def wait_all(futures: list[torch.futures.Future]) -> tuple[list[Any], tuple[int, Exception] | None]:
+    """Every future's result in order, each waited for even after one fails (a call left
+    running on a stage would overlap that stage's next one); with the first failure and its
+    index, or None."""
+    results: list[Any] = []
+    failed: tuple[int, Exception] | None = None
+    for index, future in enumerate(futures):
+        try:
+            results.append(future.wait())
+        except RuntimeError as exc:
+            failed = failed or (index, exc)
+    return results, failed
+
+
 class ShardedModel:
     """A causal LM whose layers live in stage processes; the driver holds only RRefs."""
 
@@ -117,7 +131,7 @@ class ShardedModel:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _lost(self, index: int, exc: Exception) -> StageLostError:
+    def _lost(self, index: int, exc: Exception, *, call: str = "the call") -> StageLostError:
         """The error for a failed call into stage `index`, naming the stage that is gone (with
         chained calls the failure may lie further down the pipeline: each stage is probed);
         where every stage still answers, the stage's own reason (a refused call: the last
@@ -137,7 +151,7 @@ class ShardedModel:
         said = remote_reason(exc)
         if said is not None:
             return StageLostError(
-                f"{stage_name(index + 1)} (layers {start}-{end - 1}) refused the call: {said}"
+                f"{stage_name(index + 1)} (layers {start}-{end - 1}) refused {call}: {said}"
             )
         return StageLostError(
             f"{stage_name(index + 1)} (layers {start}-{end - 1}) failed or stopped answering "
@@ -165,13 +179,7 @@ class ShardedModel:
         others are waited for before the first failure is raised: a call left running on a
         stage (a model still being built) would overlap that stage's next one."""
         futures = [self.call_async(i, method, *args, **kwargs) for i in range(len(self.stages))]
-        results: list[Any] = []
-        failed: tuple[int, RuntimeError] | None = None
-        for index, future in enumerate(futures):
-            try:
-                results.append(future.wait())
-            except RuntimeError as exc:
-                failed = failed or (index, exc)
+        results, failed = wait_all(futures)
         if failed is not None:
             raise self._lost(*failed) from None
         return results

@@ -20,8 +20,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from lab import atomic
-from split_engine.sharded import ShardedModel
-from split_engine.workers import StageLostError, stage_name
+from split_engine.sharded import ShardedModel, wait_all
 from split_training.config import SplitTrainConfig
 from split_training.pipeline import PipelineStage, Plan
 
@@ -78,17 +77,12 @@ class DistributedTrainer:
         """Each pipeline call's number on the wire (checkpoint steps may start anywhere)."""
         self._check_tie()
 
-    def _on_every_pipe(self, method: str, *args: Any, timeout_s: float | None = None) -> list:
+    def _on_every_pipe(self, method: str, *args: Any) -> list:
         """`method(*args)` on every stage's pipeline at once; results in stage order. Where one
         fails, the others are waited for, then the first failure is raised."""
-        timeout = timeout_s or self.sharded.timeout_s
+        timeout = self.sharded.timeout_s
         futures = [getattr(pipe.rpc_async(timeout=timeout), method)(*args) for pipe in self.pipes]
-        results, failed = [], None
-        for index, future in enumerate(futures):
-            try:
-                results.append(future.wait())
-            except RuntimeError as exc:
-                failed = failed or (index, exc)
+        results, failed = wait_all(futures)
         if failed is not None:
             raise self.sharded._lost(*failed) from None
         return results
@@ -154,27 +148,11 @@ class DistributedTrainer:
             )
             for index, pipe in enumerate(self.pipes)
         ]
-        answers, failed = [], None
-        for index, future in enumerate(futures):
-            try:
-                answers.append(future.wait())
-            except RuntimeError as exc:
-                failed = failed or (index, exc)
-        if failed is not None:
-            raise self._step_failure(*failed) from None
+        answers, failed = wait_all(futures)
+        if failed is not None:  # a stage that is gone by name, else the stage's own reason
+            raise self.sharded._lost(*failed, call="the training step") from None
         loss = sum(answers[last]["losses"]) / (per_batch * len(batches))
         return answers, loss
-
-    def _step_failure(self, index: int, exc: RuntimeError) -> Exception:
-        """The error for a failed step: a stage that is gone, by name, else the stage's own
-        reason (`ShardedModel._lost`)."""
-        lost = self.sharded._lost(index, exc)
-        if "refused the call: " in str(lost):
-            return StageLostError(
-                f"the training step failed on {stage_name(index + 1)}: "
-                + str(lost).split("refused the call: ", 1)[1]
-            )
-        return lost
 
     def train_step(
         self, batches: list[torch.Tensor], *, microbatches: int | None = None
