@@ -12,6 +12,8 @@ WIRE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRANSPORTS = ("tcp", "auto")
 CHANNELS = ("auto", "network")
 MAX_STAGES = 16
+MIN_RPC_THREADS = 4
+"""Fewest TensorPipe threads a split run may ask for (see `SplitConfig.rpc_threads`)."""
 
 
 @dataclass
@@ -36,7 +38,8 @@ class SplitConfig:
     join_timeout_s: float = 300.0
     """Longest wait for every stage and the driver to meet at `cluster.master` at start-up."""
     rpc_threads: int = 16
-    """TensorPipe worker threads per process."""
+    """TensorPipe worker threads per process (at least 4: a stage holds one for a whole
+    generation or training step while its peers' calls and pushes need others)."""
     transport: str = "tcp"
     """tcp: TensorPipe's TCP transport, as between real hosts; auto: TensorPipe picks (shared
     memory between processes of one host)."""
@@ -63,4 +66,11 @@ class SplitConfig:
         check_choice("split.channels", self.channels, CHANNELS)
         if not 0 <= self.rank <= self.num_stages:
             raise ValueError(f"split.rank={self.rank} must be in 1..{self.num_stages} for a stage")
-        check_fields_positive("split", self, ("rpc_timeout_s", "join_timeout_s", "rpc_threads"))
+        check_fields_positive("split", self, ("rpc_timeout_s", "join_timeout_s"))
+        if self.rpc_threads < MIN_RPC_THREADS:
+            raise ValueError(
+                f"split.rpc_threads={self.rpc_threads}: at least {MIN_RPC_THREADS} (a stage "
+                "holds one thread for a whole generation or training step, and its peers' "
+                "calls into it need others: with one, a training step waits out "
+                "split.rpc_timeout_s and fails)"
+            )

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,6 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 """A model folder's config and tokenizer files (what an export copies besides the weights)."""
-
-"""Label of a position that does not count in the loss (padding)."""
 
 
 @dataclass
@@ -238,8 +237,8 @@ class Stage:
             raise TypeError(f"a stage's input is a tensor, got {type(x).__name__}")
         self.bytes_received += x.numel() * x.element_size()
         cache = self.caches.get(request) if request is not None else None
-        # inference and evaluation: no graph (training runs `train_forward`)
-        with self.lock, torch.no_grad(), self._autocast():
+        # inference and evaluation: no graph and no dropout (training runs `train_forward`)
+        with self.lock, torch.no_grad(), self._autocast(), self._eval_mode():
             whole: torch.Tensor | None = attention_mask
             if cache is not None and attention_mask is not None:
                 attention_mask, whole = self._extend_mask(request, cache, attention_mask, x)
@@ -395,6 +394,18 @@ class Stage:
     def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token cross-entropy (the driver divides by the batch's token count)."""
         return next_token_loss(logits, labels, reduction="sum").cpu()
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """The model in eval mode for this call (dropout off), then back as it was: a training
+        stage also answers evaluations. The caller holds the lock, which `train_forward` takes
+        too, so no training forward sees the switch."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.autocast:

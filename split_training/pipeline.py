@@ -121,8 +121,9 @@ class Inbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ValueError(
-                        f"no {key[0]} for step {key[1]} {key[2:]} within "
-                        f"split.rpc_timeout_s={timeout_s:g}: a peer stage is gone or stuck"
+                        f"no {key[0]} for step {key[1]} {key[2:]} within {timeout_s:g} s "
+                        "(split.rpc_timeout_s, times the micro-batches a wait may span): a "
+                        "peer stage is gone or stuck"
                     )
                 self.cond.wait(left)
             return self.items.pop(key)

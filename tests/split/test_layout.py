@@ -68,6 +68,7 @@ def test_every_stage_gets_a_layer_and_impossible_cuts_are_refused() -> None:
         ({"wire_dtype": "int8"}, "split.wire_dtype"),
         ({"balance": "speed"}, "split.balance"),
         ({"rank": 5}, "split.rank"),
+        ({"rpc_threads": 1}, "split.rpc_threads=1: at least 4"),
     ],
 )
 def test_bad_split_settings_name_the_key(fields: dict, message: str) -> None:

@@ -63,7 +63,7 @@ def _save_tied_llama(folder: Path, tokenizer) -> Path:
     return folder
 
 
-def _save_tied_gpt2(folder: Path, tokenizer) -> Path:
+def _save_tied_gpt2(folder: Path, tokenizer, dropout: float = 0.0) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -73,9 +73,9 @@ def _save_tied_gpt2(folder: Path, tokenizer) -> Path:
         n_layer=4,
         n_head=4,
         n_positions=256,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
@@ -91,6 +91,7 @@ def tied_folders(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     return {
         "llama": _save_tied_llama(root / "llama", tokenizer),
         "gpt2": _save_tied_gpt2(root / "gpt2", tokenizer),
+        "gpt2_dropout": _save_tied_gpt2(root / "gpt2_dropout", tokenizer, dropout=0.3),
     }
 
 
@@ -249,3 +250,26 @@ def test_accumulated_and_pipelined_gradients_of_the_tied_matrix_are_the_plain_on
         embedding, head = grads["stage1.model.embed_tokens.weight"], grads["stage2.lm_head.weight"]
         assert torch.equal(embedding, head)  # both ends got the summed gradient
         torch.testing.assert_close(embedding, plain["stage1.model.embed_tokens.weight"])
+
+
+def test_evaluation_of_a_training_run_has_no_dropout(world, tied_folders) -> None:
+    """A model with dropout: the stages train with it, and evaluate without it (the loss is
+    the eval-mode model's, and the same every time), then go on training with it."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tied_folders["gpt2_dropout"]
+    trainer = _trainer(folder, 2)
+    vocab = int(trainer.sharded.call(0, "tied_weight").shape[0])
+    blocks = torch.cat(training_batches(vocab, steps=2))  # (8, T)
+    first = trainer.evaluate(blocks, batch_size=4)
+    assert trainer.evaluate(blocks, batch_size=4) == first
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = model(input_ids=blocks, labels=blocks).loss.item()
+    assert first == pytest.approx(expected, rel=1e-5)
+    (batch,) = training_batches(vocab, steps=1)
+    norms = {
+        trainer.gradients([batch], microbatches=1)["stage2.lm_head.weight"].norm().item()
+        for _ in range(2)
+    }
+    assert len(norms) == 2  # training still draws dropout masks
