@@ -1,0 +1,142 @@
+"""Client-level differential privacy for fed_learn: DP-FedAvg (McMahan et al. 2018).
+
+Each client clips its update (its adapter minus the global one it trained from, all tensors as
+one vector) to L2 norm `fed.dp.clip_norm`; Gaussian noise of standard deviation
+`noise_multiplier * clip_norm` goes on the round's weighted sum, so no one client's update can
+move the sum by more than the noise hides. Weights are capped (`fed.dp.weight_cap` examples:
+weight = min(examples, cap) / cap <= 1), so the clip bounds a client's weighted contribution,
+and the sum is divided by a denominator fixed before the round (the sampled clients' capped
+weights, which the coordinator knows from their JOINs, not the weights that came back), as
+McMahan et al.'s fixed-denominator estimator does.
+
+Who adds the noise: without secure aggregation the coordinator, on the sum it sees (the
+central model: the coordinator is trusted with individual updates anyway); with it each client
+adds its share, noise of variance (noise_multiplier * clip_norm)^2 / threshold, so the sum of
+any `threshold` survivors' shares (fewer fail the round) carries at least the full noise and no
+party ever sees an un-noised sum. More survivors than the threshold over-noise the sum by
+sqrt(survivors / threshold): the price of not knowing in advance who drops.
+
+The privacy spent is the subsampled Gaussian mechanism composed over rounds, with the sampling
+rate = clients per round / clients in all: computed by Opacus's accountant (RDP or PRV), never a
+formula of ours. A noise multiplier can be derived from a target epsilon the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+ACCOUNTANTS = ("rdp", "prv")
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """A client's update as it leaves: the clipped difference from the global adapter."""
+
+    delta: dict[str, torch.Tensor]
+    norm: float
+    """Its L2 norm before clipping (what the client saw; never sent)."""
+
+
+def flat_delta(
+    adapter: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """`adapter - base` of every tensor `base` names, in its order, as one float64 vector."""
+    parts = [(adapter[name].double() - t.double()).reshape(-1) for name, t in base.items()]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def unflatten(vector: torch.Tensor, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`vector` cut back into tensors shaped (and typed) as `like`'s."""
+    out, at = {}, 0
+    for name, tensor in like.items():
+        n = tensor.numel()
+        out[name] = vector[at : at + n].reshape(tensor.shape).to(tensor.dtype)
+        at += n
+    if at != vector.numel():
+        raise ValueError(f"a vector of {vector.numel()} entries for {at} adapter entries")
+    return out
+
+
+def clip(delta: torch.Tensor, bound: float) -> tuple[torch.Tensor, float]:
+    """`delta` scaled down to L2 norm `bound` if longer; (clipped, norm before)."""
+    norm = float(torch.linalg.vector_norm(delta))
+    if not math.isfinite(norm):
+        raise ValueError("the update is not finite")
+    return (delta * (bound / norm) if norm > bound else delta), norm
+
+
+def capped_weight(examples: int, cap: int) -> float:
+    """A client's weight under DP: its examples, capped, over the cap (in (0, 1])."""
+    return min(max(int(examples), 1), cap) / cap
+
+
+def noise_std(noise_multiplier: float, clip_norm: float, *, shares: int = 1) -> float:
+    """Standard deviation of the noise one party adds: all of it (`shares=1`), or its share
+    when `shares` parties' noises add up to the whole."""
+    return noise_multiplier * clip_norm / math.sqrt(shares)
+
+
+def gaussian(numel: int, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Gaussian noise (float64). torch's generator, seeded from the OS unless given one: DP
+    noise must not be predictable, so runs pass none."""
+    if generator is None:
+        generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return torch.randn(numel, dtype=torch.float64, generator=generator) * std
+
+
+class Accountant:
+    """The privacy spent so far: Opacus's accountant over the rounds run."""
+
+    def __init__(self, kind: str = "rdp") -> None:
+        if kind not in ACCOUNTANTS:
+            raise ValueError(f"fed.dp.accountant={kind!r}: one of {', '.join(ACCOUNTANTS)}")
+        from opacus.accountants import PRVAccountant, RDPAccountant
+
+        self.kind = kind
+        self._impl = RDPAccountant() if kind == "rdp" else PRVAccountant()
+
+    def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+        """One round: the subsampled Gaussian mechanism with these parameters."""
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample rate {sample_rate} must be in (0, 1]")
+        self._impl.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+
+    def epsilon(self, delta: float) -> float:
+        if not self._impl.history:
+            return 0.0
+        with warnings.catch_warnings():  # "optimal order is the largest alpha": a loose bound
+            warnings.simplefilter("ignore", UserWarning)
+            return float(self._impl.get_epsilon(delta=delta))
+
+    def state(self) -> list[tuple[float, float, int]]:
+        """(noise multiplier, sample rate, rounds) runs: enough to rebuild it on resume."""
+        return [tuple(entry) for entry in self._impl.history]
+
+    def restore(self, history: list[list[float]]) -> None:
+        self._impl.history = [(float(s), float(q), int(n)) for s, q, n in history]
+
+
+def noise_multiplier_for(
+    target_epsilon: float, *, delta: float, sample_rate: float, rounds: int, kind: str = "rdp"
+) -> float:
+    """The smallest noise multiplier that spends at most `target_epsilon` over `rounds` rounds
+    (Opacus's search)."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return float(
+            get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=rounds,
+                accountant=kind,
+            )
+        )

@@ -1,0 +1,312 @@
+"""Secure aggregation (fed_learn.secagg), the protocol alone: what the coordinator gets is the
+sum and nothing else, dropouts at each step are recovered, and a peer's malformed message is
+refused by name."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from fed_learn.secagg import (
+    BOX_BYTES,
+    KEY,
+    SEED,
+    Client,
+    Params,
+    Refused,
+    RoundFailed,
+    Server,
+    dequantize,
+    frac_bits_for,
+    quantize,
+)
+
+
+def _params(n: int = 8, *, threshold: int = 3, neighbors: int = 4, length: int = 257) -> Params:
+    return Params(
+        round=7,
+        clients=tuple(range(10, 10 + n)),
+        threshold=threshold,
+        neighbors=neighbors,
+        frac_bits=frac_bits_for(n, weight_cap=64, value_bound=4.0),
+        length=length,
+        graph_seed=b"test",
+    )
+
+
+@dataclass
+class Round:
+    params: Params
+    clients: dict[int, Client]
+    server: Server
+    values: dict[int, np.ndarray]
+    weights: dict[int, int]
+
+
+def _run(
+    params: Params,
+    *,
+    before_shares: frozenset[int] = frozenset(),
+    before_input: frozenset[int] = frozenset(),
+    before_reveal: frozenset[int] = frozenset(),
+    seed: int = 0,
+) -> Round:
+    """One round, clients dropping at the step named (they send nothing from then on)."""
+    rng = np.random.default_rng(seed)
+    clients = {c: Client(c, params) for c in params.clients}
+    server = Server(params)
+    for c, client in clients.items():
+        server.add_keys(c, *client.public_keys())
+    for c, client in clients.items():
+        if c not in before_shares:
+            server.add_shares(c, *client.share(server.keys_for(c)))
+    for c, client in clients.items():
+        if c not in before_shares:
+            assert client.receive(server.boxes_for(c)) == []
+    values = {c: rng.uniform(-4, 4, params.length - 1) for c in params.clients}
+    weights = {c: int(rng.integers(1, 65)) for c in params.clients}
+    for c, client in clients.items():
+        if c not in before_shares | before_input:
+            server.add_input(c, client.masked_input(values[c], weights[c]))
+    survivors, dropped = server.unmask_request()
+    for c, client in clients.items():
+        if c in server.inputs and c not in before_reveal:
+            server.add_reveal(c, client.reveal(survivors, dropped))
+    return Round(params, clients, server, values, weights)
+
+
+def _check_sum(r: Round) -> None:
+    total, weight, refused = r.server.aggregate()
+    survivors = sorted(r.server.inputs)
+    assert refused == []
+    assert weight == sum(r.weights[c] for c in survivors)  # the weights' sum: exact
+    bits = r.params.frac_bits
+    # exactly the sum of what each survivor quantized (the masks cancel to the bit) ...
+    exact = np.zeros(r.params.length - 1, dtype=np.uint64)
+    for c in survivors:
+        exact += quantize(r.values[c] * r.weights[c], bits)
+    np.testing.assert_array_equal(total, dequantize(exact, bits))
+    # ... hence the plain weighted sum within half a quantization step per client
+    plain = sum(r.values[c] * r.weights[c] for c in survivors)
+    step = 2.0**-bits
+    assert np.abs(total - plain).max() <= len(survivors) * step / 2 + 1e-12 * np.abs(plain).max()
+
+
+@pytest.mark.parametrize("neighbors", [4, 7])  # SecAgg+'s sparse graph; everyone (SecAgg)
+def test_the_secure_sum_is_the_weighted_sum(neighbors: int) -> None:
+    _check_sum(_run(_params(neighbors=neighbors)))
+
+
+def test_a_client_dropping_before_its_masked_input_is_recovered() -> None:
+    """Its pairwise masks are rebuilt from its `s` key's shares and removed."""
+    r = _run(_params(), before_input=frozenset({11, 14}))
+    assert sorted(r.server.unmask_request()[1]) == [11, 14]
+    _check_sum(r)
+
+
+def test_a_client_dropping_after_its_masked_input_still_counts() -> None:
+    """Its self-mask is rebuilt from its neighbours' shares; its input is in the sum."""
+    r = _run(_params(), before_reveal=frozenset({12}))
+    assert 12 in r.server.inputs
+    _check_sum(r)
+
+
+def test_a_client_that_never_shared_is_left_out_cleanly() -> None:
+    r = _run(_params(), before_shares=frozenset({13}))
+    assert 13 not in r.server.inputs
+    _check_sum(r)
+
+
+def test_all_three_kinds_of_dropout_in_one_round() -> None:
+    r = _run(
+        _params(10, threshold=3, neighbors=6),
+        before_shares=frozenset({10}),
+        before_input=frozenset({15}),
+        before_reveal=frozenset({17}),
+    )
+    _check_sum(r)
+
+
+def test_fewer_survivors_than_the_threshold_fail_the_round() -> None:
+    params = _params(5, threshold=4, neighbors=4)
+    with pytest.raises(RoundFailed, match="3 masked inputs; the threshold is 4"):
+        _run(params, before_input=frozenset({10, 11}))
+
+
+def test_too_few_shares_of_one_client_fail_the_round() -> None:
+    # 6 clients, 2 neighbours each: a dropped client's key lives with 2 others and itself
+    params = _params(6, threshold=3, neighbors=2)
+    r = _run(params, before_input=frozenset({10}), before_reveal=frozenset(params.neighbours(10)))
+    with pytest.raises(RoundFailed, match=r"1 shares of client \d+'s seed; the threshold is 3"):
+        r.server.aggregate()
+
+
+def test_a_masked_input_is_independent_of_what_it_hides() -> None:
+    """The same client's masked input for two very different updates, over many rounds:
+    uncorrelated with the update, and its bytes uniform."""
+    n, length, rounds = 4, 65, 60
+    params = Params(
+        round=1, clients=(1, 2, 3, 4), threshold=2, neighbors=3, frac_bits=20, length=length
+    )
+    hidden_small, hidden_large = np.zeros(length - 1), np.full(length - 1, 1000.0)
+    masked = []
+    hidden = []
+    for i in range(rounds):
+        values = hidden_small if i % 2 else hidden_large
+        clients = {c: Client(c, params) for c in params.clients}
+        server = Server(params)
+        for c, client in clients.items():
+            server.add_keys(c, *client.public_keys())
+        for c, client in clients.items():
+            server.add_shares(c, *client.share(server.keys_for(c)))
+        for c, client in clients.items():
+            client.receive(server.boxes_for(c))
+        masked.append(clients[1].masked_input(values, 3)[:-1])
+        hidden.append(quantize(values * 3, params.frac_bits))
+    y = np.concatenate(masked).view(np.int64).astype(np.float64)
+    x = np.concatenate(hidden).view(np.int64).astype(np.float64)
+    r = np.corrcoef(x, y)[0, 1]
+    assert abs(r) < 4 / math.sqrt(len(x)), r  # within noise of zero correlation
+    data = np.concatenate(masked).view(np.uint8)
+    counts = np.bincount(data, minlength=256)
+    assert stats.chisquare(counts).pvalue > 1e-4  # bytes look uniform
+    assert n == len(params.clients)
+
+
+# ------------------------------------------------------------------ malformed peers
+
+
+def _after_shares(params: Params | None = None) -> tuple[Params, dict[int, Client], Server]:
+    params = params or _params()
+    clients = {c: Client(c, params) for c in params.clients}
+    server = Server(params)
+    for c, client in clients.items():
+        server.add_keys(c, *client.public_keys())
+    return params, clients, server
+
+
+def test_malformed_keys_are_refused_by_name() -> None:
+    _, _, server = _after_shares()
+    with pytest.raises(Refused, match="client 99: not a client of this round"):
+        server.add_keys(99, bytes(32), bytes(range(32)))
+    with pytest.raises(Refused, match="client 10: its c public key must be 32 bytes"):
+        server.add_keys(10, b"short", bytes(32))
+    with pytest.raises(Refused, match="client 10: the same key for both"):
+        server.add_keys(10, bytes(range(32)), bytes(range(32)))
+
+
+def test_a_low_order_public_key_is_refused_by_name() -> None:
+    params, clients, server = _after_shares()
+    neighbour = params.neighbours(10)[0]
+    keys = server.keys_for(10)
+    keys[neighbour] = (bytes(32), bytes(32))  # the all-zero point: a shared secret of zeros
+    with pytest.raises(Refused, match=f"client {neighbour}: unusable public key"):
+        clients[10].share(keys)
+
+
+def test_malformed_and_misaddressed_shares_are_refused_by_name() -> None:
+    params, clients, server = _after_shares()
+    boxes, commitment = clients[10].share(server.keys_for(10))
+    with pytest.raises(Refused, match="client 10: a seed commitment must be 32 bytes"):
+        server.add_shares(10, boxes, b"x")
+    with pytest.raises(Refused, match="client 10: share boxes for"):
+        server.add_shares(10, dict(list(boxes.items())[1:]), commitment)  # one missing
+    with pytest.raises(Refused, match=f"client 10: a share box must be {BOX_BYTES} bytes"):
+        server.add_shares(10, {k: b[:-1] for k, b in boxes.items()}, commitment)
+    server.add_shares(10, boxes, commitment)
+
+    recipient = params.neighbours(10)[0]
+    clients[recipient].share(server.keys_for(recipient))
+    box = boxes[recipient]
+    tampered = bytes([box[0] ^ 1]) + box[1:]
+    refused = clients[recipient].receive({10: tampered})
+    assert [str(e) for e in refused] == [
+        "client 10: a share box that does not open (wrong key or altered)"
+    ]
+    other = next(c for c in params.neighbours(10) if c != recipient)
+    clients[other].share(server.keys_for(other))
+    # a box for `recipient` handed to `other`: it does not open there
+    assert "does not open" in str(clients[other].receive({10: box})[0])
+    stranger = next(c for c in params.clients if c not in (10, *params.neighbours(10)))
+    clients[stranger].share(server.keys_for(stranger))
+    assert "not its neighbour" in str(clients[stranger].receive({10: box})[0])
+
+
+def test_malformed_masked_inputs_and_reveals_are_refused_by_name() -> None:
+    r = _run(_params(), before_reveal=frozenset(_params().clients))  # all inputs, no reveals
+    server, length = r.server, r.params.length
+    with pytest.raises(Refused, match=f"client 10: a masked input must be {length} uint64s"):
+        server.add_input(10, np.zeros(length, dtype=np.int64))
+    with pytest.raises(Refused, match="client 10: a masked input must be"):
+        server.add_input(10, np.zeros(length + 1, dtype=np.uint64))
+    survivors, dropped = server.unmask_request()
+    good = r.clients[10].reveal(survivors, dropped)
+    owner = next(iter(good))
+    _, index, share = good[owner]
+    for bad, message in [
+        ({owner: (KEY, index, share + share)}, f"a 'key' share of client {owner}, asked for seed"),
+        ({owner: (SEED, 0, share)}, "share index 0 out of"),
+        ({owner: (SEED, index, share[:-1])}, "a seed share must be 16 bytes"),
+        ({owner: "nonsense"}, r"a revealed share is \(kind, index, bytes\)"),
+    ]:
+        with pytest.raises(Refused, match=f"client 10: {message}"):
+            server.add_reveal(10, bad)  # type: ignore[arg-type]
+    stranger = next(c for c in r.params.clients if c not in (10, *r.params.neighbours(10)))
+    with pytest.raises(Refused, match=f"client 10: a share of client {stranger}"):
+        server.add_reveal(10, {stranger: (SEED, 1, bytes(16))})
+
+
+def test_a_wrong_share_is_found_and_its_revealer_refused_the_round_goes_on() -> None:
+    """A well-formed but false share: the seed's commitment catches it; with shares to spare
+    the coordinator finds whose it was, refuses that client and still unmasks the sum."""
+    params = _params(8, threshold=3, neighbors=6)
+    r = _run(params, before_reveal=frozenset(params.clients))
+    survivors, dropped = r.server.unmask_request()
+    liar = survivors[0]
+    for c in survivors:
+        shares = r.clients[c].reveal(survivors, dropped)
+        if c == liar:
+            victim = next(o for o in shares if o != c)
+            kind, index, share = shares[victim]
+            shares[victim] = (kind, index, bytes(b ^ 0xFF for b in share))
+        r.server.add_reveal(c, shares)
+    total, weight, refused = r.server.aggregate()
+    assert [e.client for e in refused] == [liar]
+    assert weight == sum(r.weights.values())
+    plain = sum(r.values[c] * r.weights[c] for c in survivors)
+    assert np.abs(total - plain).max() < 1e-9
+
+
+def test_an_honest_client_never_reveals_both_shares_of_one_client() -> None:
+    r = _run(_params(), before_reveal=frozenset(_params().clients))
+    client = r.clients[10]
+    survivors, dropped = r.server.unmask_request()
+    client.reveal(survivors, dropped)
+    neighbour = next(c for c in client.sharers if c in survivors)
+    # a coordinator now claiming that neighbour dropped asks for its key as well
+    with pytest.raises(RoundFailed, match=f"both kinds of share of client {neighbour}"):
+        client.reveal([c for c in survivors if c != neighbour], [*dropped, neighbour])
+    with pytest.raises(RoundFailed, match="listed as survived and dropped"):
+        client.reveal(survivors, [survivors[0]])
+
+
+def test_relayed_keys_that_are_not_its_own_are_refused() -> None:
+    params, clients, server = _after_shares()
+    keys = server.keys_for(10)
+    keys[10] = keys[params.neighbours(10)[0]]
+    with pytest.raises(Refused, match="client 10: the relayed keys are not"):
+        clients[10].share(keys)
+
+
+def test_round_parameters_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"threshold=9 must be in 1\.\.5"):
+        Params(round=0, clients=(1, 2, 3, 4, 5), threshold=9, neighbors=4, frac_bits=8, length=3)
+    with pytest.raises(ValueError, match="distinct sorted"):
+        Params(round=0, clients=(2, 1), threshold=1, neighbors=1, frac_bits=8, length=3)
+    graph = _params(20, neighbors=5).graph()
+    assert all(len(v) >= 5 for v in graph.values())  # a Harary graph: degree >= k
+    assert all(a in graph[b] for a, vs in graph.items() for b in vs)  # symmetric
