@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -13,6 +14,8 @@ from fed_learn.aggregate import lora_modules
 from fed_learn.compression import ErrorFeedback
 from fed_learn.lora import adapter_state, load_adapter_state, train_local
 from fed_learn.protocol import FedMsg
+from fed_learn.secagg import RoundFailed
+from fed_learn.secure import RoundAbandoned, client_round
 from lab.losses import evaluate
 from netproto import Connection, MsgType, NetprotoError
 
@@ -58,16 +61,37 @@ class LoRAClient:
             log.info(
                 "joined as client %d with %d examples", welcome["client_id"], len(self.train_blocks)
             )
+            pending = None  # a TASK or FINISH that ended a secure round early
             while True:
-                message = conn.recv(expect={FedMsg.TASK, FedMsg.FINISH}, timeout_s=timeout_s)
+                message = pending or conn.recv(
+                    expect={FedMsg.TASK, FedMsg.FINISH}, timeout_s=timeout_s
+                )
+                pending = None
                 if message.type == FedMsg.FINISH:
                     return self.rounds
                 task = message.payload
                 global_state = conn.recv_tensors(FedMsg.GLOBAL, timeout_s=timeout_s)
-                result, update = self.train_round(task, global_state)
-                conn.send_msg(FedMsg.RESULT, result)
-                conn.send_tensors(FedMsg.UPDATE, update)
-                self.rounds += 1
+                if not task.get("secure"):
+                    result, update = self.train_round(task, global_state)
+                    conn.send_msg(FedMsg.RESULT, result)
+                    conn.send_tensors(FedMsg.UPDATE, update)
+                    self.rounds += 1
+                    continue
+                try:
+                    client_round(
+                        conn,
+                        client_id=int(welcome["client_id"]),
+                        task=task,
+                        train=functools.partial(self._train_for_sum, task, global_state),
+                        weight=len(self.train_blocks),
+                        timeout_s=timeout_s,
+                    )
+                    self.rounds += 1
+                except RoundAbandoned as moved:
+                    log.warning("round %d: the coordinator moved on", int(task["round"]) + 1)
+                    pending = moved.message
+                except (ValueError, RoundFailed) as exc:  # Refused is a ValueError
+                    log.warning("round %d: left the secure round: %s", int(task["round"]) + 1, exc)
         finally:
             stop.set()
 
@@ -110,6 +134,17 @@ class LoRAClient:
         return result, self.feedback.compress(
             delta, method=method, fraction=float(task["topk_fraction"])
         )
+
+    def _train_for_sum(
+        self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A secure round's training: (RESULT payload, trained tensors, the global tensors
+        they started from), names sorted as the coordinator sums them."""
+        load_adapter_state(self.model, global_state)
+        start = adapter_state(self.model)  # the whole global adapter, as now held
+        result, local = self.train_round(task, global_state)
+        names = sorted(local)
+        return result, {n: local[n] for n in names}, {n: start[n] for n in names}
 
     @staticmethod
     def _heartbeat(conn: Connection, every_s: float, stop: threading.Event) -> None:

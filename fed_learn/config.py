@@ -21,6 +21,61 @@ MODES = ("sync", "async")
 
 
 @dataclass
+class SecAggConfig:
+    """fed.secagg: how secure aggregation runs (`fed.secure_aggregation=true`)."""
+
+    neighbors: int = 0
+    """Neighbours per client (SecAgg+'s sparse graph); 0: every client of the round (the
+    original protocol). Each client's cost grows with its neighbours, not the round's size."""
+    threshold: float = 0.5
+    """Of a client and its neighbours, the fraction whose shares rebuild its secrets (rounded
+    up, at least 2): more than half keeps a coordinator that claims a client dropped from also
+    learning its self-mask; lower tolerates more dropouts."""
+    step_timeout_s: float = 60.0
+    """How long each key, share and unmask step waits for the round's clients (the masked
+    inputs wait fed.round_timeout_s, as updates do)."""
+
+    def __post_init__(self) -> None:
+        if self.neighbors < 0:
+            raise ValueError(f"fed.secagg.neighbors={self.neighbors} must be >= 0")
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"fed.secagg.threshold={self.threshold} must be in (0, 1]")
+        check_fields_positive("fed.secagg", self, ("step_timeout_s",))
+
+
+@dataclass
+class DPConfig:
+    """fed.dp: client-level differential privacy, DP-FedAvg (fed_learn.privacy)."""
+
+    enabled: bool = False
+    clip_norm: float = 1.0
+    """Each client's update (its adapter minus the global one) is clipped to this L2 norm."""
+    noise_multiplier: float = 0.0
+    """Noise standard deviation on the round's sum, in units of clip_norm; 0: derived from
+    target_epsilon over fed.rounds."""
+    target_epsilon: float = 8.0
+    delta: float = 1e-5
+    weight_cap: int = 256
+    """A client weighs min(examples, weight_cap): the cap bounds what one client moves."""
+    accountant: str = "rdp"
+    """Opacus's accountant: rdp | prv."""
+
+    def __post_init__(self) -> None:
+        from fed_learn.privacy import ACCOUNTANTS
+
+        check_choice("fed.dp.accountant", self.accountant, ACCOUNTANTS)
+        if not 0 < self.clip_norm < math.inf:
+            raise ValueError(f"fed.dp.clip_norm={self.clip_norm} must be finite and > 0")
+        if not 0 <= self.noise_multiplier < math.inf:
+            raise ValueError(f"fed.dp.noise_multiplier={self.noise_multiplier} must be >= 0")
+        if self.enabled and self.noise_multiplier == 0 and not self.target_epsilon > 0:
+            raise ValueError("fed.dp: set noise_multiplier > 0 or target_epsilon > 0")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"fed.dp.delta={self.delta} must be in (0, 1)")
+        check_fields_positive("fed.dp", self, ("weight_cap",))
+
+
+@dataclass
 class FedConfig:
     strategy: str = "fedavg"
     """fedavg | fedprox (proximal term) | ffa (A frozen: exact) | svd (products re-factorized)"""
@@ -96,6 +151,11 @@ class FedConfig:
     centralized_baseline: bool = True
     """Local runs: also train the same model on all clients' data pooled in one place (the
     same number of gradient steps) and report federated / centralized validation loss."""
+    secure_aggregation: bool = False
+    """The coordinator learns only each round's weighted sum of updates (fed_learn.secagg):
+    clients clip their own updates to fed.max_update_norm (the coordinator cannot check one)."""
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
 
     def __post_init__(self) -> None:
         check_choice("fed.strategy", self.strategy, STRATEGIES)
@@ -151,6 +211,7 @@ class FedConfig:
             )
         if self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("fed.heartbeat_timeout_s must exceed fed.heartbeat_s")
+        self._check_secure()
         per_round = max(self.min_fit_clients, math.ceil(self.num_clients * self.fraction_fit))
         if self.aggregator == "trimmed_mean" and int(self.trim_fraction * per_round) == 0:
             warnings.warn(
@@ -161,6 +222,32 @@ class FedConfig:
                 UserWarning,
                 stacklevel=2,
             )
+
+    def _check_secure(self) -> None:
+        """Secure aggregation gives the coordinator a sum: what needs single updates is
+        refused with the reason."""
+        if not self.secure_aggregation:
+            return
+        needs = {
+            "fed.mode=async": "applies each update as it arrives",
+            f"fed.aggregator={self.aggregator}": "takes coordinate-wise order statistics",
+            "fed.strategy=svd": "re-factorizes the average of products B @ A, not a sum of "
+            "the tensors clients send",
+            f"fed.compression={self.compression}": "sends sparse updates whose coordinates "
+            "differ per client",
+        }
+        applies = {
+            "fed.mode=async": self.mode == "async",
+            f"fed.aggregator={self.aggregator}": self.aggregator != "mean",
+            "fed.strategy=svd": self.strategy == "svd",
+            f"fed.compression={self.compression}": self.compression != "none",
+        }
+        for key, why in needs.items():
+            if applies[key]:
+                raise ValueError(
+                    f"fed.secure_aggregation=true with {key}: the coordinator only sees the "
+                    f"round's sum, and {key.split('=')[0]} {why}"
+                )
 
 
 @dataclass

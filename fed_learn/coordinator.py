@@ -41,6 +41,7 @@ from fed_learn.aggregate import combiner, mix, staleness_weight
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result
+from fed_learn.secure import SecureInbox, SecureRound
 from fed_learn.strategy import Strategy
 from fed_learn.updates import ANSWER_ERRORS, check_answer
 from lab import atomic
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
+CLIENT_SENDS = frozenset({FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL})
+"""What a client's session may read between rounds' answers (a RESULT opens one)."""
 FIRST_ROUND_GRACE_S = 30.0
 """Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
 
@@ -90,6 +93,8 @@ class Coordinator:
         """The global adapter's validation loss before the first round (kept across resumes)."""
         self._lock = self.admission.lock  # one lock for the client table and what rounds share
         self._finished = threading.Event()
+        self.secure_inbox = SecureInbox()
+        """A secure round's step messages, from the sessions to the round (fed_learn.secure)."""
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
 
     # ------------------------------------------------------------ sessions (one per client)
@@ -99,13 +104,22 @@ class Coordinator:
         client = self.admission.admit(conn, at_round=lambda: self.round)
         if client is None:
             return
+        timeout_s = self.fed.heartbeat_timeout_s
         try:
             while True:  # heartbeats (PINGs) are answered inside recv; silence means dead
-                result = conn.recv_msg(FedMsg.RESULT, timeout_s=self.fed.heartbeat_timeout_s)
-                update = conn.recv_tensors(FedMsg.UPDATE, timeout_s=self.fed.heartbeat_timeout_s)
-                self._hand_in(client, result, update)
+                message = conn.recv(expect=CLIENT_SENDS, timeout_s=timeout_s)
+                if message.type != FedMsg.RESULT:  # a secure round's step
+                    self._hand_in_secure(client, message.type, message.payload)
+                    continue
+                update = conn.recv(expect={FedMsg.UPDATE, FedMsg.SA_MASKED}, timeout_s=timeout_s)
+                if update.type == FedMsg.UPDATE:
+                    self._hand_in(client, message.payload, update.payload)
+                else:
+                    masked = {k: v.clone() for k, v in update.payload.items()}
+                    self._hand_in_secure(client, FedMsg.SA_MASKED, (message.payload, masked))
         finally:
             self.admission.leave(client)
+            self.secure_inbox.leave(client.client_id)
             if self._finished.is_set():
                 log.info("%s (id %d) left", client.name, client.client_id)
             else:
@@ -139,6 +153,25 @@ class Coordinator:
                 dropped,
             )
 
+    def _hand_in_secure(self, client: ClientHandle, kind: int, payload: Any) -> None:
+        """A secure round's step message: to the round if it answers `client`'s task there
+        (once per step), else dropped as a stray RESULT is."""
+        body = payload[0] if kind == FedMsg.SA_MASKED else payload
+        task = body.get("task") if isinstance(body, dict) else None
+        if self.secure_inbox.offer(client.client_id, kind, payload, task=task):
+            return
+        with self._lock:
+            client.dropped += 1
+            dropped = client.dropped
+        if dropped & (dropped - 1) == 0:
+            log.warning(
+                "%s (id %d): dropped a secure-round message that answers no step of its task "
+                "(%d so far)",
+                client.name,
+                client.client_id,
+                dropped,
+            )
+
     def alive_clients(self) -> list[ClientHandle]:
         return self.admission.alive()
 
@@ -151,11 +184,19 @@ class Coordinator:
     # ------------------------------------------------------------ rounds
 
     def _send_task(
-        self, client: ClientHandle, version: int, global_state: dict[str, torch.Tensor]
+        self,
+        client: ClientHandle,
+        version: int,
+        global_state: dict[str, torch.Tensor],
+        *,
+        number: int | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> Task | None:
         """Ask `client` to train from `global_state` (tagged `version`), withdrawing any task
-        it still had; the task, or None if the client is unreachable."""
-        task = Task(number=secrets.randbelow(2**53), round=version)
+        it still had; the task, or None if the client is unreachable. `number`: the task's
+        number, drawn beforehand (a secure round listens for it before the TASK goes out);
+        `extra`: more fields for the TASK."""
+        task = Task(number=secrets.randbelow(2**53) if number is None else number, round=version)
         with self._lock:
             if not client.alive:
                 return None
@@ -179,6 +220,7 @@ class Coordinator:
             "compression": self.fed.compression,
             "topk_fraction": self.fed.topk_fraction,
             **self.strategy.client_options(),
+            **(extra or {}),
         }
         if client.holds_frozen:
             trained = self.strategy.trained(global_state)
@@ -237,12 +279,18 @@ class Coordinator:
             started = time.perf_counter()
             global_state = adapter_state(self.model)
             traffic_before = self.admission.traffic(sampled)
-            tasks = {c.client_id: self._send_task(c, self.round, global_state) for c in sampled}
-            coordinator_s = time.perf_counter() - started
-            collected = self._collect(sampled, tasks, global_state)
+            if self.fed.secure_aggregation:
+                collected, outcome, coordinator_s = self._secure_round(sampled, global_state)
+                aggregate_started = time.perf_counter()
+            else:
+                tasks = {c.client_id: self._send_task(c, self.round, global_state) for c in sampled}
+                coordinator_s = time.perf_counter() - started
+                collected = self._collect(sampled, tasks, global_state)
+                aggregate_started = time.perf_counter()
             updates, results = collected.updates, collected.results
-            aggregate_started = time.perf_counter()
-            if len(updates) >= self.fed.min_fit_clients:
+            if self.fed.secure_aggregation:
+                pass  # the round unmasked its sum and loaded it (or said why not)
+            elif len(updates) >= self.fed.min_fit_clients:
                 outcome = self._aggregate(updates)
             else:
                 outcome = "kept previous adapter"
@@ -258,7 +306,7 @@ class Coordinator:
             traffic = self.admission.traffic(sampled)
             metrics = {
                 "val_loss": val_loss,
-                "clients": float(len(updates)),
+                "clients": float(collected.clients),
                 "failures": float(len(collected.failures)),
                 "refused": float(collected.refused),
                 "largest_update_norm": collected.largest_norm,
@@ -280,7 +328,7 @@ class Coordinator:
                 self.round + 1,
                 rounds.stop,
                 outcome,
-                len(updates),
+                collected.clients,
                 val_loss,
             )
         self._finish_clients()
@@ -293,6 +341,67 @@ class Coordinator:
             "dropped_results": float(self.admission.dropped_results()),
             **round_averages(history),
         }
+
+    def _secure_round(
+        self, sampled: list[ClientHandle], global_state: dict[str, torch.Tensor]
+    ) -> tuple[Collected, str, float]:
+        """A round under secure aggregation (fed_learn.secure): the answers as a plain round
+        counts them, its outcome, and the coordinator's own seconds in it."""
+        fed = self.fed
+        trained = {name: global_state[name] for name in sorted(self.strategy.trained(global_state))}
+        secure = SecureRound(
+            inbox=self.secure_inbox,
+            clients=sampled,
+            trained=trained,
+            round_index=self.round,
+            neighbors=fed.secagg.neighbors,
+            threshold=fed.secagg.threshold,
+            weight_cap=fed.max_examples_per_client,
+            bound=fed.max_update_norm,
+            step_timeout_s=fed.secagg.step_timeout_s,
+            input_timeout_s=fed.round_timeout_s,
+            declared={c.client_id: c.num_examples for c in sampled},
+        )
+        numbers = {c.client_id: secrets.randbelow(2**53) for c in sampled}
+        self.secure_inbox.open(numbers)
+        tasks: dict[int, int] = {}
+        for client in sampled:
+            task = self._send_task(
+                client,
+                self.round,
+                global_state,
+                number=numbers[client.client_id],
+                extra=secure.task_fields(client.client_id),
+            )
+            if task is not None:
+                tasks[client.client_id] = task.number
+        outcome = secure.run(tasks)
+        for client in sampled:
+            with self._lock:
+                client.task = None  # nothing more is awaited from it in this round
+        collected = Collected(
+            results=outcome.results,
+            failures=outcome.failures,
+            refused=outcome.refused,
+            largest_norm=math.nan,  # masked: the coordinator never sees one update
+            secure_clients=len(outcome.participants),
+        )
+        if outcome.merged is None:
+            return collected, f"kept previous adapter ({outcome.reason})", secure.coordinator_s
+        if len(outcome.participants) < fed.min_fit_clients:
+            log.warning(
+                "round %d: the secure sum holds %d clients' updates (need %d); keeping the "
+                "previous global adapter",
+                self.round,
+                len(outcome.participants),
+                fed.min_fit_clients,
+            )
+            return collected, "kept previous adapter", secure.coordinator_s
+        for client_id in outcome.participants:
+            client = next(c for c in sampled if c.client_id == client_id)
+            self._took_part(client)
+        load_adapter_state(self.model, {**global_state, **outcome.merged})
+        return collected, "aggregated securely", secure.coordinator_s
 
     def _aggregate(self, updates: list[tuple[dict[str, torch.Tensor], int]]) -> str:
         """Load the strategy's aggregate of `updates` as the global adapter; the round's
@@ -626,6 +735,13 @@ class Collected:
     refused: int = 0
     largest_norm: float = 0.0
     """The largest admitted update's norm (see fed.max_update_norm)."""
+    secure_clients: int | None = None
+    """A secure round: the clients whose inputs its sum holds (it has no `updates`)."""
+
+    @property
+    def clients(self) -> int:
+        """Clients whose updates the round took."""
+        return len(self.updates) if self.secure_clients is None else self.secure_clients
 
 
 def round_averages(history: list[dict[str, float]]) -> dict[str, float]:

@@ -8,6 +8,8 @@
                                           "val_loss", "seconds"}
     client -> coordinator  UPDATE   TENSORS  the client's adapter after local training
     coordinator -> client  FINISH   EMPTY    training is over
+With fed.secure_aggregation the round adds the SA_* steps of `fed_learn.secure` and the update
+travels masked (SA_MASKED) instead of as an UPDATE.
 Heartbeats are netproto PINGs from the client; only adapters ever cross the wire.
 
 "task" is a number the coordinator draws at random for each TASK; a RESULT answers the task
@@ -35,7 +37,24 @@ class FedMsg(IntEnum):
     RESULT = 0x0105
     UPDATE = 0x0106
     FINISH = 0x0107
+    SA_KEYS = 0x0108
+    SA_ROSTER = 0x0109
+    SA_SHARES = 0x010A
+    SA_BOXES = 0x010B
+    SA_MASKED = 0x010C
+    SA_UNMASK = 0x010D
+    SA_REVEAL = 0x010E
 
+
+SECURE_JSON = (
+    FedMsg.SA_KEYS,
+    FedMsg.SA_ROSTER,
+    FedMsg.SA_SHARES,
+    FedMsg.SA_BOXES,
+    FedMsg.SA_UNMASK,
+    FedMsg.SA_REVEAL,
+)
+"""Secure aggregation's steps (fed_learn.secure), besides the masked input's TENSORS."""
 
 REGISTRY.register(
     "fed_learn",
@@ -49,6 +68,8 @@ REGISTRY.register(
         FedMsg.RESULT: PayloadKind.JSON,
         FedMsg.UPDATE: PayloadKind.TENSORS,
         FedMsg.FINISH: PayloadKind.EMPTY,
+        **{kind: PayloadKind.JSON for kind in SECURE_JSON},
+        FedMsg.SA_MASKED: PayloadKind.TENSORS,
     },
 )
 

@@ -342,16 +342,20 @@ class Client:
         return tuple(sorted(self._u2))
 
     # step 2
-    def masked_input(self, values: np.ndarray, weight: int) -> np.ndarray:
-        """`weight * values` and `weight` in fixed point (uint64, length params.length),
-        masked: the coordinator cannot tell it from uniform noise."""
+    def masked_input(
+        self, values: np.ndarray, weight: int, noise: np.ndarray | None = None
+    ) -> np.ndarray:
+        """`weight * values` (plus `noise`, this client's share of DP noise) and `weight` in
+        fixed point (uint64, length params.length), masked: the coordinator cannot tell it
+        from uniform noise."""
         if not isinstance(weight, int) or not 0 < weight < 2**31:
             raise ValueError(f"weight={weight!r} must be an int in 1..2^31-1")
         flat = np.asarray(values, dtype=np.float64).ravel()
         if flat.size + 1 != self.params.length:
             raise ValueError(f"{flat.size} values; the round carries {self.params.length - 1}")
         out = np.empty(self.params.length, dtype=np.uint64)
-        out[:-1] = quantize(flat * weight, self.params.frac_bits)
+        weighted = flat * weight if noise is None else flat * weight + noise
+        out[:-1] = quantize(weighted, self.params.frac_bits)
         out[-1] = np.uint64(weight)  # exact: the weights' sum comes out whole
         _add_mask(out, expand(_self_seed(self._seed, self.params), self.params.length), 1)
         for other in self.sharers:

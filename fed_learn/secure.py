@@ -1,0 +1,505 @@
+"""Secure rounds over netproto: fed_learn.secagg's protocol between the coordinator and the
+round's clients, each message checked before use.
+
+    coordinator -> client  TASK {..., "secure": round parameters}   GLOBAL (as in a plain round)
+    client -> coordinator  SA_KEYS    {"task", "c", "s"}              two X25519 public keys
+    coordinator -> client  SA_ROSTER  {"task", "keys": {id: [c, s]}}  its neighbours' keys
+    client -> coordinator  SA_SHARES  {"task", "boxes": {id: box}, "commit"}
+    coordinator -> client  SA_BOXES   {"task", "boxes": {id: box}}    the boxes addressed to it
+    (the client trains)
+    client -> coordinator  RESULT (as in a plain round) then SA_MASKED {"masked": uint64[L]}
+    coordinator -> client  SA_UNMASK  {"task", "survivors": [...], "dropped": [...]}
+    client -> coordinator  SA_REVEAL  {"task", "shares": {id: [kind, index, share]}}
+
+Bytes travel base64 in JSON. The coordinator's round thread runs the steps (`SecureRound`);
+each client's session thread hands what it reads to the round (`SecureInbox`) only if it answers
+that client's outstanding task, once per step. A client that sends something malformed is
+refused by name and left out from that step on; the round goes on while the threshold holds,
+else it fails in one line and the run goes on to the next round with the adapter it had.
+
+What the coordinator sums: each client's trained adapter tensors minus the global ones
+(`strategy.trained`: all of them, or FFA-LoRA's B), clipped by the client to
+fed.max_update_norm (the coordinator can no longer check a single update's norm, nor that it
+is finite: a client's garbage moves the sum by at most that norm times its weight), times its
+weight (its examples, capped by what it declared at JOIN: the round's parameters carry the cap);
+the weights' sum comes out exactly, and the new global adapter is the old one plus sum / weights:
+FedAvg's weighted mean.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import math
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fed_learn import secagg
+from fed_learn.privacy import clip, flat_delta, unflatten
+from fed_learn.protocol import FedMsg, parse_result
+from netproto import Connection, NetprotoError
+from netproto.errors import peer_text
+
+log = logging.getLogger(__name__)
+
+GONE = -1
+"""An inbox entry: the client's session ended."""
+VALUE_BOUND_FACTOR = 1.0
+"""A clipped update's entries are at most its norm bound in size."""
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(value: Any, client: int, what: str, *, size: int | None = None) -> bytes:
+    """Bytes a peer sent as base64, checked: a string, decodable, of `size` bytes."""
+    if not isinstance(value, str) or len(value) > 4 * ((size or 4096) + 2) // 3 + 4:
+        raise secagg.Refused(client, f"{what} must be a base64 string")
+    try:
+        data = base64.b64decode(value.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        raise secagg.Refused(client, f"{what} is not base64") from None
+    if size is not None and len(data) != size:
+        raise secagg.Refused(client, f"{what} must be {size} bytes, not {len(data)}")
+    return data
+
+
+def _client_id(key: Any, client: int, what: str) -> int:
+    """A client id a peer sent as a JSON object key (a decimal string)."""
+    if not isinstance(key, str) or not key.isdigit() or len(key) > 5:
+        raise secagg.Refused(client, f"{what}: {key!r:.20} is not a client id")
+    return int(key)
+
+
+def _json_object(payload: Any, client: int, what: str, keys: Iterable[str]) -> dict[str, Any]:
+    if not isinstance(payload, dict):
+        raise secagg.Refused(client, f"{what} must be a JSON object")
+    missing = [k for k in keys if k not in payload]
+    if missing:
+        raise secagg.Refused(client, f"{what} has no {missing[0]}")
+    return payload
+
+
+def params_message(params: secagg.Params, *, weight_cap: int, bound: float) -> dict[str, Any]:
+    return {
+        "round": params.round,
+        "clients": list(params.clients),
+        "threshold": params.threshold,
+        "neighbors": params.neighbors,
+        "frac_bits": params.frac_bits,
+        "length": params.length,
+        "graph_seed": b64(params.graph_seed),
+        "weight_cap": weight_cap,
+        "bound": bound,
+    }
+
+
+def parse_params(payload: Any) -> tuple[secagg.Params, int, float]:
+    """The round's parameters as a client reads them from its TASK (ValueError if absurd)."""
+    if not isinstance(payload, dict):
+        raise ValueError("the task's secure parameters must be a JSON object")
+    try:
+        params = secagg.Params(
+            round=int(payload["round"]),
+            clients=tuple(int(c) for c in payload["clients"]),
+            threshold=int(payload["threshold"]),
+            neighbors=int(payload["neighbors"]),
+            frac_bits=int(payload["frac_bits"]),
+            length=int(payload["length"]),
+            graph_seed=base64.b64decode(str(payload["graph_seed"]), validate=True),
+        )
+        weight_cap, bound = int(payload["weight_cap"]), float(payload["bound"])
+    except (KeyError, TypeError, binascii.Error) as exc:
+        raise ValueError(f"the task's secure parameters are malformed ({exc})") from None
+    if not 1 <= weight_cap < 2**31 or not 0 < bound < float("inf"):
+        raise ValueError("the task's secure weight cap or bound is out of range")
+    return params, weight_cap, bound
+
+
+# ---------------------------------------------------------------------------- client side
+
+
+class RoundAbandoned(Exception):
+    """The coordinator moved on (a new TASK or FINISH) while this client was mid-round."""
+
+    def __init__(self, message: Any) -> None:
+        super().__init__("the coordinator moved on")
+        self.message = message
+
+
+def ask_lists(ask: dict[str, Any]) -> tuple[Any, Any]:
+    return ask.get("survivors"), ask.get("dropped")
+
+
+def _expect(conn: Connection, kind: int, task: int, timeout_s: float | None) -> dict[str, Any]:
+    """The coordinator's next step message for `task`; a TASK or FINISH instead means the
+    round was abandoned (RoundAbandoned carries it)."""
+    while True:
+        message = conn.recv(expect={kind, FedMsg.TASK, FedMsg.FINISH}, timeout_s=timeout_s)
+        if message.type != kind:
+            raise RoundAbandoned(message)
+        payload = message.payload
+        if isinstance(payload, dict) and payload.get("task") == task:
+            return payload
+        log.warning("dropped a message of type %#x for another task", kind)
+
+
+def client_round(
+    conn: Connection,
+    *,
+    client_id: int,
+    task: dict[str, Any],
+    train: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    weight: int,
+    timeout_s: float | None,
+) -> None:
+    """This client's side of a secure round, from a TASK to its last message. `train()` runs
+    local training and returns (RESULT payload, trained tensors, the global ones they started
+    from). Raises RoundAbandoned when the coordinator moved on."""
+    params, weight_cap, bound = parse_params(task["secure"])
+    number = int(task["task"])
+    me = secagg.Client(client_id, params)
+    c_key, s_key = me.public_keys()
+    conn.send_msg(FedMsg.SA_KEYS, {"task": number, "c": b64(c_key), "s": b64(s_key)})
+    roster = _expect(conn, FedMsg.SA_ROSTER, number, timeout_s)
+    keys = {
+        _client_id(k, -1, "roster"): tuple(
+            unb64(v, -1, "a relayed key", size=secagg.KEY_BYTES) for v in pair
+        )
+        for k, pair in dict(roster.get("keys", {})).items()
+        if isinstance(pair, list) and len(pair) == 2
+    }
+    boxes, commitment = me.share(keys)  # type: ignore[arg-type]
+    conn.send_msg(
+        FedMsg.SA_SHARES,
+        {
+            "task": number,
+            "boxes": {str(c): b64(box) for c, box in boxes.items()},
+            "commit": b64(commitment),
+        },
+    )
+    relayed = _expect(conn, FedMsg.SA_BOXES, number, timeout_s)
+    inbox = {}
+    for k, v in dict(relayed.get("boxes", {})).items():
+        sender = _client_id(k, -1, "boxes")
+        inbox[sender] = unb64(v, sender, "a share box", size=secagg.BOX_BYTES)
+    for refused in me.receive(inbox):
+        log.warning("secure round %d: %s", params.round, refused)
+    result, trained, base = train()
+    delta, norm = clip(flat_delta(trained, base), bound)
+    if norm > bound:
+        log.info("update norm %.3g clipped to %.3g (the coordinator cannot check it)", norm, bound)
+    masked = me.masked_input(delta.numpy(), min(weight, weight_cap))
+    conn.send_msg(FedMsg.RESULT, result)
+    conn.send_tensors(FedMsg.SA_MASKED, {"masked": torch.from_numpy(masked)})
+    ask = _expect(conn, FedMsg.SA_UNMASK, number, timeout_s)
+    survivors, dropped = ask_lists(ask)
+    if not all(isinstance(x, list) and all(type(i) is int for i in x) for x in ask_lists(ask)):
+        raise ValueError("SA_UNMASK must list survivors and dropped client ids")
+    shares = me.reveal(survivors, dropped)
+    conn.send_msg(
+        FedMsg.SA_REVEAL,
+        {
+            "task": number,
+            "shares": {str(c): [k, i, b64(s)] for c, (k, i, s) in shares.items()},
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- coordinator side
+
+
+@dataclass
+class SecureInbox:
+    """What clients' sessions read for the round in progress, handed to its thread: one
+    message per client and step, and only for the round's own tasks."""
+
+    tasks: dict[int, int] = field(default_factory=dict)
+    """client id -> the task number of the secure round it takes part in."""
+    seen: set[tuple[int, int]] = field(default_factory=set)
+    messages: queue.Queue[tuple[int, int, Any]] = field(default_factory=queue.Queue)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dropped: int = 0
+    gone: set[int] = field(default_factory=set)
+
+    def open(self, tasks: Mapping[int, int]) -> None:
+        with self.lock:
+            self.tasks = dict(tasks)
+            self.seen.clear()
+            self.gone = set()
+            self.messages = queue.Queue()
+
+    def close(self) -> None:
+        with self.lock:
+            self.tasks = {}
+
+    def offer(self, client: int, kind: int, payload: Any, *, task: Any) -> bool:
+        """A session thread's message; whether the round took it (else it is dropped)."""
+        with self.lock:
+            if self.tasks.get(client) != task or (client, kind) in self.seen:
+                self.dropped += 1
+                return False
+            self.seen.add((client, kind))
+            self.messages.put((client, kind, payload))
+            return True
+
+    def leave(self, client: int) -> None:
+        """`client`'s session ended: the round stops waiting for it."""
+        with self.lock:
+            if client in self.tasks:
+                self.gone.add(client)
+                self.messages.put((client, GONE, None))
+
+    def gather(self, kind: int, clients: Iterable[int], deadline: float) -> dict[int, Any]:
+        """`kind` messages from `clients` until all came (or left) or `deadline` passed."""
+        wanted = set(clients)
+        with self.lock:
+            wanted -= self.gone
+        got: dict[int, Any] = {}
+        postponed: list[tuple[int, int, Any]] = []
+        while wanted - set(got):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                client, k, payload = self.messages.get(timeout=left)
+            except queue.Empty:
+                break
+            if k == GONE:
+                wanted.discard(client)
+            elif k == kind and client in wanted:
+                got[client] = payload
+            else:
+                postponed.append((client, k, payload))  # a fast client's next step
+        for item in postponed:
+            self.messages.put(item)
+        return got
+
+
+@dataclass
+class SecureOutcome:
+    """A secure round's end: the new trained tensors (None if it failed), the results of the
+    clients whose input the sum holds, and who failed or was refused."""
+
+    merged: dict[str, torch.Tensor] | None
+    results: list[Any]
+    participants: list[int]
+    failures: list[int]
+    refused: int
+    reason: str = ""
+
+
+class SecureRound:
+    """One secure round, run by the coordinator's round thread."""
+
+    def __init__(
+        self,
+        *,
+        inbox: SecureInbox,
+        clients: list[Any],
+        trained: dict[str, torch.Tensor],
+        round_index: int,
+        neighbors: int,
+        threshold: float,
+        weight_cap: int,
+        bound: float,
+        step_timeout_s: float,
+        input_timeout_s: float,
+        declared: Mapping[int, int],
+    ) -> None:
+        self.inbox = inbox
+        self.declared = {c: min(int(n), weight_cap) for c, n in declared.items()}
+        """Each client's examples as declared at JOIN, capped: the most weight it may use."""
+        self.clients = {c.client_id: c for c in clients}
+        self.trained = trained
+        ids = tuple(sorted(self.clients))
+        length = sum(t.numel() for t in trained.values()) + 1
+        degree = min(neighbors or len(ids), len(ids) - 1)
+        self.params = secagg.Params(
+            round=round_index,
+            clients=ids,
+            threshold=min(degree + 1, max(2, math.ceil(threshold * (degree + 1)))),
+            neighbors=neighbors or max(1, len(ids) - 1),
+            frac_bits=secagg.frac_bits_for(len(ids), weight_cap, bound * VALUE_BOUND_FACTOR),
+            length=length,
+            graph_seed=secrets.token_bytes(8),
+        )
+        self.server = secagg.Server(self.params)
+        self.weight_cap, self.bound = weight_cap, bound
+        self.step_timeout_s, self.input_timeout_s = step_timeout_s, input_timeout_s
+        self.failures: set[int] = set()
+        self.refused = 0
+        self.elapsed_s = self.waiting_s = 0.0
+
+    def task_fields(self, client: int) -> dict[str, Any]:
+        """The TASK's secure parameters for `client` (its own weight cap included)."""
+        cap = self.declared[client]
+        return {"secure": params_message(self.params, weight_cap=cap, bound=self.bound)}
+
+    def _refuse(self, exc: secagg.Refused | ValueError, client: int) -> None:
+        log.warning("round %d: refused client %d: %s", self.params.round, client, peer_text(exc))
+        self.failures.add(client)
+        self.refused += 1
+
+    def _send(self, client: int, kind: int, payload: dict[str, Any]) -> None:
+        try:
+            self.clients[client].conn.send_msg(kind, payload)
+        except NetprotoError as exc:
+            log.warning("round %d: cannot reach client %d: %s", self.params.round, client, exc)
+            self.failures.add(client)
+
+    def _step(self, kind: int, clients: Iterable[int], timeout_s: float) -> dict[int, Any]:
+        wanted = [c for c in clients if c not in self.failures]
+        waited = time.perf_counter()
+        got = self.inbox.gather(kind, wanted, time.monotonic() + timeout_s)
+        self.waiting_s += time.perf_counter() - waited
+        self.failures |= set(wanted) - set(got)
+        return got
+
+    @property
+    def coordinator_s(self) -> float:
+        """The coordinator's own seconds in the round: all of it but the waits for clients."""
+        return self.elapsed_s - self.waiting_s
+
+    def run(self, tasks: Mapping[int, int]) -> SecureOutcome:
+        """The steps after the TASKs went out (`tasks`: client id -> task number)."""
+        started = time.perf_counter()
+        try:
+            return self._run(tasks)
+        except secagg.RoundFailed as exc:
+            log.warning("round %d: secure aggregation failed: %s", self.params.round, exc)
+            return SecureOutcome(None, [], [], sorted(self.failures), self.refused, str(exc))
+        finally:
+            self.inbox.close()
+            self.elapsed_s = time.perf_counter() - started
+
+    def _run(self, tasks: Mapping[int, int]) -> SecureOutcome:
+        server = self.server
+        for client, payload in self._step(FedMsg.SA_KEYS, tasks, self.step_timeout_s).items():
+            try:
+                body = _json_object(payload, client, "SA_KEYS", ("c", "s"))
+                server.add_keys(
+                    client,
+                    unb64(body["c"], client, "its c key", size=secagg.KEY_BYTES),
+                    unb64(body["s"], client, "its s key", size=secagg.KEY_BYTES),
+                )
+            except secagg.Refused as exc:
+                self._refuse(exc, client)
+        self._enough(server.keys, "advertised keys")
+        for client in server.keys:
+            keys = server.keys_for(client)
+            self._send(
+                client,
+                FedMsg.SA_ROSTER,
+                {
+                    "task": tasks[client],
+                    "keys": {str(c): [b64(ck), b64(sk)] for c, (ck, sk) in keys.items()},
+                },
+            )
+        for client, payload in self._step(
+            FedMsg.SA_SHARES, list(server.keys), self.step_timeout_s
+        ).items():
+            try:
+                body = _json_object(payload, client, "SA_SHARES", ("boxes", "commit"))
+                if not isinstance(body["boxes"], dict):
+                    raise secagg.Refused(client, "its boxes must be a JSON object")
+                boxes = {
+                    _client_id(k, client, "a box's recipient"): unb64(
+                        v, client, "a share box", size=secagg.BOX_BYTES
+                    )
+                    for k, v in body["boxes"].items()
+                }
+                commit = unb64(body["commit"], client, "its commitment", size=secagg.COMMIT_BYTES)
+                server.add_shares(client, boxes, commit)
+            except secagg.Refused as exc:
+                self._refuse(exc, client)
+        self._enough(server.commitments, "shared their keys")
+        for client in server.commitments:
+            self._send(
+                client,
+                FedMsg.SA_BOXES,
+                {
+                    "task": tasks[client],
+                    "boxes": {str(c): b64(b) for c, b in server.boxes_for(client).items()},
+                },
+            )
+        results: dict[int, Any] = {}
+        for client, (payload, tensors) in self._step(
+            FedMsg.SA_MASKED, list(server.commitments), self.input_timeout_s
+        ).items():
+            try:
+                results[client] = parse_result(
+                    payload, task=tasks[client], round_index=self.params.round
+                )
+                masked = tensors.get("masked") if isinstance(tensors, dict) else None
+                if len(tensors) != 1 or not isinstance(masked, torch.Tensor):
+                    raise secagg.Refused(client, "SA_MASKED must hold one tensor, 'masked'")
+                if masked.dtype != torch.uint64:
+                    raise secagg.Refused(client, f"a masked input of {masked.dtype}, not uint64")
+                server.add_input(client, masked.numpy().copy())
+            except (secagg.Refused, ValueError) as exc:
+                results.pop(client, None)
+                self._refuse(exc, client)
+        survivors, dropped = server.unmask_request()
+        for client in survivors:
+            self._send(
+                client,
+                FedMsg.SA_UNMASK,
+                {"task": tasks[client], "survivors": survivors, "dropped": dropped},
+            )
+        for client, payload in self._step(FedMsg.SA_REVEAL, survivors, self.step_timeout_s).items():
+            try:
+                body = _json_object(payload, client, "SA_REVEAL", ("shares",))
+                if not isinstance(body["shares"], dict):
+                    raise secagg.Refused(client, "its shares must be a JSON object")
+                shares = {}
+                for k, item in body["shares"].items():
+                    owner = _client_id(k, client, "a share's owner")
+                    if not isinstance(item, list) or len(item) != 3 or type(item[1]) is not int:
+                        raise secagg.Refused(client, "a revealed share is [kind, index, bytes]")
+                    shares[owner] = (item[0], item[1], unb64(item[2], client, "a share", size=None))
+                server.add_reveal(client, shares)
+            except secagg.Refused as exc:
+                self._refuse(exc, client)
+        total, weight, refused = server.aggregate()
+        for wrong in refused:
+            self._refuse(wrong, wrong.client)
+        allowed = sum(self.declared[c] for c in survivors)
+        if not 0 < weight <= allowed:
+            # a client scaled by more than it declared (its weight is masked: only the sum
+            # shows it): the sum is not the round's weighted mean
+            raise secagg.RoundFailed(
+                f"the weights sum to {weight}, outside 1..{allowed} (what the survivors declared)"
+            )
+        mean = torch.from_numpy(total / weight)
+        merged = {
+            name: (base.double() + step.double()).to(base.dtype)
+            for (name, base), step in zip(
+                self.trained.items(), unflatten(mean, self.trained).values(), strict=True
+            )
+        }
+        return SecureOutcome(
+            merged,
+            [results[c] for c in survivors if c in results],
+            survivors,
+            sorted(self.failures),
+            self.refused,
+        )
+
+    def _enough(self, present: Mapping[int, Any], what: str) -> None:
+        if len(present) < self.params.threshold:
+            raise secagg.RoundFailed(
+                f"{len(present)} clients {what}; the threshold is {self.params.threshold}"
+            )

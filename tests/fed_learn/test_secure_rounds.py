@@ -1,0 +1,376 @@
+"""Secure aggregation over the wire (fed_learn.secure): a live coordinator and scripted clients
+that run the real client side of the protocol, some of them rogue or dropping out at a step.
+
+The honest clients answer with the global adapter plus a fixed offset, so the unmasked sum is
+known exactly; every test checks the round's outcome against it."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fed_learn import secagg, secure
+from fed_learn.config import FedConfig, FedLearnRunConfig, SecAggConfig
+from fed_learn.coordinator import Coordinator
+from fed_learn.lora import adapter_state, peft_model
+from fed_learn.protocol import FedMsg
+from fed_learn.run import run
+from lab.cluster import connect, serve
+from lab.config import Endpoint, PathsConfig, TrackingConfig
+from lab.tracking import METRICS_FILE, Tracker, read_records
+from netproto import Connection, NetprotoError
+
+from .test_adversarial import MODEL, State, offset_delta, result_for
+
+Step = Callable[[Connection, dict[str, Any], State, "SecurePlayer"], None]
+
+
+def honest_train(task: dict[str, Any], global_state: State, offset: float, examples: int):
+    names = sorted(global_state)
+    delta = offset_delta(global_state, offset)
+    local = {n: global_state[n] + delta[n] for n in names}
+    return result_for(task, num_examples=examples), local, {n: global_state[n] for n in names}
+
+
+@dataclass
+class SecurePlayer:
+    """A scripted client: joins, then runs `step` on each task (default: the honest
+    protocol with its update = global + `offset`)."""
+
+    offset: float = 0.01
+    examples: int = 10
+    step: Step | None = None
+    name: str = "honest"
+    client_id: int = -1
+    errors: list[BaseException] = field(default_factory=list)
+
+    def play(self, conn: Connection) -> None:
+        try:
+            welcome = conn.request(
+                FedMsg.JOIN,
+                {"name": self.name, "num_examples": self.examples},
+                expect=FedMsg.WELCOME,
+            ).payload
+            self.client_id = welcome["client_id"]
+            pending = None
+            while True:
+                message = pending or conn.recv(expect={FedMsg.TASK, FedMsg.FINISH})
+                pending = None
+                if message.type == FedMsg.FINISH:
+                    return
+                global_state = conn.recv_tensors(FedMsg.GLOBAL)
+                try:
+                    (self.step or honest)(conn, message.payload, global_state, self)
+                except secure.RoundAbandoned as moved:
+                    pending = moved.message
+                except (ValueError, secagg.RoundFailed) as exc:
+                    self.errors.append(exc)
+        except NetprotoError as exc:
+            self.errors.append(exc)
+        finally:
+            conn.close()
+
+
+def honest(conn: Connection, task: dict[str, Any], state: State, me: SecurePlayer) -> None:
+    secure.client_round(
+        conn,
+        client_id=me.client_id,
+        task=task,
+        train=lambda: honest_train(task, state, me.offset, me.examples),
+        weight=me.examples,
+        timeout_s=30,
+    )
+
+
+@pytest.fixture
+def secure_federation(
+    tiny_models: Path, lab_cache: Path, tmp_path: Path
+) -> Iterator[Callable[..., tuple[Coordinator, State, list[dict[str, Any]]]]]:
+    servers, threads = [], []
+
+    def start(players: list[SecurePlayer], **fed: Any):
+        settings = FedLearnRunConfig(
+            model=MODEL,
+            fed=replace(
+                FedConfig(
+                    rounds=1,
+                    num_clients=len(players),
+                    min_fit_clients=2,
+                    round_timeout_s=30,
+                    wait_clients_s=10,
+                    max_examples_per_client=32,
+                    eval_blocks=4,
+                    heartbeat_s=0.5,
+                    heartbeat_timeout_s=20,
+                    secure_aggregation=True,
+                    secagg=SecAggConfig(step_timeout_s=5.0),
+                ),
+                **fed,
+            ),
+            paths=PathsConfig(run_dir=str(tmp_path), cache_dir=str(lab_cache)),
+            tracking=TrackingConfig(wandb=False, console=False),
+        )
+        model = peft_model(MODEL, settings.lora, cache_dir=lab_cache)
+        coordinator = Coordinator(settings, model, torch.randint(0, 300, (4, 32)))
+        server = serve(coordinator.handle, settings.cluster, Endpoint(), name="coordinator")
+        servers.append(server)
+        for player in players:
+            conn = connect(settings.cluster, server.address)
+            threads.append(threading.Thread(target=player.play, args=(conn,), daemon=True))
+            threads[-1].start()
+        coordinator.wait_for_clients(len(players))
+        initial = adapter_state(model)
+        with Tracker(
+            tmp_path, config={}, tracking=TrackingConfig(wandb=False, console=False), job="t"
+        ) as tracker:
+            coordinator.run_rounds(tracker)
+        rounds = [r for r in read_records(tmp_path / METRICS_FILE) if "clients" in r]
+        return coordinator, initial, rounds
+
+    yield start
+    for server in servers:
+        server.stop()
+    for thread in threads:
+        thread.join(timeout=15)
+    assert not any(thread.is_alive() for thread in threads), "a scripted client hung"
+
+
+def expected_mean(initial: State, offsets: list[float], weights: list[int]) -> State:
+    mean = sum(o * w for o, w in zip(offsets, weights, strict=True)) / sum(weights)
+    delta = offset_delta(initial, mean)
+    return {n: initial[n] + delta[n] for n in initial}
+
+
+def assert_adapter(coordinator: Coordinator, expected: State) -> None:
+    got = adapter_state(coordinator.model)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_the_secure_round_gives_the_weighted_mean(secure_federation) -> None:
+    players = [SecurePlayer(0.01, 10), SecurePlayer(0.03, 20), SecurePlayer(-0.02, 5)]
+    coordinator, initial, rounds = secure_federation(players)
+    assert_adapter(coordinator, expected_mean(initial, [0.01, 0.03, -0.02], [10, 20, 5]))
+    assert rounds[0]["clients"] == 3 and rounds[0]["refused"] == 0
+    assert all(not p.errors for p in players)
+
+
+def test_sparse_neighbourhoods_give_the_same_mean(secure_federation) -> None:
+    offsets = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06]
+    players = [SecurePlayer(o, 10) for o in offsets]
+    coordinator, initial, _ = secure_federation(
+        players, secagg=SecAggConfig(neighbors=2, threshold=0.5, step_timeout_s=5.0)
+    )
+    assert_adapter(coordinator, expected_mean(initial, offsets, [10] * 6))
+
+
+# ------------------------------------------------------------------ rogues, dropouts
+
+
+def _send_then_leave(kind: int, payload: Callable[[dict[str, Any]], Any]) -> Step:
+    """A client that answers the task's first step with `payload(task)` and nothing more."""
+
+    def step(conn: Connection, task: dict[str, Any], state: State, me: SecurePlayer) -> None:
+        if kind == FedMsg.SA_MASKED:
+            conn.send_tensors(kind, payload(task))
+        else:
+            conn.send_msg(kind, payload(task))
+
+    return step
+
+
+def _until(stop_at: int, *, then: Callable[..., None] | None = None) -> Step:
+    """The honest protocol, stopped just before sending message type `stop_at` (then
+    `then(conn, task, me)` instead, if given)."""
+
+    def step(conn: Connection, task: dict[str, Any], state: State, me: SecurePlayer) -> None:
+        original = conn.send_msg, conn.send_tensors
+
+        class Stop(Exception):
+            pass
+
+        def guard(send: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(kind: int, payload: Any, **kw: Any) -> Any:
+                if kind == stop_at:
+                    if then is not None:
+                        then(conn, task, payload, original)
+                    raise Stop
+                return send(kind, payload, **kw)
+
+            return wrapped
+
+        conn.send_msg, conn.send_tensors = guard(original[0]), guard(original[1])  # type: ignore[method-assign]
+        try:
+            honest(conn, task, state, me)
+        except Stop:
+            pass
+        finally:
+            conn.send_msg, conn.send_tensors = original  # type: ignore[method-assign]
+
+    return step
+
+
+ROGUE_KEYS = {
+    "not_base64": lambda task: {"task": task["task"], "c": "%%%", "s": "%%%"},
+    "short_key": lambda task: {
+        "task": task["task"],
+        "c": base64.b64encode(b"x" * 31).decode(),
+        "s": base64.b64encode(b"y" * 32).decode(),
+    },
+    "not_an_object": lambda task: ["task", task["task"]],
+}
+
+
+@pytest.mark.parametrize("payload", ROGUE_KEYS.values(), ids=ROGUE_KEYS.keys())
+def test_malformed_keys_are_refused_and_the_round_goes_on(secure_federation, payload) -> None:
+    players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(0.03)]
+    players.append(SecurePlayer(5.0, step=_send_then_leave(FedMsg.SA_KEYS, payload), name="r"))
+    coordinator, initial, rounds = secure_federation(players)
+    assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03], [10] * 3))
+    assert rounds[0]["clients"] == 3
+    # "not_an_object" answers no task (no "task" field): dropped, not refused
+    assert rounds[0]["refused"] == (0 if isinstance(payload({"task": 1}), list) else 1)
+
+
+def _leave(conn, task, payload, send) -> None:
+    conn.close()  # a dropout: the connection goes
+
+
+def _bad_boxes(conn, task, payload, send) -> None:
+    payload["boxes"] = {k: base64.b64encode(b"z" * 10).decode() for k in payload["boxes"]}
+    send[0](FedMsg.SA_SHARES, payload)
+
+
+def _float_mask(conn, task, payload, send) -> None:
+    send[1](FedMsg.SA_MASKED, {"masked": torch.zeros(payload["masked"].numel())})
+
+
+def _corrupt_share(conn, task, payload, send) -> None:
+    for share in payload["shares"].values():
+        raw = bytearray(base64.b64decode(share[2]))
+        raw[0] ^= 0xFF
+        share[2] = base64.b64encode(bytes(raw)).decode()
+    send[0](FedMsg.SA_REVEAL, payload)
+
+
+def test_a_malformed_share_box_is_refused_and_the_round_goes_on(secure_federation) -> None:
+    players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(0.03)]
+    players.append(SecurePlayer(5.0, step=_until(FedMsg.SA_SHARES, then=_bad_boxes), name="r"))
+    coordinator, initial, rounds = secure_federation(players)
+    assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03], [10] * 3))
+    assert rounds[0]["refused"] == 1
+
+
+def test_a_malformed_masked_input_is_refused_its_masks_removed(secure_federation) -> None:
+    """It shared its keys, so the others masked with it: its pairwise masks are rebuilt
+    from its key's shares and taken out of the sum."""
+    players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(0.03)]
+    players.append(SecurePlayer(5.0, step=_until(FedMsg.SA_MASKED, then=_float_mask), name="r"))
+    coordinator, initial, rounds = secure_federation(players)
+    assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03], [10] * 3))
+    assert rounds[0]["refused"] == 1 and rounds[0]["clients"] == 3
+
+
+def test_a_client_gone_before_its_masked_input_is_recovered(secure_federation) -> None:
+    players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(0.03)]
+    players.append(SecurePlayer(5.0, step=_until(FedMsg.RESULT, then=_leave), name="quits"))
+    coordinator, initial, rounds = secure_federation(players)
+    assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03], [10] * 3))
+    assert rounds[0]["clients"] == 3 and rounds[0]["failures"] == 1
+
+
+def test_a_client_gone_after_its_masked_input_still_counts(secure_federation) -> None:
+    players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(0.03)]
+    players.append(
+        SecurePlayer(0.04, step=_until(FedMsg.SA_REVEAL, then=_leave), name="quits late")
+    )
+    coordinator, initial, rounds = secure_federation(players)
+    assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03, 0.04], [10] * 4))
+    assert rounds[0]["clients"] == 4
+
+
+def test_a_corrupt_share_is_traced_to_its_sender_and_the_sum_stays_right(
+    secure_federation,
+) -> None:
+    players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(0.03)]
+    players.append(
+        SecurePlayer(0.04, step=_until(FedMsg.SA_REVEAL, then=_corrupt_share), name="liar")
+    )
+    coordinator, initial, rounds = secure_federation(players)
+    assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03, 0.04], [10] * 4))
+    assert rounds[0]["refused"] >= 1
+
+
+def test_a_weight_above_the_declared_one_fails_the_round(secure_federation) -> None:
+    """A client masks its update with more weight than it declared at JOIN (the task's cap
+    says what it may use): only the sum shows it, and the round keeps the old adapter."""
+
+    def inflated(conn, task, state, me) -> None:
+        task = {**task, "secure": {**task["secure"], "weight_cap": 10_000}}
+        secure.client_round(
+            conn,
+            client_id=me.client_id,
+            task=task,
+            train=lambda: honest_train(task, state, 5.0, 10),
+            weight=10_000,
+            timeout_s=30,
+        )
+
+    players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(step=inflated, name="heavy")]
+    coordinator, initial, rounds = secure_federation(players)
+    assert_adapter(coordinator, initial)
+    assert rounds[0]["clients"] == 0
+
+
+def test_too_few_clients_fail_the_round_in_one_line_and_the_run_goes_on(
+    secure_federation, caplog
+) -> None:
+    players = [SecurePlayer(0.01)]
+    # two stay connected and silent: each round waits out its key step, then fails
+    players += [SecurePlayer(0.02, step=_until(FedMsg.SA_KEYS), name=f"q{i}") for i in range(2)]
+    with caplog.at_level("WARNING"):
+        coordinator, initial, rounds = secure_federation(players, rounds=2)
+    failed = [r for r in caplog.records if "secure aggregation failed" in r.getMessage()]
+    assert len(failed) == 2 and "the threshold is 2" in failed[0].getMessage()
+    assert [r["step"] for r in rounds] == [1, 2]  # both rounds ran and were logged
+    assert_adapter(coordinator, initial)
+
+
+def test_secure_options_that_need_single_updates_are_refused() -> None:
+    for bad, message in [
+        ({"mode": "async"}, "fed.mode=async"),
+        ({"aggregator": "median"}, "fed.aggregator=median"),
+        ({"strategy": "svd"}, "fed.strategy=svd"),
+        ({"compression": "topk"}, "fed.compression=topk"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            FedConfig(secure_aggregation=True, **bad)
+
+
+def test_a_real_secure_run_trains_as_the_plain_one(compose_config, tiny_models: Path) -> None:
+    """Real LoRA clients in their own processes: secure aggregation's validation losses equal
+    the plain run's round for round (the same seeds; the sum differs by rounding alone)."""
+    quick = [
+        "model.lab_preset=debug",
+        "tracking.wandb=false",
+        "fed.num_clients=3",
+        "fed.rounds=2",
+        "fed.local_steps=10",
+        "fed.max_examples_per_client=512",
+        "fed.eval_blocks=16",
+        "fed.centralized_baseline=false",
+    ]
+    plain = run(compose_config("fed_learn", quick))
+    secured = run(compose_config("fed_learn", [*quick, "fed.secure_aggregation=true"]))
+    assert secured["final_val_loss"] == pytest.approx(plain["final_val_loss"], rel=1e-5)
+    assert secured["final_val_loss"] < secured["initial_val_loss"]
+    assert secured["mean_clients_per_round"] == 3
+    assert secured["bytes_up_per_round"] > plain["bytes_up_per_round"]  # uint64 and keys
+    assert secured["refused"] == 0
