@@ -212,6 +212,7 @@ class FedConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("fed.heartbeat_timeout_s must exceed fed.heartbeat_s")
         self._check_secure()
+        self._check_dp()
         per_round = max(self.min_fit_clients, math.ceil(self.num_clients * self.fraction_fit))
         if self.aggregator == "trimmed_mean" and int(self.trim_fraction * per_round) == 0:
             warnings.warn(
@@ -222,6 +223,24 @@ class FedConfig:
                 UserWarning,
                 stacklevel=2,
             )
+
+    def _check_dp(self) -> None:
+        if not self.dp.enabled:
+            return
+        for key, applies, why in (
+            ("fed.mode=async", self.mode == "async", "applies updates one at a time"),
+            (
+                f"fed.aggregator={self.aggregator}",
+                self.aggregator != "mean",
+                "is not a sum whose sensitivity a clip bounds",
+            ),
+            ("fed.strategy=svd", self.strategy == "svd", "re-factorizes products"),
+        ):
+            if applies:
+                raise ValueError(
+                    f"fed.dp.enabled=true with {key}: DP-FedAvg noises a clipped, weighted sum "
+                    f"of updates, and {key.split('=')[0]} {why}"
+                )
 
     def _check_secure(self) -> None:
         """Secure aggregation gives the coordinator a sum: what needs single updates is

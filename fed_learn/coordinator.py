@@ -40,6 +40,7 @@ from fed_learn.admission import Admission, ClientHandle, NotEnoughClientsError, 
 from fed_learn.aggregate import combiner, mix, staleness_weight
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
+from fed_learn.privacy import Accountant, central_mean, noise_multiplier_for
 from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result
 from fed_learn.secure import SecureInbox, SecureRound
 from fed_learn.strategy import Strategy
@@ -93,6 +94,9 @@ class Coordinator:
         """The global adapter's validation loss before the first round (kept across resumes)."""
         self._lock = self.admission.lock  # one lock for the client table and what rounds share
         self._finished = threading.Event()
+        self.accountant = Accountant(self.fed.dp.accountant) if self.fed.dp.enabled else None
+        """DP: the privacy spent over the rounds run (fed_learn.privacy)."""
+        self.noise_multiplier = 0.0
         self.secure_inbox = SecureInbox()
         """A secure round's step messages, from the sessions to the round (fed_learn.secure)."""
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
@@ -263,6 +267,7 @@ class Coordinator:
         rng = random.Random(self.settings.seed)
         history = self.history
         initial_loss = self._initial_loss(tracker, rounds.start)
+        self._resolve_noise()
         for round_index in rounds:
             self.round = round_index  # sessions read it: a client joining now starts next round
             first = round_index == rounds.start  # give the whole roster a moment to join
@@ -291,7 +296,7 @@ class Coordinator:
             if self.fed.secure_aggregation:
                 pass  # the round unmasked its sum and loaded it (or said why not)
             elif len(updates) >= self.fed.min_fit_clients:
-                outcome = self._aggregate(updates)
+                outcome = self._aggregate(updates, global_state, sampled)
             else:
                 outcome = "kept previous adapter"
                 log.warning(
@@ -316,6 +321,17 @@ class Coordinator:
                     sum(r.train_loss for r in results) / len(results) if results else float("nan")
                 ),
             }
+            if self.accountant is not None:
+                self.accountant.step(
+                    noise_multiplier=self.noise_multiplier, sample_rate=len(sampled) / len(alive)
+                )
+                metrics["dp_epsilon"] = self.accountant.epsilon(self.fed.dp.delta)
+                log.info(
+                    "round %d: privacy spent so far epsilon=%.3f at delta=%g",
+                    self.round + 1,
+                    metrics["dp_epsilon"],
+                    self.fed.dp.delta,
+                )
             coordinator_s += time.perf_counter() - aggregate_started
             history.append(
                 self._close_round(
@@ -340,6 +356,7 @@ class Coordinator:
             "refused": sum(h["refused"] for h in history),
             "dropped_results": float(self.admission.dropped_results()),
             **round_averages(history),
+            **self._privacy_summary(),
         }
 
     def _secure_round(
@@ -356,8 +373,9 @@ class Coordinator:
             round_index=self.round,
             neighbors=fed.secagg.neighbors,
             threshold=fed.secagg.threshold,
-            weight_cap=fed.max_examples_per_client,
-            bound=fed.max_update_norm,
+            weight_cap=fed.dp.weight_cap if fed.dp.enabled else fed.max_examples_per_client,
+            bound=fed.dp.clip_norm if fed.dp.enabled else fed.max_update_norm,
+            noise_multiplier=self.noise_multiplier,
             step_timeout_s=fed.secagg.step_timeout_s,
             input_timeout_s=fed.round_timeout_s,
             declared={c.client_id: c.num_examples for c in sampled},
@@ -403,11 +421,68 @@ class Coordinator:
         load_adapter_state(self.model, {**global_state, **outcome.merged})
         return collected, "aggregated securely", secure.coordinator_s
 
-    def _aggregate(self, updates: list[tuple[dict[str, torch.Tensor], int]]) -> str:
+    def _resolve_noise(self) -> None:
+        """DP: the noise multiplier, as set or derived from fed.dp.target_epsilon over the
+        run's rounds at the expected sampling rate (Opacus's search)."""
+        dp, fed = self.fed.dp, self.fed
+        if not dp.enabled:
+            return
+        self.noise_multiplier = dp.noise_multiplier
+        if self.noise_multiplier == 0:
+            per_round = max(fed.min_fit_clients, math.ceil(fed.fraction_fit * fed.num_clients))
+            rate = min(1.0, per_round / fed.num_clients)
+            self.noise_multiplier = noise_multiplier_for(
+                dp.target_epsilon,
+                delta=dp.delta,
+                sample_rate=rate,
+                rounds=fed.rounds,
+                kind=dp.accountant,
+            )
+            log.info(
+                "DP: noise multiplier %.4f for epsilon %g at delta %g over %d rounds (sampling "
+                "rate %.3f)",
+                self.noise_multiplier,
+                dp.target_epsilon,
+                dp.delta,
+                fed.rounds,
+                rate,
+            )
+
+    def _privacy_summary(self) -> dict[str, float]:
+        if self.accountant is None:
+            return {}
+        return {
+            "dp_epsilon": self.accountant.epsilon(self.fed.dp.delta),
+            "dp_delta": self.fed.dp.delta,
+            "dp_noise_multiplier": self.noise_multiplier,
+        }
+
+    def _aggregate(
+        self,
+        updates: list[tuple[dict[str, torch.Tensor], int]],
+        global_state: dict[str, torch.Tensor],
+        sampled: list[ClientHandle],
+    ) -> str:
         """Load the strategy's aggregate of `updates` as the global adapter; the round's
-        outcome (the previous adapter stays if they cannot be aggregated)."""
+        outcome (the previous adapter stays if they cannot be aggregated). With DP, the
+        clipped, noised mean of their updates instead (`privacy.central_mean`)."""
         try:  # admitted updates always should: if not, say so loudly and go on
-            merged = self.strategy.aggregate(updates)
+            if self.fed.dp.enabled:
+                dp = self.fed.dp
+                trained = {n: global_state[n] for n in self.strategy.trained(global_state)}
+                merged = {
+                    **global_state,
+                    **central_mean(
+                        updates,
+                        trained,
+                        clip_norm=dp.clip_norm,
+                        noise_multiplier=self.noise_multiplier,
+                        weight_cap=dp.weight_cap,
+                        denominator=float(sum(min(c.num_examples, dp.weight_cap) for c in sampled)),
+                    ),
+                }
+            else:
+                merged = self.strategy.aggregate(updates)
             if not all(bool(torch.isfinite(t).all()) for t in merged.values()):
                 raise ValueError("the aggregate is not finite")
         except ValueError as exc:
@@ -694,6 +769,7 @@ class Coordinator:
             "initial_val_loss": self.initial_loss,
             "roster": roster,
             "config": config,
+            "dp_history": self.accountant.state() if self.accountant is not None else [],
         }
         with atomic.staged_dir(final) as staging:
             self.model.save_pretrained(staging)  # adapter_model.safetensors + adapter_config
@@ -715,6 +791,8 @@ class Coordinator:
         load_adapter_state(self.model, load_file(str(folder / "adapter_model.safetensors")))
         state = json.loads((folder / "fed_state.json").read_text())
         self.history = [dict(h) for h in state.get("history", [])]
+        if self.accountant is not None:  # the privacy already spent stays spent
+            self.accountant.restore(state.get("dp_history", []))
         initial = state.get("initial_val_loss")
         self.initial_loss = float(initial) if isinstance(initial, (int, float)) else None
         # the adapter it loaded, on the same held-out text: the saved round's loss again

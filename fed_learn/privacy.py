@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,3 +140,27 @@ def noise_multiplier_for(
                 accountant=kind,
             )
         )
+
+
+def central_mean(
+    updates: Sequence[tuple[Mapping[str, torch.Tensor], int]],
+    base: Mapping[str, torch.Tensor],
+    *,
+    clip_norm: float,
+    noise_multiplier: float,
+    weight_cap: int,
+    denominator: float,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """DP-FedAvg's step where the coordinator is trusted with single updates (no secure
+    aggregation): each client's update (its adapter minus `base`, over `base`'s tensors)
+    clipped to `clip_norm`, weighted by min(examples, weight_cap), summed, Gaussian noise of
+    std noise_multiplier x clip_norm x weight_cap added, divided by `denominator`; returns
+    `base` moved by that mean."""
+    total = torch.zeros(sum(t.numel() for t in base.values()), dtype=torch.float64)
+    for adapter, weight in updates:
+        delta, _ = clip(flat_delta(adapter, base), clip_norm)
+        total += min(int(weight), weight_cap) * delta
+    total += gaussian(total.numel(), noise_multiplier * clip_norm * weight_cap, generator)
+    step = unflatten(total / denominator, {n: t.double() for n, t in base.items()})
+    return {n: (t.double() + step[n]).to(t.dtype) for n, t in base.items()}

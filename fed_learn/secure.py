@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from fed_learn import secagg
-from fed_learn.privacy import clip, flat_delta, unflatten
+from fed_learn.privacy import clip, flat_delta, gaussian, unflatten
 from fed_learn.protocol import FedMsg, parse_result
 from netproto import Connection, NetprotoError
 from netproto.errors import peer_text
@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 
 GONE = -1
 """An inbox entry: the client's session ended."""
-VALUE_BOUND_FACTOR = 1.0
-"""A clipped update's entries are at most its norm bound in size."""
+NOISE_SIGMAS = 12.0
+"""The fixed point leaves room for noise this many standard deviations out (a clipped,
+weighted update's entries are at most its norm bound times its weight)."""
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -92,8 +93,11 @@ def _json_object(payload: Any, client: int, what: str, keys: Iterable[str]) -> d
     return payload
 
 
-def params_message(params: secagg.Params, *, weight_cap: int, bound: float) -> dict[str, Any]:
+def params_message(
+    params: secagg.Params, *, weight_cap: int, bound: float, noise_std: float = 0.0
+) -> dict[str, Any]:
     return {
+        "noise_std": noise_std,
         "round": params.round,
         "clients": list(params.clients),
         "threshold": params.threshold,
@@ -106,8 +110,9 @@ def params_message(params: secagg.Params, *, weight_cap: int, bound: float) -> d
     }
 
 
-def parse_params(payload: Any) -> tuple[secagg.Params, int, float]:
-    """The round's parameters as a client reads them from its TASK (ValueError if absurd)."""
+def parse_params(payload: Any) -> tuple[secagg.Params, int, float, float]:
+    """The round's parameters as a client reads them from its TASK: (params, its weight cap,
+    the norm it clips to, the std of its share of DP noise); ValueError if absurd."""
     if not isinstance(payload, dict):
         raise ValueError("the task's secure parameters must be a JSON object")
     try:
@@ -121,11 +126,14 @@ def parse_params(payload: Any) -> tuple[secagg.Params, int, float]:
             graph_seed=base64.b64decode(str(payload["graph_seed"]), validate=True),
         )
         weight_cap, bound = int(payload["weight_cap"]), float(payload["bound"])
+        noise_std = float(payload.get("noise_std", 0.0))
     except (KeyError, TypeError, binascii.Error) as exc:
         raise ValueError(f"the task's secure parameters are malformed ({exc})") from None
     if not 1 <= weight_cap < 2**31 or not 0 < bound < float("inf"):
         raise ValueError("the task's secure weight cap or bound is out of range")
-    return params, weight_cap, bound
+    if not 0 <= noise_std < float("inf"):
+        raise ValueError("the task's noise_std is out of range")
+    return params, weight_cap, bound, noise_std
 
 
 # ---------------------------------------------------------------------------- client side
@@ -168,7 +176,7 @@ def client_round(
     """This client's side of a secure round, from a TASK to its last message. `train()` runs
     local training and returns (RESULT payload, trained tensors, the global ones they started
     from). Raises RoundAbandoned when the coordinator moved on."""
-    params, weight_cap, bound = parse_params(task["secure"])
+    params, weight_cap, bound, noise_std = parse_params(task["secure"])
     number = int(task["task"])
     me = secagg.Client(client_id, params)
     c_key, s_key = me.public_keys()
@@ -201,7 +209,8 @@ def client_round(
     delta, norm = clip(flat_delta(trained, base), bound)
     if norm > bound:
         log.info("update norm %.3g clipped to %.3g (the coordinator cannot check it)", norm, bound)
-    masked = me.masked_input(delta.numpy(), min(weight, weight_cap))
+    noise = gaussian(params.length - 1, noise_std).numpy() if noise_std > 0 else None
+    masked = me.masked_input(delta.numpy(), min(weight, weight_cap), noise)
     conn.send_msg(FedMsg.RESULT, result)
     conn.send_tensors(FedMsg.SA_MASKED, {"masked": torch.from_numpy(masked)})
     ask = _expect(conn, FedMsg.SA_UNMASK, number, timeout_s)
@@ -318,6 +327,7 @@ class SecureRound:
         step_timeout_s: float,
         input_timeout_s: float,
         declared: Mapping[int, int],
+        noise_multiplier: float = 0.0,
     ) -> None:
         self.inbox = inbox
         self.declared = {c: min(int(n), weight_cap) for c, n in declared.items()}
@@ -327,12 +337,23 @@ class SecureRound:
         ids = tuple(sorted(self.clients))
         length = sum(t.numel() for t in trained.values()) + 1
         degree = min(neighbors or len(ids), len(ids) - 1)
+        shares = min(degree + 1, max(2, math.ceil(threshold * (degree + 1))))
+        self.noise_std = 0.0
+        """DP: the std of each client's noise share. Any `threshold` shares add up to the
+        whole noise, noise_multiplier x bound x weight_cap: the most one client's weighted,
+        clipped update can move the sum."""
+        if noise_multiplier > 0:
+            self.noise_std = noise_multiplier * bound * weight_cap / math.sqrt(shares)
+        self.denominator = float(sum(self.declared.values())) if noise_multiplier > 0 else 0.0
+        """DP: the sum is divided by the sampled clients' capped weights, fixed before the
+        round (McMahan et al.'s fixed denominator), not by the weights that came back."""
+        largest = weight_cap * bound + NOISE_SIGMAS * self.noise_std  # one input's entry
         self.params = secagg.Params(
             round=round_index,
             clients=ids,
-            threshold=min(degree + 1, max(2, math.ceil(threshold * (degree + 1)))),
+            threshold=shares,
             neighbors=neighbors or max(1, len(ids) - 1),
-            frac_bits=secagg.frac_bits_for(len(ids), weight_cap, bound * VALUE_BOUND_FACTOR),
+            frac_bits=secagg.frac_bits_for(len(ids), 1.0, largest),
             length=length,
             graph_seed=secrets.token_bytes(8),
         )
@@ -346,7 +367,10 @@ class SecureRound:
     def task_fields(self, client: int) -> dict[str, Any]:
         """The TASK's secure parameters for `client` (its own weight cap included)."""
         cap = self.declared[client]
-        return {"secure": params_message(self.params, weight_cap=cap, bound=self.bound)}
+        message = params_message(
+            self.params, weight_cap=cap, bound=self.bound, noise_std=self.noise_std
+        )
+        return {"secure": message}
 
     def _refuse(self, exc: secagg.Refused | ValueError, client: int) -> None:
         log.warning("round %d: refused client %d: %s", self.params.round, client, peer_text(exc))
@@ -483,7 +507,7 @@ class SecureRound:
             raise secagg.RoundFailed(
                 f"the weights sum to {weight}, outside 1..{allowed} (what the survivors declared)"
             )
-        mean = torch.from_numpy(total / weight)
+        mean = torch.from_numpy(total / (self.denominator or weight))
         merged = {
             name: (base.double() + step.double()).to(base.dtype)
             for (name, base), step in zip(

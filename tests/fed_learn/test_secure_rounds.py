@@ -7,6 +7,7 @@ known exactly; every test checks the round's outcome against it."""
 from __future__ import annotations
 
 import base64
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -17,9 +18,10 @@ import pytest
 import torch
 
 from fed_learn import secagg, secure
-from fed_learn.config import FedConfig, FedLearnRunConfig, SecAggConfig
+from fed_learn.config import DPConfig, FedConfig, FedLearnRunConfig, SecAggConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.lora import adapter_state, peft_model
+from fed_learn.privacy import Accountant
 from fed_learn.protocol import FedMsg
 from fed_learn.run import run
 from lab.cluster import connect, serve
@@ -374,3 +376,63 @@ def test_a_real_secure_run_trains_as_the_plain_one(compose_config, tiny_models: 
     assert secured["mean_clients_per_round"] == 3
     assert secured["bytes_up_per_round"] > plain["bytes_up_per_round"]  # uint64 and keys
     assert secured["refused"] == 0
+
+
+# ------------------------------------------------------------------ DP-FedAvg
+
+
+def _noise_on_mean(coordinator: Coordinator, initial: State, offsets, weights) -> float:
+    got, expected = adapter_state(coordinator.model), expected_mean(initial, offsets, weights)
+    diff = torch.cat([(got[n].double() - expected[n].double()).reshape(-1) for n in expected])
+    return float(diff.std())
+
+
+@pytest.mark.parametrize("secure_aggregation", [True, False])
+def test_dp_noise_on_the_mean_is_what_the_accountant_is_told(
+    secure_federation, secure_aggregation: bool
+) -> None:
+    """Clip above every update (nothing clipped): the adapter is the plain mean plus noise of
+    std sigma x clip x cap / (sum of capped weights): the whole noise, central or summed from
+    the clients' shares (over-noised by sqrt(3 / threshold 2) then). The accountant spent
+    epsilon for that sigma, logged with the round."""
+    sigma, clip, cap = 0.5, 4.0, 10
+    dp = DPConfig(enabled=True, clip_norm=clip, noise_multiplier=sigma, weight_cap=cap)
+    players = [SecurePlayer(0.01, 10), SecurePlayer(0.02, 10), SecurePlayer(0.03, 10)]
+    if not secure_aggregation:
+        players = [SecurePlayer(o, 10, step=plain_answer, name="plain") for o in (0.01, 0.02, 0.03)]
+    coordinator, initial, rounds = secure_federation(
+        players, dp=dp, secure_aggregation=secure_aggregation
+    )
+    measured = _noise_on_mean(coordinator, initial, [0.01, 0.02, 0.03], [10] * 3)
+    expected = sigma * clip * cap / 30 * (math.sqrt(3 / 2) if secure_aggregation else 1.0)
+    assert measured == pytest.approx(expected, rel=0.05)
+    accountant = Accountant("rdp")
+    accountant.step(noise_multiplier=sigma, sample_rate=1.0)
+    assert rounds[0]["dp_epsilon"] == pytest.approx(accountant.epsilon(1e-5))
+
+
+def plain_answer(conn: Connection, task: dict[str, Any], state: State, me: SecurePlayer) -> None:
+    result, local, _ = honest_train(task, state, me.offset, me.examples)
+    conn.send_msg(FedMsg.RESULT, result)
+    conn.send_tensors(FedMsg.UPDATE, local)
+
+
+def test_dp_clipping_bounds_what_one_client_moves(secure_federation) -> None:
+    """A client far off (offset 5 on every entry) moves the mean by at most clip x its
+    capped weight / the weights' sum, noise aside (sigma tiny here)."""
+    dp = DPConfig(enabled=True, clip_norm=0.5, noise_multiplier=1e-6, weight_cap=10)
+    players = [SecurePlayer(0.0, 10), SecurePlayer(0.0, 10), SecurePlayer(5.0, 10, name="far")]
+    coordinator, initial, _ = secure_federation(players, dp=dp)
+    got = adapter_state(coordinator.model)
+    moved = torch.cat([(got[n].double() - initial[n].double()).reshape(-1) for n in initial])
+    assert float(moved.norm()) == pytest.approx(0.5 * 10 / 30, rel=1e-3)
+
+
+def test_dp_options_that_break_its_sum_are_refused() -> None:
+    for bad, message in [
+        ({"mode": "async"}, "fed.mode=async"),
+        ({"aggregator": "median"}, "fed.aggregator=median"),
+        ({"strategy": "svd"}, "fed.strategy=svd"),
+    ]:
+        with pytest.raises(ValueError, match=f"fed.dp.enabled=true with {message}"):
+            FedConfig(dp=DPConfig(enabled=True), **bad)
