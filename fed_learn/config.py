@@ -151,6 +151,14 @@ class FedConfig:
     centralized_baseline: bool = True
     """Local runs: also train the same model on all clients' data pooled in one place (the
     same number of gradient steps) and report federated / centralized validation loss."""
+    simulate: int = 0
+    """Local runs: virtual clients per simulator process (Flower-style simulation: each with
+    its own shard, seed, connection and keys, sharing one copy of the model and taking turns
+    to train); 0: one process per client. 100 clients at simulate=50 are 2 processes."""
+    simulate_dropout: float = 0.0
+    """Simulated clients only: the chance that a client drops out of a round after the round
+    began and before its update (it leaves and joins again for a later round), to see what
+    dropouts cost; drawn per client and round from the run's seed."""
     secure_aggregation: bool = False
     """The coordinator learns only each round's weighted sum of updates (fed_learn.secagg):
     clients clip their own updates to fed.max_update_norm (the coordinator cannot check one)."""
@@ -189,6 +197,12 @@ class FedConfig:
             raise ValueError(f"fed.async_mixing={self.async_mixing} must be in (0, 1]")
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"fed.topk_fraction={self.topk_fraction} must be in (0, 1]")
+        if self.simulate < 0:
+            raise ValueError(f"fed.simulate={self.simulate} must be >= 0")
+        if not 0 <= self.simulate_dropout < 1:
+            raise ValueError(f"fed.simulate_dropout={self.simulate_dropout} must be in [0, 1)")
+        if self.simulate_dropout and not self.simulate:
+            raise ValueError("fed.simulate_dropout applies to simulated clients (fed.simulate)")
         check_fields_positive(
             "fed",
             self,

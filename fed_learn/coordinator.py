@@ -40,7 +40,7 @@ from fed_learn.admission import Admission, ClientHandle, NotEnoughClientsError, 
 from fed_learn.aggregate import combiner, mix, staleness_weight
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
-from fed_learn.privacy import Accountant, central_mean, noise_multiplier_for
+from fed_learn.privacy import Accountant, central_mean, run_noise_multiplier
 from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result
 from fed_learn.secure import SecureInbox, SecureRound
 from fed_learn.strategy import Strategy
@@ -267,7 +267,8 @@ class Coordinator:
         rng = random.Random(self.settings.seed)
         history = self.history
         initial_loss = self._initial_loss(tracker, rounds.start)
-        self._resolve_noise()
+        if self.fed.dp.enabled:
+            self.noise_multiplier = run_noise_multiplier(self.fed)
         for round_index in rounds:
             self.round = round_index  # sessions read it: a client joining now starts next round
             first = round_index == rounds.start  # give the whole roster a moment to join
@@ -321,16 +322,10 @@ class Coordinator:
                     sum(r.train_loss for r in results) / len(results) if results else float("nan")
                 ),
             }
-            if self.accountant is not None:
-                self.accountant.step(
-                    noise_multiplier=self.noise_multiplier, sample_rate=len(sampled) / len(alive)
-                )
-                metrics["dp_epsilon"] = self.accountant.epsilon(self.fed.dp.delta)
-                log.info(
-                    "round %d: privacy spent so far epsilon=%.3f at delta=%g",
-                    self.round + 1,
-                    metrics["dp_epsilon"],
-                    self.fed.dp.delta,
+            if self.accountant is not None:  # the round's privacy, spent: logged
+                rate = len(sampled) / len(alive)
+                metrics["dp_epsilon"] = self.accountant.spend(
+                    self.noise_multiplier, rate, self.fed.dp.delta
                 )
             coordinator_s += time.perf_counter() - aggregate_started
             history.append(
@@ -366,19 +361,8 @@ class Coordinator:
         counts them, its outcome, and the coordinator's own seconds in it."""
         fed = self.fed
         trained = {name: global_state[name] for name in sorted(self.strategy.trained(global_state))}
-        secure = SecureRound(
-            inbox=self.secure_inbox,
-            clients=sampled,
-            trained=trained,
-            round_index=self.round,
-            neighbors=fed.secagg.neighbors,
-            threshold=fed.secagg.threshold,
-            weight_cap=fed.dp.weight_cap if fed.dp.enabled else fed.max_examples_per_client,
-            bound=fed.dp.clip_norm if fed.dp.enabled else fed.max_update_norm,
-            noise_multiplier=self.noise_multiplier,
-            step_timeout_s=fed.secagg.step_timeout_s,
-            input_timeout_s=fed.round_timeout_s,
-            declared={c.client_id: c.num_examples for c in sampled},
+        secure = SecureRound.for_round(
+            fed, self.secure_inbox, sampled, trained, self.round, self.noise_multiplier
         )
         numbers = {c.client_id: secrets.randbelow(2**53) for c in sampled}
         self.secure_inbox.open(numbers)
@@ -421,33 +405,6 @@ class Coordinator:
         load_adapter_state(self.model, {**global_state, **outcome.merged})
         return collected, "aggregated securely", secure.coordinator_s
 
-    def _resolve_noise(self) -> None:
-        """DP: the noise multiplier, as set or derived from fed.dp.target_epsilon over the
-        run's rounds at the expected sampling rate (Opacus's search)."""
-        dp, fed = self.fed.dp, self.fed
-        if not dp.enabled:
-            return
-        self.noise_multiplier = dp.noise_multiplier
-        if self.noise_multiplier == 0:
-            per_round = max(fed.min_fit_clients, math.ceil(fed.fraction_fit * fed.num_clients))
-            rate = min(1.0, per_round / fed.num_clients)
-            self.noise_multiplier = noise_multiplier_for(
-                dp.target_epsilon,
-                delta=dp.delta,
-                sample_rate=rate,
-                rounds=fed.rounds,
-                kind=dp.accountant,
-            )
-            log.info(
-                "DP: noise multiplier %.4f for epsilon %g at delta %g over %d rounds (sampling "
-                "rate %.3f)",
-                self.noise_multiplier,
-                dp.target_epsilon,
-                dp.delta,
-                fed.rounds,
-                rate,
-            )
-
     def _privacy_summary(self) -> dict[str, float]:
         if self.accountant is None:
             return {}
@@ -468,18 +425,11 @@ class Coordinator:
         clipped, noised mean of their updates instead (`privacy.central_mean`)."""
         try:  # admitted updates always should: if not, say so loudly and go on
             if self.fed.dp.enabled:
-                dp = self.fed.dp
                 trained = {n: global_state[n] for n in self.strategy.trained(global_state)}
+                weights = [c.num_examples for c in sampled]
                 merged = {
                     **global_state,
-                    **central_mean(
-                        updates,
-                        trained,
-                        clip_norm=dp.clip_norm,
-                        noise_multiplier=self.noise_multiplier,
-                        weight_cap=dp.weight_cap,
-                        denominator=float(sum(min(c.num_examples, dp.weight_cap) for c in sampled)),
-                    ),
+                    **central_mean(updates, trained, self.fed.dp, self.noise_multiplier, weights),
                 }
             else:
                 merged = self.strategy.aggregate(updates)
@@ -831,6 +781,7 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
             "bytes_up_per_round": 0.0,
             "bytes_up_per_client_round": 0.0,
             "coordinator_share": 0.0,
+            "mean_round_s": 0.0,
         }
     clients = sum(h["clients"] for h in history)
     bytes_up = sum(h["bytes_up"] for h in history)
@@ -844,4 +795,5 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
             if seconds
             else 0.0
         ),
+        "mean_round_s": seconds / len(history),
     }

@@ -23,13 +23,17 @@ formula of ours. A noise multiplier can be derived from a target epsilon the sam
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ACCOUNTANTS = ("rdp", "prv")
 
@@ -107,6 +111,13 @@ class Accountant:
             raise ValueError(f"sample rate {sample_rate} must be in (0, 1]")
         self._impl.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
 
+    def spend(self, noise_multiplier: float, sample_rate: float, delta: float) -> float:
+        """One round spent (`step`), logged; the epsilon spent so far."""
+        self.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+        spent = self.epsilon(delta)
+        log.info("privacy spent so far: epsilon %.3f at delta %g", spent, delta)
+        return spent
+
     def epsilon(self, delta: float) -> float:
         if not self._impl.history:
             return 0.0
@@ -145,18 +156,19 @@ def noise_multiplier_for(
 def central_mean(
     updates: Sequence[tuple[Mapping[str, torch.Tensor], int]],
     base: Mapping[str, torch.Tensor],
-    *,
-    clip_norm: float,
+    dp: Any,
     noise_multiplier: float,
-    weight_cap: int,
-    denominator: float,
+    sampled_weights: Sequence[int],
     generator: torch.Generator | None = None,
 ) -> dict[str, torch.Tensor]:
     """DP-FedAvg's step where the coordinator is trusted with single updates (no secure
     aggregation): each client's update (its adapter minus `base`, over `base`'s tensors)
-    clipped to `clip_norm`, weighted by min(examples, weight_cap), summed, Gaussian noise of
-    std noise_multiplier x clip_norm x weight_cap added, divided by `denominator`; returns
-    `base` moved by that mean."""
+    clipped to dp.clip_norm, weighted by min(examples, dp.weight_cap), summed, Gaussian noise
+    of std noise_multiplier x clip_norm x weight_cap added, divided by the round's sampled
+    clients' capped weights (`sampled_weights`, fixed before the round); returns `base` moved
+    by that mean."""
+    clip_norm, weight_cap = dp.clip_norm, dp.weight_cap
+    denominator = float(sum(min(int(w), weight_cap) for w in sampled_weights))
     total = torch.zeros(sum(t.numel() for t in base.values()), dtype=torch.float64)
     for adapter, weight in updates:
         delta, _ = clip(flat_delta(adapter, base), clip_norm)
@@ -164,3 +176,25 @@ def central_mean(
     total += gaussian(total.numel(), noise_multiplier * clip_norm * weight_cap, generator)
     step = unflatten(total / denominator, {n: t.double() for n, t in base.items()})
     return {n: (t.double() + step[n]).to(t.dtype) for n, t in base.items()}
+
+
+def run_noise_multiplier(fed: Any) -> float:
+    """A run's noise multiplier: fed.dp.noise_multiplier, or (0) the smallest that spends
+    fed.dp.target_epsilon over fed.rounds at the expected sampling rate (Opacus's search)."""
+    dp = fed.dp
+    if dp.noise_multiplier > 0:
+        return float(dp.noise_multiplier)
+    per_round = max(fed.min_fit_clients, math.ceil(fed.fraction_fit * fed.num_clients))
+    rate = min(1.0, per_round / fed.num_clients)
+    sigma = noise_multiplier_for(
+        dp.target_epsilon, delta=dp.delta, sample_rate=rate, rounds=fed.rounds, kind=dp.accountant
+    )
+    log.info(
+        "DP: noise multiplier %.4f for epsilon %g at delta %g over %d rounds (sampling rate %.3f)",
+        sigma,
+        dp.target_epsilon,
+        dp.delta,
+        fed.rounds,
+        rate,
+    )
+    return sigma

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import random
+import resource
+import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +27,7 @@ from lab.losses import evaluate
 from lab.models import count_4bit_layers, load_tokenizer
 from lab.tables import print_wide
 from lab.tracking import METRICS_FILE, Tracker, read_records
-from netproto import ConnectionClosed, NetTimeout, TruncatedFrame
+from netproto import Connection, ConnectionClosed, NetTimeout, RemoteError, TruncatedFrame
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +38,20 @@ def run_coordinator(settings: FedLearnRunConfig) -> dict[str, float]:
     tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
     val = validation_blocks(tokenizer, block=block_size(model), count=settings.fed.eval_blocks)
     coordinator = Coordinator(settings, model, val)
-    server = serve(
-        coordinator.handle, settings.cluster, settings.cluster.coordinator, name="coordinator"
-    )
+    # a whole roster may share one address (a simulation, a NAT): room for it, as JOINs have
+    cluster = settings.cluster
+    per_address = max(cluster.max_connections_per_address, settings.fed.num_clients + 4)
+    cluster = replace(cluster, max_connections_per_address=per_address)
+    server = serve(coordinator.handle, cluster, cluster.coordinator, name="coordinator")
     try:
         log.info("coordinator ready on %s:%d", *server.address)
         with Tracker.from_settings(settings, job="fed_learn") as tracker:
             metrics = coordinator.run_rounds(tracker)
             metrics["base_4bit_layers"] = float(count_4bit_layers(model))
+            # the coordinator's own peak (RSS, MiB): what serving the round's clients costs it
+            metrics["coordinator_peak_rss_mib"] = (
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            )
             tracker.summary(metrics)
             return metrics
     finally:
@@ -75,19 +85,137 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
     return {"rounds": float(rounds), "num_examples": float(len(train))}
 
 
-def take_part(client: LoRAClient, *, settings: FedLearnRunConfig, address: tuple[str, int]) -> int:
+def run_simulator(settings: FedLearnRunConfig) -> dict[str, float]:
+    """`role=simulator`: fed.simulate virtual clients from client_index on, in this process.
+
+    Each has its own shard, seed, connection (its own session at the coordinator, heartbeats
+    included) and, under secure aggregation, its own keys and masks; they share one copy of the
+    model and take turns to train on it (`VirtualClient`), as Flower's simulation shares a
+    machine among many clients. What one virtual client sends is what a client process would.
+    """
+    fed = settings.fed
+    cache_dir = settings.paths.cache_path
+    model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
+    tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
+    first = settings.client_index
+    indices = range(first, min(fed.num_clients, first + max(fed.simulate, 1)))
+    turn = threading.RLock()
+    clients = []
+    for index in indices:
+        train, val = client_data(
+            tokenizer,
+            index=index,
+            num_clients=fed.num_clients,
+            seed=settings.seed,
+            block=block_size(model),
+            max_examples=fed.max_examples_per_client,
+        )
+        clients.append(
+            VirtualClient(
+                model,
+                train,
+                val,
+                seed=settings.seed + index,
+                name=f"client{index}",
+                turn=turn,
+                dropout=fed.simulate_dropout,
+            )
+        )
+    address = (settings.cluster.coordinator.host, settings.cluster.coordinator.port)
+    log.info("simulating clients %d-%d (%d) in one process", indices.start, indices.stop - 1,
+             len(clients))  # fmt: skip
+    rounds: list[int] = []
+    errors: list[BaseException] = []
+
+    finished = threading.Event()  # one got FINISH: a dropped one redialing need not wait
+
+    def serve_one(client: LoRAClient) -> None:
+        try:
+            with emulated_link(settings.cluster, address) as dial:
+                rounds.append(take_part(client, settings=settings, address=dial, stop=finished))
+            finished.set()
+        except BaseException as exc:  # reported below: one client's failure is not silent
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=serve_one, args=(c,), name=c.name, daemon=True) for c in clients
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return {"rounds": float(sum(rounds)), "clients": float(len(clients))}
+
+
+class VirtualClient(LoRAClient):
+    """A client of a simulator process: its own data and connection, the process's one model,
+    held (`turn`) from loading the global adapter to reading its own back."""
+
+    def __init__(
+        self, *args: Any, turn: threading.RLock, dropout: float = 0.0, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.turn = turn
+        self.dropout = dropout
+        self.conn: Connection | None = None
+
+    def run(self, conn: Connection, *, heartbeat_s: float, timeout_s: float | None = None) -> int:
+        self.conn = conn
+        return super().run(conn, heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+
+    def _maybe_drop(self, task: dict[str, Any]) -> None:
+        """fed.simulate_dropout: leave the round now (the connection closes; `take_part`
+        joins again for a later round), as a phone losing its signal would."""
+        draw = random.Random(f"{self.seed}-{task.get('round')}-dropout").random()
+        if self.dropout and draw < self.dropout and self.conn is not None:
+            log.info("%s drops out of round %d (simulated)", self.name, int(task["round"]) + 1)
+            self.conn.close()
+            raise ConnectionClosed(f"{self.name} dropped out (fed.simulate_dropout)")
+
+    def train_round(
+        self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        self._maybe_drop(task)
+        with self.turn:
+            return super().train_round(task, global_state)
+
+    def _train_for_sum(
+        self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        self._maybe_drop(task)
+        with self.turn:
+            return super()._train_for_sum(task, global_state)
+
+
+def take_part(
+    client: LoRAClient,
+    *,
+    settings: FedLearnRunConfig,
+    address: tuple[str, int],
+    stop: threading.Event | None = None,
+) -> int:
     """Serve the coordinator until it says FINISH; returns the rounds taken part in.
 
     A coordinator that is lost (crashed, its host gone silent past fed.heartbeat_timeout_s)
     is dialed again for fed.wait_clients_s: restarted with fed.resume=true, it picks up at the
     next round with the same clients, their local data and error-feedback residuals intact.
+    `stop` (a simulator's: another of its clients got FINISH) ends a redial at once.
     """
     fed = settings.fed
     wait_s = settings.cluster.connect_timeout_s + fed.wait_clients_s
     host, port = address
     while True:
         try:  # the coordinator may still be loading its model, or restarting
-            conn = connect_when_ready(settings.cluster, address, wait_s=wait_s)
+            conn = connect_when_ready(
+                settings.cluster,
+                address,
+                wait_s=wait_s,
+                check=None if stop is None else lambda: _stop_if(stop),
+            )
+        except _Stopped:
+            return client.rounds  # training is over (`stop`): nothing to rejoin
         except (ConnectionClosed, NetTimeout) as exc:
             raise CoordinatorLostError(
                 f"no coordinator at {host}:{port} for {wait_s:.0f}s "
@@ -106,6 +234,25 @@ def take_part(client: LoRAClient, *, settings: FedLearnRunConfig, address: tuple
                     exc,
                     wait_s,
                 )
+            except RemoteError as exc:
+                if exc.code != "rate_limited":
+                    raise
+                # too many JOINs from this address just now: wait a refill, then again
+                pause = (1.0 + random.random()) / fed.join_rate_per_address
+                log.warning("the coordinator asks us to slow down (%s); again in %.1fs", exc, pause)
+                if stop is not None and stop.wait(pause):
+                    return client.rounds
+                if stop is None:
+                    time.sleep(pause)
+
+
+class _Stopped(Exception):
+    """`take_part`'s `stop` was set while it dialed."""
+
+
+def _stop_if(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise _Stopped
 
 
 class CoordinatorLostError(UserError, RuntimeError):
@@ -116,6 +263,12 @@ def client_role(settings: FedLearnRunConfig) -> dict[str, float]:
     if settings.cluster.coordinator.port == 0:
         raise ConfigError("role=client needs cluster.coordinator.port (the coordinator's)")
     return run_client(settings)
+
+
+def simulator_role(settings: FedLearnRunConfig) -> dict[str, float]:
+    if settings.cluster.coordinator.port == 0:
+        raise ConfigError("role=simulator needs cluster.coordinator.port (the coordinator's)")
+    return run_simulator(settings)
 
 
 def check(settings: FedLearnRunConfig) -> None:
@@ -135,10 +288,17 @@ def prepare(settings: FedLearnRunConfig) -> None:
 
 def local_plan(settings: FedLearnRunConfig) -> LocalPlan:
     """The coordinator and every client as their own processes; then the rounds' table."""
-    clients = [
-        Process(f"client{i}", ("role=client", f"client_index={i}"))
-        for i in range(settings.fed.num_clients)
-    ]
+    fed = settings.fed
+    if fed.simulate:
+        clients = [
+            Process(f"simulator{i // fed.simulate}", ("role=simulator", f"client_index={i}"))
+            for i in range(0, fed.num_clients, fed.simulate)
+        ]
+    else:
+        clients = [
+            Process(f"client{i}", ("role=client", f"client_index={i}"))
+            for i in range(fed.num_clients)
+        ]
     # The coordinator's rounds reach W&B and the console through this process (`finish_local`):
     # one W&B run and one final table per execution.
     coordinator = Process(
@@ -170,7 +330,7 @@ def finish_local(local: FedLearnRunConfig) -> dict[str, float]:
 EXPERIMENT = Experiment(
     name="fed_learn",
     schema=FedLearnRunConfig,
-    roles={"coordinator": run_coordinator, "client": client_role},
+    roles={"coordinator": run_coordinator, "client": client_role, "simulator": simulator_role},
     plan=local_plan,
     endpoints=("coordinator",),
     servers=("coordinator",),

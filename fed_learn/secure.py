@@ -364,6 +364,34 @@ class SecureRound:
         self.refused = 0
         self.elapsed_s = self.waiting_s = 0.0
 
+    @classmethod
+    def for_round(
+        cls,
+        fed: Any,
+        inbox: SecureInbox,
+        clients: list[Any],
+        trained: dict[str, torch.Tensor],
+        round_index: int,
+        noise_multiplier: float,
+    ) -> SecureRound:
+        """A round of `clients` as `fed` (FedConfig) sets it: SecAgg+'s graph and threshold,
+        the clip (fed.dp.clip_norm under DP, else fed.max_update_norm) and weight cap."""
+        dp = fed.dp.enabled
+        return cls(
+            inbox=inbox,
+            clients=clients,
+            trained=trained,
+            round_index=round_index,
+            neighbors=fed.secagg.neighbors,
+            threshold=fed.secagg.threshold,
+            weight_cap=fed.dp.weight_cap if dp else fed.max_examples_per_client,
+            bound=fed.dp.clip_norm if dp else fed.max_update_norm,
+            noise_multiplier=noise_multiplier,
+            step_timeout_s=fed.secagg.step_timeout_s,
+            input_timeout_s=fed.round_timeout_s,
+            declared={c.client_id: c.num_examples for c in clients},
+        )
+
     def task_fields(self, client: int) -> dict[str, Any]:
         """The TASK's secure parameters for `client` (its own weight cap included)."""
         cap = self.declared[client]
@@ -498,8 +526,11 @@ class SecureRound:
             except secagg.Refused as exc:
                 self._refuse(exc, client)
         total, weight, refused = server.aggregate()
-        for wrong in refused:
-            self._refuse(wrong, wrong.client)
+        for client in dict.fromkeys(wrong.client for wrong in refused):  # once per liar
+            lies = [wrong for wrong in refused if wrong.client == client]
+            self._refuse(lies[0], client)
+            if len(lies) > 1:
+                log.warning("round %d: and %d more from it", self.params.round, len(lies) - 1)
         allowed = sum(self.declared[c] for c in survivors)
         if not 0 < weight <= allowed:
             # a client scaled by more than it declared (its weight is masked: only the sum

@@ -1,0 +1,199 @@
+"""Federated LoRA with a hundred clients: what secure aggregation and differential privacy cost.
+
+Local federations of simulated clients (`fed.simulate`: virtual clients in a few processes,
+each with its own shard of the stdlib test suite, its own seed, connection and keys; the debug
+model; the same rounds and local steps per client everywhere), then:
+
+1. final validation loss at 100 clients: plain FedAvg, secure aggregation (SecAgg+, 10% of the
+   clients dropping out of every round after the keys are shared), secure aggregation + DP
+   (DP-FedAvg, noise multiplier from a target epsilon of 8 at delta 1e-5; the epsilon the run
+   reached is printed) - target: secure with dropouts / plain <= 1.01;
+2. bytes each client sends per round, for each;
+3. the coordinator's own share of a round (sending, unmasking, aggregating, evaluating,
+   checkpointing) and its peak memory at 100 clients - target: share < 0.05;
+4. round time at 10, 30 and 100 clients, with and without secure aggregation.
+
+Prints a table, writes bench/results/fed_privacy_bench.json, and ends with the line
+`100 clients, secure aggregation with 10% dropouts / plain final validation loss: X,
+coordinator share: Y`. `--quick` runs 20 clients for 2 rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+
+from lab.config import CONF_DIR
+from lab.machine import announce_machine, write_results
+
+RESULTS = Path(__file__).resolve().parent / "results" / "fed_privacy_bench.json"
+RUNS = Path("outputs/bench/fed_privacy")
+
+
+def settings(name: str, overrides: list[str]) -> Any:
+    from fed_learn.config import FedLearnRunConfig
+    from lab.config import to_settings
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="fed_learn",
+            overrides=[
+                f"paths.run_dir={(RUNS / name).resolve()}",
+                "tracking.wandb=false",
+                "tracking.console=false",
+                *overrides,
+            ],
+        )
+    return to_settings(cfg, FedLearnRunConfig)
+
+
+def federate(name: str, overrides: list[str]) -> dict[str, float]:
+    """`python -m fed_learn <overrides>`'s `run`, in this process (its roles are processes)."""
+    from fed_learn.run import run
+
+    shutil.rmtree(RUNS / name, ignore_errors=True)
+    started = time.perf_counter()
+    metrics = run(settings(name, overrides))
+    metrics["wall_s"] = time.perf_counter() - started
+    print(f"{name}: {metrics['wall_s']:.0f}s", file=sys.stderr)
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20 clients, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--local-steps", type=int, default=2)
+    parser.add_argument("--neighbors", type=int, default=14, help="SecAgg+ degree")
+    parser.add_argument("--epsilon", type=float, default=8.0)
+    args = parser.parse_args()
+    machine = announce_machine()
+
+    most = 20 if args.quick else 100
+    rounds = 2 if args.quick else args.rounds
+    common = [
+        "model.lab_preset=debug",
+        f"fed.rounds={rounds}",
+        f"fed.local_steps={args.local_steps}",  # fixed: the share must not come from long training
+        "fed.batch_size=4",
+        "fed.max_examples_per_client=64",
+        "fed.eval_blocks=32",
+        "fed.centralized_baseline=false",
+        "fed.wait_clients_s=300",
+        "fed.round_timeout_s=600",
+        "fed.heartbeat_timeout_s=120",
+        "fed.secagg.step_timeout_s=120",
+        f"fed.secagg.neighbors={args.neighbors}",
+    ]
+
+    def clients(n: int) -> list[str]:
+        return [f"fed.num_clients={n}", f"fed.min_fit_clients={max(2, n // 2)}",
+                f"fed.simulate={max(1, -(-n // 2))}"]  # fmt: skip
+
+    runs: dict[str, dict[str, float]] = {}
+    runs["plain"] = federate("plain", [*common, *clients(most)])
+    runs["secure_dropout"] = federate(
+        "secure_dropout",
+        [*common, *clients(most), "fed.secure_aggregation=true", "fed.simulate_dropout=0.1"],
+    )
+    runs["secure_dp"] = federate(
+        "secure_dp",
+        [
+            *common,
+            *clients(most),
+            "fed.secure_aggregation=true",
+            "fed.dp.enabled=true",
+            f"fed.dp.target_epsilon={args.epsilon}",
+            "fed.dp.delta=1e-5",
+            "fed.dp.clip_norm=1.0",
+            "fed.dp.weight_cap=64",
+        ],
+    )
+    timing_rounds = ["fed.rounds=2"]
+    sizes = [5, 10] if args.quick else [10, 30, 100]
+    for n in sizes:
+        for secure in (False, True):
+            name = f"{'secure' if secure else 'plain'}_{n}"
+            if n == most and not secure:
+                continue  # the plain 100-client run above times it
+            runs[name] = federate(
+                name,
+                [*common, *clients(n), *timing_rounds,
+                 f"fed.secure_aggregation={str(secure).lower()}"],
+            )  # fmt: skip
+    runs[f"plain_{most}"] = runs["plain"]
+
+    plain, secured, dp = runs["plain"], runs["secure_dropout"], runs["secure_dp"]
+    rows: dict[str, dict[str, Any]] = {}
+    for label, run in (("secure, 10% dropouts", secured), ("secure + DP", dp)):
+        rows[f"{most} clients, {label} / plain final val loss"] = {
+            "ours": run["final_val_loss"],
+            "baseline": plain["final_val_loss"],
+            "unit": "validation loss",
+            "ratio": run["final_val_loss"] / plain["final_val_loss"],
+            "target": "<= 1.01" if "dropouts" in label else "",
+        }
+    for label, run in (("plain", plain), ("secure, 10% dropouts", secured), ("secure + DP", dp)):
+        rows[f"bytes up per client per round, {label}"] = {
+            "ours": run["bytes_up_per_client_round"],
+            "baseline": plain["bytes_up_per_client_round"],
+            "unit": "bytes",
+            "ratio": run["bytes_up_per_client_round"] / plain["bytes_up_per_client_round"],
+            "target": "",
+        }
+    for label, run in (("plain", plain), ("secure, 10% dropouts", secured), ("secure + DP", dp)):
+        rows[f"coordinator share of a round, {label}"] = {
+            "ours": run["coordinator_share"],
+            "baseline": 1.0,
+            "unit": "share",
+            "ratio": run["coordinator_share"],
+            "target": "< 0.05",
+        }
+    for n in sizes:
+        rows[f"round time at {n} clients, secure / plain"] = {
+            "ours": runs[f"secure_{n}"]["mean_round_s"],
+            "baseline": runs[f"plain_{n}"]["mean_round_s"],
+            "unit": "s",
+            "ratio": runs[f"secure_{n}"]["mean_round_s"] / runs[f"plain_{n}"]["mean_round_s"],
+            "target": "",
+        }
+
+    print(f"{'measure':<62}{'ours':>12}{'baseline':>12}{'ratio':>9}  {'target':<8} unit")
+    for label, row in rows.items():
+        print(
+            f"{label:<62}{row['ours']:>12.4g}{row['baseline']:>12.4g}{row['ratio']:>9.4f}"
+            f"  {row['target']:<8} {row['unit']}"
+        )
+    print(
+        f"DP: noise multiplier {dp['dp_noise_multiplier']:.3f}, epsilon reached "
+        f"{dp['dp_epsilon']:.2f} at delta {dp['dp_delta']:g} over {int(dp['rounds'])} rounds "
+        f"(target {args.epsilon:g})"
+    )
+    peaks = [
+        f"{k} {v['coordinator_peak_rss_mib']:.0f} MiB"
+        for k, v in runs.items()
+        if "coordinator_peak_rss_mib" in v
+    ]
+    print("coordinator peak memory (RSS): " + ", ".join(peaks))
+    print(
+        f"validation loss before training {plain['initial_val_loss']:.4f}; after {rounds} rounds: "
+        f"plain {plain['final_val_loss']:.4f}, secure with dropouts "
+        f"{secured['final_val_loss']:.4f}, secure + DP {dp['final_val_loss']:.4f}; bench "
+        f"{sum(r['wall_s'] for k, r in runs.items() if k != f'plain_{most}'):.0f} s in all"
+    )
+    write_results(RESULTS, {"rows": rows, "runs": runs, "args": vars(args)}, machine=machine)
+    x = secured["final_val_loss"] / plain["final_val_loss"]
+    print(
+        f"{most} clients, secure aggregation with 10% dropouts / plain final validation loss: "
+        f"{x:.4f}, coordinator share: {secured['coordinator_share']:.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
