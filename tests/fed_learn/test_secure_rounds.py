@@ -115,7 +115,7 @@ def secure_federation(
                     heartbeat_s=0.5,
                     heartbeat_timeout_s=20,
                     secure_aggregation=True,
-                    secagg=SecAggConfig(step_timeout_s=5.0),
+                    secagg=SecAggConfig(step_timeout_s=2.0),
                 ),
                 **fed,
             ),
