@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import base64
 import math
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +18,21 @@ import pytest
 import torch
 
 from fed_learn import secagg, secure
-from fed_learn.config import DPConfig, FedConfig, FedLearnRunConfig, SecAggConfig
+from fed_learn.config import DPConfig, FedConfig, SecAggConfig
 from fed_learn.coordinator import Coordinator
-from fed_learn.lora import adapter_state, peft_model
+from fed_learn.lora import adapter_state
 from fed_learn.privacy import Accountant
 from fed_learn.protocol import FedMsg
 from fed_learn.run import run
-from lab.cluster import connect, serve
-from lab.config import Endpoint, PathsConfig, TrackingConfig
-from lab.tracking import METRICS_FILE, Tracker, read_records
 from netproto import Connection, NetprotoError
 
-from .test_adversarial import MODEL, State, offset_delta, result_for
+from .test_adversarial import (  # noqa: F401 (federation: the fixture, used by name)
+    Federation,
+    State,
+    federation,
+    offset_delta,
+    result_for,
+)
 
 Step = Callable[[Connection, dict[str, Any], State, "SecurePlayer"], None]
 
@@ -96,55 +98,20 @@ def honest(conn: Connection, task: dict[str, Any], state: State, me: SecurePlaye
 
 @pytest.fixture
 def secure_federation(
-    tiny_models: Path, lab_cache: Path, tmp_path: Path
-) -> Iterator[Callable[..., tuple[Coordinator, State, list[dict[str, Any]]]]]:
-    servers, threads = [], []
+    federation: Callable[..., Federation],  # noqa: F811 (the imported fixture)
+) -> Callable[..., tuple[Coordinator, State, list[dict[str, Any]]]]:
+    """test_adversarial's live coordinator (its teardown checks no scripted client hung), with
+    secure aggregation on and 2 s steps: one round run; (coordinator, adapter before, the
+    rounds' metrics)."""
 
     def start(players: list[SecurePlayer], **fed: Any):
-        settings = FedLearnRunConfig(
-            model=MODEL,
-            fed=replace(
-                FedConfig(
-                    rounds=1,
-                    num_clients=len(players),
-                    min_fit_clients=2,
-                    round_timeout_s=30,
-                    wait_clients_s=10,
-                    max_examples_per_client=32,
-                    eval_blocks=4,
-                    heartbeat_s=0.5,
-                    heartbeat_timeout_s=20,
-                    secure_aggregation=True,
-                    secagg=SecAggConfig(step_timeout_s=2.0),
-                ),
-                **fed,
-            ),
-            paths=PathsConfig(run_dir=str(tmp_path), cache_dir=str(lab_cache)),
-            tracking=TrackingConfig(wandb=False, console=False),
-        )
-        model = peft_model(MODEL, settings.lora, cache_dir=lab_cache)
-        coordinator = Coordinator(settings, model, torch.randint(0, 300, (4, 32)))
-        server = serve(coordinator.handle, settings.cluster, Endpoint(), name="coordinator")
-        servers.append(server)
-        for player in players:
-            conn = connect(settings.cluster, server.address)
-            threads.append(threading.Thread(target=player.play, args=(conn,), daemon=True))
-            threads[-1].start()
-        coordinator.wait_for_clients(len(players))
-        initial = adapter_state(model)
-        with Tracker(
-            tmp_path, config={}, tracking=TrackingConfig(wandb=False, console=False), job="t"
-        ) as tracker:
-            coordinator.run_rounds(tracker)
-        rounds = [r for r in read_records(tmp_path / METRICS_FILE) if "clients" in r]
-        return coordinator, initial, rounds
+        fed.setdefault("secure_aggregation", True)
+        fed.setdefault("secagg", SecAggConfig(step_timeout_s=2.0))
+        live = federation(players, **fed)
+        _, rounds = live.run()
+        return live.coordinator, live.initial, rounds
 
-    yield start
-    for server in servers:
-        server.stop()
-    for thread in threads:
-        thread.join(timeout=15)
-    assert not any(thread.is_alive() for thread in threads), "a scripted client hung"
+    return start
 
 
 def expected_mean(initial: State, offsets: list[float], weights: list[int]) -> State:
@@ -351,15 +318,18 @@ def test_too_few_clients_fail_the_round_in_one_line_and_the_run_goes_on(
     assert_adapter(coordinator, initial)
 
 
-def test_secure_options_that_need_single_updates_are_refused() -> None:
-    for bad, message in [
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
         ({"mode": "async"}, "fed.mode=async"),
         ({"aggregator": "median"}, "fed.aggregator=median"),
         ({"strategy": "svd"}, "fed.strategy=svd"),
         ({"compression": "topk"}, "fed.compression=topk"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            FedConfig(secure_aggregation=True, **bad)
+    ],
+)
+def test_secure_options_that_need_single_updates_are_refused(bad: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FedConfig(secure_aggregation=True, **bad)
 
 
 REAL = [
@@ -457,14 +427,17 @@ def test_dp_clipping_bounds_what_one_client_moves(secure_federation) -> None:
     assert float(moved.norm()) == pytest.approx(0.5 * 10 / 30, rel=1e-3)
 
 
-def test_dp_options_that_break_its_sum_are_refused() -> None:
-    for bad, message in [
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
         ({"mode": "async"}, "fed.mode=async"),
         ({"aggregator": "median"}, "fed.aggregator=median"),
         ({"strategy": "svd"}, "fed.strategy=svd"),
-    ]:
-        with pytest.raises(ValueError, match=f"fed.dp.enabled=true with {message}"):
-            FedConfig(dp=DPConfig(enabled=True), **bad)
+    ],
+)
+def test_dp_options_that_break_its_sum_are_refused(bad: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"fed.dp.enabled=true with {message}"):
+        FedConfig(dp=DPConfig(enabled=True), **bad)
 
 
 def test_simulation_settings_are_checked() -> None:
