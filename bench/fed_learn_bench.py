@@ -46,8 +46,8 @@ TINYLLAMA: dict[str, Any] = {  # TinyLlama/TinyLlama-1.1B-Chat-v1.0's config.jso
 }
 
 
-def settings(name: str, overrides: list[str]) -> Any:
-    """`conf/fed_learn.yaml` with `overrides`, as Hydra composes it, run in RUNS/name."""
+def settings(name: str, overrides: list[str], runs: Path = RUNS) -> Any:
+    """`conf/fed_learn.yaml` with `overrides`, as Hydra composes it, run in runs/name."""
     from fed_learn.config import FedLearnRunConfig
     from lab.config import to_settings
 
@@ -55,7 +55,7 @@ def settings(name: str, overrides: list[str]) -> Any:
         cfg = compose(
             config_name="fed_learn",
             overrides=[
-                f"paths.run_dir={(RUNS / name).resolve()}",
+                f"paths.run_dir={(runs / name).resolve()}",
                 "tracking.wandb=false",
                 "tracking.console=false",
                 *overrides,
@@ -64,14 +64,16 @@ def settings(name: str, overrides: list[str]) -> Any:
     return to_settings(cfg, FedLearnRunConfig)
 
 
-def federate(name: str, overrides: list[str]) -> dict[str, float]:
-    """`python -m fed_learn <overrides>`'s `run`, in this process (its roles are processes)."""
+def federate(name: str, overrides: list[str], runs: Path = RUNS) -> dict[str, float]:
+    """`python -m fed_learn <overrides>`'s `run`, in this process (its roles are processes);
+    its metrics and `wall_s`, the seconds it took."""
     from fed_learn.run import run
 
-    shutil.rmtree(RUNS / name, ignore_errors=True)  # metrics.jsonl appends: one run per folder
+    shutil.rmtree(runs / name, ignore_errors=True)  # metrics.jsonl appends: one run per folder
     started = time.perf_counter()
-    metrics = run(settings(name, overrides))
-    print(f"{name}: {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    metrics = run(settings(name, overrides, runs))
+    metrics["wall_s"] = time.perf_counter() - started
+    print(f"{name}: {metrics['wall_s']:.0f}s", file=sys.stderr)
     return metrics
 
 

@@ -21,48 +21,20 @@ coordinator share: Y`. `--quick` runs 20 clients for 2 rounds.
 from __future__ import annotations
 
 import argparse
-import shutil
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
+import fed_learn_bench  # bench/ is on the path: this script runs as `python bench/...`
 
-from lab.config import CONF_DIR
 from lab.machine import announce_machine, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fed_privacy_bench.json"
 RUNS = Path("outputs/bench/fed_privacy")
 
 
-def settings(name: str, overrides: list[str]) -> Any:
-    from fed_learn.config import FedLearnRunConfig
-    from lab.config import to_settings
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name="fed_learn",
-            overrides=[
-                f"paths.run_dir={(RUNS / name).resolve()}",
-                "tracking.wandb=false",
-                "tracking.console=false",
-                *overrides,
-            ],
-        )
-    return to_settings(cfg, FedLearnRunConfig)
-
-
 def federate(name: str, overrides: list[str]) -> dict[str, float]:
-    """`python -m fed_learn <overrides>`'s `run`, in this process (its roles are processes)."""
-    from fed_learn.run import run
-
-    shutil.rmtree(RUNS / name, ignore_errors=True)
-    started = time.perf_counter()
-    metrics = run(settings(name, overrides))
-    metrics["wall_s"] = time.perf_counter() - started
-    print(f"{name}: {metrics['wall_s']:.0f}s", file=sys.stderr)
-    return metrics
+    """`python -m fed_learn <overrides>`'s `run` in RUNS/name (fed_learn_bench's runner)."""
+    return fed_learn_bench.federate(name, overrides, RUNS)
 
 
 def main() -> None:

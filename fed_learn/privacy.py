@@ -28,7 +28,6 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,15 +35,6 @@ import torch
 log = logging.getLogger(__name__)
 
 ACCOUNTANTS = ("rdp", "prv")
-
-
-@dataclass(frozen=True)
-class Clipped:
-    """A client's update as it leaves: the clipped difference from the global adapter."""
-
-    delta: dict[str, torch.Tensor]
-    norm: float
-    """Its L2 norm before clipping (what the client saw; never sent)."""
 
 
 def flat_delta(
@@ -75,15 +65,11 @@ def clip(delta: torch.Tensor, bound: float) -> tuple[torch.Tensor, float]:
     return (delta * (bound / norm) if norm > bound else delta), norm
 
 
-def capped_weight(examples: int, cap: int) -> float:
-    """A client's weight under DP: its examples, capped, over the cap (in (0, 1])."""
-    return min(max(int(examples), 1), cap) / cap
-
-
-def noise_std(noise_multiplier: float, clip_norm: float, *, shares: int = 1) -> float:
+def noise_std(noise_multiplier: float, sensitivity: float, *, shares: int = 1) -> float:
     """Standard deviation of the noise one party adds: all of it (`shares=1`), or its share
-    when `shares` parties' noises add up to the whole."""
-    return noise_multiplier * clip_norm / math.sqrt(shares)
+    when `shares` parties' noises add up to the whole. `sensitivity`: the most one client
+    moves the sum (its clip norm times its largest weight)."""
+    return noise_multiplier * sensitivity / math.sqrt(shares)
 
 
 def gaussian(numel: int, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -173,7 +159,7 @@ def central_mean(
     for adapter, weight in updates:
         delta, _ = clip(flat_delta(adapter, base), clip_norm)
         total += min(int(weight), weight_cap) * delta
-    total += gaussian(total.numel(), noise_multiplier * clip_norm * weight_cap, generator)
+    total += gaussian(total.numel(), noise_std(noise_multiplier, clip_norm * weight_cap), generator)
     step = unflatten(total / denominator, {n: t.double() for n, t in base.items()})
     return {n: (t.double() + step[n]).to(t.dtype) for n, t in base.items()}
 

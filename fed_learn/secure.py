@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from fed_learn import secagg
-from fed_learn.privacy import clip, flat_delta, gaussian, unflatten
+from fed_learn.privacy import clip, flat_delta, gaussian, noise_std, unflatten
 from fed_learn.protocol import FedMsg, parse_result
 from netproto import Connection, NetprotoError
 from netproto.errors import peer_text
@@ -94,10 +94,10 @@ def _json_object(payload: Any, client: int, what: str, keys: Iterable[str]) -> d
 
 
 def params_message(
-    params: secagg.Params, *, weight_cap: int, bound: float, noise_std: float = 0.0
+    params: secagg.Params, *, weight_cap: int, bound: float, share_std: float = 0.0
 ) -> dict[str, Any]:
     return {
-        "noise_std": noise_std,
+        "noise_std": share_std,
         "round": params.round,
         "clients": list(params.clients),
         "threshold": params.threshold,
@@ -126,14 +126,14 @@ def parse_params(payload: Any) -> tuple[secagg.Params, int, float, float]:
             graph_seed=base64.b64decode(str(payload["graph_seed"]), validate=True),
         )
         weight_cap, bound = int(payload["weight_cap"]), float(payload["bound"])
-        noise_std = float(payload.get("noise_std", 0.0))
+        share_std = float(payload.get("noise_std", 0.0))
     except (KeyError, TypeError, binascii.Error) as exc:
         raise ValueError(f"the task's secure parameters are malformed ({exc})") from None
     if not 1 <= weight_cap < 2**31 or not 0 < bound < float("inf"):
         raise ValueError("the task's secure weight cap or bound is out of range")
-    if not 0 <= noise_std < float("inf"):
+    if not 0 <= share_std < float("inf"):
         raise ValueError("the task's noise_std is out of range")
-    return params, weight_cap, bound, noise_std
+    return params, weight_cap, bound, share_std
 
 
 # ---------------------------------------------------------------------------- client side
@@ -145,10 +145,6 @@ class RoundAbandoned(Exception):
     def __init__(self, message: Any) -> None:
         super().__init__("the coordinator moved on")
         self.message = message
-
-
-def ask_lists(ask: dict[str, Any]) -> tuple[Any, Any]:
-    return ask.get("survivors"), ask.get("dropped")
 
 
 def _expect(conn: Connection, kind: int, task: int, timeout_s: float | None) -> dict[str, Any]:
@@ -176,7 +172,7 @@ def client_round(
     """This client's side of a secure round, from a TASK to its last message. `train()` runs
     local training and returns (RESULT payload, trained tensors, the global ones they started
     from). Raises RoundAbandoned when the coordinator moved on."""
-    params, weight_cap, bound, noise_std = parse_params(task["secure"])
+    params, weight_cap, bound, share_std = parse_params(task["secure"])
     number = int(task["task"])
     me = secagg.Client(client_id, params)
     c_key, s_key = me.public_keys()
@@ -209,15 +205,17 @@ def client_round(
     delta, norm = clip(flat_delta(trained, base), bound)
     if norm > bound:
         log.info("update norm %.3g clipped to %.3g (the coordinator cannot check it)", norm, bound)
-    noise = gaussian(params.length - 1, noise_std).numpy() if noise_std > 0 else None
+    noise = gaussian(params.length - 1, share_std).numpy() if share_std > 0 else None
     masked = me.masked_input(delta.numpy(), min(weight, weight_cap), noise)
     conn.send_msg(FedMsg.RESULT, result)
     conn.send_tensors(FedMsg.SA_MASKED, {"masked": torch.from_numpy(masked)})
     ask = _expect(conn, FedMsg.SA_UNMASK, number, timeout_s)
-    survivors, dropped = ask_lists(ask)
-    if not all(isinstance(x, list) and all(type(i) is int for i in x) for x in ask_lists(ask)):
+    survivors, dropped = ask.get("survivors"), ask.get("dropped")
+    if not all(
+        isinstance(x, list) and all(type(i) is int for i in x) for x in (survivors, dropped)
+    ):
         raise ValueError("SA_UNMASK must list survivors and dropped client ids")
-    shares = me.reveal(survivors, dropped)
+    shares = me.reveal(survivors, dropped)  # type: ignore[arg-type]  # checked just above
     conn.send_msg(
         FedMsg.SA_REVEAL,
         {
@@ -240,7 +238,6 @@ class SecureInbox:
     seen: set[tuple[int, int]] = field(default_factory=set)
     messages: queue.Queue[tuple[int, int, Any]] = field(default_factory=queue.Queue)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    dropped: int = 0
     gone: set[int] = field(default_factory=set)
 
     def open(self, tasks: Mapping[int, int]) -> None:
@@ -258,7 +255,6 @@ class SecureInbox:
         """A session thread's message; whether the round took it (else it is dropped)."""
         with self.lock:
             if self.tasks.get(client) != task or (client, kind) in self.seen:
-                self.dropped += 1
                 return False
             self.seen.add((client, kind))
             self.messages.put((client, kind, payload))
@@ -343,7 +339,7 @@ class SecureRound:
         whole noise, noise_multiplier x bound x weight_cap: the most one client's weighted,
         clipped update can move the sum."""
         if noise_multiplier > 0:
-            self.noise_std = noise_multiplier * bound * weight_cap / math.sqrt(shares)
+            self.noise_std = noise_std(noise_multiplier, bound * weight_cap, shares=shares)
         self.denominator = float(sum(self.declared.values())) if noise_multiplier > 0 else 0.0
         """DP: the sum is divided by the sampled clients' capped weights, fixed before the
         round (McMahan et al.'s fixed denominator), not by the weights that came back."""
@@ -396,7 +392,7 @@ class SecureRound:
         """The TASK's secure parameters for `client` (its own weight cap included)."""
         cap = self.declared[client]
         message = params_message(
-            self.params, weight_cap=cap, bound=self.bound, noise_std=self.noise_std
+            self.params, weight_cap=cap, bound=self.bound, share_std=self.noise_std
         )
         return {"secure": message}
 

@@ -399,13 +399,16 @@ class Stage:
     def _eval_mode(self) -> Iterator[None]:
         """The model in eval mode for this call (dropout off), then back as it was: a training
         stage also answers evaluations. The caller holds the lock, which `train_forward` takes
-        too, so no training forward sees the switch."""
-        was_training = self.model.training
+        too, so no training forward sees the switch. An inference stage is built in eval mode:
+        its per-token calls walk no modules here."""
+        if not self.model.training:
+            yield
+            return
         self.model.eval()
         try:
             yield
         finally:
-            self.model.train(was_training)
+            self.model.train()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.autocast:

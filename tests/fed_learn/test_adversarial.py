@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import torch
@@ -110,6 +110,12 @@ def rogue(
     return answer
 
 
+class Plays(Protocol):
+    """A scripted client: plays its part over `conn` until FINISH (or it is cut off)."""
+
+    def play(self, conn: Connection) -> None: ...
+
+
 @dataclass
 class Player:
     answer: Answer
@@ -144,7 +150,7 @@ class Player:
 class Federation:
     coordinator: Coordinator
     initial: State
-    players: list[Player]
+    players: Sequence[Plays]
     tmp_path: Path
     coordinator_address: tuple[str, int]
 
@@ -176,7 +182,7 @@ class Federation:
 def federation(tiny_models: Path, lab_cache: Path, tmp_path: Path) -> Iterator[Callable]:
     servers, threads = [], []
 
-    def start(players: list[Player], **fed: Any) -> Federation:
+    def start(players: Sequence[Plays], **fed: Any) -> Federation:
         settings = FedLearnRunConfig(
             model=MODEL,
             fed=replace(

@@ -11,7 +11,6 @@ import torch
 
 from fed_learn.privacy import (
     Accountant,
-    capped_weight,
     clip,
     flat_delta,
     gaussian,
@@ -19,7 +18,9 @@ from fed_learn.privacy import (
     noise_std,
     unflatten,
 )
-from fed_learn.secagg import Client, Params, Server, frac_bits_for
+from fed_learn.secagg import Params, frac_bits_for
+
+from .test_secagg import shared_round
 
 
 def test_the_accountant_gives_opacus_published_epsilon() -> None:
@@ -60,12 +61,6 @@ def test_clipping_bounds_the_norm_and_keeps_short_updates() -> None:
         clip(torch.tensor([float("nan")]), 1.0)
 
 
-def test_weights_are_capped_at_one() -> None:
-    assert capped_weight(10, 100) == 0.1
-    assert capped_weight(5000, 100) == 1.0
-    assert capped_weight(0, 100) == 0.01  # at least one example's worth
-
-
 def test_the_noise_on_a_secure_sum_is_at_least_the_whole_noise() -> None:
     """Each client adds its share (variance sigma^2 C^2 / threshold): the unmasked sum of a
     round's inputs carries the sum of the survivors' shares, measured over many entries."""
@@ -78,14 +73,7 @@ def test_the_noise_on_a_secure_sum_is_at_least_the_whole_noise() -> None:
         frac_bits=frac_bits_for(n, 1.0, 50.0),
         length=20_001,
     )
-    clients = {c: Client(c, params) for c in params.clients}
-    server = Server(params)
-    for c, client in clients.items():
-        server.add_keys(c, *client.public_keys())
-    for c, client in clients.items():
-        server.add_shares(c, *client.share(server.keys_for(c)))
-    for c, client in clients.items():
-        client.receive(server.boxes_for(c))
+    clients, server = shared_round(params)
     std = noise_std(sigma, bound, shares=threshold)
     for c, client in clients.items():
         noise = gaussian(params.length - 1, std).numpy()

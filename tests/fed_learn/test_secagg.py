@@ -79,6 +79,20 @@ def _run(
     return Round(params, clients, server, values, weights)
 
 
+def shared_round(params: Params) -> tuple[dict[int, Client], Server]:
+    """A round's clients and coordinator once every client has shared its keys (no dropouts):
+    ready for masked inputs."""
+    clients = {c: Client(c, params) for c in params.clients}
+    server = Server(params)
+    for c, client in clients.items():
+        server.add_keys(c, *client.public_keys())
+    for c, client in clients.items():
+        server.add_shares(c, *client.share(server.keys_for(c)))
+    for c, client in clients.items():
+        assert client.receive(server.boxes_for(c)) == []
+    return clients, server
+
+
 def _check_sum(r: Round) -> None:
     total, weight, refused = r.server.aggregate()
     survivors = sorted(r.server.inputs)
@@ -157,14 +171,7 @@ def test_a_masked_input_is_independent_of_what_it_hides() -> None:
     hidden = []
     for i in range(rounds):
         values = hidden_small if i % 2 else hidden_large
-        clients = {c: Client(c, params) for c in params.clients}
-        server = Server(params)
-        for c, client in clients.items():
-            server.add_keys(c, *client.public_keys())
-        for c, client in clients.items():
-            server.add_shares(c, *client.share(server.keys_for(c)))
-        for c, client in clients.items():
-            client.receive(server.boxes_for(c))
+        clients, _ = shared_round(params)
         masked.append(clients[1].masked_input(values, 3)[:-1])
         hidden.append(quantize(values * 3, params.frac_bits))
     y = np.concatenate(masked).view(np.int64).astype(np.float64)
