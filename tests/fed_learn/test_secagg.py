@@ -5,10 +5,13 @@ refused by name."""
 from __future__ import annotations
 
 import math
+import random
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from Crypto.Protocol.SecretSharing import Shamir
 from scipy import stats
 
 from fed_learn.secagg import (
@@ -20,6 +23,7 @@ from fed_learn.secagg import (
     Refused,
     RoundFailed,
     Server,
+    combine,
     dequantize,
     frac_bits_for,
     quantize,
@@ -256,7 +260,10 @@ def test_malformed_masked_inputs_and_reveals_are_refused_by_name() -> None:
     _, index, share = good[owner]
     for bad, message in [
         ({owner: (KEY, index, share + share)}, f"a 'key' share of client {owner}, asked for seed"),
-        ({owner: (SEED, 0, share)}, "share index 0 out of"),
+        ({owner: (SEED, 0, share)}, f"share index 0 of client {owner}; it holds {index}"),
+        # another holder's index (two shares at one point would break the interpolation)
+        ({owner: (SEED, index % 3 + 1, share)}, f"share index {index % 3 + 1} of client"),
+        ({owner: (SEED, True, share)}, f"share index True of client {owner}"),
         ({owner: (SEED, index, share[:-1])}, "a seed share must be 16 bytes"),
         ({owner: "nonsense"}, r"a revealed share is \(kind, index, bytes\)"),
     ]:
@@ -317,3 +324,18 @@ def test_round_parameters_are_checked() -> None:
     graph = _params(20, neighbors=5).graph()
     assert all(len(v) >= 5 for v in graph.values())  # a Harary graph: degree >= k
     assert all(a in graph[b] for a, vs in graph.items() for b in vs)  # symmetric
+
+
+def test_combine_equals_the_library_and_refuses_duplicate_indices() -> None:
+    """`combine` (the Lagrange basis kept per index set) gives Shamir.combine's bytes for any
+    subset of shares, and refuses two shares at one index instead of dividing by zero."""
+    rng = random.Random(3)
+    for k, n in [(1, 1), (2, 3), (5, 9), (8, 15)]:
+        secret = secrets.token_bytes(16)
+        shares = Shamir.split(k, n, secret)
+        for _ in range(6):
+            subset = rng.sample(shares, k)
+            assert combine(subset) == Shamir.combine(subset) == secret
+    with pytest.raises(ValueError, match="must be distinct"):
+        combine([shares[0], shares[0]])
+
