@@ -19,6 +19,11 @@ class SpecConfig:
     pipeline: bool = True
     """Keep drafting while the verifier checks (tokens stream; gamma = how many may await its
     word). False: the classic rounds, where the drafter waits for each verdict."""
+    decode_alone: bool = True
+    """Pipelined: the verifier decodes by itself whenever no drafted token has reached it for
+    its next position (after a rejection, while the drafter has not heard of it), so a slow
+    link never leaves the target idle; drafts that arrive for positions it has decoded are
+    compared with its tokens. False: it waits for the drafter."""
     temperature: float = 0.0
     """0: greedy (output identical to the target's own greedy decoding); > 0: sampling."""
     top_p: float = 1.0

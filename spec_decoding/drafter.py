@@ -17,6 +17,7 @@ from spec_decoding.cache import CachedDecoder
 from spec_decoding.draft_q import as_probabilities, encode_q, quantize
 from spec_decoding.gamma import GammaController
 from spec_decoding.protocol import SpecMsg
+from spec_decoding.sampling import coupled_token, position_noise
 from spec_decoding.verifier import vocab_hash
 
 
@@ -38,7 +39,15 @@ class CheckStats:
     """One PROGRESS of a pipelined generation: the verifier's word on what it had received."""
 
     accepted: int
+    """Drafted tokens it found right: accepted ones, and one the verifier decoded alone that
+    equals the drafter's."""
     rejected: bool
+    """A drafted token found wrong: a correction, or a token decoded alone that differs."""
+    rewound: bool
+    """The drafter's stream ended: a token found wrong, or a token decoded alone where the
+    drafter had drafted none yet."""
+    alone: bool
+    """The verifier decoded the token itself (it had no draft for that position)."""
     fed: int
     """Tokens the verifier's forward pass ran (0: the first guess failed, no forward needed)."""
     verify_s: float
@@ -58,7 +67,11 @@ class Generation:
     """DRAFT rounds (`pipeline=False`)."""
     checks: list[CheckStats] = field(default_factory=list)
     """PROGRESS messages (`pipeline=True`)."""
+    decode_alone: bool = False
+    """Pipelined: the verifier was to decode alone whenever it had no draft."""
     drafted: int = 0
+    alone: int = 0
+    """Pipelined: tokens the verifier decoded by itself (no draft had reached it)."""
     draft_s: float = 0.0
     """Pipelined: tokens drafted (kept or not) and the drafter's seconds spent on them."""
     sent_bytes: int = 0
@@ -74,7 +87,10 @@ class Generation:
 
 @dataclass
 class _Flight:
-    """A pipelined generation's tokens: confirmed, and sent but not yet confirmed."""
+    """A pipelined generation's tokens: confirmed, and sent but not yet confirmed.
+
+    `epoch` numbers the drafter's streams: each runs on from a prefix the verifier committed
+    and ends when the drafter learns that one of its tokens is not what the verifier chose."""
 
     confirmed: list[int]
     inflight: list[int] = field(default_factory=list)
@@ -101,16 +117,21 @@ class Drafter:
         top_p: float = 1.0,
         draft_top_k: int = 0,
         pipeline: bool = False,
+        decode_alone: bool = True,
     ) -> None:
         """`model`: a Hugging Face causal LM. `pipeline`: keep drafting while the verifier
         checks (STREAM); else DRAFT rounds. `draft_top_k` (sampling): draft only from the k
-        likeliest tokens (0: all within top_p), so fewer q entries travel per token."""
+        likeliest tokens (0: all within top_p), so fewer q entries travel per token.
+        `decode_alone` (pipelined): the verifier decodes by itself whenever it holds no draft
+        for its next token, instead of waiting for one."""
         if draft_top_k < 0:
             raise ValueError(f"draft_top_k={draft_top_k} must be >= 0 (0: off)")
         self.model = model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.pipeline = pipeline
+        self.decode_alone = decode_alone
         gamma.pipelined = pipeline  # the window model or the rounds model picks gamma
+        gamma.alone = pipeline and decode_alone
         self.conn = conn
         self.gamma = gamma
         self.temperature = temperature
@@ -186,11 +207,13 @@ class Drafter:
                 "seed": seed,
                 "vocab_hash": self.vocab_hash,
                 "pipeline": self.pipeline,
+                "decode_alone": self.decode_alone,
                 "max_new_tokens": max_new_tokens,
             },
             expect=SpecMsg.OPENED,
         )
         prefill_ms = float(opened["prefill_ms"])
+        self.target_vocab = int(opened["vocab_size"])
         open_rtt_s = max(0.0, time.perf_counter() - started - prefill_ms / 1e3)
         decoder = CachedDecoder(self.model, prompt)
         decoder.prefill()
@@ -248,13 +271,14 @@ class Drafter:
         """Draft without waiting: stream each token, take in verdicts between steps.
 
         `flight.inflight` holds the tokens sent in this epoch and not yet confirmed; the decoder
-        follows prompt + confirmed + inflight. A rejection rewinds it to the confirmed tokens
-        plus the verifier's correction and starts the next epoch.
+        follows prompt + confirmed + inflight. When the verifier commits a token that is not
+        the drafter's (a correction, or one it decoded alone), the decoder rewinds to the
+        confirmed tokens and the next epoch starts there.
         """
         decoder, result = self._open(prompt, seed, max_new_tokens)
         self.gamma.observe_rtt(result.open_rtt_s)  # until verdicts give cleaner samples
-        generator = torch.Generator()
         flight = _Flight(confirmed=result.tokens)
+        result.decode_alone = self.decode_alone
         window = self.gamma.next_gamma()
         busy_since = time.perf_counter()  # the drafter's own time, waits excluded
         while not flight.finished(max_new_tokens, self.eos_token_id):
@@ -266,27 +290,27 @@ class Drafter:
             if not may_draft or self.conn.readable():
                 # a verdict we wait for dates its round trip; one found between steps does not
                 waited = not may_draft and not self.conn.readable()
-                progress = self._request_progress(flight.epoch)
+                progress = self._request_progress()
                 received = time.perf_counter()
                 if waited:
                     busy_since = received
                 stats = self._take_progress(progress, flight, received, waited, window)
                 result.checks.append(stats)
-                if stats.rejected:
+                result.alone += 1 if stats.alone else 0
+                if stats.rewound:
                     decoder.rewind([*prompt, *flight.confirmed])
                 window = self.gamma.next_gamma()
                 continue
-            # Seeded by position, not drawn from one stream: how many tokens the drafter drafts
-            # past a rejection depends on timing, and must not change which ones it samples.
-            generator.manual_seed((seed + 1) * 1_000_003 + len(decoder.tokens))
-            token, q = self._pick(decoder.extend([])[-1], generator)
+            # The token at a position is drawn with that position's noise, as the verifier's
+            # is: how far the drafter runs ahead cannot change what it drafts.
+            token = self._guess(decoder.extend([])[-1], seed, len(decoder.tokens))
             decoder.commit([token])
+            at = len(flight.confirmed) + len(flight.inflight)  # its place among the new tokens
             payload = {
                 "tokens": torch.tensor([token], dtype=torch.int32),
                 "epoch": torch.tensor([flight.epoch], dtype=torch.int64),
+                "at": torch.tensor([at], dtype=torch.int64),
             }
-            if q is not None:
-                result.q_bytes += _add_q(payload, q[None])
             with self._verifier_lost():
                 result.sent_bytes += self.conn.send(SpecMsg.STREAM, payload)
             flight.inflight.append(token)
@@ -301,40 +325,72 @@ class Drafter:
             del flight.confirmed[flight.confirmed.index(self.eos_token_id) + 1 :]
         return result
 
+    def _guess(self, logits: torch.Tensor, seed: int, position: int) -> int:
+        """The drafter's guess at the verifier's token at `position` from its logits (V,):
+        greedy, or the Gumbel-max draw from q with the position's noise, which is the
+        verifier's draw whenever q and p agree (spec_decoding.sampling.coupled_token)."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        q = probs_from_logits(
+            logits.float().cpu(),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.draft_top_k,
+        )
+        vocab = self.target_vocab  # the noise is drawn over the target's vocabulary
+        q = q[:vocab] if q.numel() >= vocab else torch.nn.functional.pad(q, (0, vocab - q.numel()))
+        return coupled_token(q, position_noise(seed, position, vocab))
+
     def _take_progress(
         self, progress: dict[str, Any], flight: _Flight, received: float, waited: bool, window: int
     ) -> CheckStats:
-        """Apply one PROGRESS to the tokens in flight; feed its measurements to `gamma`."""
-        accepted = progress.get("accepted")
-        token = None if progress.get("token") is None else self._token(progress["token"])
-        limit = len(flight.inflight) - (0 if token is None else 1)
-        least = 1 if token is None else 0  # a verdict without a correction passed something
-        if not isinstance(accepted, int) or not least <= accepted <= limit:
+        """Apply one PROGRESS to the tokens in flight; feed its measurements to `gamma`.
+
+        The verifier committed, from token `at` on: `accepted` of this epoch's drafts, then
+        `tokens` of its own choosing (a correction, or tokens it decoded alone)."""
+        at, accepted, tokens = progress.get("at"), progress.get("accepted"), progress.get("tokens")
+        if at != len(flight.confirmed):
             raise ValueError(
-                f"verifier accepted {accepted!r} of {len(flight.inflight)} tokens in flight"
+                f"verifier went on from token {at!r}; {len(flight.confirmed)} are confirmed"
             )
-        checked = accepted if token is None else accepted + 1
+        if not isinstance(tokens, list) or len(tokens) > 1:
+            raise ValueError(f"verifier committed {tokens!r}: at most one token of its own")
+        limit = len(flight.inflight) if progress.get("epoch") == flight.epoch else 0
+        if type(accepted) is not int or not 0 <= accepted <= limit or not accepted + len(tokens):
+            raise ValueError(
+                f"verifier accepted {accepted!r} of {limit} tokens in flight (epoch {flight.epoch})"
+            )
+        own = [self._token(t) for t in tokens]
+        alone = bool(progress.get("alone"))
+        checked = accepted + (len(own) if not alone else 0)
+        ours = flight.inflight[accepted] if accepted < len(flight.inflight) else None
+        matched = bool(own) and ours == own[0]
         held_ms = progress.get("held_ms")
         stats = CheckStats(
-            accepted=accepted,
-            rejected=token is not None,
+            accepted=accepted + int(matched),
+            rejected=bool(own) and ours is not None and not matched,
+            rewound=bool(own) and not matched,
+            alone=alone,
             fed=int(progress["fed"]),
             verify_s=float(progress["verify_ms"]) / 1e3,
             rtt_s=max(0.0, received - flight.sent_at[checked - 1] - float(held_ms) / 1e3)
-            if waited and held_ms is not None
+            if waited and held_ms is not None and checked
             else None,
             window=window,
         )
-        self.gamma.observe_checks(accepted=accepted, rejected=stats.rejected)
+        if stats.accepted or stats.rejected:
+            self.gamma.observe_checks(accepted=stats.accepted, rejected=stats.rejected)
         if stats.fed:
             self.gamma.observe_verify(stats.fed, stats.verify_s)
         if stats.rtt_s is not None:
             self.gamma.observe_rtt(stats.rtt_s)
         flight.confirmed.extend(flight.inflight[:accepted])
-        if token is None:
-            del flight.inflight[:accepted], flight.sent_at[:accepted]
-        else:
-            flight.confirmed.append(token)
+        del flight.inflight[:accepted], flight.sent_at[:accepted]
+        if matched:  # its token was ours: the stream goes on
+            flight.confirmed.append(own[0])
+            del flight.inflight[0], flight.sent_at[0]
+        elif own:
+            flight.confirmed.append(own[0])
             flight.inflight, flight.sent_at = [], []
             flight.epoch += 1
         return stats
@@ -345,12 +401,9 @@ class Drafter:
             raise ValueError(f"verifier sent token {value!r}, outside 0..{self.vocab_size - 1}")
         return value
 
-    def _request_progress(self, epoch: int) -> dict[str, Any]:
+    def _request_progress(self) -> dict[str, Any]:
         with self._verifier_lost():
-            progress = self.conn.recv(expect=SpecMsg.PROGRESS).payload
-        if progress.get("epoch") != epoch:
-            raise ValueError(f"verifier answered for epoch {progress.get('epoch')}, not {epoch}")
-        return progress
+            return self.conn.recv(expect=SpecMsg.PROGRESS).payload
 
     def baseline(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> dict[str, Any]:
         """Target-only generation on the verifier (timed there, no network in the figure)."""

@@ -19,6 +19,7 @@ tokens may await the verifier's word at once.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -80,6 +81,10 @@ class PipelineModel:
     one_way_s: float
     """Half the measured round trip, the verifier's time excluded."""
     max_horizon: int = 96
+    alone: bool = False
+    """The verifier decodes by itself when it holds no draft (`spec.decode_alone`): the rate
+    then comes from `simulate_pipeline`, the verifier's patience what it waits for a draft of
+    a live stream (two of the drafter's steps, at most 5 ms, as `verifier._Session` waits)."""
 
     @property
     def horizon(self) -> int:
@@ -134,7 +139,14 @@ class PipelineModel:
         return detect
 
     def tokens_per_second(self, window: int) -> float:
-        """Expected tokens per second: E[tokens per epoch] / E[seconds per epoch]."""
+        """Expected tokens per second: E[tokens per epoch] / E[seconds per epoch] (with
+        `alone`, the mean of two simulated generations of 300 tokens)."""
+        if self.alone:
+            patience = min(2 * self.draft_s, 0.005)
+            return statistics.mean(
+                simulate_pipeline(self, window, alone=True, tokens=300, seed=s, patience_s=patience)
+                for s in range(2)
+            )
         detect = self.detection_times(window)
         tokens = seconds = 0.0
         for j, at in enumerate(detect):  # the first wrong guess is token j
@@ -175,6 +187,7 @@ class GammaController:
         max_gamma: int,
         window: int = 32,
         pipelined: bool = False,
+        alone: bool = False,
         refresh_every: int = 16,
         refresh_s: float = 0.1,
     ) -> None:
@@ -183,6 +196,8 @@ class GammaController:
         self.fixed = fixed
         self.max_gamma = max_gamma
         self.pipelined = pipelined
+        self.alone = alone
+        """Pipelined, the verifier decodes alone when it has no draft (set by the Drafter)."""
         self._accepted: deque[float] = deque(maxlen=window)  # per verdict: tokens accepted
         self._trials: deque[float] = deque(maxlen=window)  # per verdict: acceptance tests made
         self._total_accepted = 0
@@ -205,10 +220,11 @@ class GammaController:
         if not self.pipelined:
             return self.model().best_gamma(self.max_gamma)
         now = time.monotonic()
+        slower = 4 if self.alone else 1  # a simulated choice costs ~20-30 ms, not ~1 ms
         if (
             self._choice is None
-            or self._since_choice >= self._refresh_every
-            or now - self._chosen_at >= self._refresh_s
+            or self._since_choice >= self._refresh_every * slower
+            or now - self._chosen_at >= self._refresh_s * slower
         ):
             self._choice = self.pipeline_model().best_window(self.max_gamma)
             self._since_choice, self._chosen_at = 0, now
@@ -278,4 +294,101 @@ class GammaController:
             verify_base_s=costs.verify_base_s,
             verify_per_token_s=costs.verify_per_token_s,
             one_way_s=costs.rtt_s / 2,
+            alone=self.alone,
         )
+
+
+def simulate_pipeline(
+    model: PipelineModel,
+    window: int,
+    *,
+    alone: bool,
+    tokens: int = 400,
+    seed: int = 0,
+    patience_s: float = 0.0,
+) -> float:
+    """Tokens per second of a pipelined generation, followed event by event along the code
+    path: the drafter streams up to `window` unconfirmed tokens, each reaching the verifier
+    one way later; the verifier checks what has arrived (the first against the prediction it
+    holds, the rest in one forward pass) and, with `alone`, decodes by itself whenever it has
+    no draft for its next token (after waiting `patience_s` while the drafter's stream is
+    live); its tokens reach the drafter one way later, which compares them with its drafts.
+    Each position's draft is right with probability `alpha`, drawn once per position (a
+    greedy draft guesses a position alike whenever its prefix is right)."""
+    h, d = model.one_way_s, model.draft_s
+    right = np.random.default_rng(seed).random(tokens + 1) < model.alpha
+    # the drafter: its clock, what it knows is committed, its unconfirmed drafts, its stream
+    t_d, confirmed, inflight, d_epoch = h + d / 2, 0, 0, 0
+    drafts: deque[tuple[float, int, int]] = deque()  # (arrival, epoch, position) on the way
+    news: deque[tuple[float, int, str]] = deque()  # (arrival, accepted, "" | "fix" | "own")
+    blocked = [0.0]  # when the drafter began waiting for news not yet sent
+
+    def drafter_step() -> None:
+        """The drafter's next action: take in news that has arrived, else draft, else wait."""
+        nonlocal t_d, confirmed, inflight, d_epoch
+        if news and news[0][0] <= t_d:
+            _, accepted, kind = news.popleft()
+            confirmed, inflight = confirmed + accepted, inflight - accepted
+            if kind == "own" and inflight and right[confirmed]:
+                confirmed, inflight = confirmed + 1, inflight - 1  # its draft was the token
+            elif kind:
+                confirmed, inflight, d_epoch = confirmed + 1, 0, d_epoch + 1
+        elif inflight < window and confirmed + inflight < tokens:
+            t_d += d
+            drafts.append((t_d + h, d_epoch, confirmed + inflight))
+            inflight += 1
+        elif news:
+            t_d = max(t_d, news[0][0])
+        else:  # waits for the verifier's word, which it has not sent yet
+            blocked[0], t_d = t_d, math.inf
+
+    def tell(arrival: float, accepted: int, kind: str) -> None:
+        nonlocal t_d
+        news.append((arrival, accepted, kind))
+        if t_d == math.inf:  # the drafter was waiting for this
+            t_d = max(blocked[0], arrival)
+
+    t_v, committed, held, epoch, dead = 0.0, 0, True, -1, False
+    pending: list[int] = []
+    while committed < tokens:
+        while t_d <= t_v:
+            drafter_step()
+        while drafts and drafts[0][0] <= t_v:  # take in what has arrived
+            _, e, at = drafts.popleft()
+            if e < epoch or (e == epoch and dead):
+                continue
+            if e > epoch:
+                epoch, dead, pending = e, False, []
+            if at < committed:  # compared with a token the verifier decided alone
+                dead = dead or not right[at]
+                pending = [] if dead else pending
+            elif not dead:
+                pending.append(at)
+        if pending:
+            accepted, wrong = 0, False
+            if held and not right[pending[0]]:
+                wrong = True  # the free check failed: no forward pass
+            else:
+                t_v += model._verify_s(len(pending) + (0 if held else 1))
+                while accepted < len(pending) and right[pending[accepted]]:
+                    accepted += 1
+                wrong = accepted < len(pending)
+            committed += accepted + int(wrong)
+            tell(t_v + h, accepted, "fix" if wrong else "")
+            held, pending, dead = not wrong, [], dead or wrong
+            continue
+        if not held:
+            t_v += model._verify_s(1)  # the prediction after the committed tokens
+            held = True
+            continue
+        next_draft = drafts[0][0] if drafts else math.inf
+        if alone and next_draft > t_v + (0.0 if dead or epoch < 0 else patience_s):
+            committed, held = committed + 1, False
+            tell(t_v + h, 0, "own")
+            continue
+        while not drafts and t_d < math.inf:  # wait for the drafter's next token
+            drafter_step()
+        if not drafts:
+            raise RuntimeError("the simulated verifier and drafter wait for each other")
+        t_v = max(t_v, drafts[0][0])
+    return committed / t_v if t_v > 0 else 0.0

@@ -12,21 +12,28 @@
 
 Pipelined sessions (`spec.pipeline`) stream instead of DRAFT/VERDICT rounds:
 
-    drafter -> verifier  STREAM    TENSORS {"tokens": int32 (k,), "epoch": int64 (1,), [q]}
-                                                                        (no reply of its own)
-    verifier -> drafter  PROGRESS  JSON  {"epoch", "accepted", ["token"], "fed", "verify_ms",
-                                          "held_ms"}
+    drafter -> verifier  STREAM    TENSORS {"tokens": int32 (k,), "epoch": int64 (1,),
+                                            "at": int64 (1,)}   (no reply of its own)
+    verifier -> drafter  PROGRESS  JSON  {"epoch", "at", "accepted", "tokens", ["alone"],
+                                          "fed", "verify_ms", ["held_ms"]}
 
-The drafter sends each token as soon as it has drafted it, on top of everything it sent before
-in the same epoch, and keeps drafting while the verifier checks (at most `gamma` tokens
-unconfirmed). The verifier checks what has arrived, in order: `accepted` of them passed; with
-`token`, the next one failed and `token` (the target's choice) replaces it, which starts epoch
-`epoch + 1`. STREAM messages of an older epoch are dropped unread: they were drafted on a
-rejected prefix. `fed` is the tokens the forward pass ran (0: checked against the prediction
-already held), `held_ms` how long the last token checked waited at the verifier.
+The drafter sends each token as soon as it has drafted it, `at` its place among the generated
+tokens, and keeps drafting while the verifier checks (at most `gamma` tokens unconfirmed). An
+epoch is one run of the drafter's stream: it starts at a place the verifier has committed and
+goes on token after token; the drafter starts the next one (a higher `epoch`) whenever the
+verifier commits a token that is not the drafter's. Each PROGRESS says what the verifier
+committed from token `at` on: `accepted` tokens of the epoch's stream, then `tokens` of its own
+(at most one): the target's correction of the next drafted token, or, with `alone`, a token it
+decoded by itself because no draft for that place had reached it (`spec.decode_alone`). Drafts
+that arrive for places already committed are compared with what was committed: equal ones are
+done with, the first that differs ends its epoch; tokens of an ended or older epoch are
+dropped unread. `fed` is the tokens of the forward pass behind the verdict (0: checked against
+the prediction already held), `held_ms` how long the last token checked waited at the verifier.
+With sampling, each side's token at a place is its Gumbel-max draw with noise seeded by the
+session's seed and the place (spec_decoding.sampling.coupled_token): no q travels.
 
 One session per connection: the verifier's KV cache for it lives and dies with the connection.
-q, the draft's probabilities for its tokens, is sent only when sampling (temperature > 0):
+In rounds, q, the draft's probabilities for its tokens, is sent only when sampling:
 dense as `"q": float32 (k, V)`, or as its support, `"q_rows": int32 (k,)` entries per row,
 `"q_index": uint16 or int32 (n,)` ascending within a row, `"q_value": float32 (n,)`, whichever
 is smaller (spec_decoding/draft_q.py).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import statistics
 import threading
@@ -137,10 +138,12 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         verify_base_s=base,
         verify_per_token_s=slope,
         one_way_s=rtt_s / 2,
+        alone=any(g.decode_alone for g in generations),
     )
     # the model's steady rate for the tokens, plus the sessions' set-up as measured
     tokens = sum(len(g.tokens) for g in generations)
-    predicted_s = tokens / model.tokens_per_second(window) + sum(g.open_s for g in generations)
+    rate = model.tokens_per_second(window)
+    predicted_s = (tokens / rate if rate > 0 else math.nan) + sum(g.open_s for g in generations)
     metrics = {
         "acceptance_rate": accepted / checked if checked else 0.0,
         "mean_accepted_per_round": accepted / len(checks),
@@ -150,6 +153,7 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         "verify_ms_per_round": statistics.mean(c.verify_s for c in checks) * 1e3,
         "rounds": float(len(checks)),
         "forward_share": len(forwards) / len(checks),
+        "alone_share": sum(g.alone for g in generations) / max(1, tokens),
         "drafted_per_token": drafted / max(1, tokens),
         # the pipeline model's costs, as fitted here (a forward of n tokens: base + n * slope)
         "verify_base_ms": base * 1e3,
@@ -195,6 +199,7 @@ def run_drafter(
                 top_p=spec.top_p,
                 draft_top_k=spec.draft_top_k,
                 pipeline=spec.pipeline,
+                decode_alone=spec.decode_alone,
                 gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
             )
             generations, baselines = [], []

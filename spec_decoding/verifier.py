@@ -23,7 +23,12 @@ from spec_decoding.cache import CachedDecoder
 from spec_decoding.config import MAX_GAMMA
 from spec_decoding.draft_q import BadDraftQ, decode_q
 from spec_decoding.protocol import SpecMsg
-from spec_decoding.sampling import greedy_verdict, speculative_verdict
+from spec_decoding.sampling import (
+    coupled_token,
+    greedy_verdict,
+    position_noise,
+    speculative_verdict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +132,19 @@ class Verifier:
                     started = time.perf_counter()
                     while session is not None and conn.readable():
                         session = self._dispatch(conn, session, waited=False)
-                    if session is not None and session.has_work():
-                        progress = session.step(started)
-                        if progress is not None:
-                            conn.send_msg(SpecMsg.PROGRESS, progress)
+                    if session is None or not session.has_work():
+                        continue
+                    if session.can_decode_alone():
+                        # nothing drafted on this prefix: a draft on its way is worth a short
+                        # wait (checking it costs no more than decoding), else go on alone
+                        wait_s = session.patience_s()
+                        if wait_s > 0 and conn.readable(wait_s):
+                            continue
+                        conn.send_msg(SpecMsg.PROGRESS, session.decode_alone(started))
+                        continue
+                    progress = session.step(started)
+                    if progress is not None:
+                        conn.send_msg(SpecMsg.PROGRESS, progress)
                     continue
                 # idle: a message that is already here came while we computed
                 session = self._dispatch(conn, session, waited=not conn.readable())
@@ -218,29 +232,57 @@ class _Session:
 
     A session is driven by DRAFT rounds (each answered with a VERDICT) or, pipelined, by STREAM
     messages that `step` checks as they come; it takes whichever the drafter sends first.
+
+    Pipelined, the verifier never waits on the drafter: with no drafted token on its committed
+    sequence (after a rejection, before the drafter has heard of it) it decodes the next token
+    itself (`decode_alone`), as the target alone would, and tells the drafter. Drafts that
+    arrive for positions it has decoded are compared with its tokens: while they agree they
+    cost nothing and the ones after them are checked as usual; the first that differs ends
+    that epoch's stream (the drafter, told of the verifier's token, knows it too).
     """
 
     def __init__(
-        self, verifier: Verifier, prompt: list[int], temperature: float, top_p: float, seed: int
+        self,
+        verifier: Verifier,
+        prompt: list[int],
+        temperature: float,
+        top_p: float,
+        seed: int,
+        *,
+        planned: int = 1,
+        alone: bool = True,
     ) -> None:
         self.verifier = verifier
         self.decoder = CachedDecoder(verifier.model, prompt)
         self.temperature = temperature
         self.top_p = top_p
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self.prompt_len = len(prompt)
+        self.planned = planned
+        """Tokens the drafter asked for: the verifier decodes alone up to there, no further."""
+        self.alone = alone
         started = time.perf_counter()
         self.decoder.prefill()
         self.prefill_ms = (time.perf_counter() - started) * 1e3
         self.pipelined: bool | None = None
         """Unknown until the first DRAFT (rounds) or STREAM (pipelined)."""
-        self.epoch = 0
+        self.epoch = -1
+        """The drafter's stream being checked (it starts a new one whenever it rewinds)."""
+        self.dead = False
+        """The current epoch's stream has gone wrong: the rest of it is dropped unread."""
         self.pending: list[int] = []
-        """Streamed tokens of this epoch not checked yet, in order."""
-        self._pending_q: list[torch.Tensor] = []
+        """Streamed tokens of this epoch not checked yet, in order, from position `pending_at`."""
+        self.pending_at = len(prompt)
         self._arrived: list[float | None] = []
         """When each pending token arrived, where known."""
         self._next_logits: torch.Tensor | None = None
         """(V,) the target's logits after the committed sequence, once computed."""
+        self._forward: tuple[int, float] = (0, 0.0)
+        """The last forward that computed a prediction alone: (tokens fed, ms)."""
+        self._last_arrival: float | None = None
+        self._gap_s = 0.0
+        """Running mean of the gap between streamed tokens of a live epoch."""
 
     @classmethod
     def open(cls, verifier: Verifier, body: dict[str, Any]) -> _Session:
@@ -253,10 +295,10 @@ class _Session:
         if type(planned) is not int or not 1 <= planned <= verifier.max_tokens:
             raise BadRequest(f"max_new_tokens must be an int in 1..{verifier.max_tokens}")
         prompt = _prompt(body, verifier, room=planned)
-        pipeline = body.get("pipeline", False)
-        if not isinstance(pipeline, bool):
-            raise BadRequest("pipeline must be true or false")
-        session = cls(verifier, prompt, *_sampling_params(body))
+        pipeline, alone = body.get("pipeline", False), body.get("decode_alone", True)
+        if not isinstance(pipeline, bool) or not isinstance(alone, bool):
+            raise BadRequest("pipeline and decode_alone must be true or false")
+        session = cls(verifier, prompt, *_sampling_params(body), planned=planned, alone=alone)
         if pipeline:  # the prediction after the prompt is held before OPENED goes out, so
             session._set_mode(pipelined=True)  # the first token is always checked for free
             session.step()
@@ -288,37 +330,35 @@ class _Session:
         except BadDraftQ as exc:
             raise BadRequest(str(exc)) from None
 
-    def _check_room(self, more: int) -> None:
-        """A session spans at most the target's context (and MAX_SESSION_TOKENS)."""
-        if len(self.decoder.tokens) + len(self.pending) + more + 1 > self.verifier.max_tokens:
+    def _check_room(self, end: int) -> None:
+        """A session spans at most the target's context (and MAX_SESSION_TOKENS): `end`, the
+        sequence's length with what is asked."""
+        if end > self.verifier.max_tokens:
             raise BadRequest(
                 f"this session has reached its cap of {self.verifier.max_tokens} tokens"
             )
 
     def _verdict(
-        self, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None, *, bonus: bool
-    ) -> tuple[int, int | None]:
-        """`logits`: the target's rows before each drafted token (and after the last)."""
-        if not draft and not bonus:
-            return 0, None  # nothing to check (q is None then even when sampling)
+        self, logits: torch.Tensor, draft: list[int], q: torch.Tensor | None
+    ) -> tuple[int, int]:
+        """`logits`: the target's rows before each drafted token and after the last."""
         if self.temperature == 0:
-            return greedy_verdict(logits, draft, bonus=bonus)
+            return greedy_verdict(logits, draft)
         assert q is not None
         # the rule runs on the CPU: q arrived there, the generator is a CPU one, and its steps
         # are sequential scalar reads (on a GPU, each would be a sync)
         p = probs_from_logits(logits.float().cpu(), temperature=self.temperature, top_p=self.top_p)
-        return speculative_verdict(p, q, draft, generator=self.generator, bonus=bonus)
+        return speculative_verdict(p, q, draft, generator=self.generator)
 
     def verify(self, payload: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One DRAFT round: check it whole, answer with the accepted count and the next token."""
         self._set_mode(pipelined=False)
         draft = self._draft_tokens(payload, "DRAFT")
         q = self._draft_q(payload, draft)
-        self._check_room(len(draft))
+        self._check_room(len(self.decoder.tokens) + len(draft) + 1)  # and the bonus token
         started = time.perf_counter()
         logits = self.decoder.extend(draft)[-(len(draft) + 1) :]  # (k + 1, V)
-        accepted, token = self._verdict(logits, draft, q, bonus=True)
-        assert token is not None
+        accepted, token = self._verdict(logits, draft, q)
         self.decoder.commit([*draft[:accepted], token])
         return {
             "accepted": accepted,
@@ -326,75 +366,178 @@ class _Session:
             "verify_ms": (time.perf_counter() - started) * 1e3,
         }
 
+    # -- pipelined ---------------------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor, position: int) -> int:
+        """The target's token at `position` from its logits there (V,): greedy, or its
+        Gumbel-max draw with the position's noise (spec_decoding.sampling.coupled_token)."""
+        if self.temperature == 0:
+            return int(logits.argmax())
+        p = probs_from_logits(logits.float().cpu(), temperature=self.temperature, top_p=self.top_p)
+        return coupled_token(p, position_noise(self.seed, position, p.numel()))
+
     def stream(self, payload: dict[str, torch.Tensor], *, waited: bool = True) -> None:
-        """Queue streamed tokens for `step`; drop them if drafted on a rejected prefix.
+        """Queue streamed tokens for `step`; drop them if their epoch has gone wrong.
 
         `waited`: they arrived while the verifier was idle, so it knows when they arrived.
         """
         self._set_mode(pipelined=True)
-        epoch = payload.get("epoch")
-        if epoch is None or epoch.numel() != 1 or epoch.dtype != torch.int64:
-            raise BadRequest("STREAM needs an int64 `epoch`")
-        if int(epoch) > self.epoch:
-            raise BadRequest(f"STREAM for epoch {int(epoch)}; this session is at {self.epoch}")
+        epoch, at = payload.get("epoch"), payload.get("at")
+        for name, value in (("epoch", epoch), ("at", at)):
+            if value is None or value.numel() != 1 or value.dtype != torch.int64:
+                raise BadRequest(f"STREAM needs an int64 `{name}`")
+        if set(payload) - {"tokens", "epoch", "at"}:
+            raise BadRequest(
+                f"STREAM holds {sorted(set(payload) - {'tokens', 'epoch', 'at'})}: pipelined "
+                "sampling is coupled by position, no q travels"
+            )
         tokens = self._draft_tokens(payload, "STREAM")
-        q = self._draft_q(payload, tokens)
-        if int(epoch) < self.epoch:
-            return  # drafted on a prefix this session has since rejected
-        self._check_room(len(tokens))
+        epoch_, position = int(epoch), self.prompt_len + int(at)  # type: ignore[arg-type]
+        committed = len(self.decoder.tokens)
+        if epoch_ < self.epoch:
+            return  # drafted on a prefix the drafter has since given up
+        now = time.perf_counter()
+        if epoch_ > self.epoch:  # the drafter rewound to what it knows is committed
+            if not self.prompt_len <= position <= committed:
+                raise BadRequest(
+                    f"STREAM of epoch {epoch_} starts at token {int(at)}, past the "  # type: ignore[arg-type]
+                    f"{committed - self.prompt_len} this session has committed"
+                )
+            self.epoch, self.dead, self.pending_at = epoch_, False, position
+            self.pending, self._arrived, self._last_arrival = [], [], None
+        elif self.dead:
+            return
+        elif position != self.pending_at + len(self.pending):
+            raise BadRequest(
+                f"STREAM at token {int(at)}: epoch {epoch_}'s stream goes on at "  # type: ignore[arg-type]
+                f"{self.pending_at + len(self.pending) - self.prompt_len}"
+            )
+        self._check_room(max(committed, position + len(tokens)))
         if len(self.pending) + len(tokens) > MAX_GAMMA:
             raise BadRequest(f"more than {MAX_GAMMA} streamed tokens waiting to be checked")
+        if self._last_arrival is not None and tokens:
+            gap = (now - self._last_arrival) / len(tokens)
+            self._gap_s = gap if not self._gap_s else 0.8 * self._gap_s + 0.2 * gap
+        self._last_arrival = now if tokens else self._last_arrival
         self.pending.extend(tokens)
-        if q is not None:
-            self._pending_q.extend(q)
-        self._arrived.extend([time.perf_counter() if waited else None] * len(tokens))
+        self._arrived.extend([now if waited else None] * len(tokens))
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Compare pending tokens at positions already committed (decoded alone) with what
+        was committed there: agreeing ones are done with, the first that differs ends the
+        epoch's stream (everything after it was drafted on the wrong token)."""
+        tokens = self.decoder.tokens
+        while self.pending and self.pending_at < len(tokens):
+            if self.pending[0] != tokens[self.pending_at]:
+                self.dead, self.pending, self._arrived = True, [], []
+                return
+            del self.pending[0], self._arrived[0]
+            self.pending_at += 1
+
+    def _done(self) -> bool:
+        generated = self.decoder.tokens[self.prompt_len :]
+        eos = self.verifier.eos_token_id
+        return len(generated) >= self.planned or (eos is not None and eos in generated)
 
     def has_work(self) -> bool:
-        """Pipelined: tokens to check, or the committed sequence's next prediction to compute."""
-        return bool(self.pipelined) and (bool(self.pending) or self._next_logits is None)
+        """Pipelined: tokens to check, the committed sequence's next prediction to compute, or
+        a token to decode alone."""
+        if not self.pipelined:
+            return False
+        if self.pending:
+            return True
+        return (self._next_logits is None and not self._done()) or self.can_decode_alone()
+
+    def can_decode_alone(self) -> bool:
+        """Nothing to check and the next prediction held: the next token is the verifier's
+        to decide alone (unless the drafter said not to, or the text is done)."""
+        return (
+            self.alone and not self.pending and self._next_logits is not None and not self._done()
+        )
+
+    def patience_s(self) -> float:
+        """How long to wait for a draft before decoding alone: none while the epoch's stream is
+        dead (the drafter needs a round trip to hear of it); else about two of the gaps its
+        tokens have been arriving at, if it has been sending (at most 5 ms)."""
+        if self.dead or self.epoch < 0 or self._last_arrival is None:
+            return 0.0
+        return min(2 * self._gap_s, 0.005)
+
+    def decode_alone(self, started: float | None = None) -> dict[str, Any]:
+        """Commit the target's own next token (its prediction is held: no forward here; the
+        next `step` computes the one after it). The PROGRESS that tells the drafter."""
+        started = time.perf_counter() if started is None else started
+        assert self._next_logits is not None
+        at = len(self.decoder.tokens)
+        token = self._choose(self._next_logits, at)
+        self.decoder.commit([token])
+        self._next_logits = None
+        self._catch_up()  # (nothing pending: the epoch stays as it is)
+        fed, forward_ms = self._forward  # the forward that computed the prediction used
+        self._forward = (0, 0.0)
+        return {
+            "epoch": self.epoch,
+            "at": at - self.prompt_len,
+            "accepted": 0,
+            "tokens": [token],
+            "alone": True,
+            "fed": fed,
+            "verify_ms": forward_ms + (time.perf_counter() - started) * 1e3,
+        }
 
     def step(self, started: float | None = None) -> dict[str, Any] | None:
         """Check the pending tokens with at most one forward pass; the PROGRESS to send.
 
         The first pending token is checked against the prediction already held, without a
         forward: a wrong first guess costs the target nothing. Without pending tokens (just
-        after a rejection, before the drafter has heard of it) the step computes the
-        prediction after the correction, so the next first guess is checked at once.
+        after a rejection or a token decoded alone) the step computes the prediction after the
+        committed sequence, so the next first guess is checked at once.
         `started`: when the verifier began taking in the messages this step checks, so that
         `verify_ms` counts their handling too.
         """
         started = time.perf_counter() if started is None else started
         batch = self.pending[:MAX_GAMMA]
-        q = torch.stack(self._pending_q[: len(batch)]) if self._pending_q else None
+        at = len(self.decoder.tokens)  # == pending_at: earlier positions were caught up
         fed, accepted, token = 0, 0, None
-        if self._next_logits is not None:  # check the first token for free
-            accepted, token = self._verdict(
-                self._next_logits[None], batch[:1], None if q is None else q[:1], bonus=False
-            )
-            rest, rest_q = batch[1:], None if q is None else q[1:]
-        else:
-            rest, rest_q = batch, q
+        if self._next_logits is not None and batch:  # check the first token for free
+            choice = self._choose(self._next_logits, at)
+            accepted, token = (1, None) if choice == batch[0] else (0, choice)
+        if not batch and self._next_logits is not None:
+            return None
         if token is None:
             # feeds the committed token the cache lacks (after a rejection) and the batch
+            rest = batch[accepted:]
             logits = self.decoder.extend(batch)
             fed = logits.size(0)
-            more, token = self._verdict(logits[-(len(rest) + 1) :], rest, rest_q, bonus=False)
-            accepted += more
-            self._next_logits = logits[-1] if token is None else None
-        if not batch:
-            return None  # only computed the prediction after the committed sequence
+            rows = logits[-(len(rest) + 1) :]
+            for i, drafted in enumerate(rest):
+                choice = self._choose(rows[i], at + accepted)
+                if choice != drafted:
+                    token = choice
+                    break
+                accepted += 1
+            self._next_logits = rows[-1] if token is None else None
+        if not batch:  # only computed the prediction after the committed sequence
+            self._forward = (fed, (time.perf_counter() - started) * 1e3)
+            return None
         arrived = self._arrived[min(accepted, len(batch) - 1)]  # the last token checked
-        progress: dict[str, Any] = {"epoch": self.epoch, "accepted": accepted, "fed": fed}
+        progress: dict[str, Any] = {
+            "epoch": self.epoch,
+            "at": at - self.prompt_len,
+            "accepted": accepted,
+            "tokens": [],
+            "fed": fed,
+        }
         if token is None:
             self.decoder.commit(batch, cache_last=True)
-            del self.pending[: len(batch)], self._pending_q[: len(batch)]
-            del self._arrived[: len(batch)]
+            del self.pending[: len(batch)], self._arrived[: len(batch)]
+            self.pending_at += len(batch)
         else:
             self.decoder.commit([*batch[:accepted], token])
             self._next_logits = None
-            self.epoch += 1
-            self.pending, self._pending_q, self._arrived = [], [], []
-            progress["token"] = token
+            self.dead, self.pending, self._arrived = True, [], []
+            progress["tokens"] = [token]
         now = time.perf_counter()
         progress["verify_ms"] = (now - started) * 1e3
         if arrived is not None:

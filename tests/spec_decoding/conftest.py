@@ -51,8 +51,12 @@ def drafts(tokenizer, target):
 
 
 @pytest.fixture
-def verifier_server(target, tokenizer) -> Iterator[Server]:
-    verifier = Verifier(target, tokenizer)
+def verifier(target, tokenizer) -> Verifier:
+    return Verifier(target, tokenizer)
+
+
+@pytest.fixture
+def verifier_server(verifier) -> Iterator[Server]:
     server = Server(verifier.handle, name="verifier").start()
     server.verifier = verifier  # type: ignore[attr-defined]
     yield server
@@ -71,6 +75,7 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
         top_p: float = 1.0,
         pipeline: bool = False,
         draft_top_k: int = 0,
+        decode_alone: bool = True,
     ) -> Drafter:
         conn = Connection.connect(*verifier_server.address)
         conns.append(conn)
@@ -83,6 +88,7 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
             top_p=top_p,
             pipeline=pipeline,
             draft_top_k=draft_top_k,
+            decode_alone=decode_alone,
         )
 
     yield _make

@@ -1,4 +1,5 @@
-"""The speculative sampling rule leaves the target's distribution exactly as it is."""
+"""The speculative sampling rule, and the coupling by position, leave the target's
+distribution exactly as it is."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import torch
 from scipy.stats import chisquare
 
 from lab.sampling import probs_from_logits
-from spec_decoding.sampling import greedy_verdict, speculative_verdict
+from spec_decoding.sampling import (
+    coupled_token,
+    greedy_verdict,
+    position_noise,
+    speculative_verdict,
+)
 
 P = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.15])
 Q = torch.tensor([0.30, 0.10, 0.30, 0.10, 0.20])  # a draft that disagrees a lot
@@ -68,3 +74,27 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
     probs = probs_from_logits(logits, temperature=1.0, top_p=0.75)
     torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
     assert probs_from_logits(logits, temperature=1.0, top_p=1.0).sum().item() == pytest.approx(1)
+
+
+def test_a_coupled_draw_follows_the_target_and_the_draft_guesses_it_often() -> None:
+    """Over seeds, the Gumbel-max draw with a position's noise is distributed as p; the
+    draft's draw with the same noise equals it at least (1 - d) / (1 + d) of the time (d: the
+    total variation between p and q), and more often than independent draws would."""
+    draws = 20_000
+    ours = [coupled_token(P, position_noise(seed, 7, 5)) for seed in range(draws)]
+    guesses = [coupled_token(Q, position_noise(seed, 7, 5)) for seed in range(draws)]
+    counts = torch.bincount(torch.tensor(ours), minlength=5)
+    assert chisquare(counts.numpy(), (P * draws).numpy()).pvalue > 1e-3, counts.tolist()
+    d = 0.5 * float((P - Q).abs().sum())
+    matched = sum(a == b for a, b in zip(ours, guesses, strict=True)) / draws
+    assert matched >= (1 - d) / (1 + d) - 0.01
+    assert matched > float((P * Q).sum()) + 0.05  # independent draws would match this often
+
+
+def test_position_noise_is_a_function_of_seed_and_position_only() -> None:
+    """Both sides draw it: the same bits for the same pair, different for another pair."""
+    a = position_noise(3, 41, 4096)
+    assert torch.equal(a, position_noise(3, 41, 4096))
+    assert not torch.equal(a, position_noise(3, 42, 4096))
+    assert not torch.equal(a, position_noise(4, 41, 4096))
+    assert torch.isfinite(a).all() and a.dtype == torch.float64

@@ -154,43 +154,101 @@ def test_bad_spec_settings_name_the_key(compose_config, override: str, needle: s
     assert needle in str(info.value)
 
 
-def stream(conn: Connection, tokens: list[int], epoch: int) -> None:
-    conn.send(
-        SpecMsg.STREAM,
-        {
-            "tokens": torch.tensor(tokens, dtype=torch.int32),
-            "epoch": torch.tensor([epoch], dtype=torch.int64),
-        },
-    )
+def stream(conn: Connection, tokens: list[int], epoch: int, at: int = 0) -> None:
+    conn.send(SpecMsg.STREAM, stream_payload(tokens, epoch, at))
+
+
+def stream_payload(tokens: list[int], epoch: int, at: int) -> dict[str, torch.Tensor]:
+    return {
+        "tokens": torch.tensor(tokens, dtype=torch.int32),
+        "epoch": torch.tensor([epoch], dtype=torch.int64),
+        "at": torch.tensor([at], dtype=torch.int64),
+    }
+
+
+def greedy_continuation(target, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(target(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
 
 
 def test_stream_of_a_rejected_epoch_is_dropped(verifier_server, target, tokenizer) -> None:
-    """After a correction, tokens drafted on the old prefix get no verdict of their own."""
+    """After a correction, tokens drafted on the old prefix get no verdict of their own (a
+    verifier told not to decode alone: every token it commits answers a draft)."""
     prompt = [5, 17, 42, 8]
-    with torch.no_grad():
-        choice = int(target(input_ids=torch.tensor([prompt])).logits[0, -1].argmax())
+    choice, after = greedy_continuation(target, prompt, 2)
     wrong = (choice + 1) % len(tokenizer)
+    body = open_body(tokenizer, prompt=prompt, pipeline=True, decode_alone=False)
     with Connection.connect(*verifier_server.address) as conn:
         # the first token right behind OPEN, unanswered: the verifier still holds the
         # prompt's prediction before it reads the token (it computes it before OPENED)
-        conn.send_msg(SpecMsg.OPEN, open_body(tokenizer, prompt=prompt, pipeline=True))
+        conn.send_msg(SpecMsg.OPEN, {**body, "max_new_tokens": 8})
         stream(conn, [wrong], epoch=0)
         conn.recv_msg(SpecMsg.OPENED)
         first = conn.recv_msg(SpecMsg.PROGRESS)
-        assert (first["epoch"], first["accepted"], first["token"]) == (0, 0, choice)
+        assert (first["at"], first["accepted"], first["tokens"]) == (0, 0, [choice])
         assert first["fed"] == 0  # checked against the prediction it held: no forward pass
-        stream(conn, [wrong, wrong], epoch=0)  # drafted before the drafter heard: stale
-        with torch.no_grad():
-            after = target(input_ids=torch.tensor([[*prompt, choice]])).logits[0, -1]
-        stream(conn, [int(after.argmax())], epoch=1)
+        stream(conn, [wrong, wrong], epoch=0, at=1)  # drafted before the drafter heard: stale
+        stream(conn, [after], epoch=1, at=1)
         second = conn.recv_msg(SpecMsg.PROGRESS)
-        assert (second["epoch"], second["accepted"], "token" in second) == (1, 1, False)
+        assert (second["epoch"], second["at"], second["accepted"], second["tokens"]) == (
+            1,
+            1,
+            1,
+            [],
+        )
+
+
+def test_the_verifier_decodes_alone_and_compares_late_drafts(verifier, target, tokenizer) -> None:
+    """With no draft on its prefix the verifier commits the target's own tokens; drafts that
+    arrive for them are compared (agreeing ones cost nothing, the ones after are checked as
+    usual), a draft that differs ends its epoch, and a stream may not start past what the
+    verifier has committed."""
+    from spec_decoding.verifier import BadRequest, _Session
+
+    prompt = [5, 17, 42, 8]
+    greedy = greedy_continuation(target, prompt, 8)
+    body = open_body(tokenizer, prompt=prompt, pipeline=True, max_new_tokens=8)
+    session = _Session.open(verifier, body)
+    assert session.can_decode_alone()
+    alone = []
+    for _ in range(2):
+        alone.append(session.decode_alone())
+        assert session.step() is None  # the prediction after its own token
+    assert [(p["at"], p["tokens"], p["alone"]) for p in alone] == [
+        (0, [greedy[0]], True),
+        (1, [greedy[1]], True),
+    ]
+    session.stream(stream_payload(greedy[:4], epoch=0, at=0))  # late for two of them
+    assert (session.pending, session.pending_at) == (greedy[2:4], len(prompt) + 2)
+    checked = session.step()
+    assert checked is not None
+    assert (checked["at"], checked["accepted"], checked["tokens"]) == (2, 2, [])
+    wrong = (greedy[4] + 1) % len(tokenizer)
+    session.stream(stream_payload([wrong], epoch=0, at=4))
+    rejected = session.step()
+    assert rejected is not None and (rejected["accepted"], rejected["tokens"]) == (0, [greedy[4]])
+    session.stream(stream_payload([greedy[5]], epoch=0, at=5))  # the dead epoch: dropped
+    assert session.pending == [] and session.dead
+    session.stream(stream_payload([wrong], epoch=1, at=3))  # differs from what was committed
+    assert session.dead and session.pending == []
+    with pytest.raises(BadRequest, match="starts at token 9, past the 5 this session has"):
+        session.stream(stream_payload([greedy[5]], epoch=2, at=9))
+    assert session.decoder.tokens[len(prompt) :] == greedy[:5]
+    while session.has_work():  # alone to the end of the plan: the target's greedy text
+        if session.can_decode_alone():
+            session.decode_alone()
+        else:
+            session.step()
+    assert session.decoder.tokens[len(prompt) :] == greedy
 
 
 @pytest.mark.parametrize(
     ("messages", "error"),
     [
-        ([("stream", 1)], "STREAM for epoch 1"),
+        ([("stream", 5)], "starts at token 5, past the"),
         ([("stream", 0), ("draft", 0)], "DRAFT rounds or a STREAM"),
         ([("draft", 0), ("stream", 0)], "DRAFT rounds or a STREAM"),
     ],
@@ -203,14 +261,14 @@ def test_bad_stream_closes_that_session_only(
         good.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
         bad.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
         with pytest.raises(RemoteError, match=error):
-            for kind, epoch in messages:
+            for kind, at in messages:
                 if kind == "draft":
                     bad.send(SpecMsg.DRAFT, {"tokens": torch.tensor([4], dtype=torch.int32)})
                 else:
-                    stream(bad, [4], epoch)
+                    stream(bad, [4], epoch=0, at=at)
             # a valid first message may be answered before the second is refused, or not:
             # whether the verifier checked a STREAM before the DRAFT arrived is up to timing
-            for _ in range(len(messages) + 1):
+            for _ in range(len(messages) + 2):
                 bad.recv(expect={SpecMsg.PROGRESS, SpecMsg.VERDICT}, timeout_s=10)
         stream(good, [4], epoch=0)
         assert good.recv_msg(SpecMsg.PROGRESS)["epoch"] == 0
@@ -221,13 +279,11 @@ def test_unchecked_stream_is_bounded(verifier_server, tokenizer) -> None:
     from spec_decoding.verifier import BadRequest, _Session
 
     session = _Session.open(verifier_server.verifier, open_body(tokenizer, pipeline=True))
-    payload = {
-        "tokens": torch.tensor([4] * 32, dtype=torch.int32),
-        "epoch": torch.tensor([0], dtype=torch.int64),
-    }
-    session.stream(payload)
+    session.stream(stream_payload([4] * 32, epoch=0, at=0))
     with pytest.raises(BadRequest, match="more than 32 streamed tokens"):
-        session.stream(payload)
+        session.stream(stream_payload([4] * 32, epoch=0, at=32))
+    with pytest.raises(BadRequest, match="epoch 0's stream goes on at 32"):
+        session.stream(stream_payload([4], epoch=0, at=40))
 
 
 @pytest.mark.parametrize("draft_top_k", [0, 3], ids=["dense_q", "sparse_q"])
@@ -283,10 +339,14 @@ def test_sampling_gives_the_targets_joint_distribution(
             other += 1
     observed = [*counts.values(), other]
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
-    # the support travelled: with draft_top_k at most 3 entries (a weight takes at most 3 bytes,
-    # a gap 2 in this vocabulary) and a row count; without, far more of the vocabulary
+    # rounds: the support travelled: with draft_top_k at most 3 entries (a weight takes at
+    # most 3 bytes, a gap 2 in this vocabulary) and a row count; without, far more of the
+    # vocabulary. Pipelined: no q at all (the drafter guesses the verifier's own draw)
     bytes_per_token = q_bytes / drafted
-    assert bytes_per_token <= 3 * 5 + 4 if draft_top_k else bytes_per_token > 3 * 5 + 4
+    if pipeline:
+        assert q_bytes == 0
+    else:
+        assert bytes_per_token <= 3 * 5 + 4 if draft_top_k else bytes_per_token > 3 * 5 + 4
 
 
 @pytest.mark.parametrize(
@@ -417,27 +477,37 @@ def _q(vocab: int, token: int, *, fill: float = 0.0, own: float = 1.0) -> torch.
         "weights_index_out_of_range",
     ],
 )
-@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
 def test_a_q_that_would_make_the_verifier_accept_anything_is_refused(
-    verifier_server, tokenizer, make_q, error: str, pipeline: bool
+    verifier_server, tokenizer, make_q, error: str
 ) -> None:
-    """At temperature > 0 a token is accepted with probability min(1, p/q): q <= 0 or a q
-    that is not a distribution would let a drafter write whatever it likes."""
+    """At temperature > 0 a round's token is accepted with probability min(1, p/q): q <= 0 or
+    a q that is not a distribution would let a drafter write whatever it likes."""
     vocab = verifier_server.verifier.vocab_size
 
     def send(conn: Connection) -> None:
-        body = open_body(tokenizer, temperature=1.0, pipeline=pipeline)
-        conn.request(SpecMsg.OPEN, body, expect=SpecMsg.OPENED)
+        conn.request(SpecMsg.OPEN, open_body(tokenizer, temperature=1.0), expect=SpecMsg.OPENED)
         q = make_q(vocab)
         entries = q if isinstance(q, dict) else {"q": q}
         payload = {"tokens": torch.tensor([5], dtype=torch.int32), **entries}
-        if pipeline:
-            conn.send(SpecMsg.STREAM, {**payload, "epoch": torch.tensor([0])})
-            conn.recv_msg(SpecMsg.PROGRESS)
-        else:
-            conn.request(SpecMsg.DRAFT, payload, expect=SpecMsg.VERDICT)
+        conn.request(SpecMsg.DRAFT, payload, expect=SpecMsg.VERDICT)
 
     _refused(verifier_server, tokenizer, send, error)
+
+
+def test_a_stream_carrying_q_is_refused(verifier_server, tokenizer) -> None:
+    """Pipelined sampling needs no q (a guess is accepted when it equals the target's own
+    draw): a q, or any other field, in a STREAM is a malformed message."""
+
+    def send(conn: Connection) -> None:
+        body = open_body(tokenizer, temperature=1.0, pipeline=True)
+        conn.request(SpecMsg.OPEN, body, expect=SpecMsg.OPENED)
+        q = torch.zeros(1, verifier_server.verifier.vocab_size)
+        q[0, 5] = 1.0
+        conn.send(SpecMsg.STREAM, {**stream_payload([5], epoch=0, at=0), "q": q})
+        for _ in range(3):
+            conn.recv_msg(SpecMsg.PROGRESS)
+
+    _refused(verifier_server, tokenizer, send, "no q travels")
 
 
 def test_sessions_are_capped_at_the_targets_context(verifier_server, tokenizer) -> None:
