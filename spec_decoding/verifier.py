@@ -392,7 +392,8 @@ class _Session:
                 "sampling is coupled by position, no q travels"
             )
         tokens = self._draft_tokens(payload, "STREAM")
-        epoch_, position = int(epoch), self.prompt_len + int(at)  # type: ignore[arg-type]
+        epoch_, place = int(epoch), int(at)  # type: ignore[arg-type]
+        position = self.prompt_len + place
         committed = len(self.decoder.tokens)
         if epoch_ < self.epoch:
             return  # drafted on a prefix the drafter has since given up
@@ -400,7 +401,7 @@ class _Session:
         if epoch_ > self.epoch:  # the drafter rewound to what it knows is committed
             if not self.prompt_len <= position <= committed:
                 raise BadRequest(
-                    f"STREAM of epoch {epoch_} starts at token {int(at)}, past the "  # type: ignore[arg-type]
+                    f"STREAM of epoch {epoch_} starts at token {place}, outside the 0.."
                     f"{committed - self.prompt_len} this session has committed"
                 )
             self.epoch, self.dead, self.pending_at = epoch_, False, position
@@ -409,7 +410,7 @@ class _Session:
             return
         elif position != self.pending_at + len(self.pending):
             raise BadRequest(
-                f"STREAM at token {int(at)}: epoch {epoch_}'s stream goes on at "  # type: ignore[arg-type]
+                f"STREAM at token {place}: epoch {epoch_}'s stream goes on at "
                 f"{self.pending_at + len(self.pending) - self.prompt_len}"
             )
         self._check_room(max(committed, position + len(tokens)))

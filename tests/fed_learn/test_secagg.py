@@ -338,4 +338,3 @@ def test_combine_equals_the_library_and_refuses_duplicate_indices() -> None:
             assert combine(subset) == Shamir.combine(subset) == secret
     with pytest.raises(ValueError, match="must be distinct"):
         combine([shares[0], shares[0]])
-

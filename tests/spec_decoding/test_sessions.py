@@ -234,7 +234,7 @@ def test_the_verifier_decodes_alone_and_compares_late_drafts(verifier, target, t
     assert session.pending == [] and session.dead
     session.stream(stream_payload([wrong], epoch=1, at=3))  # differs from what was committed
     assert session.dead and session.pending == []
-    with pytest.raises(BadRequest, match="starts at token 9, past the 5 this session has"):
+    with pytest.raises(BadRequest, match=r"starts at token 9, outside the 0\.\.5 this session has"):
         session.stream(stream_payload([greedy[5]], epoch=2, at=9))
     assert session.decoder.tokens[len(prompt) :] == greedy[:5]
     while session.has_work():  # alone to the end of the plan: the target's greedy text
@@ -248,7 +248,8 @@ def test_the_verifier_decodes_alone_and_compares_late_drafts(verifier, target, t
 @pytest.mark.parametrize(
     ("messages", "error"),
     [
-        ([("stream", 5)], "starts at token 5, past the"),
+        ([("stream", 5)], "starts at token 5, outside the 0.."),
+        ([("stream", -1)], "starts at token -1, outside the 0.."),
         ([("stream", 0), ("draft", 0)], "DRAFT rounds or a STREAM"),
         ([("draft", 0), ("stream", 0)], "DRAFT rounds or a STREAM"),
     ],
