@@ -58,6 +58,8 @@ RUN_DIR = ROOT / "outputs" / "bench" / "spec_decoding"
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 VOCAB_32K = 32_000
 TOP_K = 64
+REPEATS = 3
+"""Runs of the per-delay headline, each alternated with target-only."""
 
 
 @contextmanager
@@ -130,6 +132,7 @@ def ours(
     pipeline: bool,
     baselines: list[dict[str, Any]] | None = None,
     sample: bool = False,
+    decode_alone: bool = True,
 ) -> dict[str, Any]:
     with Connection.connect(*address, read_timeout_s=120) as conn:
         drafter = Drafter(
@@ -138,6 +141,7 @@ def ours(
             conn,
             gamma=GammaController(fixed=gamma, max_gamma=SpecConfig().max_gamma),
             pipeline=pipeline,
+            decode_alone=decode_alone,
             temperature=SAMPLING["temperature"] if sample else 0.0,
             top_p=SAMPLING["top_p"] if sample else 1.0,
         )
@@ -147,13 +151,22 @@ def ours(
         ]
     # the model's prediction is against the one-thread target alone, timed on these prompts
     metrics = summarize(generations, baselines or [], greedy=not sample)
+    tokens = sum(len(g.tokens) for g in generations)
+    seconds = sum(g.seconds for g in generations)
+    accepted = sum(c.accepted for g in generations for c in g.checks) + sum(
+        r.accepted for g in generations for r in g.rounds
+    )
     row: dict[str, Any] = {
         "outputs": [g.tokens for g in generations],
-        "seconds": sum(g.seconds for g in generations),
+        "seconds": seconds,
         "acceptance": metrics["acceptance_rate"],
         "mean_gamma": metrics["mean_gamma"],
         "sent_bytes_per_drafted": metrics.get("sent_bytes_per_drafted"),
-        "q_bytes_per_drafted": metrics.get("q_bytes_per_drafted"),
+        "q_bytes_per_drafted": metrics.get("q_bytes_per_drafted", 0.0),
+        "sent_bytes_per_token": sum(g.sent_bytes for g in generations) / max(1, tokens),
+        # drafted tokens the verifier took per round trip of the link (the run's median)
+        "accepted_per_rtt": accepted / (seconds / max(metrics["rtt_ms"] / 1e3, 1e-9)),
+        "alone_share": metrics.get("alone_share", 0.0),
     }
     if baselines:
         row["predicted_speedup"] = metrics["predicted_speedup"]
@@ -177,6 +190,7 @@ def acceptance_needed(costs: dict[str, float], target_rate: float, speedup: floa
             verify_base_s=costs["verify_base_ms"] / 1e3,
             verify_per_token_s=costs["verify_per_token_ms"] / 1e3,
             one_way_s=costs["rtt_ms"] / 2e3,
+            alone=True,
         )
         if (
             model.tokens_per_second(model.best_window(SpecConfig().max_gamma))
@@ -286,10 +300,30 @@ def bench_pair(
             emulator = LinkEmulatorProcess(address, delay_ms=delay) if delay else nullcontext()
             with emulator as link:
                 run = (link.address if link else address, draft, tokenizer, prompts, max_new)
-                for gamma in (*gammas, None):
-                    name = "auto" if gamma is None else str(gamma)
-                    label = f"ours, {delay} ms, pipelined, gamma={name}"
+                # the headline: three runs alternated with target-only (both thread counts)
+                ratios = []
+                for repeat in range(REPEATS):
+                    _, alone_1, _ = hf_generate(model, prompts, max_new, tokenizer)
+                    with threads(2):
+                        _, alone_2, _ = hf_generate(model, prompts, max_new, tokenizer)
+                    label = f"ours, {delay} ms, pipelined, gamma=auto" + (
+                        f" (run {repeat + 1})" if repeat else ""
+                    )
+                    result = ours(*run, None, pipeline=True, baselines=baselines)
+                    record(label, result, reference)
+                    ratios.append(rows[label]["tokens_per_s"] * min(alone_1, alone_2) / tokens)
+                rows[f"ours, {delay} ms, pipelined, gamma=auto"]["speedup_median"] = (
+                    statistics.median(ratios)
+                )
+                rows[f"ours, {delay} ms, pipelined, gamma=auto"]["speedups"] = ratios
+                for gamma in gammas:
+                    label = f"ours, {delay} ms, pipelined, gamma={gamma}"
                     record(label, ours(*run, gamma, pipeline=True), reference)
+                record(
+                    f"ours, {delay} ms, pipelined, verifier waits, auto",
+                    ours(*run, None, pipeline=True, decode_alone=False),
+                    reference,
+                )
                 record(
                     f"ours, {delay} ms, rounds, auto", ours(*run, None, pipeline=False), reference
                 )
@@ -309,6 +343,12 @@ def bench_pair(
                 pipeline=True, baselines=sampled, sample=True,
             )  # fmt: skip
             record("sampling: ours, pipelined, auto", result, None)
+            with LinkEmulatorProcess(address, delay_ms=10) as link:
+                result = ours(
+                    link.address, draft, tokenizer, prompts, max_new, None,
+                    pipeline=True, baselines=sampled, sample=True,
+                )  # fmt: skip
+            record("sampling: ours, 10 ms, pipelined, auto", result, None)
 
     target_best = max(rows[f"target-only, {n}"]["tokens_per_s"] for n in ("1 thread", "2 threads"))
     assisted_best = max(
@@ -334,12 +374,25 @@ def bench_pair(
             for mode in ("rounds", "pipelined")
         },
     }
-    auto_vs_best, pipelined_vs_rounds = {}, {}
+    auto_vs_best, pipelined_vs_rounds, per_delay = {}, {}, {}
     for delay in delays:
+        row = rows[f"ours, {delay} ms, pipelined, gamma=auto"]
+        per_delay[delay] = {
+            "speedup_vs_target_best": row["speedup_median"],
+            "speedups": row["speedups"],
+            "acceptance": row["acceptance"],
+            "accepted_per_rtt": row["accepted_per_rtt"],
+            "sent_bytes_per_token": row["sent_bytes_per_token"],
+            "alone_share": row["alone_share"],
+            "measured_over_predicted": row.get("measured_over_predicted"),
+            "vs_waiting": row["tokens_per_s"]
+            / rows[f"ours, {delay} ms, pipelined, verifier waits, auto"]["tokens_per_s"],
+        }
         fixed = [rows[f"ours, {delay} ms, pipelined, gamma={g}"]["tokens_per_s"] for g in gammas]
         auto = rows[f"ours, {delay} ms, pipelined, gamma=auto"]["tokens_per_s"]
         auto_vs_best[delay] = auto / max(fixed)
         pipelined_vs_rounds[delay] = auto / rows[f"ours, {delay} ms, rounds, auto"]["tokens_per_s"]
+    figures["per_delay"] = per_delay
     figures["auto_vs_best_fixed"] = auto_vs_best
     figures["pipelined_vs_rounds"] = pipelined_vs_rounds
     if sampling:
@@ -350,10 +403,14 @@ def bench_pair(
         vocab = int(model.get_input_embeddings().num_embeddings)
         figures["sampling"] = {
             "speedup_vs_target_best": ours_sampled["tokens_per_s"] / sample_best,
+            "speedup_at_10ms_vs_target_best": rows["sampling: ours, 10 ms, pipelined, auto"][
+                "tokens_per_s"
+            ]
+            / sample_best,
             "acceptance": ours_sampled["acceptance"],
             "q_bytes_per_drafted": ours_sampled["q_bytes_per_drafted"],
             "dense_q_row_bytes": 4 * vocab,
-            "q_bytes_vs_dense": ours_sampled["q_bytes_per_drafted"] / (4 * vocab),
+            "q_bytes_vs_dense": (ours_sampled["q_bytes_per_drafted"] or 0.0) / (4 * vocab),
             "sent_bytes_per_drafted": ours_sampled["sent_bytes_per_drafted"],
         }
     return figures
@@ -461,14 +518,26 @@ def main() -> None:
                 f"{name}, {delay} ms: auto / best fixed window {ratio:.2f}; "
                 f"pipelined / rounds {fig['pipelined_vs_rounds'][delay]:.2f}"
             )
+        for delay, d in fig.get("per_delay", {}).items():
+            predicted = d["measured_over_predicted"]
+            print(
+                f"{name}, {delay} ms one-way: speedup over the faster target-only "
+                f"{d['speedup_vs_target_best']:.2f}x (median of {len(d['speedups'])}: "
+                + "/".join(f"{x:.2f}" for x in d["speedups"])
+                + f"), acceptance {d['acceptance']:.2f}, {d['accepted_per_rtt']:.1f} tokens "
+                f"accepted per round trip, {d['sent_bytes_per_token']:.0f} bytes sent per token, "
+                f"{d['alone_share']:.2f} of tokens decoded by the verifier alone, "
+                f"{d['vs_waiting']:.2f}x a verifier that waits; measured / predicted "
+                f"{predicted if predicted is None else f'{predicted:.2f}'}"
+            )
         if "sampling" in fig:
             s = fig["sampling"]
             print(
                 f"{name}, sampling (t={SAMPLING['temperature']}, top_p={SAMPLING['top_p']}): "
                 f"ours / faster target-only {s['speedup_vs_target_best']:.2f}x, acceptance "
-                f"{s['acceptance']:.2f}; q {s['q_bytes_per_drafted']:.0f} bytes per drafted token, "
-                f"{s['q_bytes_vs_dense']:.3f} of a dense row ({s['dense_q_row_bytes']} bytes); "
-                f"{s['sent_bytes_per_drafted']:.0f} bytes sent per drafted token in all"
+                f"{s['acceptance']:.2f} (loopback), "
+                f"{s['speedup_at_10ms_vs_target_best']:.2f}x at 10 ms one-way; no q travels "
+                f"pipelined ({s['sent_bytes_per_drafted']:.0f} bytes sent per drafted token)"
             )
     q32 = figures["q_bytes_32k_vocab"]
     print(
@@ -485,6 +554,12 @@ def main() -> None:
         },
         machine=machine,
     )
+    at_10 = figures["realistic"].get("per_delay", {}).get(10)
+    if at_10 is not None:
+        print(
+            "speedup over target-only at 10 ms one-way (realistic pair): "
+            f"{at_10['speedup_vs_target_best']:.2f}"
+        )
     speedup = figures["realistic"]["speedup_vs_target_best"]
     print(f"our speedup over target-only (loopback, realistic pair): {speedup:.2f}x")
 

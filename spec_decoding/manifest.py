@@ -8,6 +8,7 @@ Registered by entry point (pyproject.toml); imports no model code.
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from lab.linkmodel import Link, run_config, run_summary
 from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
-from spec_decoding.gamma import CostModel, PipelineModel, expected_tokens
+from spec_decoding.gamma import CostModel, PipelineModel, expected_tokens, simulate_pipeline
 
 NAME = "spec_decoding"
 DEBUG = ["target.lab_preset=debug", "draft.lab_preset=debug"]
@@ -77,6 +78,13 @@ def _pipelined_seconds(model: Any, *, tokens: int, prompts: int, max_gamma: int)
     first epoch starts as the drafter opens it, one way earlier than after a correction; it
     ends when the drafter hears the last verdict, one way after the verifier knows it."""
     window = model.best_window(max_gamma)
+    if model.alone:  # the event-by-event simulation, one generation from its opening
+        patience = min(2 * model.draft_s, 0.005)
+        runs = [
+            simulate_pipeline(model, window, alone=True, tokens=tokens, seed=s, patience_s=patience)
+            for s in range(4)
+        ]
+        return prompts * tokens / statistics.mean(runs)
     detect = model.detection_times(window)
     alpha, horizon = model.alpha, len(detect)
     remaining = [0.0] * (tokens + 1)  # expected seconds to produce r more tokens from an epoch
@@ -114,11 +122,12 @@ def predict_speedup(run_dir: Path, link: Link) -> float:
             model = PipelineModel(
                 alpha, c * draft + link.serialize_s(drafted_bytes),
                 c * float(s["verify_base_ms"]) / 1e3, c * float(s["verify_per_token_ms"]) / 1e3,
-                rtt / 2,
+                rtt / 2, alone=spec.get("decode_alone", True),
             )  # fmt: skip
             # before its first verdict, `auto` allows FIRST_GAMMA drafted tokens in flight: the
             # run's first epoch stalls until that verdict is back
             ramp = max(0.0, rtt + model._verify_s(1) - FIRST_GAMMA * model.draft_s)
+            ramp = 0.0 if model.alone else ramp  # the verifier decodes from the start
             return ramp + _pipelined_seconds(
                 model, tokens=round(tokens / prompts), prompts=prompts, max_gamma=max_gamma
             )
