@@ -232,6 +232,25 @@ def _corrupt_share(conn, task, payload, send) -> None:
     send[0](FedMsg.SA_REVEAL, payload)
 
 
+def _other_index(conn, task, payload, send) -> None:
+    """Each revealed share under another holder's index: two shares at one point would break
+    the interpolation (pycryptodome raised out of the unmasking, which crashed the round)."""
+    for share in payload["shares"].values():
+        share[1] = share[1] % 4 + 1
+    send[0](FedMsg.SA_REVEAL, payload)
+
+
+def test_a_reveal_under_another_holders_index_is_refused_the_sum_stays_right(
+    secure_federation,
+) -> None:
+    rogue = SecurePlayer(0.04, step=_until(FedMsg.SA_REVEAL, then=_other_index), name="rogue")
+    players = [rogue, *(SecurePlayer(o, join_delay_s=0.5) for o in (0.01, 0.02, 0.03))]
+    coordinator, initial, rounds = secure_federation(players)
+    # its masked input arrived: it counts; only its reveal is refused, the others suffice
+    assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03, 0.04], [10] * 4))
+    assert rounds[0]["refused"] == 1
+
+
 def test_a_malformed_share_box_is_refused_and_the_round_goes_on(secure_federation) -> None:
     players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(0.03)]
     players.append(SecurePlayer(5.0, step=_until(FedMsg.SA_SHARES, then=_bad_boxes), name="r"))
@@ -271,10 +290,10 @@ def test_a_client_gone_after_its_masked_input_still_counts(secure_federation) ->
 def test_a_corrupt_share_is_traced_to_its_sender_and_the_sum_stays_right(
     secure_federation,
 ) -> None:
-    """The coordinator rebuilds each secret from the first `threshold` revealers (by id): the
-    liar joins first (the lowest id), so its false shares are used, fail the seed's commitment,
-    and are traced to it by leaving one share out at a time. (A false share a rebuild does not
-    use changes nothing and goes unseen.)"""
+    """The coordinator rebuilds each secret from the `threshold` shares of lowest index (the
+    owner's own, then its neighbours' by id): the liar joins first (the lowest id), so its false
+    shares are used, fail the seed's commitment, and are traced to it by leaving one share out
+    at a time. (A false share a rebuild does not use changes nothing and goes unseen.)"""
     liar = SecurePlayer(0.04, step=_until(FedMsg.SA_REVEAL, then=_corrupt_share), name="liar")
     players = [liar, *(SecurePlayer(o, join_delay_s=0.5) for o in (0.01, 0.02, 0.03))]
     coordinator, initial, rounds = secure_federation(players)
