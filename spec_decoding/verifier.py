@@ -140,7 +140,7 @@ class Verifier:
                         wait_s = session.patience_s()
                         if wait_s > 0 and conn.readable(wait_s):
                             continue
-                        conn.send_msg(SpecMsg.PROGRESS, session.decode_alone(started))
+                        conn.send_msg(SpecMsg.PROGRESS, session.decode_alone())  # waits not counted
                         continue
                     progress = session.step(started)
                     if progress is not None:
