@@ -14,6 +14,7 @@ from lab.cli import UserError
 from lab.sampling import probs_from_logits
 from netproto import Connection, ConnectionClosed, NetTimeout, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
+from spec_decoding.config import MAX_GAMMA
 from spec_decoding.draft_q import as_probabilities, encode_q, quantize
 from spec_decoding.gamma import GammaController
 from spec_decoding.protocol import SpecMsg
@@ -306,10 +307,15 @@ class Drafter:
             token = self._guess(decoder.extend([])[-1], seed, len(decoder.tokens))
             decoder.commit([token])
             at = len(flight.confirmed) + len(flight.inflight)  # its place among the new tokens
+            # how many more it may send before it needs the verifier's word: with none, the
+            # verifier knows not to wait for a next draft
+            more = min(window - len(flight.inflight) - 1, max_new_tokens - at - 1)
+            more = 0 if token == self.eos_token_id else more
             payload = {
                 "tokens": torch.tensor([token], dtype=torch.int32),
                 "epoch": torch.tensor([flight.epoch], dtype=torch.int64),
                 "at": torch.tensor([at], dtype=torch.int64),
+                "more": torch.tensor([max(0, min(more, MAX_GAMMA))], dtype=torch.int64),
             }
             with self._verifier_lost():
                 result.sent_bytes += self.conn.send(SpecMsg.STREAM, payload)

@@ -83,8 +83,7 @@ class PipelineModel:
     max_horizon: int = 96
     alone: bool = False
     """The verifier decodes by itself when it holds no draft (`spec.decode_alone`): the rate
-    then comes from `simulate_pipeline`, the verifier's patience what it waits for a draft of
-    a live stream (two of the drafter's steps, at most 5 ms, as `verifier._Session` waits)."""
+    then comes from `simulate_pipeline`."""
 
     @property
     def horizon(self) -> int:
@@ -142,10 +141,8 @@ class PipelineModel:
         """Expected tokens per second: E[tokens per epoch] / E[seconds per epoch] (with
         `alone`, the mean of two simulated generations of 300 tokens)."""
         if self.alone:
-            patience = min(2 * self.draft_s, 0.005)
             return statistics.mean(
-                simulate_pipeline(self, window, alone=True, tokens=300, seed=s, patience_s=patience)
-                for s in range(2)
+                simulate_pipeline(self, window, alone=True, tokens=300, seed=s) for s in range(2)
             )
         detect = self.detection_times(window)
         tokens = seconds = 0.0
@@ -305,21 +302,25 @@ def simulate_pipeline(
     alone: bool,
     tokens: int = 400,
     seed: int = 0,
-    patience_s: float = 0.0,
+    patience_s: float | None = None,
 ) -> float:
     """Tokens per second of a pipelined generation, followed event by event along the code
     path: the drafter streams up to `window` unconfirmed tokens, each reaching the verifier
     one way later; the verifier checks what has arrived (the first against the prediction it
     holds, the rest in one forward pass) and, with `alone`, decodes by itself whenever it has
-    no draft for its next token (after waiting `patience_s` while the drafter's stream is
-    live); its tokens reach the drafter one way later, which compares them with its drafts.
+    no draft for its next token, waiting for one only while the drafter's stream is live and
+    its last token said more were coming (`patience_s`, by default as the verifier waits: half
+    a forward pass of one token, at most 5 ms); its tokens reach the drafter one way later,
+    which compares them with its drafts.
     Each position's draft is right with probability `alpha`, drawn once per position (a
     greedy draft guesses a position alike whenever its prefix is right)."""
     h, d = model.one_way_s, model.draft_s
+    if patience_s is None:
+        patience_s = min(model._verify_s(1) / 2, 0.005)
     right = np.random.default_rng(seed).random(tokens + 1) < model.alpha
     # the drafter: its clock, what it knows is committed, its unconfirmed drafts, its stream
     t_d, confirmed, inflight, d_epoch = h + d / 2, 0, 0, 0
-    drafts: deque[tuple[float, int, int]] = deque()  # (arrival, epoch, position) on the way
+    drafts: deque[tuple[float, int, int, bool]] = deque()  # (arrival, epoch, place, more)
     news: deque[tuple[float, int, str]] = deque()  # (arrival, accepted, "" | "fix" | "own")
     blocked = [0.0]  # when the drafter began waiting for news not yet sent
 
@@ -335,7 +336,8 @@ def simulate_pipeline(
                 confirmed, inflight, d_epoch = confirmed + 1, 0, d_epoch + 1
         elif inflight < window and confirmed + inflight < tokens:
             t_d += d
-            drafts.append((t_d + h, d_epoch, confirmed + inflight))
+            more = inflight + 1 < window and confirmed + inflight + 1 < tokens
+            drafts.append((t_d + h, d_epoch, confirmed + inflight, more))
             inflight += 1
         elif news:
             t_d = max(t_d, news[0][0])
@@ -348,15 +350,16 @@ def simulate_pipeline(
         if t_d == math.inf:  # the drafter was waiting for this
             t_d = max(blocked[0], arrival)
 
-    t_v, committed, held, epoch, dead = 0.0, 0, True, -1, False
+    t_v, committed, held, epoch, dead, coming = 0.0, 0, True, -1, False, True
     pending: list[int] = []
     while committed < tokens:
         while t_d <= t_v:
             drafter_step()
         while drafts and drafts[0][0] <= t_v:  # take in what has arrived
-            _, e, at = drafts.popleft()
+            _, e, at, more = drafts.popleft()
             if e < epoch or (e == epoch and dead):
                 continue
+            coming = more
             if e > epoch:
                 epoch, dead, pending = e, False, []
             if at < committed:  # compared with a token the verifier decided alone
@@ -382,7 +385,7 @@ def simulate_pipeline(
             held = True
             continue
         next_draft = drafts[0][0] if drafts else math.inf
-        if alone and next_draft > t_v + (0.0 if dead or epoch < 0 else patience_s):
+        if alone and next_draft > t_v + (patience_s if coming and not dead else 0.0):
             committed, held = committed + 1, False
             tell(t_v + h, 0, "own")
             continue

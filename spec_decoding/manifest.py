@@ -79,10 +79,8 @@ def _pipelined_seconds(model: Any, *, tokens: int, prompts: int, max_gamma: int)
     ends when the drafter hears the last verdict, one way after the verifier knows it."""
     window = model.best_window(max_gamma)
     if model.alone:  # the event-by-event simulation, one generation from its opening
-        patience = min(2 * model.draft_s, 0.005)
         runs = [
-            simulate_pipeline(model, window, alone=True, tokens=tokens, seed=s, patience_s=patience)
-            for s in range(4)
+            simulate_pipeline(model, window, alone=True, tokens=tokens, seed=s) for s in range(4)
         ]
         return prompts * tokens / statistics.mean(runs)
     detect = model.detection_times(window)

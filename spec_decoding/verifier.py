@@ -38,6 +38,7 @@ MAX_BASELINE_TOKENS = 4096
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 """Sampling temperatures a session may ask for (0 is greedy): below, logits / t overflow."""
 MAX_SEED = 2**63 - 1
+STREAM_FIELDS = frozenset({"tokens", "epoch", "at", "more"})
 
 
 def vocab_hash(tokenizer: Any) -> str:
@@ -280,9 +281,11 @@ class _Session:
         """(V,) the target's logits after the committed sequence, once computed."""
         self._forward: tuple[int, float] = (0, 0.0)
         """The last forward that computed a prediction alone: (tokens fed, ms)."""
-        self._last_arrival: float | None = None
-        self._gap_s = 0.0
-        """Running mean of the gap between streamed tokens of a live epoch."""
+        self._more = 1
+        """What the drafter said with its last token: how many more it may send before it
+        needs word from the verifier (0: it waits for this session's next PROGRESS)."""
+        self._step_s = 0.0
+        """Running mean of one forward pass of one token, here (what decoding alone costs)."""
 
     @classmethod
     def open(cls, verifier: Verifier, body: dict[str, Any]) -> _Session:
@@ -382,14 +385,16 @@ class _Session:
         `waited`: they arrived while the verifier was idle, so it knows when they arrived.
         """
         self._set_mode(pipelined=True)
-        epoch, at = payload.get("epoch"), payload.get("at")
-        for name, value in (("epoch", epoch), ("at", at)):
+        epoch, at, more = payload.get("epoch"), payload.get("at"), payload.get("more")
+        for name, value in (("epoch", epoch), ("at", at), ("more", more)):
             if value is None or value.numel() != 1 or value.dtype != torch.int64:
                 raise BadRequest(f"STREAM needs an int64 `{name}`")
-        if set(payload) - {"tokens", "epoch", "at"}:
+        if not 0 <= int(more) <= MAX_GAMMA:  # type: ignore[arg-type]
+            raise BadRequest(f"STREAM's `more` must be in 0..{MAX_GAMMA}")
+        if set(payload) - STREAM_FIELDS:
             raise BadRequest(
-                f"STREAM holds {sorted(set(payload) - {'tokens', 'epoch', 'at'})}: pipelined "
-                "sampling is coupled by position, no q travels"
+                f"STREAM holds {sorted(set(payload) - STREAM_FIELDS)}: pipelined sampling is "
+                "coupled by position, no q travels"
             )
         tokens = self._draft_tokens(payload, "STREAM")
         epoch_, place = int(epoch), int(at)  # type: ignore[arg-type]
@@ -405,7 +410,7 @@ class _Session:
                     f"{committed - self.prompt_len} this session has committed"
                 )
             self.epoch, self.dead, self.pending_at = epoch_, False, position
-            self.pending, self._arrived, self._last_arrival = [], [], None
+            self.pending, self._arrived = [], []
         elif self.dead:
             return
         elif position != self.pending_at + len(self.pending):
@@ -416,10 +421,7 @@ class _Session:
         self._check_room(max(committed, position + len(tokens)))
         if len(self.pending) + len(tokens) > MAX_GAMMA:
             raise BadRequest(f"more than {MAX_GAMMA} streamed tokens waiting to be checked")
-        if self._last_arrival is not None and tokens:
-            gap = (now - self._last_arrival) / len(tokens)
-            self._gap_s = gap if not self._gap_s else 0.8 * self._gap_s + 0.2 * gap
-        self._last_arrival = now if tokens else self._last_arrival
+        self._more = int(more)  # type: ignore[arg-type]
         self.pending.extend(tokens)
         self._arrived.extend([now if waited else None] * len(tokens))
         self._catch_up()
@@ -458,12 +460,14 @@ class _Session:
         )
 
     def patience_s(self) -> float:
-        """How long to wait for a draft before decoding alone: none while the epoch's stream is
-        dead (the drafter needs a round trip to hear of it); else about two of the gaps its
-        tokens have been arriving at, if it has been sending (at most 5 ms)."""
-        if self.dead or self.epoch < 0 or self._last_arrival is None:
+        """How long to wait for a draft before decoding alone. None while the stream is dead
+        (the drafter needs a round trip to hear of it) or the drafter said its last token was
+        the last it may send before hearing from the verifier; else, since it is drafting the
+        next one now, up to half a forward pass here (at most 5 ms): checking a draft that is
+        about to arrive costs less than decoding the token alone."""
+        if self.dead or not self._more:
             return 0.0
-        return min(2 * self._gap_s, 0.005)
+        return min(self._step_s / 2, 0.005)
 
     def decode_alone(self, started: float | None = None) -> dict[str, Any]:
         """Commit the target's own next token (its prediction is held: no forward here; the
@@ -509,8 +513,12 @@ class _Session:
         if token is None:
             # feeds the committed token the cache lacks (after a rejection) and the batch
             rest = batch[accepted:]
+            forward_started = time.perf_counter()
             logits = self.decoder.extend(batch)
             fed = logits.size(0)
+            if fed == 1:
+                took = time.perf_counter() - forward_started
+                self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
             rows = logits[-(len(rest) + 1) :]
             for i, drafted in enumerate(rest):
                 choice = self._choose(rows[i], at + accepted)

@@ -158,11 +158,14 @@ def stream(conn: Connection, tokens: list[int], epoch: int, at: int = 0) -> None
     conn.send(SpecMsg.STREAM, stream_payload(tokens, epoch, at))
 
 
-def stream_payload(tokens: list[int], epoch: int, at: int) -> dict[str, torch.Tensor]:
+def stream_payload(
+    tokens: list[int], epoch: int, at: int, more: int = 1
+) -> dict[str, torch.Tensor]:
     return {
         "tokens": torch.tensor(tokens, dtype=torch.int32),
         "epoch": torch.tensor([epoch], dtype=torch.int64),
         "at": torch.tensor([at], dtype=torch.int64),
+        "more": torch.tensor([more], dtype=torch.int64),
     }
 
 
@@ -285,6 +288,10 @@ def test_unchecked_stream_is_bounded(verifier_server, tokenizer) -> None:
         session.stream(stream_payload([4] * 32, epoch=0, at=32))
     with pytest.raises(BadRequest, match="epoch 0's stream goes on at 32"):
         session.stream(stream_payload([4], epoch=0, at=40))
+    with pytest.raises(BadRequest, match=r"`more` must be in 0\.\.32"):
+        session.stream(stream_payload([4], epoch=1, at=0, more=33))
+    with pytest.raises(BadRequest, match="STREAM needs an int64 `more`"):
+        session.stream({k: v for k, v in stream_payload([4], 1, 0).items() if k != "more"})
 
 
 @pytest.mark.parametrize("draft_top_k", [0, 3], ids=["dense_q", "sparse_q"])
