@@ -23,7 +23,8 @@ class SpecConfig:
     """Pipelined: the verifier decodes by itself whenever no drafted token has reached it for
     its next position (after a rejection, while the drafter has not heard of it), so a slow
     link never leaves the target idle; drafts that arrive for positions it has decoded are
-    compared with its tokens. False: it waits for the drafter."""
+    compared with its tokens. False: it waits for the drafter (as good or better for a draft
+    that costs a third of its target or more on a near link: docs/spec_decoding.md)."""
     temperature: float = 0.0
     """0: greedy (output identical to the target's own greedy decoding); > 0: sampling."""
     top_p: float = 1.0
