@@ -58,20 +58,30 @@ def run_coordinator(settings: FedLearnRunConfig) -> dict[str, float]:
         server.stop()
 
 
+def shard(
+    settings: FedLearnRunConfig, tokenizer: Any, model: Any, index: int, *, own_data: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client `index`'s (train, validation) blocks as the run's settings cut them; with
+    `own_data`, from `fed.data_dir` when set (a real client's private files), else the lab's
+    stand-in share of the stdlib test suite (virtual clients, the pooled baseline)."""
+    fed = settings.fed
+    return client_data(
+        tokenizer,
+        index=index,
+        num_clients=fed.num_clients,
+        seed=settings.seed,
+        block=block_size(model),
+        max_examples=fed.max_examples_per_client,
+        data_dir=fed.data_dir if own_data else "",
+        data_glob=fed.data_glob,
+    )
+
+
 def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
     cache_dir = settings.paths.cache_path
     model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
     tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
-    train, val = client_data(
-        tokenizer,
-        index=settings.client_index,
-        num_clients=settings.fed.num_clients,
-        seed=settings.seed,
-        block=block_size(model),
-        max_examples=settings.fed.max_examples_per_client,
-        data_dir=settings.fed.data_dir,
-        data_glob=settings.fed.data_glob,
-    )
+    train, val = shard(settings, tokenizer, model, settings.client_index, own_data=True)
     address = (settings.cluster.coordinator.host, settings.cluster.coordinator.port)
     client = LoRAClient(
         model,
@@ -102,14 +112,7 @@ def run_simulator(settings: FedLearnRunConfig) -> dict[str, float]:
     turn = threading.RLock()
     clients = []
     for index in indices:
-        train, val = client_data(
-            tokenizer,
-            index=index,
-            num_clients=fed.num_clients,
-            seed=settings.seed,
-            block=block_size(model),
-            max_examples=fed.max_examples_per_client,
-        )
+        train, val = shard(settings, tokenizer, model, index)
         clients.append(
             VirtualClient(
                 model,
@@ -355,19 +358,7 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
     cache_dir = settings.paths.cache_path
     model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
     tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
-    pooled = torch.cat(
-        [
-            client_data(
-                tokenizer,
-                index=i,
-                num_clients=fed.num_clients,
-                seed=settings.seed,
-                block=block_size(model),
-                max_examples=fed.max_examples_per_client,
-            )[0]
-            for i in range(fed.num_clients)
-        ]
-    )
+    pooled = torch.cat([shard(settings, tokenizer, model, i)[0] for i in range(fed.num_clients)])
     log.info(
         "centralized baseline: the same LoRA trained on all %d clients' data pooled in one "
         "place, as many steps as the federation took (fed.centralized_baseline=false skips it)",

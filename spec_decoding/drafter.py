@@ -153,6 +153,16 @@ class Drafter:
         with self._verifier_lost():
             return self.conn.request(msg_type, payload, expect=expect).payload
 
+    def _draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """q (V,) from the draft's logits, on the CPU whatever the model's device: it is sent
+        (rounds) or meets noise drawn there (pipelined), and a seed draws the same anywhere."""
+        return probs_from_logits(
+            logits.float().cpu(),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.draft_top_k,
+        )
+
     def _pick(
         self, logits: torch.Tensor, generator: torch.Generator
     ) -> tuple[int, torch.Tensor | None]:
@@ -160,13 +170,8 @@ class Drafter:
         the distribution it was drawn from (spec_decoding.draft_q), which is what is sent."""
         if self.temperature == 0:
             return int(logits.argmax()), None
-        q = probs_from_logits(  # on the CPU, whatever the model's device: it is sent from there
-            logits.float().cpu(),  # and the generator is a CPU one (a seed draws the same anywhere)
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.draft_top_k,
-        )
-        weights = quantize(q[None])[0]  # (V,): the drafter samples from exactly what it sends
+        # (V,): the drafter samples from exactly what it sends
+        weights = quantize(self._draft_probs(logits)[None])[0]
         token = torch.multinomial(as_probabilities(weights), 1, generator=generator).item()
         return int(token), weights
 
@@ -337,12 +342,7 @@ class Drafter:
         verifier's draw whenever q and p agree (spec_decoding.sampling.coupled_token)."""
         if self.temperature == 0:
             return int(logits.argmax())
-        q = probs_from_logits(
-            logits.float().cpu(),
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.draft_top_k,
-        )
+        q = self._draft_probs(logits)
         vocab = self.target_vocab  # the noise is drawn over the target's vocabulary
         q = q[:vocab] if q.numel() >= vocab else torch.nn.functional.pad(q, (0, vocab - q.numel()))
         return coupled_token(q, position_noise(seed, position, vocab))

@@ -350,8 +350,7 @@ class _Session:
         assert q is not None
         # the rule runs on the CPU: q arrived there, the generator is a CPU one, and its steps
         # are sequential scalar reads (on a GPU, each would be a sync)
-        p = probs_from_logits(logits.float().cpu(), temperature=self.temperature, top_p=self.top_p)
-        return speculative_verdict(p, q, draft, generator=self.generator)
+        return speculative_verdict(self._probs(logits), q, draft, generator=self.generator)
 
     def verify(self, payload: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One DRAFT round: check it whole, answer with the accepted count and the next token."""
@@ -376,8 +375,14 @@ class _Session:
         Gumbel-max draw with the position's noise (spec_decoding.sampling.coupled_token)."""
         if self.temperature == 0:
             return int(logits.argmax())
-        p = probs_from_logits(logits.float().cpu(), temperature=self.temperature, top_p=self.top_p)
+        p = self._probs(logits)
         return coupled_token(p, position_noise(self.seed, position, p.numel()))
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's p from its logits, on the CPU (where q and the noise are)."""
+        return probs_from_logits(
+            logits.float().cpu(), temperature=self.temperature, top_p=self.top_p
+        )
 
     def stream(self, payload: dict[str, torch.Tensor], *, waited: bool = True) -> None:
         """Queue streamed tokens for `step`; drop them if their epoch has gone wrong.
