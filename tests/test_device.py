@@ -29,6 +29,21 @@ def test_cuda_is_preferred_when_present(monkeypatch: pytest.MonkeyPatch) -> None
     assert detect_device() == torch.device("cuda", 0)
 
 
+def test_on_cuda_attention_is_kept_off_cudnns_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's attention rebuilt a graph per sequence length on an H200 (7.9 ms of CPU a call
+    while decoding): a process that picks CUDA runs flash / memory-efficient attention."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        assert detect_device() == torch.device("cuda", 0)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()  # the others stay as they were
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def test_mps_is_preferred_over_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(device_mod, "_mps_available", lambda: True)
