@@ -14,15 +14,21 @@ Same random-init Llama models (the lab tokenizer), same prompts, on this machine
 
 Prints a table, writes bench/results/split_bench.json, and ends with the split/unsplit
 per-token latency ratio. `--quick` shrinks every part.
+
+`--profile` instead says where a split token's time goes (`profile`, below); with `--shape 1b`
+on a GPU, that is the 1.1B split's 7.3x on the H100 looked into.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -133,6 +139,136 @@ def _unsplit_peak_main(folder: Path, new_tokens: int) -> None:
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
+class InProcessChain:
+    """The stages of a split model chained in this process, no RPC between them: what the cut
+    itself costs (each stage's own mask, cache and copy to the CPU), without a process boundary.
+    Same `StepModel` interface as the split and unsplit models, for `decode`."""
+
+    def __init__(self, folder: Path, boundaries: list[int], num_layers: int) -> None:
+        from split_engine import workers
+        from split_engine.stage import Stage
+
+        # a stage refuses work before a driver proved itself over RPC; here this process is
+        # the driver and both stages, so the proof is given (this process serves no one)
+        workers._auth.driver_proved = True
+        fields = {"name": "profiled", "pretrained": str(folder)}
+        edges = [0, *boundaries, num_layers]
+        self.stages = [Stage(fields, start=a, end=b) for a, b in itertools.pairwise(edges)]
+        self._next = 0
+
+    def new_request(self, sampling: Any, *, kv_cache: bool) -> int:
+        self._next += 1
+        for stage in self.stages:
+            stage.open_request(self._next, sampling.as_dict(), kv_cache)
+        return self._next
+
+    def next_token(
+        self, feed: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *,
+        request: int,
+    ) -> torch.Tensor:  # fmt: skip
+        x = feed
+        for stage in self.stages[:-1]:
+            x = stage.forward(x, attention_mask, position_ids, request=request)
+        return self.stages[-1].forward(x, attention_mask, position_ids, request=request, pick=True)
+
+    def end_request(self, request: int) -> None:
+        for stage in self.stages:
+            stage.end_request(request)
+
+
+def _per_token_ms(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
+    """Median ms of a decode step after the prefill (KV cache), and the tokens."""
+    from split_engine.generation import decode
+
+    decode(model, ids, torch.ones_like(ids), max_new_tokens=4)  # warm-up
+    generation = decode(model, ids, torch.ones_like(ids), max_new_tokens=new_tokens)
+    return sorted(generation.step_s)[len(generation.step_s) // 2] * 1e3, generation.tokens
+
+
+def _operator_table(model: Any, ids: torch.Tensor, tokens: int, out: Path, label: str) -> str:
+    """torch.profiler over a short generation: the top operators by self time (CUDA where
+    there is one), as a table, also written to `out`; a Chrome trace beside it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from split_engine.generation import decode
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        decode(model, ids, torch.ones_like(ids), max_new_tokens=tokens)
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=15
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"ops_{label}.txt").write_text(table)
+    prof.export_chrome_trace(str(out / f"trace_{label}.json"))
+    return table
+
+
+def profile(folder: Path, *, tokens: int, out: Path) -> dict[str, float]:
+    """Where a split token's time goes, three ways side by side on the same model and prompt:
+    the unsplit model in this process; the same two stages chained in this process (the cut
+    without RPC); the split run (`python -m split_inference`, two stage processes over RPC on
+    loopback), with each stage's own forward time and the rest. Then torch.profiler's top
+    operators of the unsplit and the chained decode."""
+    from transformers import AutoConfig
+
+    from split_engine.generation import UnsplitModel
+
+    num_layers = AutoConfig.from_pretrained(folder).num_hidden_layers
+    ids = torch.randint(3, 1000, (1, 32), generator=torch.Generator().manual_seed(0))
+    split = run_module(
+        "split_inference",
+        "profile",
+        [f"model.pretrained={folder}", "generate.num_prompts=2", "generate.batch_size=1",
+         f"generate.max_new_tokens={tokens}"],
+    )  # fmt: skip
+    unsplit = UnsplitModel(
+        load_model(ModelConfig(name="unsplit", pretrained=str(folder)), cache_dir=CACHE)
+    )
+    unsplit_ms, unsplit_tokens = _per_token_ms(unsplit, ids, tokens)
+    unsplit_ops = _operator_table(unsplit, ids, 8, out, "unsplit")
+    del unsplit
+    chain = InProcessChain(folder, [num_layers // 2], num_layers)
+    chain_ms, chain_tokens = _per_token_ms(chain, ids, tokens)
+    compute = [statistics.median(s.compute_s) * 1e3 for s in chain.stages]
+    threaded: list[float] = []  # RPC runs a call in one of its worker threads: the same there
+    worker = threading.Thread(target=lambda: threaded.append(_per_token_ms(chain, ids, tokens)[0]))
+    worker.start()
+    worker.join()
+    chain_ops = _operator_table(chain, ids, 8, out, "chained")
+    figures = {
+        "unsplit_token_ms": unsplit_ms,
+        "chained_token_ms": chain_ms,
+        "chained_stage1_ms": compute[0],
+        "chained_stage2_ms": compute[1],
+        "chained_same_tokens": float(torch.equal(chain_tokens, unsplit_tokens)),
+        "chained_in_a_thread_token_ms": threaded[0],
+        "split_token_ms": split["token_ms_p50"],
+        "split_unsplit_token_ms": split["unsplit_token_ms_p50"],
+        "split_stage1_ms": split["stage1_compute_ms_p50"],
+        "split_stage2_ms": split["stage2_compute_ms_p50"],
+        "split_outside_stages_ms": split["outside_stages_ms_p50"],
+    }
+    print("== torch.profiler, unsplit, 8 tokens\n" + unsplit_ops)
+    print("== torch.profiler, two stages chained in process, 8 tokens\n" + chain_ops)
+    print(f"{'per decode token (median)':<52}{'ms':>8}{'vs unsplit':>12}")
+    for label, ms in (
+        ("unsplit, this process", unsplit_ms),
+        ("two stages chained in this process, no RPC", chain_ms),
+        ("  of which stage 1's forward", compute[0]),
+        ("  of which stage 2's forward", compute[1]),
+        ("the same, run from another thread", threaded[0]),
+        ("split over RPC (python -m split_inference)", split["token_ms_p50"]),
+        ("  of which stage 1's forward", split["stage1_compute_ms_p50"]),
+        ("  of which stage 2's forward", split["stage2_compute_ms_p50"]),
+        ("  outside the stages' forwards (hops, loop)", split["outside_stages_ms_p50"]),
+        ("  unsplit, in the split run's driver", split["unsplit_token_ms_p50"]),
+    ):
+        print(f"{label:<52}{ms:>8.2f}{ms / unsplit_ms:>11.2f}x")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller models, fewer tokens")
@@ -145,6 +281,11 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=CACHE / "bench_models")
     parser.add_argument("--results", type=Path, default=None,
                         help=f"where the JSON results go (default: {RESULTS})")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="only where a split token's time goes (unsplit, chained in process, over RPC)",
+    )
     parser.add_argument("--unsplit-peak", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -177,6 +318,21 @@ def main() -> None:
             tokenizer_from=tokenizer_from,
             **SHAPE_1B,
         )
+    if args.profile:
+        figures = profile(
+            medium, tokens=16 if args.quick else 64, out=RUNS.resolve() / "profile_ops"
+        )
+        write_results(
+            args.results or RESULTS.with_name(f"split_profile_{args.shape}.json"),
+            {"figures": figures, "quick": args.quick, "shape": args.shape},
+            machine=machine,
+        )
+        print(
+            "split over RPC / unsplit per token: "
+            f"{figures['split_token_ms'] / figures['unsplit_token_ms']:.2f}x; chained in process "
+            f"/ unsplit: {figures['chained_token_ms'] / figures['unsplit_token_ms']:.2f}x"
+        )
+        return
     rows: dict[str, dict[str, Any]] = {}
 
     # 1. Per-token latency, split vs unsplit, in one run (the driver times both).

@@ -9,8 +9,10 @@ a stage computes one thing at a time, as one machine would, and pipelined micro-
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +33,9 @@ from split_engine.rpc_guard import never_sent
 from split_engine.workers import peak_memory, require_driver
 
 log = logging.getLogger(__name__)
+
+COMPUTE_SAMPLES = 4096
+"""Forward times a stage keeps for `stats()` (the most recent)."""
 
 MODEL_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 """A model folder's config and tokenizer files (what an export copies besides the weights)."""
@@ -197,6 +202,9 @@ class Stage:
         self.lock = threading.Lock()
         self.bytes_received = 0
         self.bytes_sent = 0
+        self.compute_s: collections.deque[float] = collections.deque(maxlen=COMPUTE_SAMPLES)
+        """Seconds of each recent `forward` inside this stage (its layers, the copy to the CPU
+        included: on a GPU that is where the stage waits for its kernels), without the hops."""
         log.info(
             "stage layers [%d, %d) of %s on %s as %s (%.1f M params, %.1fs)%s",
             start,
@@ -239,6 +247,7 @@ class Stage:
         cache = self.caches.get(request) if request is not None else None
         # inference and evaluation: no graph and no dropout (training runs `train_forward`)
         with self.lock, torch.no_grad(), self._autocast(), self._eval_mode():
+            started = time.perf_counter()
             whole: torch.Tensor | None = attention_mask
             if cache is not None and attention_mask is not None:
                 attention_mask, whole = self._extend_mask(request, cache, attention_mask, x)
@@ -252,6 +261,7 @@ class Stage:
                 last_only=last_only,
                 pick=pick,
             )
+            self.compute_s.append(time.perf_counter() - started)
         self.bytes_sent += result.numel() * result.element_size()
         if chain and self.next is not None:  # outside the lock: this stage is free again
             return self.next.rpc_sync(timeout=self.next_timeout_s).forward(
@@ -437,18 +447,22 @@ class Stage:
         return [name for name, _ in self.model.named_parameters()]
 
     def stats(self) -> dict[str, float]:
-        """Memory, CPU time and traffic of this stage's process."""
+        """Memory, CPU time and traffic of this stage's process, and the median time of its
+        recent forwards (`compute_ms_p50`: the stage's own share of a token)."""
         stats = peak_memory()
         stats.update(
             bytes_received=float(self.bytes_received),
             bytes_sent=float(self.bytes_sent),
+            compute_ms_p50=statistics.median(self.compute_s) * 1e3 if self.compute_s else 0.0,
             params=float(sum(p.numel() for p in self.model.parameters())),
             open_requests=float(len(self.caches) + len(self.pickers) + len(self.masks)),
         )
         return stats
 
     def reset_traffic(self) -> None:
+        """Start counting bytes and forward times afresh (after a warm-up)."""
         self.bytes_received = self.bytes_sent = 0
+        self.compute_s.clear()
 
     # ------------------------------------------------------------------ tied embeddings
 

@@ -109,6 +109,7 @@ def run_driver(
         with driving(settings, split, stages=stages):
             sharded = ShardedModel.build(settings.model, split)
             warm_up(sharded, work[0])
+            sharded.call_all("reset_traffic")  # bytes and forward times of the timed runs only
             split_runs = []
             for index, (ids, mask) in enumerate(work):
                 split_runs.append(sharded.generate(ids, mask, sampling=sampling(index), **options))
@@ -123,7 +124,13 @@ def run_driver(
         metrics = latency_metrics(split_runs)
         new_tokens = sum(g.tokens.numel() for g in split_runs)
         metrics["bytes_between_stages_per_token"] = traffic / new_tokens
+        # where a token's time goes: each stage's own forward, and the rest (the hops between
+        # processes, serialisation, the decode loop itself)
+        metrics["outside_stages_ms_p50"] = metrics["token_ms_p50"] - sum(
+            stats["compute_ms_p50"] for stats in stage_stats
+        )
         for rank, stats in enumerate(stage_stats, start=1):
+            metrics[f"stage{rank}_compute_ms_p50"] = stats["compute_ms_p50"]
             metrics[f"stage{rank}_peak_rss_mib"] = stats["peak_rss_mib"]
             metrics[f"stage{rank}_params_m"] = stats["params"] / 1e6
             if "cuda_max_allocated_mib" in stats:

@@ -51,6 +51,9 @@ def test_local_split_inference_end_to_end(
     ):
         assert metrics[key] > 0
     assert metrics["stage1_peak_rss_mib"] > 0 and metrics["stage2_peak_rss_mib"] > 0
+    # where a token's time goes: each stage's own forward is a part of it, timed in the stage
+    for rank in (1, 2):
+        assert 0 < metrics[f"stage{rank}_compute_ms_p50"] < metrics["token_ms_p50"]
     # hidden states of one new token per row, in and out of the driver, float32
     assert metrics["bytes_between_stages_per_token"] > 0
     assert (tmp_path / "metrics.jsonl").is_file()
