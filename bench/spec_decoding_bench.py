@@ -179,6 +179,77 @@ def ours(
     return row
 
 
+@torch.inference_mode()
+def verify_ms(model: Any, prompt: list[int], sizes: tuple[int, ...]) -> dict[int, float]:
+    """Median ms of one verifying forward over k drafted tokens (KV cache, the verdicts read
+    back), for each k in `sizes`: a GPU checks a handful almost for the price of one."""
+    out = {}
+    for k in sizes:
+        decoder = CachedDecoder(model, prompt)
+        decoder.prefill()
+        times = []
+        for token in prompt[:12]:
+            started = time.perf_counter()
+            decoder.extend(prompt[1 : 1 + k]).argmax(dim=-1).tolist()
+            times.append(time.perf_counter() - started)
+            decoder.commit([token])  # the drafts are dropped, as on a rejection
+        out[k] = statistics.median(times[2:]) * 1e3
+    return out
+
+
+@torch.inference_mode()
+def greedy_agreement(target: Any, draft: Any, prompts: list[list[int]], max_new: int) -> float:
+    """Share of positions of the target's greedy continuations where the draft's argmax (on the
+    same prefix) is the target's token: the greedy acceptance rate of a perfect pipeline."""
+    agree = total = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=target.device)
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+        picked = draft(out.to(draft.device)).logits[0, len(prompt) - 1 : -1].argmax(-1)
+        agree += int((picked.to(out.device) == out[0, len(prompt) :]).sum())
+        total += out.shape[1] - len(prompt)
+    return agree / max(1, total)
+
+
+def costs_only(pairs: dict[str, Pair], num_prompts: int, max_new: int) -> dict[str, Any]:
+    """`--costs`: each pair's c, verify cost per drafted-token count, greedy acceptance, the
+    target alone (HF `generate`), and what the pipeline model predicts from those on loopback:
+    the figures a GPU run needs before any speculative run (make gpu-check)."""
+    figures: dict[str, Any] = {}
+    for name, pair in pairs.items():
+        prompts = held_out_prompts(pair.tokenizer, count=num_prompts, tokens=32)
+        fig: dict[str, Any] = pair.measure_c(prompts[0])
+        sizes = (1, 2, 4, 8, 16)
+        fig["verify_ms"] = verify_ms(pair.target, prompts[0], sizes)
+        per_token = (fig["verify_ms"][16] - fig["verify_ms"][1]) / 15
+        fig["acceptance_greedy"] = greedy_agreement(pair.target, pair.draft, prompts, max_new)
+        hf_generate(pair.target, prompts[:1], 8, pair.tokenizer)  # warm-up
+        reference, seconds, _ = hf_generate(pair.target, prompts, max_new, pair.tokenizer)
+        fig["target_only_tokens_per_s"] = sum(len(o) for o in reference) / seconds
+        model = PipelineModel(
+            alpha=fig["acceptance_greedy"],
+            draft_s=fig["draft_step_ms"] / 1e3,
+            verify_base_s=max(fig["verify_ms"][1] - per_token, 0.0) / 1e3,
+            verify_per_token_s=max(per_token, 0.0) / 1e3,
+            one_way_s=50e-6,
+            alone=True,
+        )
+        window = model.best_window(SpecConfig().max_gamma)
+        fig["predicted_speedup"] = model.tokens_per_second(window) * fig["target_step_ms"] / 1e3
+        fig["predicted_window"] = window
+        print(
+            f"{name} pair: target step {fig['target_step_ms']:.2f} ms, draft "
+            f"{fig['draft_step_ms']:.2f} ms: c = {fig['c']:.3f}; verify "
+            + ", ".join(f"{k}: {ms:.2f}" for k, ms in fig["verify_ms"].items())
+            + f" ms; greedy acceptance {fig['acceptance_greedy']:.2f}; target alone "
+            f"{fig['target_only_tokens_per_s']:.1f} tokens/s (HF generate); the pipeline model "
+            f"predicts {fig['predicted_speedup']:.2f}x its step rate on loopback (window {window})"
+        )
+        figures[name] = fig
+    return figures
+
+
 def acceptance_needed(costs: dict[str, float], target_rate: float, speedup: float) -> float | None:
     """The least acceptance rate at which the pipeline model, fed this run's measured costs,
     predicts `speedup` over `target_rate` (None: not below 0.995)."""
@@ -451,6 +522,11 @@ def main() -> None:
         help="realistic pair's target: hub id, folder or lab:",
     )
     parser.add_argument("--draft", default="lab:tiny_draft", help="same, for its draft")
+    parser.add_argument(
+        "--costs",
+        action="store_true",
+        help="only c, verify costs, greedy acceptance and the model's prediction per pair",
+    )
     args = parser.parse_args()
     machine = announce_machine()
     torch.set_num_threads(1)
@@ -463,6 +539,13 @@ def main() -> None:
         "realistic": Pair("realistic", args.target, args.draft, args.preset, args.cache_dir),
         "tiny": Pair("tiny", "lab:tiny_target", "lab:tiny_draft", "default", args.cache_dir),
     }
+    if args.costs:
+        write_results(
+            RESULTS.with_name("spec_decoding_costs.json"),
+            {"figures": costs_only(pairs, num_prompts, max_new), "max_new_tokens": max_new},
+            machine=machine,
+        )
+        return
     figures: dict[str, Any] = {}
     for name, pair in pairs.items():
         prompts = held_out_prompts(pair.tokenizer, count=num_prompts, tokens=32)
