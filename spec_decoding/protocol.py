@@ -3,6 +3,8 @@
     drafter -> verifier  OPEN      JSON  {"prompt": [ids], "temperature", "top_p", "seed",
                                           "vocab_hash", ["pipeline"]}
                                                              -> OPENED {"vocab_size", "prefill_ms"}
+                         (prefill_ms: the target's whole time on OPEN; pipelined, the first
+                         prediction's forward too: the rest of the round trip is the link's)
     drafter -> verifier  DRAFT     TENSORS {"tokens": int32 (k,), [q]}
                                                              -> VERDICT {"accepted", "token",
                                                                          "verify_ms"}

@@ -301,10 +301,15 @@ class _Session:
         pipeline, alone = body.get("pipeline", False), body.get("decode_alone", True)
         if not isinstance(pipeline, bool) or not isinstance(alone, bool):
             raise BadRequest("pipeline and decode_alone must be true or false")
+        started = time.perf_counter()
         session = cls(verifier, prompt, *_sampling_params(body), planned=planned, alone=alone)
         if pipeline:  # the prediction after the prompt is held before OPENED goes out, so
             session._set_mode(pipelined=True)  # the first token is always checked for free
             session.step()
+            # OPENED's `prefill_ms` is all the target's time on OPEN, that forward too: the
+            # drafter takes the rest of OPEN's round trip for the link's (a forward left out
+            # read as ~9 ms of link at loopback, and made `gamma=auto` wait for drafts)
+            session.prefill_ms = (time.perf_counter() - started) * 1e3
         return session
 
     def _set_mode(self, pipelined: bool) -> None:
