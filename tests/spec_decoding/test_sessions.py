@@ -532,9 +532,10 @@ def test_a_plan_longer_than_the_context_fails_at_open(
 ) -> None:
     """The drafter says how many tokens it will ask for: too many fails before any work."""
     cap = verifier_server.verifier.max_tokens
-    drafter = make_drafter(drafts["noisy"])
-    with pytest.raises(RemoteError, match=f"3 tokens with {cap - 2} more to come does not fit"):
-        drafter.generate([1, 2, 3], max_new_tokens=cap - 2)
+    for pipeline in (False, True):  # pipelined, the drafts already following OPEN
+        drafter = make_drafter(drafts["noisy"], pipeline=pipeline)
+        with pytest.raises(RemoteError, match=f"3 tokens with {cap - 2} more to come does not"):
+            drafter.generate([1, 2, 3], max_new_tokens=cap - 2)
     for pipeline in (False, True):  # a plan that fits runs to its end, both ways
         drafter = make_drafter(drafts["noisy"], temperature=0.8, pipeline=pipeline)
         fits = drafter.generate([1, 2, 3], max_new_tokens=cap - 3)
