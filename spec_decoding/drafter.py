@@ -80,8 +80,9 @@ class Generation:
     q_bytes: int = 0
     """Of those, the bytes of the q entries' elements (sampling only)."""
     prefill_ms: float = 0.0
-    open_rtt_s: float = 0.0
-    """OPEN's round trip less the verifier's prefill."""
+    open_rtt_s: float | None = None
+    """OPEN's round trip less the verifier's time on it; None where it could not be dated (a
+    pipelined drafter found OPENED already there at its first look, after its own prefill)."""
     open_s: float = 0.0
     """Setting up: OPEN's round trip and the drafter's own prefill."""
 
@@ -235,12 +236,13 @@ class Drafter:
         result.open_s = time.perf_counter() - started
         return decoder, result
 
-    def _opened(self, opened: dict[str, Any], result: Generation) -> None:
-        """OPENED's figures: the verifier's prefill, its vocabulary, the round trip."""
+    def _opened(self, opened: dict[str, Any], result: Generation, *, dated: bool = True) -> None:
+        """OPENED's figures: the verifier's time on OPEN, its vocabulary, the round trip (where
+        `dated`: OPENED is taken in as it arrives)."""
         result.prefill_ms = float(opened["prefill_ms"])
         self.target_vocab = int(opened["vocab_size"])
         elapsed = time.perf_counter() - self._open_sent
-        result.open_rtt_s = max(0.0, elapsed - result.prefill_ms / 1e3)
+        result.open_rtt_s = max(0.0, elapsed - result.prefill_ms / 1e3) if dated else None
 
     def _generate_rounds(self, prompt: list[int], *, max_new_tokens: int, seed: int) -> Generation:
         decoder, result = self._open(prompt, seed, max_new_tokens)
@@ -297,6 +299,7 @@ class Drafter:
         result.decode_alone = self.decode_alone
         window = self.gamma.next_gamma()
         busy_since = time.perf_counter()  # the drafter's own time, waits excluded
+        looked = False  # whether we have looked for news and found none since OPEN went out
         while not flight.finished(max_new_tokens, self.eos_token_id):
             may_draft = (
                 len(flight.inflight) < window
@@ -309,8 +312,12 @@ class Drafter:
                 kind, progress = self._request_progress()
                 received = time.perf_counter()
                 if kind == SpecMsg.OPENED:  # behind which our first drafts went
-                    self._opened(progress, result)
-                    self.gamma.observe_rtt(result.open_rtt_s)  # until verdicts give cleaner
+                    # dated if it came while we waited, or since a look that found nothing
+                    # (within one draft step); at the first look it may have waited out our
+                    # whole prefill, and would read as link time
+                    self._opened(progress, result, dated=waited or looked)
+                    if result.open_rtt_s is not None:
+                        self.gamma.observe_rtt(result.open_rtt_s)  # until cleaner samples
                     continue
                 if waited:
                     busy_since = received
@@ -321,6 +328,7 @@ class Drafter:
                     decoder.rewind([*prompt, *flight.confirmed])
                 window = self.gamma.next_gamma()
                 continue
+            looked = True  # nothing had come
             # The token at a position is drawn with that position's noise, as the verifier's
             # is: how far the drafter runs ahead cannot change what it drafts.
             token = self._guess(decoder.extend([])[-1], seed, len(decoder.tokens))

@@ -139,7 +139,8 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
     forwards = [(c.fed, c.verify_s) for c in checks if c.fed]
     base, slope = fit_verify_costs(forwards)
     rtts = [c.rtt_s for c in checks if c.rtt_s is not None]
-    rtt_s = statistics.median(rtts or [g.open_rtt_s for g in generations])
+    opens = [g.open_rtt_s for g in generations if g.open_rtt_s is not None]
+    rtt_s = statistics.median(rtts or opens or [0.0])
     window = round(statistics.median(c.window for c in checks))
     model = PipelineModel(
         alpha=min(accepted / checked, 0.999) if checked else 0.0,

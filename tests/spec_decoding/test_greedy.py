@@ -92,3 +92,32 @@ def test_a_verifier_that_waits_for_drafts_gives_the_same_tokens(
         result = drafter.generate(ids, max_new_tokens=24)
         assert result.tokens == target_greedy(target, tokenizer, ids, 24)
         assert result.alone == 0 and not any(c.alone for c in result.checks)
+
+
+def test_an_opened_that_waited_out_the_drafters_prefill_is_no_round_trip(
+    make_drafter, drafts, target, tokenizer, monkeypatch
+) -> None:
+    """Pipelined, the first drafts follow OPEN on the wire and OPENED is taken in among the
+    verdicts. One already there at the drafter's first look may have waited out the drafter's
+    own prefill: it dates nothing (counted, a slow draft prefill read as link time, and
+    `gamma=auto` shrank its window at loopback)."""
+    import threading
+    import time
+
+    from spec_decoding.cache import CachedDecoder
+
+    prefill = CachedDecoder.prefill
+    drafter_thread = threading.current_thread()  # the verifier serves from its own threads
+
+    def slow_prefill(self) -> None:
+        if threading.current_thread() is drafter_thread:
+            time.sleep(0.5)
+        prefill(self)
+
+    monkeypatch.setattr(CachedDecoder, "prefill", slow_prefill)
+    drafter = make_drafter(drafts["noisy"], gamma=None, pipeline=True)
+    ids = tokenizer(PROMPTS[2], add_special_tokens=False)["input_ids"]
+    result = drafter.generate(ids, max_new_tokens=12)
+    assert result.tokens == target_greedy(target, tokenizer, ids, 12)
+    assert result.open_rtt_s is None and result.open_s >= 0.5
+    assert drafter.gamma.model().rtt_s < 0.25  # the half second is not the link's

@@ -67,6 +67,26 @@ def open_body(tokenizer, **extra) -> dict:
     return {"prompt": [1, 2, 3], "vocab_hash": vocab_hash(tokenizer), **extra}
 
 
+def test_openeds_prefill_counts_the_first_prediction(verifier, tokenizer, monkeypatch) -> None:
+    """The drafter takes OPEN's round trip less OPENED's `prefill_ms` for the link. Pipelined,
+    the verifier computes its first prediction before OPENED goes out: that forward is the
+    target's time, not the link's (left out, the drafter's only round-trip samples while the
+    verifier decoded alone read ~9 ms at loopback)."""
+    from spec_decoding.verifier import _Session
+
+    step = _Session.step
+
+    def slow_step(self, *args, **kwargs):
+        time.sleep(0.5)  # a forward that takes at least this long
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Session, "step", slow_step)
+    pipelined = _Session.open(verifier, open_body(tokenizer, pipeline=True, max_new_tokens=4))
+    assert pipelined.prefill_ms >= 500
+    rounds = _Session.open(verifier, open_body(tokenizer, pipeline=False, max_new_tokens=4))
+    assert rounds.prefill_ms < 500  # rounds hold no prediction: the prompt's prefill alone
+
+
 def test_draft_before_open_closes_that_session_only(verifier_server, tokenizer) -> None:
     address = verifier_server.address
     with Connection.connect(*address) as good, Connection.connect(*address) as bad:
