@@ -22,6 +22,8 @@ def detect_device(prefer: str = "auto") -> torch.device:
         device = torch.device(prefer)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {prefer!r} was asked for but CUDA is not available here")
+        if device.type == "cuda":
+            skip_cudnn_attention()
         if device.type == "mps" and not _mps_available():
             raise ValueError(f"device {prefer!r} was asked for but Apple MPS is not available here")
         return device

@@ -7,11 +7,12 @@ accepts almost nothing), federated LoRA. Each bench prints the machine (the GPU 
 stores its results under bench/results/.
 
 It runs in parts and resumes: each check's outcome is written to `--state` as soon as it ends,
-a later run skips the checks already done (`--again` forgets them), and `--budget-s` stops
-starting new checks once that many seconds have passed (each call runs at least one), so a GPU
-lent for ten minutes at a time gets through the whole list over several calls (a check that
-outlives its call is killed there and runs again next time). The summary ends with one line
-per check: ok or failed with its last line of output and its time, or not run yet. Without a
+a later run skips the checks that passed (a failed one runs again; `--again` forgets all), and
+`--budget-s` stops starting new checks once that many seconds have passed (each call runs at
+least one), so a GPU lent for ten minutes at a time gets through the whole list over several
+calls (a check that outlives its call is killed there and runs again next time). The summary
+ends with one line per check: ok or failed with its last line of output and its time, or not
+run yet. Without a
 GPU it says so, and why, and exits 0: there is nothing to check.
 """
 
@@ -125,9 +126,10 @@ def summary(state: dict[str, dict], gpu_name: str) -> list[str]:
         if outcome is None:
             lines.append(f"  {check.name}: not run yet")
         else:
-            verdict = "ok" if outcome["ok"] else f"FAILED (exit {outcome['code']})"
+            verdict = "ok" if outcome.get("ok") else f"FAILED (exit {outcome.get('code')})"
             lines.append(
-                f"  {check.name}: {verdict} in {outcome['seconds']:.0f}s: {outcome['last_line']}"
+                f"  {check.name}: {verdict} in {outcome.get('seconds', 0):.0f}s: "
+                f"{outcome.get('last_line', '')}"
             )
     done = sum(1 for c in CHECKS if c.name in state)
     passed = sum(1 for c in CHECKS if state.get(c.name, {}).get("ok"))
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="start no new check after this many seconds, one at least (0: run them all)",
     )
-    parser.add_argument("--again", action="store_true", help="forget earlier outcomes")
+    parser.add_argument("--again", action="store_true", help="forget earlier outcomes, passes too")
     parser.add_argument(
         "--only", default="", help="run only the checks whose name contains this text"
     )
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     state = {} if args.again else load_state(args.state)
     started, ran = time.monotonic(), 0
     for check in CHECKS:
-        if check.name in state or args.only not in check.name:
+        if state.get(check.name, {}).get("ok") or args.only not in check.name:
             continue
         if ran and args.budget_s and time.monotonic() - started > args.budget_s:
             print(f"gpu-check: {args.budget_s:.0f}s spent: the rest next time", flush=True)
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         save_state(args.state, state)
     lines = summary(state, name)
     print("\n".join(lines), flush=True)
-    failed = [c.name for c in CHECKS if c.name in state and not state[c.name]["ok"]]
+    failed = [c.name for c in CHECKS if c.name in state and not state[c.name].get("ok")]
     return 1 if failed else 0
 
 

@@ -84,7 +84,8 @@ class Generation:
     """OPEN's round trip less the verifier's time on it; None where it could not be dated (a
     pipelined drafter found OPENED already there at its first look, after its own prefill)."""
     open_s: float = 0.0
-    """Setting up: OPEN's round trip and the drafter's own prefill."""
+    """Setting up: the drafter's own prefill and, in rounds, OPEN's round trip (pipelined, the
+    first drafts follow OPEN without waiting for OPENED)."""
 
 
 @dataclass
@@ -141,6 +142,7 @@ class Drafter:
         self.draft_top_k = draft_top_k
         self.eos_token_id = tokenizer.eos_token_id
         self.vocab_hash = vocab_hash(tokenizer)
+        self.tokenizer_size = len(tokenizer)
 
     @contextlib.contextmanager
     def _verifier_lost(self) -> Iterator[None]:
@@ -148,11 +150,6 @@ class Drafter:
         try:
             yield
         except (ConnectionClosed, NetTimeout, PeerProtocolError) as exc:
-            # a verifier that refused a request said why before it closed: that reason first
-            # (a pipelined drafter streams behind OPEN and may find the door shut on a send)
-            with contextlib.suppress(ConnectionClosed, NetTimeout, PeerProtocolError):
-                while self.conn.readable():
-                    self.conn.recv()  # raises RemoteError at the verifier's ERROR
             raise VerifierLostError(f"lost the verifier at {self.conn.peer}: {exc}") from None
 
     def _request(self, msg_type: int, payload: Any, *, expect: int) -> dict[str, Any]:
@@ -195,6 +192,10 @@ class Drafter:
         return draft, (torch.stack(rows) if rows else None)  # q weights: (gamma, V)
 
     def generate(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> Generation:
+        if type(max_new_tokens) is not int or max_new_tokens < 1:
+            # (pipelined, OPEN goes out unanswered: the verifier's refusal would only surface
+            # as a broken connection at the next generation)
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: at least 1")
         started = time.perf_counter()
         self.gamma.new_text()
         if self.pipeline:
@@ -226,7 +227,8 @@ class Drafter:
         result = Generation(tokens=[], seconds=0.0)
         self._open_sent = started
         if self.pipeline:
-            self.target_vocab = self.vocab_size  # until OPENED says the target's
+            # until OPENED says the target's: ids past the shared tokenizer are no tokens
+            self.target_vocab = min(self.vocab_size, self.tokenizer_size)
             with self._verifier_lost():
                 self.conn.send_msg(SpecMsg.OPEN, body)
         else:
@@ -300,6 +302,7 @@ class Drafter:
         window = self.gamma.next_gamma()
         busy_since = time.perf_counter()  # the drafter's own time, waits excluded
         looked = False  # whether we have looked for news and found none since OPEN went out
+        opened = False
         while not flight.finished(max_new_tokens, self.eos_token_id):
             may_draft = (
                 len(flight.inflight) < window
@@ -312,12 +315,18 @@ class Drafter:
                 kind, progress = self._request_progress()
                 received = time.perf_counter()
                 if kind == SpecMsg.OPENED:  # behind which our first drafts went
+                    if opened:
+                        raise ValueError("verifier sent OPENED twice in one session")
+                    opened = True
                     # dated if it came while we waited, or since a look that found nothing
                     # (within one draft step); at the first look it may have waited out our
                     # whole prefill, and would read as link time
                     self._opened(progress, result, dated=waited or looked)
                     if result.open_rtt_s is not None:
                         self.gamma.observe_rtt(result.open_rtt_s)  # until cleaner samples
+                    if waited:  # the wait is no drafting time
+                        busy_since = received
+                    window = self.gamma.next_gamma()
                     continue
                 if waited:
                     busy_since = received

@@ -150,10 +150,13 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         one_way_s=rtt_s / 2,
         alone=any(g.decode_alone for g in generations),
     )
-    # the model's steady rate for the tokens, plus the sessions' set-up as measured
+    # the model's steady rate for the tokens, plus each session's set-up and end: the prompt's
+    # way to the verifier and its time on OPEN (or the drafter's own prefill, the longer), and
+    # the last token's way back
     tokens = sum(len(g.tokens) for g in generations)
     rate = model.tokens_per_second(window)
-    predicted_s = (tokens / rate if rate > 0 else math.nan) + sum(g.open_s for g in generations)
+    ends = sum(max(g.open_s, rtt_s / 2 + g.prefill_ms / 1e3) + rtt_s / 2 for g in generations)
+    predicted_s = (tokens / rate if rate > 0 else math.nan) + ends
     metrics = {
         "acceptance_rate": accepted / checked if checked else 0.0,
         "mean_accepted_per_round": accepted / len(checks),

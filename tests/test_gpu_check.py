@@ -61,11 +61,21 @@ def test_a_later_call_resumes_where_the_last_stopped(
     assert [(checks / n).read_text() for n in ("first", "second", "third")] == ["x", "x", "x"]
     assert (tmp_path / "second.log").read_text().strip() == "last words of second"
 
-    # nothing left: nothing runs again, unless asked to start over
+    # the next call runs the failed check again, not the ones that passed
     gpu_check.main(["--state", str(state)])
-    assert (checks / "first").read_text() == "x"
-    gpu_check.main(["--state", str(state), "--again"])
+    assert [(checks / n).read_text() for n in ("first", "second", "third")] == ["x", "xx", "x"]
+    gpu_check.main(["--state", str(state), "--again"])  # or starts over
     assert (checks / "first").read_text() == "xx"
+
+
+def test_a_state_entry_missing_fields_is_summarised_not_a_crash(
+    checks: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"first": {"ok": True}, "second": {}}))
+    gpu_check.main(["--state", str(state), "--only", "third"])
+    out = capsys.readouterr().out
+    assert "first: ok" in out and "second: FAILED" in out and "third: ok" in out
 
 
 def test_the_budget_stops_new_checks_and_keeps_what_ended(

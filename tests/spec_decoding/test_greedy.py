@@ -121,3 +121,16 @@ def test_an_opened_that_waited_out_the_drafters_prefill_is_no_round_trip(
     assert result.tokens == target_greedy(target, tokenizer, ids, 12)
     assert result.open_rtt_s is None and result.open_s >= 0.5
     assert drafter.gamma.model().rtt_s < 0.25  # the half second is not the link's
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
+def test_a_generation_of_nothing_is_refused_before_anything_is_sent(
+    make_drafter, drafts, tokenizer, pipeline: bool
+) -> None:
+    """Pipelined, OPEN goes out unanswered: a refusal would surface only as a broken connection
+    at the next generation. The drafter refuses it itself, and its session stays usable."""
+    drafter = make_drafter(drafts["noisy"], pipeline=pipeline)
+    ids = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="at least 1"):
+        drafter.generate(ids, max_new_tokens=0)
+    assert len(drafter.generate(ids, max_new_tokens=4).tokens) == 4
