@@ -73,15 +73,17 @@ def threads(count: int) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def step_ms(model: Any, prompt: list[int], *, steps: int = 24) -> float:
-    """Median ms of one decode step (one token, KV cache) as both sides run it: the step's token
-    read back (on a GPU, without that read only the kernel launches would be timed)."""
+def step_ms(model: Any, prompt: list[int], *, steps: int = 24, drafted: int = 0) -> float:
+    """Median ms of one decode step (KV cache) as both sides run it: the next token, and with
+    `drafted` that many drafted tokens checked in the same forward, its tokens read back (on a
+    GPU, without that read only the kernel launches would be timed). The drafts are dropped
+    after each step, as on a rejection."""
     decoder = CachedDecoder(model, prompt)
     decoder.prefill()
     times = []
     for token in prompt[:steps]:  # any tokens: the cost does not depend on which
         started = time.perf_counter()
-        int(decoder.extend([])[-1].argmax())
+        decoder.extend(prompt[1 : 1 + drafted]).argmax(dim=-1).tolist()
         times.append(time.perf_counter() - started)
         decoder.commit([token])
     return statistics.median(times[2:]) * 1e3
@@ -179,22 +181,10 @@ def ours(
     return row
 
 
-@torch.inference_mode()
 def verify_ms(model: Any, prompt: list[int], sizes: tuple[int, ...]) -> dict[int, float]:
-    """Median ms of one verifying forward over k drafted tokens (KV cache, the verdicts read
-    back), for each k in `sizes`: a GPU checks a handful almost for the price of one."""
-    out = {}
-    for k in sizes:
-        decoder = CachedDecoder(model, prompt)
-        decoder.prefill()
-        times = []
-        for token in prompt[:12]:
-            started = time.perf_counter()
-            decoder.extend(prompt[1 : 1 + k]).argmax(dim=-1).tolist()
-            times.append(time.perf_counter() - started)
-            decoder.commit([token])  # the drafts are dropped, as on a rejection
-        out[k] = statistics.median(times[2:]) * 1e3
-    return out
+    """Median ms of one verifying forward over k drafted tokens, for each k in `sizes`: a GPU
+    checks a handful almost for the price of one."""
+    return {k: step_ms(model, prompt, steps=12, drafted=k) for k in sizes}
 
 
 @torch.inference_mode()

@@ -22,17 +22,17 @@ def detect_device(prefer: str = "auto") -> torch.device:
         device = torch.device(prefer)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {prefer!r} was asked for but CUDA is not available here")
-        if device.type == "cuda":
-            skip_cudnn_attention()
         if device.type == "mps" and not _mps_available():
             raise ValueError(f"device {prefer!r} was asked for but Apple MPS is not available here")
-        return device
-    if torch.cuda.is_available():
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif _mps_available():
+        device = torch.device("mps")
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
         skip_cudnn_attention()
-        return torch.device("cuda", torch.cuda.current_device())
-    if _mps_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return device
 
 
 def skip_cudnn_attention() -> None:
