@@ -135,6 +135,7 @@ def ours(
     baselines: list[dict[str, Any]] | None = None,
     sample: bool = False,
     decode_alone: bool = True,
+    branch_depth: int | None = None,
 ) -> dict[str, Any]:
     with Connection.connect(*address, read_timeout_s=120) as conn:
         drafter = Drafter(
@@ -144,6 +145,8 @@ def ours(
             gamma=GammaController(fixed=gamma, max_gamma=SpecConfig().max_gamma),
             pipeline=pipeline,
             decode_alone=decode_alone,
+            branch_depth=SpecConfig().branch_depth if branch_depth is None else branch_depth,
+            branch_width=SpecConfig().branch_width,
             temperature=SAMPLING["temperature"] if sample else 0.0,
             top_p=SAMPLING["top_p"] if sample else 1.0,
         )
@@ -169,6 +172,7 @@ def ours(
         # drafted tokens the verifier took per round trip of the link (the run's median)
         "accepted_per_rtt": accepted / (seconds / max(metrics["rtt_ms"] / 1e3, 1e-9)),
         "alone_share": metrics.get("alone_share", 0.0),
+        "branch_share": metrics.get("branch_share", 0.0),
     }
     if baselines:
         row["predicted_speedup"] = metrics["predicted_speedup"]

@@ -8,6 +8,10 @@ from lab.config import LabConfig, ModelConfig, check_fields_positive, register_s
 
 MAX_GAMMA = 32
 """Most tokens one draft may hold (the verifier refuses more)."""
+MAX_BRANCH_DEPTH = 16
+"""Most tokens one branch may hold, its root included (the verifier refuses more)."""
+MAX_BRANCH_WIDTH = 4
+"""Most branches at one drafted position (the verifier refuses more)."""
 
 
 @dataclass
@@ -25,6 +29,13 @@ class SpecConfig:
     link never leaves the target idle; drafts that arrive for positions it has decoded are
     compared with its tokens. False: it waits for the drafter (as good or better for a draft
     that costs a third of its target or more on a near link: docs/spec_decoding.md)."""
+    branch_depth: int = 4
+    """Pipelined: while it waits for the verifier, the drafter drafts branches at positions
+    in flight: each roots at one of its next-best tokens there and runs on for this many tokens
+    in all (0: no branches). When the verifier's token at a position is a branch's root, it
+    checks on along that branch without waiting a round trip for the drafter."""
+    branch_width: int = 1
+    """Pipelined: branches at each drafted position (its 2nd, 3rd, ... likeliest tokens)."""
     temperature: float = 0.0
     """0: greedy (output identical to the target's own greedy decoding); > 0: sampling."""
     top_p: float = 1.0
@@ -56,6 +67,14 @@ class SpecConfig:
             raise ValueError(f"spec.temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"spec.top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.branch_depth <= MAX_BRANCH_DEPTH:
+            raise ValueError(
+                f"spec.branch_depth={self.branch_depth} must be in 0..{MAX_BRANCH_DEPTH} (0: off)"
+            )
+        if not 1 <= self.branch_width <= MAX_BRANCH_WIDTH:
+            raise ValueError(
+                f"spec.branch_width={self.branch_width} must be in 1..{MAX_BRANCH_WIDTH}"
+            )
         if self.draft_top_k < 0:
             raise ValueError(f"spec.draft_top_k={self.draft_top_k} must be >= 0 (0: off)")
         check_fields_positive("spec", self, ("max_new_tokens", "num_prompts", "prompt_tokens"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from lab.cli import UserError
 from lab.sampling import probs_from_logits
 from netproto import Connection, ConnectionClosed, NetTimeout, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
-from spec_decoding.config import MAX_GAMMA
+from spec_decoding.config import MAX_BRANCH_DEPTH, MAX_GAMMA
 from spec_decoding.draft_q import as_probabilities, encode_q, quantize
 from spec_decoding.gamma import GammaController
 from spec_decoding.protocol import SpecMsg
@@ -49,6 +50,8 @@ class CheckStats:
     drafter had drafted none yet."""
     alone: bool
     """The verifier decoded the token itself (it had no draft for that position)."""
+    branch: int
+    """Tokens it committed along one of our branches (drafts of a branch it checked)."""
     fed: int
     """Tokens the verifier's forward pass ran (0: the first guess failed, no forward needed)."""
     verify_s: float
@@ -73,6 +76,11 @@ class Generation:
     drafted: int = 0
     alone: int = 0
     """Pipelined: tokens the verifier decoded by itself (no draft had reached it)."""
+    branches: int = 0
+    branch_s: float = 0.0
+    """Pipelined: branches drafted and sent, and the drafter's seconds spent on them."""
+    branch_tokens: int = 0
+    """Pipelined: drafted tokens the verifier accepted along a branch."""
     draft_s: float = 0.0
     """Pipelined: tokens drafted (kept or not) and the drafter's seconds spent on them."""
     sent_bytes: int = 0
@@ -98,7 +106,16 @@ class _Flight:
     confirmed: list[int]
     inflight: list[int] = field(default_factory=list)
     sent_at: list[float] = field(default_factory=list)
+    others: list[list[int]] = field(default_factory=list)
+    """Per token in flight: its next-best tokens, best first (branch roots)."""
+    alternatives: list[list[int]] = field(default_factory=list)
+    """Per token in flight: those of its next-best tokens not yet drafted into a branch."""
     epoch: int = 0
+
+    def drop(self, count: int) -> None:
+        """The first `count` tokens in flight are settled."""
+        del self.inflight[:count], self.sent_at[:count]
+        del self.others[:count], self.alternatives[:count]
 
     def finished(self, max_new_tokens: int, eos_token_id: int | None) -> bool:
         return len(self.confirmed) >= max_new_tokens or (
@@ -121,18 +138,33 @@ class Drafter:
         draft_top_k: int = 0,
         pipeline: bool = False,
         decode_alone: bool = True,
+        branch_depth: int = 0,
+        branch_width: int = 1,
     ) -> None:
         """`model`: a Hugging Face causal LM. `pipeline`: keep drafting while the verifier
         checks (STREAM); else DRAFT rounds. `draft_top_k` (sampling): draft only from the k
         likeliest tokens (0: all within top_p), so fewer q entries travel per token.
         `decode_alone` (pipelined): the verifier decodes by itself whenever it holds no draft
-        for its next token, instead of waiting for one."""
+        for its next token, instead of waiting for one. `branch_depth` (pipelined): while it
+        waits, draft branches of that many tokens rooted at the `branch_width` next-best tokens
+        of positions in flight (0: none)."""
         if draft_top_k < 0:
             raise ValueError(f"draft_top_k={draft_top_k} must be >= 0 (0: off)")
+        if not 0 <= branch_depth <= MAX_BRANCH_DEPTH or branch_width < 1:
+            raise ValueError(
+                f"branch_depth={branch_depth} must be in 0..{MAX_BRANCH_DEPTH}, "
+                f"branch_width={branch_width} at least 1"
+            )
         self.model = model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.pipeline = pipeline
         self.decode_alone = decode_alone
+        self.branch_depth = branch_depth if pipeline else 0
+        self.branch_width = branch_width
+        self._rejections = 0
+        self._root_hits = [0] * branch_width
+        """Wrong tokens in flight, and how often the verifier's token there was our 2nd,
+        3rd, ... likeliest: the chance that a branch's root is hit, per rank."""
         gamma.pipelined = pipeline  # the window model or the rounds model picks gamma
         gamma.alone = pipeline and decode_alone
         self.conn = conn
@@ -309,6 +341,16 @@ class Drafter:
                 and len(flight.confirmed) + len(flight.inflight) < max_new_tokens
                 and not (flight.inflight and flight.inflight[-1] == self.eos_token_id)
             )
+            branch = self._branch_choice(flight, may_draft) if self.branch_depth else None
+            if branch is not None and not self.conn.readable():
+                branch_started = time.perf_counter()
+                result.sent_bytes += self._send_branch(
+                    decoder, flight, *branch, len(prompt), seed, max_new_tokens
+                )
+                busy_since = time.perf_counter()  # no drafting time
+                result.branches += 1
+                result.branch_s += busy_since - branch_started
+                continue
             if not may_draft or self.conn.readable():
                 # a verdict we wait for dates its round trip; one found between steps does not
                 waited = not may_draft and not self.conn.readable()
@@ -333,6 +375,7 @@ class Drafter:
                 stats = self._take_progress(progress, flight, received, waited, window)
                 result.checks.append(stats)
                 result.alone += 1 if stats.alone else 0
+                result.branch_tokens += stats.branch
                 if stats.rewound:
                     decoder.rewind([*prompt, *flight.confirmed])
                 window = self.gamma.next_gamma()
@@ -340,7 +383,9 @@ class Drafter:
             looked = True  # nothing had come
             # The token at a position is drawn with that position's noise, as the verifier's
             # is: how far the drafter runs ahead cannot change what it drafts.
-            token = self._guess(decoder.extend([])[-1], seed, len(decoder.tokens))
+            token, alternatives = self._guess(
+                decoder.extend([])[-1], seed, len(decoder.tokens), others=self.branch_width
+            )
             decoder.commit([token])
             at = len(flight.confirmed) + len(flight.inflight)  # its place among the new tokens
             # how many more it may send before it needs the verifier's word: with none, the
@@ -356,6 +401,8 @@ class Drafter:
             with self._verifier_lost():
                 result.sent_bytes += self.conn.send(SpecMsg.STREAM, payload)
             flight.inflight.append(token)
+            flight.others.append(alternatives if self.branch_depth else [])
+            flight.alternatives.append(list(flight.others[-1]))
             now = time.perf_counter()
             flight.sent_at.append(now)
             # a step's cost includes taking in the verdicts that came since the last one
@@ -367,16 +414,92 @@ class Drafter:
             del flight.confirmed[flight.confirmed.index(self.eos_token_id) + 1 :]
         return result
 
-    def _guess(self, logits: torch.Tensor, seed: int, position: int) -> int:
+    def _guess(
+        self, logits: torch.Tensor, seed: int, position: int, *, others: int = 0
+    ) -> tuple[int, list[int]]:
         """The drafter's guess at the verifier's token at `position` from its logits (V,):
         greedy, or the Gumbel-max draw from q with the position's noise, which is the
-        verifier's draw whenever q and p agree (spec_decoding.sampling.coupled_token)."""
+        verifier's draw whenever q and p agree (spec_decoding.sampling.coupled_token); and up
+        to `others` next-best guesses (by logit, or by log q + noise), each a possible token."""
+        vocab = self.target_vocab  # a token past the target's vocabulary is no guess
         if self.temperature == 0:
-            return int(logits.argmax())
-        q = self._draft_probs(logits)
-        vocab = self.target_vocab  # the noise is drawn over the target's vocabulary
-        q = q[:vocab] if q.numel() >= vocab else torch.nn.functional.pad(q, (0, vocab - q.numel()))
-        return coupled_token(q, position_noise(seed, position, vocab))
+            scores = logits[:vocab].float()
+        else:
+            q = self._draft_probs(logits)  # the noise is drawn over the target's vocabulary
+            if q.numel() >= vocab:
+                q = q[:vocab]
+            else:
+                q = torch.nn.functional.pad(q, (0, vocab - q.numel()))
+            token = coupled_token(q, position_noise(seed, position, vocab))
+            if not others:
+                return token, []
+            scores = q.double().log() + position_noise(seed, position, vocab)
+        best = scores.topk(min(1 + others, scores.numel()))
+        picks = [int(i) for v, i in zip(best.values, best.indices, strict=True) if math.isfinite(v)]
+        if self.temperature:
+            picks[0] = token  # (the same argmax: coupled_token is this draw)
+        return picks[0], picks[1:]
+
+    def _branch_choice(self, flight: _Flight, may_draft: bool) -> tuple[int, int] | None:
+        """Where to branch next, and how deep; None: draft on, or wait.
+
+        With a fixed gamma every drafted token is branched right after it is sent (its
+        branches then reach the verifier close behind it). With `auto`, the position in flight
+        whose next branch adds the most expected tokens (gamma.BranchPlan), if that beats
+        drafting on (or we would wait anyway)."""
+        plan = self.gamma.branch_plan(self.branch_depth)
+        if plan.depth < 2:  # a branch of its root alone: the verifier's own token, no gain
+            return None
+        if self.gamma.fixed is not None:
+            newest = len(flight.inflight) - 1
+            return (newest, plan.depth) if newest >= 0 and flight.alternatives[newest] else None
+        best, value = None, plan.draft_value(len(flight.inflight)) if may_draft else 0.0
+        for index, (others, left) in enumerate(
+            zip(flight.others, flight.alternatives, strict=True)
+        ):
+            if left:
+                rank = len(others) - len(left)
+                hit = (self._root_hits[rank] + 1) / (self._rejections + 2 * (rank + 1))
+                gain = plan.branch_value(index, hit)
+                if gain > value:
+                    best, value = index, gain
+        return None if best is None else (best, plan.depth)
+
+    def _send_branch(
+        self,
+        decoder: CachedDecoder,
+        flight: _Flight,
+        index: int,
+        depth: int,
+        prompt_len: int,
+        seed: int,
+        max_new_tokens: int,
+    ) -> int:
+        """Draft and send one branch at the `index`-th token in flight: rooted at its best
+        next-best token not drafted yet, `depth` tokens in all. The draft's cache forks
+        there and comes back (the stream's tokens past it are fed again, in one forward, at
+        the next draft step). The bytes sent."""
+        root = flight.alternatives[index].pop(0)
+        place = len(flight.confirmed) + index  # among the generated tokens
+        stream = list(decoder.tokens)
+        decoder.rewind([*stream[: prompt_len + place], root])
+        tokens = [root]
+        while (
+            len(tokens) < depth
+            and place + len(tokens) < max_new_tokens
+            and tokens[-1] != self.eos_token_id
+        ):
+            token, _ = self._guess(decoder.extend([])[-1], seed, len(decoder.tokens))
+            decoder.commit([token])
+            tokens.append(token)
+        decoder.rewind(stream)
+        payload = {
+            "tokens": torch.tensor(tokens, dtype=torch.int32),
+            "epoch": torch.tensor([flight.epoch], dtype=torch.int64),
+            "at": torch.tensor([place], dtype=torch.int64),
+        }
+        with self._verifier_lost():
+            return self.conn.send(SpecMsg.BRANCH, payload)
 
     def _take_progress(
         self, progress: dict[str, Any], flight: _Flight, received: float, waited: bool, window: int
@@ -390,9 +513,14 @@ class Drafter:
             raise ValueError(
                 f"verifier went on from token {at!r}; {len(flight.confirmed)} are confirmed"
             )
-        if not isinstance(tokens, list) or len(tokens) > 1:
-            raise ValueError(f"verifier committed {tokens!r}: at most one token of its own")
+        branch = progress.get("branch", 0)
+        if not isinstance(tokens, list) or len(tokens) > MAX_BRANCH_DEPTH:
+            raise ValueError(f"verifier committed {tokens!r}: too many tokens of its own")
+        if type(branch) is not int or not len(tokens) - 1 <= branch <= len(tokens):
+            raise ValueError(f"verifier took {branch!r} of {len(tokens)} tokens along a branch")
         limit = len(flight.inflight) if progress.get("epoch") == flight.epoch else 0
+        if "branch" in progress or len(tokens) > 1:  # a branch's: none of the stream's
+            limit = 0
         if type(accepted) is not int or not 0 <= accepted <= limit or not accepted + len(tokens):
             raise ValueError(
                 f"verifier accepted {accepted!r} of {limit} tokens in flight (epoch {flight.epoch})"
@@ -400,14 +528,20 @@ class Drafter:
         own = [self._token(t) for t in tokens]
         alone = bool(progress.get("alone"))
         checked = accepted + (len(own) if not alone else 0)
-        ours = flight.inflight[accepted] if accepted < len(flight.inflight) else None
-        matched = bool(own) and ours == own[0]
+        matched = 0  # its tokens that were ours, in flight after the accepted ones
+        while (
+            matched < len(own)
+            and accepted + matched < len(flight.inflight)
+            and flight.inflight[accepted + matched] == own[matched]
+        ):
+            matched += 1
         held_ms = progress.get("held_ms")
         stats = CheckStats(
-            accepted=accepted + int(matched),
-            rejected=bool(own) and ours is not None and not matched,
-            rewound=bool(own) and not matched,
+            accepted=accepted + matched,
+            rejected=matched < len(own) and accepted + matched < len(flight.inflight),
+            rewound=matched < len(own),
             alone=alone,
+            branch=branch if "branch" in progress else 0,
             fed=int(progress["fed"]),
             verify_s=float(progress["verify_ms"]) / 1e3,
             rtt_s=max(0.0, received - flight.sent_at[checked - 1] - float(held_ms) / 1e3)
@@ -415,6 +549,12 @@ class Drafter:
             else None,
             window=window,
         )
+        wrong = accepted + matched  # (where a token in flight was found wrong)
+        others = flight.others[wrong] if stats.rejected and wrong < len(flight.others) else []
+        if others:  # how often a branch's root would have been the verifier's token
+            self._rejections += 1
+            if own[matched] in others:
+                self._root_hits[others.index(own[matched])] += 1
         if stats.accepted or stats.rejected:
             self.gamma.observe_checks(accepted=stats.accepted, rejected=stats.rejected)
         if stats.fed:
@@ -422,13 +562,11 @@ class Drafter:
         if stats.rtt_s is not None:
             self.gamma.observe_rtt(stats.rtt_s)
         flight.confirmed.extend(flight.inflight[:accepted])
-        del flight.inflight[:accepted], flight.sent_at[:accepted]
-        if matched:  # its token was ours: the stream goes on
-            flight.confirmed.append(own[0])
-            del flight.inflight[0], flight.sent_at[0]
-        elif own:
-            flight.confirmed.append(own[0])
-            flight.inflight, flight.sent_at = [], []
+        flight.confirmed.extend(own)
+        if matched == len(own):  # its tokens were ours: the stream goes on
+            flight.drop(accepted + matched)
+        else:
+            flight.drop(len(flight.inflight))
             flight.epoch += 1
         return stats
 

@@ -59,6 +59,29 @@ class CostModel:
         return max(range(1, max_gamma + 1), key=self.tokens_per_second)
 
 
+@dataclass
+class BranchPlan:
+    """How the drafter weighs a branch against drafting on (spec.branch_depth)."""
+
+    alpha: float
+    depth: int
+    """Tokens per branch, its root included: past those the verifier decodes alone until the
+    drafter's next stream reaches it, the branch's tokens are no faster than those."""
+
+    def draft_value(self, in_flight: int) -> float:
+        """Expected tokens the next drafted token adds: the chance that it is taken, after the
+        `in_flight` ones before it."""
+        return self.alpha ** (in_flight + 1)
+
+    def branch_value(self, index: int, hit: float) -> float:
+        """Expected tokens a branch at the `index`-th token in flight adds: the stream gets
+        that far and is wrong there, the branch's root is the verifier's token (chance `hit`),
+        then as many of its tokens as are right, each one the verifier would have decoded
+        alone."""
+        run_on = sum(self.alpha**k for k in range(1, self.depth))
+        return self.alpha**index * (1 - self.alpha) * hit * run_on
+
+
 def fit_verify_costs(forwards: Iterable[tuple[int, float]]) -> tuple[float, float]:
     """(base, per-token) seconds of a forward pass, fitted to (tokens fed, seconds) pairs;
     with only one size seen, its mean time and no per-token cost. Neither is negative."""
@@ -207,6 +230,8 @@ class GammaController:
         self._since_choice = 0
         self._chosen_at = 0.0
         self._choice: int | None = None
+        self._plan: BranchPlan | None = None
+        self._since_plan = 0
 
     def next_gamma(self) -> int:
         """Rounds: the next draft's length. Pipelined: the window."""
@@ -226,6 +251,23 @@ class GammaController:
             self._choice = self.pipeline_model().best_window(self.max_gamma)
             self._since_choice, self._chosen_at = 0, now
         return self._choice
+
+    def branch_plan(self, max_depth: int) -> BranchPlan:
+        """The branch depth and the acceptance rate that weigh branches against drafting on,
+        redone as the window is (a model costs ~0.1 ms, a draft step ~0.5). `max_depth`:
+        spec.branch_depth, taken as it is with a fixed gamma; with `auto`, no deeper than the
+        tokens the verifier would decode alone until the drafter's next stream reaches it."""
+        if self._plan is None or self._since_plan >= self._refresh_every:
+            costs = self.model()
+            step = costs.verify_base_s + costs.verify_per_token_s
+            # tokens the verifier decodes alone after a wrong token before the drafter's next
+            # draft reaches it: the first forward after it (the correction's) overlaps a round
+            # trip and a draft step, the rest of those are forwards of their own
+            alone = math.ceil((costs.rtt_s + costs.draft_s) / step) - 1 if step > 0 else 0
+            depth = max_depth if self.fixed is not None else min(max_depth, 1 + max(0, alone))
+            self._plan = BranchPlan(alpha=costs.alpha, depth=depth)
+            self._since_plan = 0
+        return self._plan
 
     def new_text(self, weight: float = 8.0) -> None:
         """A new prompt is new text: its acceptance starts from the run's long-run rate, worth
@@ -258,6 +300,7 @@ class GammaController:
         self._total_accepted += accepted
         self._total_trials += trials
         self._since_choice += 1
+        self._since_plan += 1
 
     def observe_draft(self, step_s: float) -> None:
         self._draft.append(step_s)

@@ -58,6 +58,7 @@ class SpecMsg(IntEnum):
     CLOSE = 0x0207
     STREAM = 0x0208
     PROGRESS = 0x0209
+    BRANCH = 0x020A
 
 
 REGISTRY.register(
@@ -74,5 +75,6 @@ REGISTRY.register(
         SpecMsg.CLOSE: PayloadKind.EMPTY,
         SpecMsg.STREAM: PayloadKind.TENSORS,
         SpecMsg.PROGRESS: PayloadKind.JSON,
+        SpecMsg.BRANCH: PayloadKind.TENSORS,
     },
 )

@@ -167,6 +167,8 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         "rounds": float(len(checks)),
         "forward_share": len(forwards) / len(checks),
         "alone_share": sum(g.alone for g in generations) / max(1, tokens),
+        "branch_share": sum(g.branch_tokens for g in generations) / max(1, tokens),
+        "branches_per_token": sum(g.branches for g in generations) / max(1, tokens),
         "drafted_per_token": drafted / max(1, tokens),
         # the pipeline model's costs, as fitted here (a forward of n tokens: base + n * slope)
         "verify_base_ms": base * 1e3,
@@ -213,6 +215,8 @@ def run_drafter(
                 draft_top_k=spec.draft_top_k,
                 pipeline=spec.pipeline,
                 decode_alone=spec.decode_alone,
+                branch_depth=spec.branch_depth,
+                branch_width=spec.branch_width,
                 gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
             )
             generations, baselines = [], []

@@ -20,7 +20,7 @@ import torch
 from lab.sampling import probs_from_logits
 from netproto import Connection, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
-from spec_decoding.config import MAX_GAMMA
+from spec_decoding.config import MAX_BRANCH_DEPTH, MAX_BRANCH_WIDTH, MAX_GAMMA
 from spec_decoding.draft_q import BadDraftQ, decode_q
 from spec_decoding.protocol import SpecMsg
 from spec_decoding.sampling import (
@@ -39,6 +39,7 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 """Sampling temperatures a session may ask for (0 is greedy): below, logits / t overflow."""
 MAX_SEED = 2**63 - 1
 STREAM_FIELDS = frozenset({"tokens", "epoch", "at", "more"})
+BRANCH_FIELDS = frozenset({"tokens", "epoch", "at"})
 
 
 def vocab_hash(tokenizer: Any) -> str:
@@ -118,6 +119,8 @@ class Verifier:
         self.max_tokens = session_cap(model.config)
         self.sessions_opened = 0
         self.active_sessions = 0
+        self.branches_taken = 0
+        """Branches that sessions went on along (all sessions)."""
         self._lock = threading.Lock()
 
     def handle(self, conn: Connection) -> None:
@@ -184,6 +187,10 @@ class Verifier:
                 if session is None:
                     raise BadRequest("STREAM before OPEN: no session")
                 session.stream(message.payload, waited=waited)
+            elif message.type == SpecMsg.BRANCH:
+                if session is None:
+                    raise BadRequest("BRANCH before OPEN: no session")
+                session.add_branch(message.payload)
             elif message.type == SpecMsg.BASELINE:
                 conn.send_msg(
                     SpecMsg.BASELINE_DONE,
@@ -240,6 +247,14 @@ class _Session:
     arrive for positions it has decoded are compared with its tokens: while they agree they
     cost nothing and the ones after them are checked as usual; the first that differs ends
     that epoch's stream (the drafter, told of the verifier's token, knows it too).
+
+    Branches: the drafter may send, for a position its live stream has reached, alternatives
+    to its token there (a root and the tokens it drafted after it). When the stream dies at a
+    position because the verifier's token there differs from the drafter's, and that token is
+    a branch's root, the verifier checks on along the branch (its own forward passes, the
+    first with the root) instead of decoding alone until the drafter has heard. What it
+    commits is its own choice at every position either way: branches change what is checked
+    in one forward, never which token a position gets (greedy, or the position's coupled draw).
     """
 
     def __init__(
@@ -286,6 +301,15 @@ class _Session:
         needs word from the verifier (0: it waits for this session's next PROGRESS)."""
         self._step_s = 0.0
         """Running mean of one forward pass of one token, here (what decoding alone costs)."""
+        self.branches: dict[int, dict[int, list[int]]] = {}
+        """The live stream's branches: position -> root token -> the tokens drafted after it."""
+        self.branch: list[int] = []
+        """A branch being checked: its tokens not checked yet, from the committed end on."""
+        self.branches_taken = 0
+        """Branches the verifier went on along (for tests and the curious)."""
+        self._diverged: tuple[int, int, int] | None = None
+        """(epoch, position, token): where the current epoch's stream died, and the token the
+        verifier committed there; a branch rooted at it that arrives later is still taken."""
 
     @classmethod
     def open(cls, verifier: Verifier, body: dict[str, Any]) -> _Session:
@@ -414,6 +438,7 @@ class _Session:
             return  # drafted on a prefix the drafter has since given up
         now = time.perf_counter()
         if epoch_ > self.epoch:  # the drafter rewound to what it knows is committed
+            self.branches, self._diverged = {}, None  # (a branch held stays: it is committed)
             if not self.prompt_len <= position <= committed:
                 raise BadRequest(
                     f"STREAM of epoch {epoch_} starts at token {place}, outside the 0.."
@@ -443,7 +468,7 @@ class _Session:
         tokens = self.decoder.tokens
         while self.pending and self.pending_at < len(tokens):
             if self.pending[0] != tokens[self.pending_at]:
-                self.dead, self.pending, self._arrived = True, [], []
+                self._stream_died(self.pending_at, tokens[self.pending_at])
                 return
             del self.pending[0], self._arrived[0]
             self.pending_at += 1
@@ -458,7 +483,7 @@ class _Session:
         a token to decode alone."""
         if not self.pipelined:
             return False
-        if self.pending:
+        if self.pending or self.branch:
             return True
         return (self._next_logits is None and not self._done()) or self.can_decode_alone()
 
@@ -466,7 +491,11 @@ class _Session:
         """Nothing to check and the next prediction held: the next token is the verifier's
         to decide alone (unless the drafter said not to, or the text is done)."""
         return (
-            self.alone and not self.pending and self._next_logits is not None and not self._done()
+            self.alone
+            and not self.pending
+            and not self.branch
+            and self._next_logits is not None
+            and not self._done()
         )
 
     def patience_s(self) -> float:
@@ -512,8 +541,9 @@ class _Session:
         `verify_ms` counts their handling too.
         """
         started = time.perf_counter() if started is None else started
-        batch = self.pending[:MAX_GAMMA]
-        at = len(self.decoder.tokens)  # == pending_at: earlier positions were caught up
+        on_branch = bool(self.branch)  # an adopted branch goes first: it was there first
+        batch = (self.branch if on_branch else self.pending)[:MAX_GAMMA]
+        at = len(self.decoder.tokens)  # == pending_at (or a branch's start): caught up
         fed, accepted, token = 0, 0, None
         if self._next_logits is not None and batch:  # check the first token for free
             choice = self._choose(self._next_logits, at)
@@ -540,6 +570,8 @@ class _Session:
         if not batch:  # only computed the prediction after the committed sequence
             self._forward = (fed, (time.perf_counter() - started) * 1e3)
             return None
+        if on_branch:
+            return self._branch_checked(batch, at, accepted, token, fed, started)
         arrived = self._arrived[min(accepted, len(batch) - 1)]  # the last token checked
         progress: dict[str, Any] = {
             "epoch": self.epoch,
@@ -555,10 +587,108 @@ class _Session:
         else:
             self.decoder.commit([*batch[:accepted], token])
             self._next_logits = None
-            self.dead, self.pending, self._arrived = True, [], []
+            self._stream_died(at + accepted, token)
             progress["tokens"] = [token]
         now = time.perf_counter()
         progress["verify_ms"] = (now - started) * 1e3
         if arrived is not None:
             progress["held_ms"] = (now - arrived) * 1e3
         return progress
+
+    # -- branches ----------------------------------------------------------------------------
+
+    def add_branch(self, payload: dict[str, torch.Tensor]) -> None:
+        """Hold a branch of the live stream, or take it at once if the stream died at its
+        root's position on its root; drop it if it came too late to be of use."""
+        self._set_mode(pipelined=True)
+        if set(payload) - BRANCH_FIELDS:
+            raise BadRequest(f"BRANCH holds {sorted(set(payload) - BRANCH_FIELDS)}")
+        epoch, at = payload.get("epoch"), payload.get("at")
+        for name, value in (("epoch", epoch), ("at", at)):
+            if value is None or value.numel() != 1 or value.dtype != torch.int64:
+                raise BadRequest(f"BRANCH needs an int64 `{name}`")
+        tokens = self._draft_tokens(payload, "BRANCH")
+        if not 1 <= len(tokens) <= MAX_BRANCH_DEPTH:
+            raise BadRequest(f"a branch holds 1..{MAX_BRANCH_DEPTH} tokens, its root included")
+        epoch_, position = int(epoch), self.prompt_len + int(at)  # type: ignore[arg-type]
+        if epoch_ > self.epoch:
+            raise BadRequest(f"BRANCH of epoch {epoch_} before any STREAM of it")
+        stream_end = self.pending_at + len(self.pending)
+        if not self.prompt_len <= position:
+            raise BadRequest(f"BRANCH at token {int(at)}: before the first generated token")  # type: ignore[arg-type]
+        self._check_room(position + len(tokens))
+        if epoch_ < self.epoch:
+            return  # its stream is given up
+        root, rest = tokens[0], tokens[1:]
+        if self._diverged == (epoch_, position, root):
+            self._adopt(rest, position + 1)
+            return
+        if self.dead or position < self.pending_at:
+            return  # the stream died elsewhere, or this position is checked already
+        if position >= stream_end:
+            raise BadRequest(f"BRANCH at token {int(at)}: the stream has not reached it")  # type: ignore[arg-type]
+        if root == self.pending[position - self.pending_at]:
+            return  # the stream's own token there
+        for old in [p for p in self.branches if p < self.pending_at]:
+            del self.branches[old]
+        roots = self.branches.setdefault(position, {})
+        if root not in roots and len(roots) >= MAX_BRANCH_WIDTH:
+            raise BadRequest(f"more than {MAX_BRANCH_WIDTH} branches at token {int(at)}")  # type: ignore[arg-type]
+        roots[root] = rest
+
+    def _stream_died(self, position: int, token: int) -> None:
+        """The epoch's stream went wrong at `position`, where the verifier committed `token`:
+        drop the rest of it, and go on along a branch rooted at `token` there if one is held."""
+        held = self.branches.get(position, {}).get(token)
+        self.dead, self.pending, self._arrived, self.branches = True, [], [], {}
+        self._diverged = (self.epoch, position, token)
+        if held is not None:
+            self._adopt(held, position + 1)
+
+    def _adopt(self, tokens: list[int], at: int) -> None:
+        """Check `tokens` (drafted for positions `at`...) as a branch: those at positions the
+        verifier has committed since are compared with its tokens (a difference: the branch
+        is of no use), the rest are checked as a stream's would be."""
+        self._diverged = None
+        committed = self.decoder.tokens
+        skip = 0
+        while skip < len(tokens) and at + skip < len(committed):
+            if tokens[skip] != committed[at + skip]:
+                return
+            skip += 1
+        self.branch = tokens[skip:]
+        self.branches_taken += 1
+        with self.verifier._lock:
+            self.verifier.branches_taken += 1
+
+    def _branch_checked(
+        self,
+        batch: list[int],
+        at: int,
+        accepted: int,
+        token: int | None,
+        fed: int,
+        started: float,
+    ) -> dict[str, Any]:
+        """Commit what `step` found of a branch's tokens; the PROGRESS that says so. The
+        tokens are the verifier's own to the drafter (`branch` of them checked drafts, then
+        the correction if one was wrong): its stream since may or may not hold them."""
+        if token is None:
+            self.decoder.commit(batch, cache_last=True)
+            del self.branch[: len(batch)]
+            own = list(batch)
+        else:
+            self.decoder.commit([*batch[:accepted], token])
+            self._next_logits = None
+            self.branch = []
+            own = [*batch[:accepted], token]
+        self._catch_up()  # a newer stream's tokens for these positions
+        return {
+            "epoch": self.epoch,
+            "at": at - self.prompt_len,
+            "accepted": 0,
+            "tokens": own,
+            "branch": accepted,
+            "fed": fed,
+            "verify_ms": (time.perf_counter() - started) * 1e3,
+        }

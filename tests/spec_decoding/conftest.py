@@ -76,6 +76,8 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
         pipeline: bool = False,
         draft_top_k: int = 0,
         decode_alone: bool = True,
+        branch_depth: int = 0,
+        branch_width: int = 1,
     ) -> Drafter:
         conn = Connection.connect(*verifier_server.address)
         conns.append(conn)
@@ -89,6 +91,8 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
             pipeline=pipeline,
             draft_top_k=draft_top_k,
             decode_alone=decode_alone,
+            branch_depth=branch_depth,
+            branch_width=branch_width,
         )
 
     yield _make

@@ -314,15 +314,26 @@ def test_unchecked_stream_is_bounded(verifier_server, tokenizer) -> None:
         session.stream({k: v for k, v in stream_payload([4], 1, 0).items() if k != "more"})
 
 
-@pytest.mark.parametrize("draft_top_k", [0, 3], ids=["dense_q", "sparse_q"])
-@pytest.mark.parametrize("pipeline", [False, True], ids=["rounds", "pipelined"])
+@pytest.mark.parametrize(
+    ("pipeline", "branch_depth", "draft_top_k"),
+    [(False, 0, 0), (False, 0, 3), (True, 0, 0), (True, 0, 3), (True, 2, 0)],
+    ids=["rounds-dense_q", "rounds-sparse_q", "pipelined", "pipelined-top_k", "branches"],
+)
 def test_sampling_gives_the_targets_joint_distribution(
-    make_drafter, drafts, target, tokenizer, pipeline: bool, draft_top_k: int
+    make_drafter,
+    drafts,
+    target,
+    tokenizer,
+    verifier_server,
+    pipeline: bool,
+    branch_depth: int,
+    draft_top_k: int,
 ) -> None:
     """End to end, over the wire: the first two tokens of many seeded generations follow the
     target's own p(x1) p(x2 | x1), though the draft's law is far from it. (Two tokens also
     make rounds send an empty draft when one token is left.) With `draft_top_k` the drafter
-    samples from, and sends, a q of 3 tokens: the target's law must not change."""
+    samples from, and sends, a q of 3 tokens: the target's law must not change. With
+    branches (the draft's next-best first token and its guess after it), neither."""
     from scipy.stats import chisquare
 
     # a random-init target is nearly flat (logit std 0.15): a low temperature gives it peaks
@@ -353,6 +364,8 @@ def test_sampling_gives_the_targets_joint_distribution(
         temperature=temperature,
         pipeline=pipeline,
         draft_top_k=draft_top_k,
+        branch_depth=branch_depth,
+        branch_width=2,
     )
     counts = dict.fromkeys(bins, 0)
     other, q_bytes, drafted = 0, 0, 0
@@ -367,6 +380,8 @@ def test_sampling_gives_the_targets_joint_distribution(
             other += 1
     observed = [*counts.values(), other]
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
+    if branch_depth:  # the verifier did go on along branches, often
+        assert verifier_server.verifier.branches_taken > runs // 20
     # rounds: the support travelled: with draft_top_k at most 3 entries (a weight takes at
     # most 3 bytes, a gap 2 in this vocabulary) and a row count; without, far more of the
     # vocabulary. Pipelined: no q at all (the drafter guesses the verifier's own draw)
