@@ -59,6 +59,9 @@ class CheckStats:
     """Round trip of the last token checked, less the time it waited at the verifier; None
     when the verdict arrived while the drafter was busy drafting (its arrival time unknown)."""
     window: int
+    root_hit: bool | None = None
+    """A token of ours found wrong where we held branch roots: whether one was the
+    verifier's token (None: no wrong token with roots)."""
 
 
 @dataclass
@@ -81,6 +84,8 @@ class Generation:
     """Pipelined: branches drafted and sent, and the drafter's seconds spent on them."""
     branch_tokens: int = 0
     """Pipelined: drafted tokens the verifier accepted along a branch."""
+    branch_depth: int = 0
+    """Pipelined: the depth of its branches at the end (0: none)."""
     draft_s: float = 0.0
     """Pipelined: tokens drafted (kept or not) and the drafter's seconds spent on them."""
     sent_bytes: int = 0
@@ -161,10 +166,7 @@ class Drafter:
         self.decode_alone = decode_alone
         self.branch_depth = branch_depth if pipeline else 0
         self.branch_width = branch_width
-        self._rejections = 0
-        self._root_hits = [0] * branch_width
-        """Wrong tokens in flight, and how often the verifier's token there was our 2nd,
-        3rd, ... likeliest: the chance that a branch's root is hit, per rank."""
+        gamma.branch_depth = self.branch_depth
         gamma.pipelined = pipeline  # the window model or the rounds model picks gamma
         gamma.alone = pipeline and decode_alone
         self.conn = conn
@@ -341,7 +343,7 @@ class Drafter:
                 and len(flight.confirmed) + len(flight.inflight) < max_new_tokens
                 and not (flight.inflight and flight.inflight[-1] == self.eos_token_id)
             )
-            branch = self._branch_choice(flight, may_draft) if self.branch_depth else None
+            branch = self._branch_choice(flight) if self.branch_depth else None
             if branch is not None and not self.conn.readable():
                 branch_started = time.perf_counter()
                 result.sent_bytes += self._send_branch(
@@ -410,6 +412,7 @@ class Drafter:
             result.drafted += 1
             result.draft_s += step_s
             self.gamma.observe_draft(step_s)
+        result.branch_depth = self.gamma.branch_plan() if self.branch_depth else 0
         if self.eos_token_id is not None and self.eos_token_id in flight.confirmed:
             del flight.confirmed[flight.confirmed.index(self.eos_token_id) + 1 :]
         return result
@@ -440,30 +443,15 @@ class Drafter:
             picks[0] = token  # (the same argmax: coupled_token is this draw)
         return picks[0], picks[1:]
 
-    def _branch_choice(self, flight: _Flight, may_draft: bool) -> tuple[int, int] | None:
-        """Where to branch next, and how deep; None: draft on, or wait.
-
-        With a fixed gamma every drafted token is branched right after it is sent (its
-        branches then reach the verifier close behind it). With `auto`, the position in flight
-        whose next branch adds the most expected tokens (gamma.BranchPlan), if that beats
-        drafting on (or we would wait anyway)."""
-        plan = self.gamma.branch_plan(self.branch_depth)
-        if plan.depth < 2:  # a branch of its root alone: the verifier's own token, no gain
+    def _branch_choice(self, flight: _Flight) -> tuple[int, int] | None:
+        """The newest token in flight, if it has a next-best token not branched yet, and the
+        depth to branch it to (gamma.branch_plan); None: no branch now. A token is branched
+        as soon as it is sent, so its branches reach the verifier close behind it."""
+        depth = self.gamma.branch_plan()
+        newest = len(flight.inflight) - 1
+        if depth < 2 or newest < 0 or not flight.alternatives[newest]:
             return None
-        if self.gamma.fixed is not None:
-            newest = len(flight.inflight) - 1
-            return (newest, plan.depth) if newest >= 0 and flight.alternatives[newest] else None
-        best, value = None, plan.draft_value(len(flight.inflight)) if may_draft else 0.0
-        for index, (others, left) in enumerate(
-            zip(flight.others, flight.alternatives, strict=True)
-        ):
-            if left:
-                rank = len(others) - len(left)
-                hit = (self._root_hits[rank] + 1) / (self._rejections + 2 * (rank + 1))
-                gain = plan.branch_value(index, hit)
-                if gain > value:
-                    best, value = index, gain
-        return None if best is None else (best, plan.depth)
+        return newest, depth
 
     def _send_branch(
         self,
@@ -552,9 +540,8 @@ class Drafter:
         wrong = accepted + matched  # (where a token in flight was found wrong)
         others = flight.others[wrong] if stats.rejected and wrong < len(flight.others) else []
         if others:  # how often a branch's root would have been the verifier's token
-            self._rejections += 1
-            if own[matched] in others:
-                self._root_hits[others.index(own[matched])] += 1
+            stats.root_hit = own[matched] in others
+            self.gamma.observe_root(stats.root_hit)
         if stats.accepted or stats.rejected:
             self.gamma.observe_checks(accepted=stats.accepted, rejected=stats.rejected)
         if stats.fed:

@@ -59,29 +59,6 @@ class CostModel:
         return max(range(1, max_gamma + 1), key=self.tokens_per_second)
 
 
-@dataclass
-class BranchPlan:
-    """How the drafter weighs a branch against drafting on (spec.branch_depth)."""
-
-    alpha: float
-    depth: int
-    """Tokens per branch, its root included: past those the verifier decodes alone until the
-    drafter's next stream reaches it, the branch's tokens are no faster than those."""
-
-    def draft_value(self, in_flight: int) -> float:
-        """Expected tokens the next drafted token adds: the chance that it is taken, after the
-        `in_flight` ones before it."""
-        return self.alpha ** (in_flight + 1)
-
-    def branch_value(self, index: int, hit: float) -> float:
-        """Expected tokens a branch at the `index`-th token in flight adds: the stream gets
-        that far and is wrong there, the branch's root is the verifier's token (chance `hit`),
-        then as many of its tokens as are right, each one the verifier would have decoded
-        alone."""
-        run_on = sum(self.alpha**k for k in range(1, self.depth))
-        return self.alpha**index * (1 - self.alpha) * hit * run_on
-
-
 def fit_verify_costs(forwards: Iterable[tuple[int, float]]) -> tuple[float, float]:
     """(base, per-token) seconds of a forward pass, fitted to (tokens fed, seconds) pairs;
     with only one size seen, its mean time and no per-token cost. Neither is negative."""
@@ -107,6 +84,10 @@ class PipelineModel:
     alone: bool = False
     """The verifier decodes by itself when it holds no draft (`spec.decode_alone`): the rate
     then comes from `simulate_pipeline`."""
+    branch_depth: int = 0
+    """Tokens per branch, its root included (0 or 1: no branches; simulated only)."""
+    branch_hit: float = 0.0
+    """The chance that, where a drafted token is wrong, a branch's root is the verifier's."""
 
     @property
     def horizon(self) -> int:
@@ -163,9 +144,10 @@ class PipelineModel:
     def tokens_per_second(self, window: int) -> float:
         """Expected tokens per second: E[tokens per epoch] / E[seconds per epoch] (with
         `alone`, the mean of two simulated generations of 300 tokens)."""
-        if self.alone:
+        if self.alone or self.branch_depth > 1:
             return statistics.mean(
-                simulate_pipeline(self, window, alone=True, tokens=300, seed=s) for s in range(2)
+                simulate_pipeline(self, window, alone=self.alone, tokens=300, seed=s)
+                for s in range(2)
             )
         detect = self.detection_times(window)
         tokens = seconds = 0.0
@@ -230,8 +212,11 @@ class GammaController:
         self._since_choice = 0
         self._chosen_at = 0.0
         self._choice: int | None = None
-        self._plan: BranchPlan | None = None
+        self._depth: int | None = None
         self._since_plan = 0
+        self.branch_depth = 0
+        """spec.branch_depth (set by a pipelined Drafter that branches; 0: no branches)."""
+        self._roots = [0, 0]  # wrong tokens in flight with branch roots, and roots hit
 
     def next_gamma(self) -> int:
         """Rounds: the next draft's length. Pipelined: the window."""
@@ -242,7 +227,8 @@ class GammaController:
         if not self.pipelined:
             return self.model().best_gamma(self.max_gamma)
         now = time.monotonic()
-        slower = 4 if self.alone else 1  # a simulated choice costs ~20-30 ms, not ~1 ms
+        simulated = self.alone or self.branch_depth > 1
+        slower = 4 if simulated else 1  # a simulated choice costs ~20-30 ms, not ~1 ms
         if (
             self._choice is None
             or self._since_choice >= self._refresh_every * slower
@@ -252,22 +238,27 @@ class GammaController:
             self._since_choice, self._chosen_at = 0, now
         return self._choice
 
-    def branch_plan(self, max_depth: int) -> BranchPlan:
-        """The branch depth and the acceptance rate that weigh branches against drafting on,
-        redone as the window is (a model costs ~0.1 ms, a draft step ~0.5). `max_depth`:
-        spec.branch_depth, taken as it is with a fixed gamma; with `auto`, no deeper than the
-        tokens the verifier would decode alone until the drafter's next stream reaches it."""
-        if self._plan is None or self._since_plan >= self._refresh_every:
-            costs = self.model()
-            step = costs.verify_base_s + costs.verify_per_token_s
-            # tokens the verifier decodes alone after a wrong token before the drafter's next
-            # draft reaches it: the first forward after it (the correction's) overlaps a round
-            # trip and a draft step, the rest of those are forwards of their own
-            alone = math.ceil((costs.rtt_s + costs.draft_s) / step) - 1 if step > 0 else 0
-            depth = max_depth if self.fixed is not None else min(max_depth, 1 + max(0, alone))
-            self._plan = BranchPlan(alpha=costs.alpha, depth=depth)
+    def branch_plan(self) -> int:
+        """Tokens per branch, root included, for the drafter's next branches (0: none).
+
+        A fixed gamma takes spec.branch_depth as it is. `auto` simulates the pipeline at the
+        current window for each depth up to it, with the measured chance that a wrong token's
+        branch roots hold the verifier's, and keeps the fastest (none where no depth beats
+        it by 2%: a branch costs the drafter a step per token). Redone as the window is."""
+        if self.branch_depth < 2:
+            return 0
+        if self.fixed is not None:
+            return self.branch_depth
+        if not self._verify or not self._rtt:
+            return 0  # nothing measured yet
+        if self._depth is None or self._since_plan >= self._refresh_every * 4:
+            window = self.next_gamma()
+            depths = {0, *range(2, min(self.branch_depth, 4) + 1), self.branch_depth}
+            rates = {d: self.pipeline_model(depth=d).tokens_per_second(window) for d in depths}
+            best = max(rates.values())
+            self._depth = min(d for d, rate in rates.items() if rate >= best / 1.02)
             self._since_plan = 0
-        return self._plan
+        return self._depth
 
     def new_text(self, weight: float = 8.0) -> None:
         """A new prompt is new text: its acceptance starts from the run's long-run rate, worth
@@ -302,6 +293,16 @@ class GammaController:
         self._since_choice += 1
         self._since_plan += 1
 
+    def observe_root(self, hit: bool) -> None:
+        """A drafted token with branch roots was wrong: whether the verifier's token was one."""
+        self._roots[0] += 1
+        self._roots[1] += int(hit)
+
+    @property
+    def branch_hit(self) -> float:
+        """The chance a wrong token's branch roots hold the verifier's (Laplace's rule)."""
+        return (self._roots[1] + 1) / (self._roots[0] + 2)
+
     def observe_draft(self, step_s: float) -> None:
         self._draft.append(step_s)
 
@@ -326,8 +327,12 @@ class GammaController:
             rtt_s=rtt,
         )
 
-    def pipeline_model(self) -> PipelineModel:
+    def pipeline_model(self, *, depth: int | None = None) -> PipelineModel:
+        """The pipeline's model from the running estimates; `depth`: of its branches (None:
+        the depth in use)."""
         costs = self.model()
+        if depth is None:
+            depth = (self._depth or 0) if self.fixed is None else self.branch_plan()
         return PipelineModel(
             alpha=costs.alpha,
             draft_s=costs.draft_s,
@@ -335,6 +340,8 @@ class GammaController:
             verify_per_token_s=costs.verify_per_token_s,
             one_way_s=costs.rtt_s / 2,
             alone=self.alone,
+            branch_depth=depth,
+            branch_hit=self.branch_hit,
         )
 
 
@@ -356,11 +363,21 @@ def simulate_pipeline(
     a forward pass of one token, at most 5 ms); its tokens reach the drafter one way later,
     which compares them with its drafts.
     Each position's draft is right with probability `alpha`, drawn once per position (a
-    greedy draft guesses a position alike whenever its prefix is right)."""
+    greedy draft guesses a position alike whenever its prefix is right).
+    Branches (`model.branch_depth` > 1): each drafted token is branched as soon as it is sent,
+    which costs the drafter a draft step per branch token (its root is free, the stream's
+    tokens fed again cost one), and the branch reaches the verifier one way later; where the
+    stream dies at a position whose branch is rooted at the verifier's token (chance
+    `branch_hit`), the verifier checks the branch's other tokens in its next forward, once the
+    branch is there."""
     h, d = model.one_way_s, model.draft_s
     if patience_s is None:
         patience_s = min(model._verify_s(1) / 2, 0.005)
-    right = np.random.default_rng(seed).random(tokens + 1) < model.alpha
+    rng = np.random.default_rng(seed)
+    right = rng.random(tokens + 1) < model.alpha
+    hit = rng.random(tokens + 1) < model.branch_hit
+    depth = model.branch_depth if model.branch_depth > 1 else 0
+    sent_branches: dict[tuple[int, int], float] = {}  # (epoch, place) -> arrival
     # the drafter: its clock, what it knows is committed, its unconfirmed drafts, its stream
     t_d, confirmed, inflight, d_epoch = h + d / 2, 0, 0, 0
     drafts: deque[tuple[float, int, int, bool]] = deque()  # (arrival, epoch, place, more)
@@ -372,16 +389,27 @@ def simulate_pipeline(
         nonlocal t_d, confirmed, inflight, d_epoch
         if news and news[0][0] <= t_d:
             _, accepted, kind = news.popleft()
-            confirmed, inflight = confirmed + accepted, inflight - accepted
-            if kind == "own" and inflight and right[confirmed]:
-                confirmed, inflight = confirmed + 1, inflight - 1  # its draft was the token
-            elif kind:
-                confirmed, inflight, d_epoch = confirmed + 1, 0, d_epoch + 1
+            if kind == "branch" or kind == "branch fix":  # the verifier's own tokens
+                held = min(inflight, accepted)  # ours where we had drafted them
+                confirmed += accepted + (kind == "branch fix")
+                inflight -= held
+                if held < accepted or kind == "branch fix":
+                    inflight, d_epoch = 0, d_epoch + 1
+            else:
+                confirmed, inflight = confirmed + accepted, inflight - accepted
+                if kind == "own" and inflight and right[confirmed]:
+                    confirmed, inflight = confirmed + 1, inflight - 1  # its draft was the token
+                elif kind:
+                    confirmed, inflight, d_epoch = confirmed + 1, 0, d_epoch + 1
         elif inflight < window and confirmed + inflight < tokens:
             t_d += d
-            more = inflight + 1 < window and confirmed + inflight + 1 < tokens
-            drafts.append((t_d + h, d_epoch, confirmed + inflight, more))
+            place = confirmed + inflight
+            more = inflight + 1 < window and place + 1 < tokens
+            drafts.append((t_d + h, d_epoch, place, more))
             inflight += 1
+            if depth:  # its branch, drafted as soon as it is sent
+                t_d += depth * d
+                sent_branches[(d_epoch, place)] = t_d + h
         elif news:
             t_d = max(t_d, news[0][0])
         else:  # waits for the verifier's word, which it has not sent yet
@@ -395,6 +423,13 @@ def simulate_pipeline(
 
     t_v, committed, held, epoch, dead, coming = 0.0, 0, True, -1, False, True
     pending: list[int] = []
+    branch: list[int] = []  # a branch's places being checked
+    died: tuple[int, int] | None = None  # (epoch, place) where the stream died on a hit root
+
+    def stream_died(place: int) -> None:
+        nonlocal died
+        died = (epoch, place) if depth and hit[place] else None
+
     while committed < tokens:
         while t_d <= t_v:
             drafter_step()
@@ -404,12 +439,37 @@ def simulate_pipeline(
                 continue
             coming = more
             if e > epoch:
-                epoch, dead, pending = e, False, []
+                epoch, dead, pending, died = e, False, [], None
             if at < committed:  # compared with a token the verifier decided alone
-                dead = dead or not right[at]
-                pending = [] if dead else pending
+                if not right[at] and not dead:
+                    dead, pending = True, []
+                    stream_died(at)
             elif not dead:
                 pending.append(at)
+        if died is not None and sent_branches.get(died, math.inf) <= t_v:  # taken
+            start = died[1] + 1
+            places = list(range(start, min(start + depth - 1, tokens)))
+            agree = [p for p in places if p < committed]
+            if all(right[p] for p in agree):
+                branch = [p for p in places if p >= committed]
+            died = None
+        if branch:  # checked first, as pending drafts would be
+            accepted = 0
+            if held and not right[branch[0]]:
+                wrong = True
+            else:
+                t_v += model._verify_s(len(branch) + (0 if held else 1))
+                while accepted < len(branch) and right[branch[accepted]]:
+                    accepted += 1
+                wrong = accepted < len(branch)
+            committed += accepted + int(wrong)
+            tell(t_v + h, accepted, "branch fix" if wrong else "branch")
+            held, branch = not wrong, []
+            if pending:  # a newer stream's drafts for what the branch committed
+                if not all(right[p] for p in pending if p < committed):
+                    dead, pending = True, []
+                pending = [p for p in pending if p >= committed]
+            continue
         if pending:
             accepted, wrong = 0, False
             if held and not right[pending[0]]:
@@ -421,6 +481,8 @@ def simulate_pipeline(
                 wrong = accepted < len(pending)
             committed += accepted + int(wrong)
             tell(t_v + h, accepted, "fix" if wrong else "")
+            if wrong:
+                stream_died(pending[accepted])
             held, pending, dead = not wrong, [], dead or wrong
             continue
         if not held:
@@ -428,6 +490,8 @@ def simulate_pipeline(
             held = True
             continue
         next_draft = drafts[0][0] if drafts else math.inf
+        if died is not None:  # a branch on its way is worth waiting for as a draft is
+            next_draft = min(next_draft, sent_branches.get(died, math.inf))
         if alone and next_draft > t_v + (patience_s if coming and not dead else 0.0):
             committed, held = committed + 1, False
             tell(t_v + h, 0, "own")
@@ -436,5 +500,5 @@ def simulate_pipeline(
             drafter_step()
         if not drafts:
             raise RuntimeError("the simulated verifier and drafter wait for each other")
-        t_v = max(t_v, drafts[0][0])
+        t_v = max(t_v, min(drafts[0][0], next_draft))
     return committed / t_v if t_v > 0 else 0.0

@@ -142,6 +142,7 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
     opens = [g.open_rtt_s for g in generations if g.open_rtt_s is not None]
     rtt_s = statistics.median(rtts or opens or [0.0])
     window = round(statistics.median(c.window for c in checks))
+    roots = [c.root_hit for c in checks if c.root_hit is not None]
     model = PipelineModel(
         alpha=min(accepted / checked, 0.999) if checked else 0.0,
         draft_s=draft_s,
@@ -149,6 +150,8 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         verify_per_token_s=slope,
         one_way_s=rtt_s / 2,
         alone=any(g.decode_alone for g in generations),
+        branch_depth=max(g.branch_depth for g in generations),
+        branch_hit=(sum(roots) + 1) / (len(roots) + 2),
     )
     # the model's steady rate for the tokens, plus each session's set-up and end: the prompt's
     # way to the verifier and its time on OPEN (or the drafter's own prefill, the longer), and
@@ -169,6 +172,7 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         "alone_share": sum(g.alone for g in generations) / max(1, tokens),
         "branch_share": sum(g.branch_tokens for g in generations) / max(1, tokens),
         "branches_per_token": sum(g.branches for g in generations) / max(1, tokens),
+        "branch_root_hit": sum(roots) / len(roots) if roots else 0.0,
         "drafted_per_token": drafted / max(1, tokens),
         # the pipeline model's costs, as fitted here (a forward of n tokens: base + n * slope)
         "verify_base_ms": base * 1e3,

@@ -142,8 +142,9 @@ def test_branches_at_a_position_are_bounded(verifier, tokenizer) -> None:
     assert sum(len(roots) for roots in session.branches.values()) == 4
 
 
-def test_a_bad_branch_closes_that_session_only(verifier_server, tokenizer) -> None:
+def test_a_bad_branch_closes_that_session_only(verifier_server, target, tokenizer) -> None:
     address = verifier_server.address
+    (right,) = greedy_continuation(target, [1, 2, 3], 1)  # (the stream stays live)
     with Connection.connect(*address) as bad, pytest.raises(RemoteError, match="BRANCH before"):
         bad.send(SpecMsg.BRANCH, branch_payload([4], epoch=0, at=0))
         bad.recv(expect={SpecMsg.PROGRESS}, timeout_s=10)
@@ -153,7 +154,7 @@ def test_a_bad_branch_closes_that_session_only(verifier_server, tokenizer) -> No
             conn.send_msg(SpecMsg.OPEN, body)
             conn.recv_msg(SpecMsg.OPENED)
         with pytest.raises(RemoteError, match="the stream has not reached it"):
-            bad.send(SpecMsg.STREAM, stream_payload([4], epoch=0, at=0))
+            bad.send(SpecMsg.STREAM, stream_payload([right], epoch=0, at=0))
             bad.send(SpecMsg.BRANCH, branch_payload([5, 6], epoch=0, at=3))
             for _ in range(4):
                 bad.recv(expect={SpecMsg.PROGRESS}, timeout_s=10)

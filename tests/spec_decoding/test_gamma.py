@@ -122,3 +122,54 @@ def test_a_verifier_that_decodes_alone_is_never_slower_than_the_target_alone(
     assert model.tokens_per_second(32) >= 0.98 * waiting  # never worse than waiting
     if one_way_ms >= 10 and alpha <= 0.5:  # where waiting costs the most, it pays most
         assert model.tokens_per_second(32) > 1.5 * waiting
+
+
+def bench_like(one_way_s: float, **branches) -> PipelineModel:
+    """The realistic pair's measured costs on the 2-core bench machine (c = 0.06)."""
+    return PipelineModel(
+        alpha=0.71,
+        draft_s=6e-4,
+        verify_base_s=9.7e-3,
+        verify_per_token_s=9e-4,
+        one_way_s=one_way_s,
+        alone=True,
+        **branches,
+    )
+
+
+@pytest.mark.parametrize("one_way_s", [3e-4, 11e-3])
+def test_branches_pay_in_the_model_only_where_their_roots_are_hit(one_way_s: float) -> None:
+    """A branch spares the verifier a forward (loopback: the correction's own) or a round
+    trip alone (10 ms) only when its root is the verifier's token; roots never hit leave
+    the drafter's extra steps and nothing gained."""
+
+    def rate(model: PipelineModel) -> float:  # at the window `auto` would choose
+        return model.tokens_per_second(model.best_window(32))
+
+    plain = rate(bench_like(one_way_s))
+    hit = rate(bench_like(one_way_s, branch_depth=3, branch_hit=0.9))
+    missed = rate(bench_like(one_way_s, branch_depth=3, branch_hit=0.0))
+    assert hit > 1.08 * plain
+    assert missed == pytest.approx(plain, rel=0.06)
+
+
+def test_auto_branches_only_where_the_model_says_they_pay() -> None:
+    def controller(hit: bool, rtt_s: float) -> GammaController:
+        gamma = GammaController(fixed=None, max_gamma=32, pipelined=True, alone=True)
+        gamma.branch_depth = 4
+        for i in range(32):
+            gamma.observe_checks(accepted=2, rejected=True)
+            gamma.observe_draft(6e-4)
+            gamma.observe_verify(1 + i % 4, 9.7e-3 + 9e-4 * (i % 4))
+            gamma.observe_rtt(rtt_s)
+            gamma.observe_root(hit)
+        return gamma
+
+    assert controller(hit=False, rtt_s=0.022).branch_plan() == 0
+    assert controller(hit=True, rtt_s=0.022).branch_plan() >= 2
+    assert controller(hit=True, rtt_s=6e-4).branch_plan() >= 2
+    fixed = GammaController(fixed=6, max_gamma=32, pipelined=True)
+    fixed.branch_depth = 3
+    assert fixed.branch_plan() == 3  # a fixed setting is taken as it is
+    fixed.branch_depth = 0
+    assert fixed.branch_plan() == 0
