@@ -14,7 +14,8 @@ each, KV cache, one token), on this machine. On the same held-out prompts, in on
      pipelined, `gamma=auto`, with the speedup the cost model predicts (from the run's own
      measurements, against the one-thread target the verifier runs);
   4. realistic pair: pipelined at 0, 2, 10 and 50 ms one-way (the link emulator in its own
-     process), fixed windows next to `auto`, and rounds;
+     process), `auto` alternated with `auto` plus branches (depth <= 4, chosen by the model),
+     fixed windows next to `auto`, and rounds;
   5. realistic pair, sampling (temperature 0.8, top-p 0.95): target-only sampling vs ours, with
      the bytes each drafted token's q costs against a dense q row;
   6. the q bytes per drafted token of a 32k-vocabulary random-init draft at the same settings,
@@ -173,6 +174,7 @@ def ours(
         "accepted_per_rtt": accepted / (seconds / max(metrics["rtt_ms"] / 1e3, 1e-9)),
         "alone_share": metrics.get("alone_share", 0.0),
         "branch_share": metrics.get("branch_share", 0.0),
+        "branch_root_hit": metrics.get("branch_root_hit", 0.0),
     }
     if baselines:
         row["predicted_speedup"] = metrics["predicted_speedup"]
@@ -366,7 +368,8 @@ def bench_pair(
             with emulator as link:
                 run = (link.address if link else address, draft, tokenizer, prompts, max_new)
                 # the headline: three runs alternated with target-only (both thread counts)
-                ratios = []
+                # and with the same settings plus branches (`auto` picks their depth, <= 4)
+                ratios, branched = [], []
                 for repeat in range(REPEATS):
                     _, alone_1, _ = hf_generate(model, prompts, max_new, tokenizer)
                     with threads(2):
@@ -377,10 +380,17 @@ def bench_pair(
                     result = ours(*run, None, pipeline=True, baselines=baselines)
                     record(label, result, reference)
                     ratios.append(rows[label]["tokens_per_s"] * min(alone_1, alone_2) / tokens)
+                    label = f"ours, {delay} ms, branches" + (
+                        f" (run {repeat + 1})" if repeat else ""
+                    )
+                    result = ours(*run, None, pipeline=True, baselines=baselines, branch_depth=4)
+                    record(label, result, reference)
+                    branched.append(rows[label]["tokens_per_s"] * min(alone_1, alone_2) / tokens)
                 rows[f"ours, {delay} ms, pipelined, gamma=auto"]["speedup_median"] = (
                     statistics.median(ratios)
                 )
                 rows[f"ours, {delay} ms, pipelined, gamma=auto"]["speedups"] = ratios
+                rows[f"ours, {delay} ms, branches"]["speedup_median"] = statistics.median(branched)
                 for gamma in gammas:
                     label = f"ours, {delay} ms, pipelined, gamma={gamma}"
                     record(label, ours(*run, gamma, pipeline=True), reference)
@@ -449,6 +459,9 @@ def bench_pair(
             "accepted_per_rtt": row["accepted_per_rtt"],
             "sent_bytes_per_token": row["sent_bytes_per_token"],
             "alone_share": row["alone_share"],
+            "branches_speedup": rows[f"ours, {delay} ms, branches"]["speedup_median"],
+            "branch_share": rows[f"ours, {delay} ms, branches"]["branch_share"],
+            "branch_root_hit": rows[f"ours, {delay} ms, branches"]["branch_root_hit"],
             "measured_over_predicted": row.get("measured_over_predicted"),
             "vs_waiting": row["tokens_per_s"]
             / rows[f"ours, {delay} ms, pipelined, verifier waits, auto"]["tokens_per_s"],
@@ -603,7 +616,9 @@ def main() -> None:
                 + "/".join(f"{x:.2f}" for x in d["speedups"])
                 + f"), acceptance {d['acceptance']:.2f}, {d['accepted_per_rtt']:.1f} tokens "
                 f"accepted per round trip, {d['sent_bytes_per_token']:.0f} bytes sent per token, "
-                f"{d['alone_share']:.2f} of tokens decoded by the verifier alone, "
+                f"{d['alone_share']:.2f} of tokens decoded by the verifier alone; with "
+                f"branches {d['branches_speedup']:.2f}x ({d['branch_share']:.2f} of tokens "
+                f"along them, roots hit at {d['branch_root_hit']:.2f} of wrong tokens), "
                 f"{d['vs_waiting']:.2f}x a verifier that waits; measured / predicted "
                 f"{predicted if predicted is None else f'{predicted:.2f}'}"
             )

@@ -29,11 +29,13 @@ class SpecConfig:
     link never leaves the target idle; drafts that arrive for positions it has decoded are
     compared with its tokens. False: it waits for the drafter (as good or better for a draft
     that costs a third of its target or more on a near link: docs/spec_decoding.md)."""
-    branch_depth: int = 4
-    """Pipelined: while it waits for the verifier, the drafter drafts branches at positions
-    in flight: each roots at one of its next-best tokens there and runs on for this many tokens
-    in all (0: no branches). When the verifier's token at a position is a branch's root, it
-    checks on along that branch without waiting a round trip for the drafter."""
+    branch_depth: int = 0
+    """Pipelined: after each drafted token, the drafter drafts branches rooted at its
+    next-best tokens there, this many tokens each (0: no branches); where the verifier's token
+    is a branch's root, it checks on along that branch without waiting a round trip for the
+    drafter. With `gamma=auto`, the most: the pipeline model picks the depth (0 where branches
+    do not pay). Off by default: on the 2-core bench machine they did not pay
+    (docs/spec_decoding.md)."""
     branch_width: int = 1
     """Pipelined: branches at each drafted position (its 2nd, 3rd, ... likeliest tokens)."""
     temperature: float = 0.0

@@ -84,6 +84,12 @@ class PipelineModel:
     alone: bool = False
     """The verifier decodes by itself when it holds no draft (`spec.decode_alone`): the rate
     then comes from `simulate_pipeline`."""
+    alpha_after_wrong: float | None = None
+    """The chance a drafted token is right just after one that was wrong (None: the same as
+    any, `alpha`). Wrong guesses cluster (hard stretches of text): the bench pair's greedy
+    guesses are right 0.58 of the time after a wrong one, 0.79 after a right one, 0.73 in
+    all, and that leaves longer runs to stream through than independent guesses would
+    (+8% simulated at 0 and 10 ms one-way). Simulated only."""
     branch_depth: int = 0
     """Tokens per branch, its root included (0 or 1: no branches; simulated only)."""
     branch_hit: float = 0.0
@@ -217,6 +223,8 @@ class GammaController:
         self.branch_depth = 0
         """spec.branch_depth (set by a pipelined Drafter that branches; 0: no branches)."""
         self._roots = [0, 0]  # wrong tokens in flight with branch roots, and roots hit
+        self._after_wrong: deque[bool] = deque(maxlen=window)  # guesses right after a wrong
+        self._last_right = True
 
     def next_gamma(self) -> int:
         """Rounds: the next draft's length. Pipelined: the window."""
@@ -292,6 +300,10 @@ class GammaController:
         self._total_trials += trials
         self._since_choice += 1
         self._since_plan += 1
+        if trials and not self._last_right:  # the first guess checked after a wrong one
+            self._after_wrong.append(accepted > 0)
+        if trials:  # (a check's guesses: `accepted` right ones, then a wrong one if rejected)
+            self._last_right = not rejected
 
     def observe_root(self, hit: bool) -> None:
         """A drafted token with branch roots was wrong: whether the verifier's token was one."""
@@ -333,8 +345,10 @@ class GammaController:
         costs = self.model()
         if depth is None:
             depth = (self._depth or 0) if self.fixed is None else self.branch_plan()
+        after_wrong = (sum(self._after_wrong) + 1) / (len(self._after_wrong) + 2)
         return PipelineModel(
             alpha=costs.alpha,
+            alpha_after_wrong=min(after_wrong, 0.999) if self._after_wrong else None,
             draft_s=costs.draft_s,
             verify_base_s=costs.verify_base_s,
             verify_per_token_s=costs.verify_per_token_s,
@@ -343,6 +357,21 @@ class GammaController:
             branch_depth=depth,
             branch_hit=self.branch_hit,
         )
+
+
+def _guesses(model: PipelineModel, uniform: np.ndarray) -> np.ndarray:
+    """Which positions' guesses are right: independent with chance `alpha`, or a two-state
+    chain with `alpha_after_wrong` after a wrong one and, after a right one, what keeps the
+    long-run rate at `alpha` (so both read the same mean acceptance)."""
+    a, after_wrong = model.alpha, model.alpha_after_wrong
+    if after_wrong is None or not 0 < a < 1:
+        return uniform < a
+    after_right = min(1.0, max(0.0, 1 - after_wrong * (1 - a) / a))
+    right = np.empty(len(uniform), dtype=bool)
+    previous = True
+    for i, u in enumerate(uniform):
+        previous = right[i] = u < (after_right if previous else after_wrong)
+    return right
 
 
 def simulate_pipeline(
@@ -374,7 +403,7 @@ def simulate_pipeline(
     if patience_s is None:
         patience_s = min(model._verify_s(1) / 2, 0.005)
     rng = np.random.default_rng(seed)
-    right = rng.random(tokens + 1) < model.alpha
+    right = _guesses(model, rng.random(tokens + 1))
     hit = rng.random(tokens + 1) < model.branch_hit
     depth = model.branch_depth if model.branch_depth > 1 else 0
     sent_branches: dict[tuple[int, int], float] = {}  # (epoch, place) -> arrival

@@ -23,7 +23,7 @@ from lab.models import load_model, load_tokenizer, resolve_source
 from lab.tracking import Tracker
 from netproto import ConnectionClosed, NetTimeout
 from spec_decoding.config import SpecDecodingRunConfig
-from spec_decoding.drafter import Drafter, Generation, VerifierLostError
+from spec_decoding.drafter import CheckStats, Drafter, Generation, VerifierLostError
 from spec_decoding.gamma import (
     GammaController,
     PipelineModel,
@@ -143,8 +143,10 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
     rtt_s = statistics.median(rtts or opens or [0.0])
     window = round(statistics.median(c.window for c in checks))
     roots = [c.root_hit for c in checks if c.root_hit is not None]
+    after_wrong = _after_wrong(checks)
     model = PipelineModel(
         alpha=min(accepted / checked, 0.999) if checked else 0.0,
+        alpha_after_wrong=after_wrong,
         draft_s=draft_s,
         verify_base_s=base,
         verify_per_token_s=slope,
@@ -178,7 +180,22 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         "verify_base_ms": base * 1e3,
         "verify_per_token_ms": slope * 1e3,
     }
+    if after_wrong is not None:
+        metrics["acceptance_after_wrong"] = after_wrong
     return metrics, tokens / predicted_s
+
+
+def _after_wrong(checks: list[CheckStats]) -> float | None:
+    """Of the guesses checked right after a wrong one (in each generation's order), the share
+    that were right; None without such guesses."""
+    after, right, last_right = 0, 0, True
+    for check in checks:
+        trials = check.accepted + int(check.rejected)
+        if trials and not last_right:
+            after, right = after + 1, right + int(check.accepted > 0)
+        if trials:
+            last_right = not check.rejected
+    return min(right / after, 0.999) if after else None
 
 
 def run_drafter(

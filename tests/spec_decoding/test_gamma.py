@@ -173,3 +173,27 @@ def test_auto_branches_only_where_the_model_says_they_pay() -> None:
     assert fixed.branch_plan() == 3  # a fixed setting is taken as it is
     fixed.branch_depth = 0
     assert fixed.branch_plan() == 0
+
+
+def test_clustered_wrong_guesses_keep_the_rate_and_lengthen_the_runs() -> None:
+    """With `alpha_after_wrong`, the simulated guesses are right at `alpha` in the long run
+    and at `alpha_after_wrong` just after a wrong one; the runs of right guesses are longer,
+    and a pipeline streams through more of them at once."""
+    from spec_decoding.gamma import _guesses
+
+    model = bench_like(11e-3, alpha_after_wrong=0.55)
+    right = _guesses(model, np.random.default_rng(0).random(200_000))
+    after = right[1:][~right[:-1]]
+    assert right.mean() == pytest.approx(0.71, abs=0.01)
+    assert after.mean() == pytest.approx(0.55, abs=0.01)
+    independent = bench_like(11e-3)
+    assert model.tokens_per_second(24) > 1.03 * independent.tokens_per_second(24)
+
+
+def test_the_controller_measures_the_chance_after_a_wrong_guess() -> None:
+    gamma = GammaController(fixed=None, max_gamma=32, pipelined=True, alone=True)
+    for _ in range(30):  # each check: two right then a wrong one, then one wrong alone
+        gamma.observe_checks(accepted=2, rejected=True)
+        gamma.observe_checks(accepted=0, rejected=True)
+    # after a wrong guess: the next check's first guess, right in half of them
+    assert gamma.pipeline_model().alpha_after_wrong == pytest.approx(0.5, abs=0.03)
