@@ -237,6 +237,9 @@ class Drafter:
         else:
             result = self._generate_rounds(prompt, max_new_tokens=max_new_tokens, seed=seed)
         self.conn.send(SpecMsg.CLOSE)
+        if self.pipeline:  # choose the next window now, not while a stream waits on us (the
+            self.gamma.new_text()  # next text's acceptance prior, as `generate` starts it)
+            self.gamma.rechoose()
         result.tokens = result.tokens[:max_new_tokens]
         result.seconds = time.perf_counter() - started
         return result

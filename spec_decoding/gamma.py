@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -57,6 +56,25 @@ class CostModel:
 
     def best_gamma(self, max_gamma: int) -> int:
         return max(range(1, max_gamma + 1), key=self.tokens_per_second)
+
+
+def _moved(before: PipelineModel | None, now: PipelineModel) -> bool:
+    """Whether the model's inputs moved enough to choose again (see `rechoose`)."""
+    if before is None:
+        return True
+    rates = ((before.alpha, now.alpha), (before.branch_hit, now.branch_hit))
+    if any(abs(a - b) >= 0.05 for a, b in rates):
+        return True
+    if (before.alpha_after_wrong is None) != (now.alpha_after_wrong is None) or (
+        now.alpha_after_wrong is not None
+        and abs(now.alpha_after_wrong - (before.alpha_after_wrong or 0.0)) >= 0.05
+    ):
+        return True
+    times = ("draft_s", "verify_base_s", "verify_per_token_s", "one_way_s")
+    return any(
+        abs(getattr(now, t) - getattr(before, t)) > 0.15 * max(getattr(before, t), 1e-4)
+        for t in times
+    )
 
 
 def fit_verify_costs(forwards: Iterable[tuple[int, float]]) -> tuple[float, float]:
@@ -185,6 +203,13 @@ class PipelineModel:
         return max(window for window, rate in rates.items() if rate >= (1 - tolerance) * best)
 
 
+PIPELINE_PRIOR = 16
+"""Pipelined `auto`'s window before anything is measured: past the width a link needs the rate
+is flat (the extra drafts are made while the drafter would wait), and on a near link a window
+too wide costs the verifier a few wasted tokens per forward; 16 suits links up to ~10 ms one-way
+on the bench pair (its best fixed windows: 16-32 there)."""
+
+
 class GammaController:
     """Running estimates of the cost model, and the draft length (or window) to use next."""
 
@@ -196,11 +221,8 @@ class GammaController:
         window: int = 32,
         pipelined: bool = False,
         alone: bool = False,
-        refresh_every: int = 16,
-        refresh_s: float = 0.1,
     ) -> None:
-        """Pipelined, choosing a window costs about a millisecond, so it is redone after
-        `refresh_every` verdicts or `refresh_s` seconds; the rounds model is redone each round."""
+        """`window`: how many recent measurements the estimates follow."""
         self.fixed = fixed
         self.max_gamma = max_gamma
         self.pipelined = pipelined
@@ -213,13 +235,10 @@ class GammaController:
         self._draft: deque[float] = deque(maxlen=window)  # seconds per draft step
         self._verify: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens, seconds)
         self._rtt: deque[float] = deque(maxlen=window)
-        self._refresh_every = refresh_every
-        self._refresh_s = refresh_s
-        self._since_choice = 0
-        self._chosen_at = 0.0
         self._choice: int | None = None
+        self._chosen_for: PipelineModel | None = None
+        """What the model was fed when the window was last chosen."""
         self._depth: int | None = None
-        self._since_plan = 0
         self.branch_depth = 0
         """spec.branch_depth (set by a pipelined Drafter that branches; 0: no branches)."""
         self._roots = [0, 0]  # wrong tokens in flight with branch roots, and roots hit
@@ -227,24 +246,34 @@ class GammaController:
         self._last_right = True
 
     def next_gamma(self) -> int:
-        """Rounds: the next draft's length. Pipelined: the window."""
+        """Rounds: the next draft's length (the rounds model is redone each round, ~1 ms).
+        Pipelined: the window, chosen at the end of each generation (`rechoose`), and until
+        the first is over `PIPELINE_PRIOR`: the simulated choice costs the drafter 20-40 ms,
+        which mid-stream is that long without hearing the verifier (redone every few hundred
+        ms, and from a window of 4 until the first costs were in, `auto` ran 0.92-0.95x the
+        best fixed window at 10 ms one-way)."""
         if self.fixed is not None:
             return self.fixed
+        if self.pipelined:
+            return self._choice if self._choice is not None else min(PIPELINE_PRIOR, self.max_gamma)
         if not self._verify or not self._rtt:
             return min(4, self.max_gamma)
-        if not self.pipelined:
-            return self.model().best_gamma(self.max_gamma)
-        now = time.monotonic()
-        simulated = self.alone or self.branch_depth > 1
-        slower = 4 if simulated else 1  # a simulated choice costs ~20-30 ms, not ~1 ms
-        if (
-            self._choice is None
-            or self._since_choice >= self._refresh_every * slower
-            or now - self._chosen_at >= self._refresh_s * slower
-        ):
-            self._choice = self.pipeline_model().best_window(self.max_gamma)
-            self._since_choice, self._chosen_at = 0, now
-        return self._choice
+        return self.model().best_gamma(self.max_gamma)
+
+    def rechoose(self) -> None:
+        """Pipelined `auto`: choose the window and the branch depth again from everything
+        measured so far (a Drafter calls this when a generation has all its tokens), if it
+        has moved since the last choice: an acceptance rate by 0.05 or more, a time by 15%
+        (the same link and pair give the same choice; the simulation costs 20-40 ms)."""
+        if self.fixed is not None or not self.pipelined or not self._verify or not self._rtt:
+            return
+        model = self.pipeline_model(depth=0)
+        if self._choice is not None and not _moved(self._chosen_for, model):
+            return
+        self._chosen_for = model
+        self._choice = self.pipeline_model().best_window(self.max_gamma)
+        self._depth = None
+        self.branch_plan()
 
     def branch_plan(self) -> int:
         """Tokens per branch, root included, for the drafter's next branches (0: none).
@@ -252,20 +281,19 @@ class GammaController:
         A fixed gamma takes spec.branch_depth as it is. `auto` simulates the pipeline at the
         current window for each depth up to it, with the measured chance that a wrong token's
         branch roots hold the verifier's, and keeps the fastest (none where no depth beats
-        it by 2%: a branch costs the drafter a step per token). Redone as the window is."""
+        it by 2%: a branch costs the drafter a step per token), chosen as the window is."""
         if self.branch_depth < 2:
             return 0
         if self.fixed is not None:
             return self.branch_depth
         if not self._verify or not self._rtt:
             return 0  # nothing measured yet
-        if self._depth is None or self._since_plan >= self._refresh_every * 4:
+        if self._depth is None:
             window = self.next_gamma()
             depths = {0, *range(2, min(self.branch_depth, 4) + 1), self.branch_depth}
             rates = {d: self.pipeline_model(depth=d).tokens_per_second(window) for d in depths}
             best = max(rates.values())
             self._depth = min(d for d, rate in rates.items() if rate >= best / 1.02)
-            self._since_plan = 0
         return self._depth
 
     def new_text(self, weight: float = 8.0) -> None:
@@ -280,7 +308,6 @@ class GammaController:
         if self._total_trials:
             self._accepted.append(weight * self._total_accepted / self._total_trials)
             self._trials.append(weight)
-        self._choice = None
 
     def update(
         self, *, drafted: int, accepted: int, draft_s: float, verify_s: float, round_s: float
@@ -298,8 +325,6 @@ class GammaController:
         self._trials.append(trials)
         self._total_accepted += accepted
         self._total_trials += trials
-        self._since_choice += 1
-        self._since_plan += 1
         if trials and not self._last_right:  # the first guess checked after a wrong one
             self._after_wrong.append(accepted > 0)
         if trials:  # (a check's guesses: `accepted` right ones, then a wrong one if rejected)

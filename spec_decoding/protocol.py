@@ -25,14 +25,30 @@ epoch is one run of the drafter's stream: it starts at a place the verifier has 
 goes on token after token; the drafter starts the next one (a higher `epoch`) whenever the
 verifier commits a token that is not the drafter's. Each PROGRESS says what the verifier
 committed from token `at` on: `accepted` tokens of the epoch's stream, then `tokens` of its own
-(at most one): the target's correction of the next drafted token, or, with `alone`, a token it
-decoded by itself because no draft for that place had reached it (`spec.decode_alone`). Drafts
+(at most one, save a branch's, below): the target's correction of the next drafted token, or,
+with `alone`, a token it decoded by itself because no draft for that place had reached it
+(`spec.decode_alone`). Drafts
 that arrive for places already committed are compared with what was committed: equal ones are
 done with, the first that differs ends its epoch; tokens of an ended or older epoch are
 dropped unread. `fed` is the tokens of the forward pass behind the verdict (0: checked against
 the prediction already held), `held_ms` how long the last token checked waited at the verifier.
 With sampling, each side's token at a place is its Gumbel-max draw with noise seeded by the
 session's seed and the place (spec_decoding.sampling.coupled_token): no q travels.
+
+Branches (`spec.branch_depth`, pipelined):
+
+    drafter -> verifier  BRANCH    TENSORS {"tokens": int32 (1..16,), "epoch": int64 (1,),
+                                            "at": int64 (1,)}   (no reply of its own)
+
+A branch is an alternative to the drafter's token at place `at` of epoch `epoch`'s stream:
+`tokens[0]` (its root) is one of the drafter's next-best tokens there, the rest what it drafts
+after the root. The place must be one the stream has reached; at most 4 roots per place. When
+the stream dies at that place because the verifier's token there is the root (a rejection, or
+a draft that differs from a token decoded alone), the verifier checks the branch's other
+tokens in its next forward pass; a branch that arrives just after that is still taken, its
+tokens compared with what the verifier decoded meanwhile. Its verdict is a PROGRESS with
+`"branch": j` (j of `tokens` were the branch's drafts, the rest at most one correction) and
+`accepted` 0: to the drafter they are the verifier's own tokens, compared with its new stream.
 
 One session per connection: the verifier's KV cache for it lives and dies with the connection.
 In rounds, q, the draft's probabilities for its tokens, is sent only when sampling:

@@ -56,7 +56,7 @@ def test_of_equal_windows_the_widest_is_chosen() -> None:
 
 def test_pipelined_controller_picks_the_window_from_its_measurements() -> None:
     controller = GammaController(fixed=None, max_gamma=32, pipelined=True)
-    assert controller.next_gamma() == 4  # nothing measured yet
+    assert controller.next_gamma() == 16  # nothing measured yet: the prior
     for _ in range(16):
         controller.observe_draft(1e-3)
         controller.observe_checks(accepted=3, rejected=True)
@@ -67,7 +67,18 @@ def test_pipelined_controller_picks_the_window_from_its_measurements() -> None:
     assert model.alpha == pytest.approx((16 * 3 + 1) / (16 * 4 + 2))  # Laplace's rule
     assert model.verify_per_token_s == pytest.approx(2e-4)
     assert model.one_way_s == pytest.approx(10e-3)
+    assert controller.next_gamma() == 16  # chosen between generations, not mid-stream
+    controller.rechoose()
     assert controller.next_gamma() == model.best_window(32) > 4
+    for _ in range(16):  # the same link and pair: nothing moved, nothing to simulate again
+        controller.observe_checks(accepted=3, rejected=True)
+    controller._choice = 3  # (were it simulated again, this would go)
+    controller.rechoose()
+    assert controller.next_gamma() == 3
+    for _ in range(32):  # the link slowed down: chosen again
+        controller.observe_rtt(60e-3)
+    controller.rechoose()
+    assert controller.next_gamma() == controller.pipeline_model().best_window(32)
 
 
 def test_a_streak_on_one_prompt_does_not_set_the_next_prompts_draft_length() -> None:

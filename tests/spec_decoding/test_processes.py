@@ -56,8 +56,9 @@ def test_local_run_end_to_end(
     assert ("forward_share" in metrics) == (pipeline == "true")
     if pipeline == "true" and alone == "true":
         # the debug pair's target decodes a token about as fast as its draft drafts one:
-        # the verifier may finish alone before the drafter has drafted anything
-        assert 0 < metrics["alone_share"] <= 1 and metrics["drafted_per_token"] >= 0
+        # the verifier may finish alone before the drafter has drafted anything, or never
+        # need to (the tests of sessions decode alone for sure)
+        assert 0 <= metrics["alone_share"] <= 1 and metrics["drafted_per_token"] >= 0
     else:
         assert metrics["drafted_per_token"] > 0
         assert metrics.get("alone_share", 0.0) == 0.0
