@@ -50,7 +50,7 @@ from spec_decoding.cache import CachedDecoder
 from spec_decoding.config import SpecConfig  # also registers the schema `compose` needs
 from spec_decoding.draft_q import encode_q, quantize
 from spec_decoding.drafter import Drafter
-from spec_decoding.gamma import GammaController, PipelineModel
+from spec_decoding.gamma import GammaController, PipelineModel, fit_verify_costs
 from spec_decoding.run import EXPERIMENT, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,7 +182,13 @@ def ours(
     if pipeline:
         row["costs"] = {
             key: metrics[key]
-            for key in ("draft_ms_per_token", "verify_base_ms", "verify_per_token_ms", "rtt_ms")
+            for key in (
+                "draft_ms_per_token",
+                "verify_base_ms",
+                "verify_per_token_ms",
+                "verify_per_doubling_ms",
+                "rtt_ms",
+            )
         }
     return row
 
@@ -216,9 +222,11 @@ def costs_only(pairs: dict[str, Pair], num_prompts: int, max_new: int) -> dict[s
     for name, pair in pairs.items():
         prompts = held_out_prompts(pair.tokenizer, count=num_prompts, tokens=32)
         fig: dict[str, Any] = pair.measure_c(prompts[0])
-        sizes = (1, 2, 4, 8, 16)
+        sizes = (0, 1, 2, 4, 8, 16, 32)  # drafted tokens: a forward over one more
         fig["verify_ms"] = verify_ms(pair.target, prompts[0], sizes)
-        per_token = (fig["verify_ms"][16] - fig["verify_ms"][1]) / 15
+        base, per_token, per_doubling = fit_verify_costs(
+            (k + 1, ms / 1e3) for k, ms in fig["verify_ms"].items()
+        )
         fig["acceptance_greedy"] = greedy_agreement(pair.target, pair.draft, prompts, max_new)
         hf_generate(pair.target, prompts[:1], 8, pair.tokenizer)  # warm-up
         reference, seconds, _ = hf_generate(pair.target, prompts, max_new, pair.tokenizer)
@@ -226,8 +234,9 @@ def costs_only(pairs: dict[str, Pair], num_prompts: int, max_new: int) -> dict[s
         model = PipelineModel(
             alpha=fig["acceptance_greedy"],
             draft_s=fig["draft_step_ms"] / 1e3,
-            verify_base_s=max(fig["verify_ms"][1] - per_token, 0.0) / 1e3,
-            verify_per_token_s=max(per_token, 0.0) / 1e3,
+            verify_base_s=base,
+            verify_per_token_s=per_token,
+            verify_per_doubling_s=per_doubling,
             one_way_s=50e-6,
             alone=True,
         )
@@ -256,6 +265,7 @@ def acceptance_needed(costs: dict[str, float], target_rate: float, speedup: floa
             draft_s=costs["draft_ms_per_token"] / 1e3,
             verify_base_s=costs["verify_base_ms"] / 1e3,
             verify_per_token_s=costs["verify_per_token_ms"] / 1e3,
+            verify_per_doubling_s=costs["verify_per_doubling_ms"] / 1e3,
             one_way_s=costs["rtt_ms"] / 2e3,
             alone=True,
         )

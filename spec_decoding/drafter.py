@@ -59,6 +59,9 @@ class CheckStats:
     """Round trip of the last token checked, less the time it waited at the verifier; None
     when the verdict arrived while the drafter was busy drafting (its arrival time unknown)."""
     window: int
+    forward_before: tuple[int, float] | None = None
+    """A forward the verifier ran before this verdict's own that only computed its next
+    prediction: (tokens fed, seconds)."""
     root_hit: bool | None = None
     """A token of ours found wrong where we held branch roots: whether one was the
     verifier's token (None: no wrong token with roots)."""
@@ -549,6 +552,19 @@ class Drafter:
             self.gamma.observe_checks(accepted=stats.accepted, rejected=stats.rejected)
         if stats.fed:
             self.gamma.observe_verify(stats.fed, stats.verify_s)
+        before = progress.get("forward_before")
+        if before is not None:
+            if (
+                not isinstance(before, list)
+                or len(before) != 2
+                or type(before[0]) is not int
+                or not 1 <= before[0] <= MAX_GAMMA + 1
+                or type(before[1]) not in (int, float)
+                or not 0 <= before[1] < 1e7
+            ):
+                raise ValueError(f"verifier sent forward_before={before!r}")
+            stats.forward_before = (before[0], float(before[1]) / 1e3)
+            self.gamma.observe_verify(*stats.forward_before)
         if stats.rtt_s is not None:
             self.gamma.observe_rtt(stats.rtt_s)
         flight.confirmed.extend(flight.inflight[:accepted])

@@ -16,7 +16,13 @@ from lab.linkmodel import Link, run_config, run_summary
 from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
-from spec_decoding.gamma import CostModel, PipelineModel, expected_tokens, simulate_pipeline
+from spec_decoding.gamma import (
+    PIPELINE_PRIOR,
+    CostModel,
+    PipelineModel,
+    expected_tokens,
+    simulate_pipeline,
+)
 
 NAME = "spec_decoding"
 DEBUG = ["target.lab_preset=debug", "draft.lab_preset=debug"]
@@ -117,14 +123,17 @@ def predict_speedup(run_dir: Path, link: Link) -> float:
     def seconds(rtt: float, c: float) -> float:
         """The model's seconds for the run's tokens at round trip `rtt`, compute costs x c."""
         if spec.get("pipeline", True):
+            after_wrong = s.get("acceptance_after_wrong")
             model = PipelineModel(
                 alpha, c * draft + link.serialize_s(drafted_bytes),
                 c * float(s["verify_base_ms"]) / 1e3, c * float(s["verify_per_token_ms"]) / 1e3,
                 rtt / 2, alone=spec.get("decode_alone", True),
+                verify_per_doubling_s=c * float(s.get("verify_per_doubling_ms", 0.0)) / 1e3,
+                alpha_after_wrong=None if after_wrong is None else float(after_wrong),
             )  # fmt: skip
-            # before its first verdict, `auto` allows FIRST_GAMMA drafted tokens in flight: the
-            # run's first epoch stalls until that verdict is back
-            ramp = max(0.0, rtt + model._verify_s(1) - FIRST_GAMMA * model.draft_s)
+            # until its first generation is over, `auto` allows PIPELINE_PRIOR drafted tokens
+            # in flight: the run's first epoch stalls if that is too few for the round trip
+            ramp = max(0.0, rtt + model._verify_s(1) - PIPELINE_PRIOR * model.draft_s)
             ramp = 0.0 if model.alone else ramp  # the verifier decodes from the start
             return ramp + _pipelined_seconds(
                 model, tokens=round(tokens / prompts), prompts=prompts, max_gamma=max_gamma

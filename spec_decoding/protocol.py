@@ -17,7 +17,8 @@ Pipelined sessions (`spec.pipeline`) stream instead of DRAFT/VERDICT rounds:
     drafter -> verifier  STREAM    TENSORS {"tokens": int32 (k,), "epoch": int64 (1,),
                                             "at": int64 (1,)}   (no reply of its own)
     verifier -> drafter  PROGRESS  JSON  {"epoch", "at", "accepted", "tokens", ["alone"],
-                                          "fed", "verify_ms", ["held_ms"]}
+                                          "fed", "verify_ms", ["held_ms"],
+                                          ["forward_before"]}
 
 The drafter sends each token as soon as it has drafted it, `at` its place among the generated
 tokens, and keeps drafting while the verifier checks (at most `gamma` tokens unconfirmed). An
@@ -31,7 +32,9 @@ with `alone`, a token it decoded by itself because no draft for that place had r
 that arrive for places already committed are compared with what was committed: equal ones are
 done with, the first that differs ends its epoch; tokens of an ended or older epoch are
 dropped unread. `fed` is the tokens of the forward pass behind the verdict (0: checked against
-the prediction already held), `held_ms` how long the last token checked waited at the verifier.
+the prediction already held), `held_ms` how long the last token checked waited at the verifier,
+`forward_before` [tokens fed, ms] a forward it ran since its last PROGRESS that only computed
+its next prediction (after a correction, before the next drafts arrived).
 With sampling, each side's token at a place is its Gumbel-max draw with noise seeded by the
 session's seed and the place (spec_decoding.sampling.coupled_token): no q travels.
 

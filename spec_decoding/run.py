@@ -137,7 +137,8 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
     drafted = sum(g.drafted for g in generations)
     draft_s = sum(g.draft_s for g in generations) / max(drafted, 1)
     forwards = [(c.fed, c.verify_s) for c in checks if c.fed]
-    base, slope = fit_verify_costs(forwards)
+    forwards += [c.forward_before for c in checks if c.forward_before is not None]
+    base, slope, doubling = fit_verify_costs(forwards)
     rtts = [c.rtt_s for c in checks if c.rtt_s is not None]
     opens = [g.open_rtt_s for g in generations if g.open_rtt_s is not None]
     rtt_s = statistics.median(rtts or opens or [0.0])
@@ -150,6 +151,7 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         draft_s=draft_s,
         verify_base_s=base,
         verify_per_token_s=slope,
+        verify_per_doubling_s=doubling,
         one_way_s=rtt_s / 2,
         alone=any(g.decode_alone for g in generations),
         branch_depth=max(g.branch_depth for g in generations),
@@ -176,9 +178,11 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         "branches_per_token": sum(g.branches for g in generations) / max(1, tokens),
         "branch_root_hit": sum(roots) / len(roots) if roots else 0.0,
         "drafted_per_token": drafted / max(1, tokens),
-        # the pipeline model's costs, as fitted here (a forward of n tokens: base + n * slope)
+        # the pipeline model's costs, as fitted here (a forward of n tokens: base + n *
+        # per_token + log2(n) * per_doubling)
         "verify_base_ms": base * 1e3,
         "verify_per_token_ms": slope * 1e3,
+        "verify_per_doubling_ms": doubling * 1e3,
     }
     if after_wrong is not None:
         metrics["acceptance_after_wrong"] = after_wrong

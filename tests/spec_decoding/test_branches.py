@@ -213,7 +213,32 @@ def test_the_drafter_takes_a_branchs_tokens_as_the_verifiers_own(make_drafter, d
         ({"branch": 0}, "took 0 of 2 tokens"),  # at most one of them the correction
         ({"accepted": 1}, "accepted 1 of 0 tokens in flight"),
         ({"tokens": [7] * 17, "branch": 17}, "too many tokens of its own"),
+        ({"forward_before": [0, 1.0]}, "forward_before"),
+        ({"forward_before": [1, float("nan")]}, "forward_before"),
+        ({"forward_before": [1, -2.0]}, "forward_before"),
+        ({"forward_before": "1,2"}, "forward_before"),
     ):
         flight = _Flight(confirmed=[1, 2, 3], inflight=[7], sent_at=[0.0], epoch=1)
         with pytest.raises(ValueError, match=error):
             drafter._take_progress({**progress, **bad}, flight, 0.0, False, 4)
+
+
+def test_a_forward_that_only_predicted_is_reported_with_the_next_verdict(
+    verifier, target, tokenizer
+) -> None:
+    """After a correction the verifier runs the corrected token alone, for its next
+    prediction; that forward travels with the next PROGRESS (`forward_before`), so the
+    drafter's cost model sees one-token forwards too."""
+    greedy = greedy_continuation(target, PROMPT, 8)
+    wrong = (greedy[0] + 1) % len(tokenizer)
+    session = session_for(verifier, tokenizer)
+    session.stream(stream_payload([wrong], epoch=0, at=0))
+    rejected = session.step()  # (it carries OPEN's forward for the first prediction)
+    assert rejected is not None and rejected["fed"] == 0
+    assert session.step() is None  # the prediction after the correction, alone
+    session.stream(stream_payload([greedy[1], greedy[2]], epoch=1, at=1))
+    checked = session.step()
+    assert checked is not None and checked["accepted"] == 2
+    fed, ms = checked["forward_before"]
+    assert fed == 1 and ms > 0
+    assert "forward_before" not in (session.step() or {})  # reported once

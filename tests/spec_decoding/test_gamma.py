@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spec_decoding.gamma import GammaController, PipelineModel, simulate_pipeline
+from spec_decoding.gamma import (
+    GammaController,
+    PipelineModel,
+    fit_verify_costs,
+    simulate_pipeline,
+)
 
 
 def test_a_perfect_draft_runs_at_the_drafter_speed_when_the_verifier_keeps_up() -> None:
@@ -65,7 +70,8 @@ def test_pipelined_controller_picks_the_window_from_its_measurements() -> None:
         controller.observe_rtt(20e-3)
     model = controller.pipeline_model()
     assert model.alpha == pytest.approx((16 * 3 + 1) / (16 * 4 + 2))  # Laplace's rule
-    assert model.verify_per_token_s == pytest.approx(2e-4)
+    assert model._verify_s(1) == pytest.approx(2.0e-3)
+    assert model._verify_s(4) == pytest.approx(2.6e-3)
     assert model.one_way_s == pytest.approx(10e-3)
     assert controller.next_gamma() == 16  # chosen between generations, not mid-stream
     controller.rechoose()
@@ -208,3 +214,24 @@ def test_the_controller_measures_the_chance_after_a_wrong_guess() -> None:
         gamma.observe_checks(accepted=0, rejected=True)
     # after a wrong guess: the next check's first guess, right in half of them
     assert gamma.pipeline_model().alpha_after_wrong == pytest.approx(0.5, abs=0.03)
+
+
+@pytest.mark.parametrize(
+    "curve",
+    [
+        {1: 9.0, 2: 11.7, 3: 13.2, 5: 14.9, 9: 16.5, 17: 18.7, 33: 22.4},  # the bench CPU's
+        {n: 2.0 + 0.8 * n for n in (1, 2, 3, 5, 9, 17)},  # compute-bound: a line
+        {n: 5.7 for n in (1, 3, 5, 9, 17)},  # a GPU: flat
+    ],
+    ids=["memory_bound", "compute_bound", "flat"],
+)
+def test_the_verify_cost_fit_follows_the_measured_curve(curve: dict[int, float]) -> None:
+    """Forwards of a few tokens predict the cost of many: the fit keeps to the curve wherever
+    it was measured and beyond (fitted on up to 9 tokens, checked up to 33)."""
+    seen = [(n, ms / 1e3) for n, ms in curve.items() if n <= 9 for _ in range(3)]
+    base, per_token, per_doubling = fit_verify_costs(seen)
+    assert min(base, per_token, per_doubling) >= 0
+    model = bench_like(0.0, verify_per_doubling_s=per_doubling)
+    model.verify_base_s, model.verify_per_token_s = base, per_token
+    for n, ms in curve.items():
+        assert model._verify_s(n) * 1e3 == pytest.approx(ms, rel=0.1), n
