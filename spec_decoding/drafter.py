@@ -529,17 +529,25 @@ class Drafter:
             and flight.inflight[accepted + matched] == own[matched]
         ):
             matched += 1
+        fed, verify_ms = progress.get("fed"), progress.get("verify_ms", math.nan)
         held_ms = progress.get("held_ms")
+        if type(fed) is not int or not 0 <= fed <= MAX_GAMMA + MAX_BRANCH_DEPTH:
+            raise ValueError(f"verifier sent fed={fed!r}")
+        if not _milliseconds(verify_ms) or (held_ms is not None and not _milliseconds(held_ms)):
+            raise ValueError(f"verifier sent verify_ms={verify_ms!r}, held_ms={held_ms!r}")
+        if held_ms is not None and not 0 < checked <= len(flight.sent_at):
+            # (a token the verifier decided, or a branch's: none of ours was waiting there)
+            raise ValueError(f"verifier sent held_ms for {checked} tokens of ours checked")
         stats = CheckStats(
             accepted=accepted + matched,
             rejected=matched < len(own) and accepted + matched < len(flight.inflight),
             rewound=matched < len(own),
             alone=alone,
             branch=branch if "branch" in progress else 0,
-            fed=int(progress["fed"]),
-            verify_s=float(progress["verify_ms"]) / 1e3,
+            fed=fed,
+            verify_s=float(verify_ms) / 1e3,
             rtt_s=max(0.0, received - flight.sent_at[checked - 1] - float(held_ms) / 1e3)
-            if waited and held_ms is not None and checked
+            if waited and held_ms is not None
             else None,
             window=window,
         )
@@ -559,8 +567,7 @@ class Drafter:
                 or len(before) != 2
                 or type(before[0]) is not int
                 or not 1 <= before[0] <= MAX_GAMMA + 1
-                or type(before[1]) not in (int, float)
-                or not 0 <= before[1] < 1e7
+                or not _milliseconds(before[1])
             ):
                 raise ValueError(f"verifier sent forward_before={before!r}")
             stats.forward_before = (before[0], float(before[1]) / 1e3)
@@ -601,6 +608,12 @@ class Drafter:
             },
             expect=SpecMsg.BASELINE_DONE,
         )
+
+
+def _milliseconds(value: Any) -> bool:
+    """A time the verifier reports: a JSON number (not a bool, not a string), finite, in
+    0..1e7 ms (a NaN fed to the cost model would leave its simulation running forever)."""
+    return type(value) in (int, float) and 0 <= value <= 1e7
 
 
 def _add_q(payload: dict[str, torch.Tensor], weights: torch.Tensor) -> int:

@@ -92,25 +92,26 @@ def fit_verify_costs(forwards: Iterable[tuple[int, float]]) -> tuple[float, floa
     at 38 ms and made wide windows look costly. A big model's compute-bound forward is closer
     to a line, a GPU's nearly flat: the fit takes whichever the measurements say. With two
     sizes seen, the doubling term alone; with one, its mean time."""
-    pairs = list(forwards)
+    pairs = [
+        (n, s) for n, s in forwards if 1 <= n <= 1e6 and math.isfinite(s) and s >= 0
+    ]  # (a pair that is no forward's is no measurement: NaN would stall the simulation)
     tokens = np.array([n for n, _ in pairs], dtype=float)
     seconds = np.array([s for _, s in pairs], dtype=float)
     sizes = len(set(tokens.tolist()))
     if sizes < 2:
         return (float(seconds.mean()) if len(seconds) else 0.0), 0.0, 0.0
-    columns = {"n": tokens, "log2": np.log2(np.maximum(tokens, 1.0))}
+    columns = {"base": np.ones_like(tokens), "n": tokens, "log2": np.log2(tokens)}
     if sizes < 3:
         del columns["n"]
     while True:
-        design = np.column_stack([np.ones_like(tokens), *columns.values()])
+        design = np.column_stack(list(columns.values()))
         coefs = np.linalg.lstsq(design, seconds, rcond=None)[0]
-        fitted = dict(zip(columns, coefs[1:], strict=True))
+        fitted = dict(zip(columns, coefs, strict=True))
         negative = [name for name, value in fitted.items() if value < 0]
-        if not negative:
+        if not negative or len(columns) == 1:
             break
         del columns[min(negative, key=lambda name: fitted[name])]
-    base = max(float(coefs[0]), 0.0)
-    return base, max(float(fitted.get("n", 0.0)), 0.0), max(float(fitted.get("log2", 0.0)), 0.0)
+    return tuple(max(float(fitted.get(name, 0.0)), 0.0) for name in ("base", "n", "log2"))  # type: ignore[return-value]
 
 
 @dataclass
@@ -121,9 +122,9 @@ class PipelineModel:
     verify_base_s: float
     verify_per_token_s: float
     one_way_s: float
+    """Half the measured round trip, the verifier's time excluded."""
     verify_per_doubling_s: float = 0.0
     """A forward of n tokens: base + n * per_token + log2(n) * per_doubling (fit_verify_costs)."""
-    """Half the measured round trip, the verifier's time excluded."""
     max_horizon: int = 96
     alone: bool = False
     """The verifier decodes by itself when it holds no draft (`spec.decode_alone`): the rate
@@ -272,6 +273,7 @@ class GammaController:
         self._chosen_for: PipelineModel | None = None
         """What the model was fed when the window was last chosen."""
         self._depth: int | None = None
+        self._choosing = False
         self.branch_depth = 0
         """spec.branch_depth (set by a pipelined Drafter that branches; 0: no branches)."""
         self._roots = [0, 0]  # wrong tokens in flight with branch roots, and roots hit
@@ -305,8 +307,11 @@ class GammaController:
             return
         self._chosen_for = model
         self._choice = self.pipeline_model().best_window(self.max_gamma)
-        self._depth = None
-        self.branch_plan()
+        self._depth, self._choosing = None, True
+        try:
+            self.branch_plan()
+        finally:
+            self._choosing = False
 
     def branch_plan(self) -> int:
         """Tokens per branch, root included, for the drafter's next branches (0: none).
@@ -319,8 +324,8 @@ class GammaController:
             return 0
         if self.fixed is not None:
             return self.branch_depth
-        if not self._verify or not self._rtt:
-            return 0  # nothing measured yet
+        if self._depth is None and not self._choosing:
+            return 0  # chosen between generations (`rechoose`), as the window is
         if self._depth is None:
             window = self.next_gamma()
             depths = {0, *range(2, min(self.branch_depth, 4) + 1), self.branch_depth}
@@ -426,6 +431,9 @@ def _guesses(model: PipelineModel, uniform: np.ndarray) -> np.ndarray:
     a, after_wrong = model.alpha, model.alpha_after_wrong
     if after_wrong is None or not 0 < a < 1:
         return uniform < a
+    # a chain with mean `a` needs 0 < after_wrong <= a / (1 - a): kept inside (a measured rate
+    # after a wrong guess can read above that on few samples)
+    after_wrong = min(max(after_wrong, 1e-3), a / (1 - a), 1.0)
     after_right = min(1.0, max(0.0, 1 - after_wrong * (1 - a) / a))
     right = np.empty(len(uniform), dtype=bool)
     previous = True

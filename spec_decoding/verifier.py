@@ -670,9 +670,10 @@ class _Session:
                 return
             skip += 1
         self.branch = tokens[skip:]
-        self.branches_taken += 1
-        with self.verifier._lock:
-            self.verifier.branches_taken += 1
+        if self.branch:  # (all of it decided already: nothing taken)
+            self.branches_taken += 1
+            with self.verifier._lock:
+                self.verifier.branches_taken += 1
 
     def _branch_checked(
         self,

@@ -217,6 +217,14 @@ def test_the_drafter_takes_a_branchs_tokens_as_the_verifiers_own(make_drafter, d
         ({"forward_before": [1, float("nan")]}, "forward_before"),
         ({"forward_before": [1, -2.0]}, "forward_before"),
         ({"forward_before": "1,2"}, "forward_before"),
+        # a time that is no number: "nan" through float() once left the model's simulation
+        # running forever at the end of the generation
+        ({"verify_ms": "nan"}, "verify_ms"),
+        ({"verify_ms": "inf"}, "verify_ms"),
+        ({"verify_ms": True}, "verify_ms"),
+        ({"fed": 10**400}, "fed="),  # (float() of it overflowed in the fit)
+        ({"fed": "3"}, "fed="),
+        ({"held_ms": 0.5}, "held_ms for 2 tokens"),  # a branch's tokens were never ours
     ):
         flight = _Flight(confirmed=[1, 2, 3], inflight=[7], sent_at=[0.0], epoch=1)
         with pytest.raises(ValueError, match=error):

@@ -182,9 +182,12 @@ def test_auto_branches_only_where_the_model_says_they_pay() -> None:
             gamma.observe_root(hit)
         return gamma
 
-    assert controller(hit=False, rtt_s=0.022).branch_plan() == 0
-    assert controller(hit=True, rtt_s=0.022).branch_plan() >= 2
-    assert controller(hit=True, rtt_s=6e-4).branch_plan() >= 2
+    mid_stream = controller(hit=True, rtt_s=0.022)
+    assert mid_stream.branch_plan() == 0  # chosen between generations, not mid-stream
+    for hit, rtt_s, branches in ((False, 0.022, False), (True, 0.022, True), (True, 6e-4, True)):
+        gamma = controller(hit=hit, rtt_s=rtt_s)
+        gamma.rechoose()
+        assert (gamma.branch_plan() >= 2) == branches, (hit, rtt_s)
     fixed = GammaController(fixed=6, max_gamma=32, pipelined=True)
     fixed.branch_depth = 3
     assert fixed.branch_plan() == 3  # a fixed setting is taken as it is
@@ -235,3 +238,30 @@ def test_the_verify_cost_fit_follows_the_measured_curve(curve: dict[int, float])
     model.verify_base_s, model.verify_per_token_s = base, per_token
     for n, ms in curve.items():
         assert model._verify_s(n) * 1e3 == pytest.approx(ms, rel=0.1), n
+
+
+def test_the_verify_cost_fit_ignores_what_is_no_measurement() -> None:
+    """NaN, infinite or negative times and impossible sizes are dropped (a NaN fed to the
+    simulation would never let it end); a base that fits negative is dropped and the rest
+    refitted, not clamped to 0 under the old slope."""
+    clean = [(1, 9e-3), (2, 11.7e-3), (5, 14.9e-3), (9, 16.5e-3)]
+    dirty = [*clean, (3, float("nan")), (4, float("inf")), (2, -1.0), (0, 1.0), (10**400, 1.0)]
+    assert fit_verify_costs(dirty) == fit_verify_costs(clean)
+    through_zero = [(n, 0.01 * n - 0.004) for n in (1, 2, 4, 8, 16)]
+    base, per_token, per_doubling = fit_verify_costs(through_zero)
+    assert base == 0 and min(per_token, per_doubling) >= 0
+    model = bench_like(0.0, verify_per_doubling_s=per_doubling)
+    model.verify_base_s, model.verify_per_token_s = base, per_token
+    assert model._verify_s(16) == pytest.approx(0.156, rel=0.05)
+
+
+@pytest.mark.parametrize(("alpha", "after_wrong"), [(0.3, 0.6), (0.2, 0.9), (0.7, 0.0), (0.7, 1.0)])
+def test_clustered_guesses_keep_the_mean_whatever_the_measured_rate(
+    alpha: float, after_wrong: float
+) -> None:
+    from spec_decoding.gamma import _guesses
+
+    model = bench_like(0.0, alpha_after_wrong=after_wrong)
+    model.alpha = alpha
+    right = _guesses(model, np.random.default_rng(1).random(100_000))
+    assert right.mean() == pytest.approx(alpha, abs=0.02)
