@@ -366,6 +366,9 @@ def test_sampling_gives_the_targets_joint_distribution(
         draft_top_k=draft_top_k,
         branch_depth=branch_depth,
         branch_width=2,
+        # (waiting, the verifier takes a branch that arrives after its stream died whatever the
+        # timing; decoding alone, it may have decided the branch's token first)
+        decode_alone=not branch_depth,
     )
     counts = dict.fromkeys(bins, 0)
     other, q_bytes, drafted = 0, 0, 0
@@ -381,7 +384,7 @@ def test_sampling_gives_the_targets_joint_distribution(
     observed = [*counts.values(), other]
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
     if branch_depth:  # the verifier did go on along branches, often
-        assert verifier_server.verifier.branches_taken > runs // 20
+        assert verifier_server.verifier.branches_taken > runs // 20  # (46-48 measured)
     # rounds: the support travelled: with draft_top_k at most 3 entries (a weight takes at
     # most 3 bytes, a gap 2 in this vocabulary) and a row count; without, far more of the
     # vocabulary. Pipelined: no q at all (the drafter guesses the verifier's own draw)
