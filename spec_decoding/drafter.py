@@ -392,7 +392,10 @@ class Drafter:
             # The token at a position is drawn with that position's noise, as the verifier's
             # is: how far the drafter runs ahead cannot change what it drafts.
             token, alternatives = self._guess(
-                decoder.extend([])[-1], seed, len(decoder.tokens), others=self.branch_width
+                decoder.extend([])[-1],
+                seed,
+                len(decoder.tokens),
+                others=self.branch_width if self.branch_depth else 0,
             )
             decoder.commit([token])
             at = len(flight.confirmed) + len(flight.inflight)  # its place among the new tokens
@@ -409,8 +412,8 @@ class Drafter:
             with self._verifier_lost():
                 result.sent_bytes += self.conn.send(SpecMsg.STREAM, payload)
             flight.inflight.append(token)
-            flight.others.append(alternatives if self.branch_depth else [])
-            flight.alternatives.append(list(flight.others[-1]))
+            flight.others.append(alternatives)
+            flight.alternatives.append(list(alternatives))
             now = time.perf_counter()
             flight.sent_at.append(now)
             # a step's cost includes taking in the verdicts that came since the last one
@@ -433,21 +436,27 @@ class Drafter:
         vocab = self.target_vocab  # a token past the target's vocabulary is no guess
         if self.temperature == 0:
             scores = logits[:vocab].float()
+            token = int(scores.argmax())
         else:
             q = self._draft_probs(logits)  # the noise is drawn over the target's vocabulary
             if q.numel() >= vocab:
                 q = q[:vocab]
             else:
                 q = torch.nn.functional.pad(q, (0, vocab - q.numel()))
-            token = coupled_token(q, position_noise(seed, position, vocab))
+            noise = position_noise(seed, position, vocab)  # (drawn once: V draws and logs)
+            token = coupled_token(q, noise)
             if not others:
                 return token, []
-            scores = q.double().log() + position_noise(seed, position, vocab)
+            scores = q.double().log() + noise  # what coupled_token ranks
+        if not others:
+            return token, []
         best = scores.topk(min(1 + others, scores.numel()))
-        picks = [int(i) for v, i in zip(best.values, best.indices, strict=True) if math.isfinite(v)]
-        if self.temperature:
-            picks[0] = token  # (the same argmax: coupled_token is this draw)
-        return picks[0], picks[1:]
+        alternatives = [
+            int(i)
+            for v, i in zip(best.values, best.indices, strict=True)
+            if math.isfinite(v) and int(i) != token
+        ]
+        return token, alternatives[:others]
 
     def _branch_choice(self, flight: _Flight) -> tuple[int, int] | None:
         """The newest token in flight, if it has a next-best token not branched yet, and the

@@ -523,6 +523,19 @@ def simulate_pipeline(
     branch: list[int] = []  # a branch's places being checked
     died: tuple[int, int] | None = None  # (epoch, place) where the stream died on a hit root
 
+    def check(places: list[int]) -> tuple[int, bool]:
+        """The verifier's step over drafts for `places` (a stream's or a branch's): the first
+        against the prediction it holds, all in one forward unless that check failed;
+        (accepted, whether one was wrong)."""
+        nonlocal t_v
+        if held and not right[places[0]]:
+            return 0, True  # the free check failed: no forward pass
+        t_v += model._verify_s(len(places) + (0 if held else 1))
+        accepted = 0
+        while accepted < len(places) and right[places[accepted]]:
+            accepted += 1
+        return accepted, accepted < len(places)
+
     def stream_died(place: int) -> None:
         nonlocal died
         died = (epoch, place) if depth and hit[place] else None
@@ -551,14 +564,7 @@ def simulate_pipeline(
                 branch = [p for p in places if p >= committed]
             died = None
         if branch:  # checked first, as pending drafts would be
-            accepted = 0
-            if held and not right[branch[0]]:
-                wrong = True
-            else:
-                t_v += model._verify_s(len(branch) + (0 if held else 1))
-                while accepted < len(branch) and right[branch[accepted]]:
-                    accepted += 1
-                wrong = accepted < len(branch)
+            accepted, wrong = check(branch)
             committed += accepted + int(wrong)
             tell(t_v + h, accepted, "branch fix" if wrong else "branch")
             held, branch = not wrong, []
@@ -568,14 +574,7 @@ def simulate_pipeline(
                 pending = [p for p in pending if p >= committed]
             continue
         if pending:
-            accepted, wrong = 0, False
-            if held and not right[pending[0]]:
-                wrong = True  # the free check failed: no forward pass
-            else:
-                t_v += model._verify_s(len(pending) + (0 if held else 1))
-                while accepted < len(pending) and right[pending[accepted]]:
-                    accepted += 1
-                wrong = accepted < len(pending)
+            accepted, wrong = check(pending)
             committed += accepted + int(wrong)
             tell(t_v + h, accepted, "fix" if wrong else "")
             if wrong:
