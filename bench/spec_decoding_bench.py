@@ -17,7 +17,8 @@ each, KV cache, one token), on this machine. On the same held-out prompts, in on
      process): the headline, three runs on 16 held-out prompts, each alternated with
      target-only (one and two threads, and the target alone served over the same link, as a
      user at the drafter's host would get it without a draft) and with `auto` plus branches
-     (depth <= 4, chosen by the model), with each prompt's own speedup; then, on the first 4
+     (depth <= 4, chosen by the model; only tokens the draft is unsure of, `branch_flatness`),
+     with each prompt's own speedup; then, on the first 4
      prompts, fixed windows next to `auto`, a verifier that waits, and rounds;
   5. realistic pair, sampling (temperature 0.8, top-p 0.95): target-only sampling vs ours, with
      the bytes each drafted token's q costs against a dense q row;
@@ -155,6 +156,7 @@ def ours(
             decode_alone=decode_alone,
             branch_depth=SpecConfig().branch_depth if branch_depth is None else branch_depth,
             branch_width=SpecConfig().branch_width,
+            branch_flatness=SpecConfig().branch_flatness,
             temperature=SAMPLING["temperature"] if sample else 0.0,
             top_p=SAMPLING["top_p"] if sample else 1.0,
         )
@@ -183,6 +185,8 @@ def ours(
         "alone_share": metrics.get("alone_share", 0.0),
         "branch_share": metrics.get("branch_share", 0.0),
         "branch_root_hit": metrics.get("branch_root_hit", 0.0),
+        "flat_share": metrics.get("flat_share", 0.0),
+        "wrong_flat_share": metrics.get("wrong_flat_share", 0.0),
     }
     if baselines:
         row["predicted_speedup"] = metrics["predicted_speedup"]
@@ -405,7 +409,7 @@ def bench_pair(
             with emulator as link:
                 where = link.address if link else address
                 run = (where, draft, tokenizer, prompts, max_new)
-                headline = (where, draft, tokenizer, headline_prompts, max_new)
+                wide = (where, draft, tokenizer, headline_prompts, max_new)
                 # the headline: three runs on the larger prompt set, each alternated with
                 # target-only (both thread counts, and served remotely over this link) and
                 # with the same settings plus branches (`auto` picks their depth, <= 4)
@@ -414,11 +418,11 @@ def bench_pair(
                     _, alone_1, each_1 = hf_generate(model, headline_prompts, max_new, tokenizer)
                     with threads(2):
                         _, alone_2, _ = hf_generate(model, headline_prompts, max_new, tokenizer)
-                    remote_s = remote_target_only(*headline)
+                    remote_s = remote_target_only(*wide)
                     label = f"ours, {delay} ms, pipelined, gamma=auto" + (
                         f" (run {repeat + 1})" if repeat else ""
                     )
-                    result = ours(*headline, None, pipeline=True, baselines=each_1)
+                    result = ours(*wide, None, pipeline=True, baselines=each_1)
                     each = result.pop("each_seconds")
                     record(label, result, headline_reference)
                     seconds = headline_tokens / rows[label]["tokens_per_s"]
@@ -428,7 +432,7 @@ def bench_pair(
                     label = f"ours, {delay} ms, branches" + (
                         f" (run {repeat + 1})" if repeat else ""
                     )
-                    result = ours(*headline, None, pipeline=True, baselines=each_1, branch_depth=4)
+                    result = ours(*wide, None, pipeline=True, baselines=each_1, branch_depth=4)
                     record(label, result, headline_reference)
                     seconds = headline_tokens / rows[label]["tokens_per_s"]
                     branched.append(min(alone_1, alone_2) / seconds)
@@ -513,6 +517,8 @@ def bench_pair(
             "branches_speedup": rows[f"ours, {delay} ms, branches"]["speedup_median"],
             "branch_share": rows[f"ours, {delay} ms, branches"]["branch_share"],
             "branch_root_hit": rows[f"ours, {delay} ms, branches"]["branch_root_hit"],
+            "flat_share": rows[f"ours, {delay} ms, branches"]["flat_share"],
+            "wrong_flat_share": rows[f"ours, {delay} ms, branches"]["wrong_flat_share"],
             "measured_over_predicted": row.get("measured_over_predicted"),
             "vs_waiting": row["tokens_per_s"]
             / rows[f"ours, {delay} ms, pipelined, verifier waits, auto"]["tokens_per_s"],
@@ -671,7 +677,9 @@ def main() -> None:
                 f"accepted per round trip, {d['sent_bytes_per_token']:.0f} bytes sent per token, "
                 f"{d['alone_share']:.2f} of tokens decoded by the verifier alone; with "
                 f"branches {d['branches_speedup']:.2f}x ({d['branch_share']:.2f} of tokens "
-                f"along them, roots hit at {d['branch_root_hit']:.2f} of wrong tokens), "
+                f"along them; {d['flat_share']:.2f} of drafted tokens unsure enough to branch, "
+                f"holding {d['wrong_flat_share']:.2f} of the wrong ones, whose roots were the "
+                f"verifier's token at {d['branch_root_hit']:.2f}), "
                 f"{d['vs_waiting']:.2f}x a verifier that waits; measured / predicted "
                 f"{predicted if predicted is None else f'{predicted:.2f}'}; "
                 f"{d['vs_remote_target']:.2f}x the target alone served over this link; per "

@@ -38,6 +38,11 @@ class SpecConfig:
     (docs/spec_decoding.md)."""
     branch_width: int = 1
     """Pipelined: branches at each drafted position (its 2nd, 3rd, ... likeliest tokens)."""
+    branch_flatness: float = 0.75
+    """Pipelined, with branches: branch a drafted token only where the draft is unsure of it,
+    its next-best token at least this likely next to it (p2 / p1, the exponent of their
+    logits' gap; sampling: of log q + the position's noise). 0: every drafted token. On the
+    bench pair, p2 / p1 >= 0.8 marks 20% of the positions and holds 56% of the wrong guesses."""
     temperature: float = 0.0
     """0: greedy (output identical to the target's own greedy decoding); > 0: sampling."""
     top_p: float = 1.0
@@ -76,6 +81,10 @@ class SpecConfig:
         if not 1 <= self.branch_width <= MAX_BRANCH_WIDTH:
             raise ValueError(
                 f"spec.branch_width={self.branch_width} must be in 1..{MAX_BRANCH_WIDTH}"
+            )
+        if not 0 <= self.branch_flatness <= 1:  # (False for NaN)
+            raise ValueError(
+                f"spec.branch_flatness={self.branch_flatness} must be in 0..1 (0: every token)"
             )
         if self.draft_top_k < 0:
             raise ValueError(f"spec.draft_top_k={self.draft_top_k} must be >= 0 (0: off)")

@@ -89,6 +89,10 @@ class Generation:
     """Pipelined: drafted tokens the verifier accepted along a branch."""
     branch_depth: int = 0
     """Pipelined: the depth of its branches at the end (0: none)."""
+    roots: bool = False
+    """Pipelined: its drafted tokens were given next-best roots (branches configured)."""
+    flat: int = 0
+    """Of its drafted tokens, those unsure enough to branch (`branch_flatness`)."""
     draft_s: float = 0.0
     """Pipelined: tokens drafted (kept or not) and the drafter's seconds spent on them."""
     sent_bytes: int = 0
@@ -148,6 +152,7 @@ class Drafter:
         decode_alone: bool = True,
         branch_depth: int = 0,
         branch_width: int = 1,
+        branch_flatness: float = 0.0,
     ) -> None:
         """`model`: a Hugging Face causal LM. `pipeline`: keep drafting while the verifier
         checks (STREAM); else DRAFT rounds. `draft_top_k` (sampling): draft only from the k
@@ -155,13 +160,19 @@ class Drafter:
         `decode_alone` (pipelined): the verifier decodes by itself whenever it holds no draft
         for its next token, instead of waiting for one. `branch_depth` (pipelined): while it
         waits, draft branches of that many tokens rooted at the `branch_width` next-best tokens
-        of positions in flight (0: none)."""
+        of positions in flight (0: none); `branch_flatness`: only at positions where the
+        next-best token is at least that likely next to the drafted one (p2 / p1; 0: all)."""
         if draft_top_k < 0:
             raise ValueError(f"draft_top_k={draft_top_k} must be >= 0 (0: off)")
-        if not 0 <= branch_depth <= MAX_BRANCH_DEPTH or branch_width < 1:
+        if (
+            not 0 <= branch_depth <= MAX_BRANCH_DEPTH
+            or branch_width < 1
+            or not 0 <= branch_flatness <= 1
+        ):
             raise ValueError(
                 f"branch_depth={branch_depth} must be in 0..{MAX_BRANCH_DEPTH}, "
-                f"branch_width={branch_width} at least 1"
+                f"branch_width={branch_width} at least 1, branch_flatness={branch_flatness} "
+                "in 0..1"
             )
         self.model = model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
@@ -169,7 +180,9 @@ class Drafter:
         self.decode_alone = decode_alone
         self.branch_depth = branch_depth if pipeline else 0
         self.branch_width = branch_width
+        self.branch_flatness = branch_flatness
         gamma.branch_depth = self.branch_depth
+        gamma.branch_gated = bool(self.branch_depth and branch_flatness)
         gamma.pipelined = pipeline  # the window model or the rounds model picks gamma
         gamma.alone = pipeline and decode_alone
         self.conn = conn
@@ -339,6 +352,7 @@ class Drafter:
         decoder, result = self._open(prompt, seed, max_new_tokens)
         flight = _Flight(confirmed=result.tokens)
         result.decode_alone = self.decode_alone
+        result.roots = bool(self.branch_depth)
         window = self.gamma.next_gamma()
         busy_since = time.perf_counter()  # the drafter's own time, waits excluded
         looked = False  # whether we have looked for news and found none since OPEN went out
@@ -414,6 +428,9 @@ class Drafter:
             flight.inflight.append(token)
             flight.others.append(alternatives)
             flight.alternatives.append(list(alternatives))
+            if self.branch_depth:  # how many of our tokens are unsure enough to branch
+                result.flat += bool(alternatives)
+                self.gamma.observe_flat(bool(alternatives))
             now = time.perf_counter()
             flight.sent_at.append(now)
             # a step's cost includes taking in the verdicts that came since the last one
@@ -432,7 +449,9 @@ class Drafter:
         """The drafter's guess at the verifier's token at `position` from its logits (V,):
         greedy, or the Gumbel-max draw from q with the position's noise, which is the
         verifier's draw whenever q and p agree (spec_decoding.sampling.coupled_token); and up
-        to `others` next-best guesses (by logit, or by log q + noise), each a possible token."""
+        to `others` next-best guesses (by logit, or by log q + noise), each a possible token,
+        where the best of them is at least `branch_flatness` as likely as the guess (none
+        where the draft is surer)."""
         vocab = self.target_vocab  # a token past the target's vocabulary is no guess
         if self.temperature == 0:
             scores = logits[:vocab].float()
@@ -451,6 +470,9 @@ class Drafter:
         if not others:
             return token, []
         best = scores.topk(min(1 + others, scores.numel()))
+        gap = float(best.values[1] - best.values[0]) if best.values.numel() > 1 else -math.inf
+        if not math.exp(gap) >= self.branch_flatness:  # sure of its token: no branch here
+            return token, []
         alternatives = [
             int(i)
             for v, i in zip(best.values, best.indices, strict=True)
@@ -565,6 +587,8 @@ class Drafter:
         if others:  # how often a branch's root would have been the verifier's token
             stats.root_hit = own[matched] in others
             self.gamma.observe_root(stats.root_hit)
+        elif stats.rejected and self.branch_depth:  # wrong where the draft was sure
+            self.gamma.observe_root(None)
         if stats.accepted or stats.rejected:
             self.gamma.observe_checks(accepted=stats.accepted, rejected=stats.rejected)
         if stats.fed:

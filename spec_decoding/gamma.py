@@ -59,7 +59,8 @@ def _moved(before: PipelineModel | None, now: PipelineModel) -> bool:
     """Whether the model's inputs moved enough to choose again (see `rechoose`)."""
     if before is None:
         return True
-    rates = ((before.alpha, now.alpha), (before.branch_hit, now.branch_hit))
+    rates = [(before.alpha, now.alpha), (before.branch_hit, now.branch_hit)]
+    rates += [(before.branch_share, now.branch_share), (before.branch_cover, now.branch_cover)]
     if any(abs(a - b) >= 0.05 for a, b in rates):
         return True
     if (before.alpha_after_wrong is None) != (now.alpha_after_wrong is None) or (
@@ -138,7 +139,14 @@ class PipelineModel:
     branch_depth: int = 0
     """Tokens per branch, its root included (0 or 1: no branches; simulated only)."""
     branch_hit: float = 0.0
-    """The chance that, where a drafted token is wrong, a branch's root is the verifier's."""
+    """The chance that, where a drafted token with branches is wrong, a branch's root is the
+    verifier's."""
+    branch_share: float = 1.0
+    """The share of drafted tokens branched (`spec.branch_flatness`: those the draft is
+    unsure of; 1: every one)."""
+    branch_cover: float = 1.0
+    """The share of wrong drafted tokens that were branched (the unsure ones hold more than
+    their share of them)."""
 
     @property
     def horizon(self) -> int:
@@ -277,6 +285,10 @@ class GammaController:
         self.branch_depth = 0
         """spec.branch_depth (set by a pipelined Drafter that branches; 0: no branches)."""
         self._roots = [0, 0]  # wrong tokens in flight with branch roots, and roots hit
+        self.branch_gated = False
+        """Set by a Drafter that branches only tokens it is unsure of (`branch_flatness`)."""
+        self._flat = [0, 0]  # drafted tokens, and those unsure enough to branch
+        self._covered = [0, 0]  # wrong drafted tokens, and those that had been branched
         self._after_wrong: deque[bool] = deque(maxlen=window)  # guesses right after a wrong
         self._last_right = True
 
@@ -368,15 +380,34 @@ class GammaController:
         if trials:  # (a check's guesses: `accepted` right ones, then a wrong one if rejected)
             self._last_right = not rejected
 
-    def observe_root(self, hit: bool) -> None:
-        """A drafted token with branch roots was wrong: whether the verifier's token was one."""
-        self._roots[0] += 1
-        self._roots[1] += int(hit)
+    def observe_root(self, hit: bool | None) -> None:
+        """A drafted token was wrong: whether the verifier's token was one of its branch
+        roots (None: it had none, the draft was sure of it)."""
+        self._covered[0] += 1
+        if hit is not None:
+            self._covered[1] += 1
+            self._roots[0] += 1
+            self._roots[1] += int(hit)
+
+    def observe_flat(self, flat: bool) -> None:
+        """A drafted token: whether the draft was unsure enough of it to branch it."""
+        self._flat[0] += 1
+        self._flat[1] += int(flat)
 
     @property
     def branch_hit(self) -> float:
         """The chance a wrong token's branch roots hold the verifier's (Laplace's rule)."""
         return (self._roots[1] + 1) / (self._roots[0] + 2)
+
+    @property
+    def branch_share(self) -> float:
+        """The share of drafted tokens branched (1 unless gated by flatness)."""
+        return (self._flat[1] + 1) / (self._flat[0] + 2) if self.branch_gated else 1.0
+
+    @property
+    def branch_cover(self) -> float:
+        """The share of wrong drafted tokens that had been branched (1 unless gated)."""
+        return (self._covered[1] + 1) / (self._covered[0] + 2) if self.branch_gated else 1.0
 
     def observe_draft(self, step_s: float) -> None:
         self._draft.append(step_s)
@@ -421,7 +452,21 @@ class GammaController:
             alone=self.alone,
             branch_depth=depth,
             branch_hit=self.branch_hit,
+            branch_share=self.branch_share,
+            branch_cover=self.branch_cover,
         )
+
+
+def _branched(model: PipelineModel, right: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Which positions' drafts are branched: all, or (gated by the draft's flatness) a wrong
+    one with chance `branch_cover` and a right one with what keeps the share of branched
+    drafts at `branch_share`. Ungated, no draw: the same seed simulates as it did before."""
+    if model.branch_share >= 1 and model.branch_cover >= 1:
+        return np.ones(right.shape, dtype=bool)
+    wrong = 1.0 - model.alpha
+    rest = (model.branch_share - wrong * model.branch_cover) / max(model.alpha, 1e-9)
+    draws = rng.random(right.shape)
+    return np.where(right, draws < min(max(rest, 0.0), 1.0), draws < model.branch_cover)
 
 
 def _guesses(model: PipelineModel, uniform: np.ndarray) -> np.ndarray:
@@ -461,7 +506,8 @@ def simulate_pipeline(
     which compares them with its drafts.
     Each position's draft is right with probability `alpha`, drawn once per position (a
     greedy draft guesses a position alike whenever its prefix is right).
-    Branches (`model.branch_depth` > 1): each drafted token is branched as soon as it is sent,
+    Branches (`model.branch_depth` > 1): each drafted token is branched as soon as it is sent
+    (with `branch_share` < 1, the unsure ones: `_branched`),
     which costs the drafter a draft step per branch token (its root is free, the stream's
     tokens fed again cost one), and the branch reaches the verifier one way later; where the
     stream dies at a position whose branch is rooted at the verifier's token (chance
@@ -474,6 +520,7 @@ def simulate_pipeline(
     right = _guesses(model, rng.random(tokens + 1))
     hit = rng.random(tokens + 1) < model.branch_hit
     depth = model.branch_depth if model.branch_depth > 1 else 0
+    branched = _branched(model, right, rng)
     sent_branches: dict[tuple[int, int], float] = {}  # (epoch, place) -> arrival
     # the drafter: its clock, what it knows is committed, its unconfirmed drafts, its stream
     t_d, confirmed, inflight, d_epoch = h + d / 2, 0, 0, 0
@@ -504,7 +551,7 @@ def simulate_pipeline(
             more = inflight + 1 < window and place + 1 < tokens
             drafts.append((t_d + h, d_epoch, place, more))
             inflight += 1
-            if depth:  # its branch, drafted as soon as it is sent
+            if depth and branched[place]:  # its branch, drafted as soon as it is sent
                 t_d += depth * d
                 sent_branches[(d_epoch, place)] = t_d + h
         elif news:
@@ -538,7 +585,7 @@ def simulate_pipeline(
 
     def stream_died(place: int) -> None:
         nonlocal died
-        died = (epoch, place) if depth and hit[place] else None
+        died = (epoch, place) if depth and branched[place] and hit[place] else None
 
     while committed < tokens:
         while t_d <= t_v:

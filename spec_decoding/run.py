@@ -145,6 +145,12 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
     window = round(statistics.median(c.window for c in checks))
     roots = [c.root_hit for c in checks if c.root_hit is not None]
     after_wrong = _after_wrong(checks)
+    # branches gated by flatness: which drafted tokens were branched, which wrong ones were
+    rooted = [g for g in generations if g.roots]
+    flat = sum(g.flat for g in rooted) / max(1, sum(g.drafted for g in rooted))
+    wrong = sum(c.rejected for g in rooted for c in g.checks)
+    cover = sum(c.root_hit is not None for g in rooted for c in g.checks) / max(1, wrong)
+    gated = bool(rooted) and flat < 1
     model = PipelineModel(
         alpha=min(accepted / checked, 0.999) if checked else 0.0,
         alpha_after_wrong=after_wrong,
@@ -156,6 +162,8 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         alone=any(g.decode_alone for g in generations),
         branch_depth=max(g.branch_depth for g in generations),
         branch_hit=(sum(roots) + 1) / (len(roots) + 2),
+        branch_share=flat if gated else 1.0,
+        branch_cover=cover if gated else 1.0,
     )
     # the model's steady rate for the tokens, plus each session's set-up and end: the prompt's
     # way to the verifier and its time on OPEN (or the drafter's own prefill, the longer), and
@@ -177,6 +185,9 @@ def _pipelined_metrics(generations: list[Generation]) -> tuple[dict[str, float],
         "branch_share": sum(g.branch_tokens for g in generations) / max(1, tokens),
         "branches_per_token": sum(g.branches for g in generations) / max(1, tokens),
         "branch_root_hit": sum(roots) / len(roots) if roots else 0.0,
+        # of our drafted tokens, those unsure enough to branch; of the wrong ones, those
+        "flat_share": flat if rooted else 0.0,
+        "wrong_flat_share": cover if rooted else 0.0,
         "drafted_per_token": drafted / max(1, tokens),
         # the pipeline model's costs, as fitted here (a forward of n tokens: base + n *
         # per_token + log2(n) * per_doubling)
@@ -242,6 +253,7 @@ def run_drafter(
                 decode_alone=spec.decode_alone,
                 branch_depth=spec.branch_depth,
                 branch_width=spec.branch_width,
+                branch_flatness=spec.branch_flatness,
                 gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
             )
             generations, baselines = [], []

@@ -78,6 +78,7 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
         decode_alone: bool = True,
         branch_depth: int = 0,
         branch_width: int = 1,
+        branch_flatness: float = 0.0,
     ) -> Drafter:
         conn = Connection.connect(*verifier_server.address)
         conns.append(conn)
@@ -93,6 +94,7 @@ def make_drafter(verifier_server, tokenizer) -> Iterator[Callable[..., Drafter]]
             decode_alone=decode_alone,
             branch_depth=branch_depth,
             branch_width=branch_width,
+            branch_flatness=branch_flatness,
         )
 
     yield _make

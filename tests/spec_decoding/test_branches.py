@@ -250,3 +250,37 @@ def test_a_forward_that_only_predicted_is_reported_with_the_next_verdict(
     fed, ms = checked["forward_before"]
     assert fed == 1 and ms > 0
     assert "forward_before" not in (session.step() or {})  # reported once
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_only_tokens_the_draft_is_unsure_of_are_branched(
+    make_drafter, drafts, target, tokenizer, temperature: float
+) -> None:
+    """`branch_flatness`: a drafted token is branched only where its next-best is at least
+    that likely next to it. Stricter settings branch fewer tokens; the output is the same."""
+    prompt = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    results = {}
+    for flatness in (0.0, 0.9, 1.0):
+        drafter = make_drafter(
+            drafts["noisy"], gamma=4, pipeline=True, branch_depth=3, branch_flatness=flatness,
+            temperature=temperature,
+        )  # fmt: skip
+        results[flatness] = drafter.generate(prompt, max_new_tokens=24, seed=3)
+        assert results[flatness].roots
+    every, some, none = results[0.0], results[0.9], results[1.0]
+    assert every.flat == every.drafted and every.branches > 0
+    assert 0 < some.flat < some.drafted  # (the noisy draft is sure of some tokens, not all)
+    assert none.flat == none.branches == 0  # p2 / p1 < 1 but for exact ties
+    assert every.tokens == some.tokens == none.tokens
+    if temperature == 0:
+        assert every.tokens == target_greedy(target, tokenizer, prompt, 24)
+
+
+def test_flatness_outside_0_to_1_is_refused(make_drafter, drafts) -> None:
+    from spec_decoding.config import SpecConfig
+
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="branch_flatness"):
+            make_drafter(drafts["noisy"], pipeline=True, branch_depth=3, branch_flatness=bad)
+        with pytest.raises(ValueError, match=r"spec\.branch_flatness"):
+            SpecConfig(branch_flatness=bad)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -265,3 +268,50 @@ def test_clustered_guesses_keep_the_mean_whatever_the_measured_rate(
     model.alpha = alpha
     right = _guesses(model, np.random.default_rng(1).random(100_000))
     assert right.mean() == pytest.approx(alpha, abs=0.02)
+
+
+def test_gated_branches_cost_only_where_they_are_drafted() -> None:
+    """Branching only the unsure tokens (a fifth of them, holding 60% of the wrong ones)
+    keeps most of what branches save and little of what they cost: with a draft step that
+    makes branching every token a loss, the gated branches simulate faster than both."""
+    window = 16
+
+    def rate(**branches) -> float:
+        model = replace(bench_like(11e-3, **branches), draft_s=2.5e-3)
+        return statistics.mean(
+            simulate_pipeline(model, window, alone=True, seed=s) for s in range(6)
+        )
+
+    plain = rate()
+    every = rate(branch_depth=3, branch_hit=0.45)
+    gated = rate(branch_depth=3, branch_hit=0.45, branch_share=0.2, branch_cover=0.6)
+    assert every < plain < gated
+
+
+def test_the_controller_measures_which_tokens_it_branches() -> None:
+    gamma = GammaController(fixed=None, max_gamma=32, pipelined=True, alone=True)
+    gamma.branch_depth = 3
+    for i in range(98):
+        gamma.observe_flat(i % 4 == 0)  # a quarter of the drafted tokens unsure
+    for i in range(48):
+        gamma.observe_root(None if i % 3 == 0 else i % 2 == 0)  # a third wrong where sure
+    assert (gamma.branch_share, gamma.branch_cover) == (1.0, 1.0)  # not gated: every token
+    gamma.branch_gated = True
+    assert gamma.branch_share == pytest.approx(26 / 100)  # Laplace's rule: 25 of 98
+    assert gamma.branch_cover == pytest.approx(33 / 50)  # 32 of 48
+    assert gamma.pipeline_model().branch_share == gamma.branch_share
+
+
+def test_the_gated_simulation_branches_the_shares_it_is_given() -> None:
+    from spec_decoding.gamma import _branched, _guesses
+
+    model = PipelineModel(alpha=0.75, draft_s=1e-3, verify_base_s=9e-3, verify_per_token_s=9e-4,
+                          one_way_s=0.01, branch_depth=3, branch_share=0.25,
+                          branch_cover=0.6)  # fmt: skip
+    rng = np.random.default_rng(0)
+    right = _guesses(model, rng.random(200_000))
+    branched = _branched(model, right, rng)
+    assert branched.mean() == pytest.approx(0.25, abs=0.01)
+    assert branched[~right].mean() == pytest.approx(0.6, abs=0.01)
+    ungated = replace(model, branch_share=1.0, branch_cover=1.0)
+    assert _branched(ungated, right, rng).all()
