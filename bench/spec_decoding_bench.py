@@ -225,19 +225,44 @@ def verify_ms(model: Any, prompt: list[int], sizes: tuple[int, ...]) -> dict[int
     return {k: step_ms(model, prompt, steps=12, drafted=k) for k in sizes}
 
 
+FLATNESS = (0.5, 0.62, 0.75, 0.8, 0.9)
+"""`--costs`: thresholds of p2 / p1 at which the draft's unsureness is reported."""
+
+
 @torch.inference_mode()
-def greedy_agreement(target: Any, draft: Any, prompts: list[list[int]], max_new: int) -> float:
+def greedy_agreement(
+    target: Any, draft: Any, prompts: list[list[int]], max_new: int
+) -> tuple[float, dict[str, Any]]:
     """Share of positions of the target's greedy continuations where the draft's argmax (on the
-    same prefix) is the target's token: the greedy acceptance rate of a perfect pipeline."""
-    agree = total = 0
+    same prefix) is the target's token: the greedy acceptance rate of a perfect pipeline. And
+    where the draft is unsure (`spec.branch_flatness`): the share of positions whose p1 is
+    below 0.5, and for each p2 / p1 threshold the share of positions at or above it, the share
+    of the wrong guesses among those, and of the wrong guesses whose 2nd-best was right."""
+    right_all, ratio_all, p1_all, second_all = [], [], [], []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=target.device)
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                               do_sample=False, pad_token_id=0)  # fmt: skip
-        picked = draft(out.to(draft.device)).logits[0, len(prompt) - 1 : -1].argmax(-1)
-        agree += int((picked.to(out.device) == out[0, len(prompt) :]).sum())
-        total += out.shape[1] - len(prompt)
-    return agree / max(1, total)
+        logits = draft(out.to(draft.device)).logits[0, len(prompt) - 1 : -1].float()
+        top = logits.softmax(-1).topk(2)
+        truth = out[0, len(prompt) :].to(logits.device)
+        right_all.append(top.indices[:, 0] == truth)
+        second_all.append(top.indices[:, 1] == truth)
+        ratio_all.append(top.values[:, 1] / top.values[:, 0])
+        p1_all.append(top.values[:, 0])
+    right, second = torch.cat(right_all), torch.cat(second_all)
+    ratio, p1 = torch.cat(ratio_all), torch.cat(p1_all)
+    wrong = ~right
+    flat = {
+        str(at): {
+            "positions": float((ratio >= at).float().mean()),
+            "wrong": float(((ratio >= at) & wrong).sum() / wrong.sum().clamp(min=1)),
+            "second_right": float(((ratio >= at) & second).sum() / wrong.sum().clamp(min=1)),
+        }
+        for at in FLATNESS
+    }
+    calibration = {"p1_below_half": float((p1 < 0.5).float().mean()), "flatness": flat}
+    return float(right.float().mean()), calibration
 
 
 def costs_only(pairs: dict[str, Pair], num_prompts: int, max_new: int) -> dict[str, Any]:
@@ -253,7 +278,10 @@ def costs_only(pairs: dict[str, Pair], num_prompts: int, max_new: int) -> dict[s
         base, per_token, per_doubling = fit_verify_costs(
             (k + 1, ms / 1e3) for k, ms in fig["verify_ms"].items()
         )
-        fig["acceptance_greedy"] = greedy_agreement(pair.target, pair.draft, prompts, max_new)
+        wide = held_out_prompts(pair.tokenizer, count=HEADLINE_PROMPTS, tokens=32)
+        fig["acceptance_greedy"], fig["unsure"] = greedy_agreement(
+            pair.target, pair.draft, wide, max_new
+        )
         hf_generate(pair.target, prompts[:1], 8, pair.tokenizer)  # warm-up
         reference, seconds, _ = hf_generate(pair.target, prompts, max_new, pair.tokenizer)
         fig["target_only_tokens_per_s"] = sum(len(o) for o in reference) / seconds
@@ -276,6 +304,16 @@ def costs_only(pairs: dict[str, Pair], num_prompts: int, max_new: int) -> dict[s
             + f" ms; greedy acceptance {fig['acceptance_greedy']:.2f}; target alone "
             f"{fig['target_only_tokens_per_s']:.1f} tokens/s (HF generate); the pipeline model "
             f"predicts {fig['predicted_speedup']:.2f}x its step rate on loopback (window {window})"
+        )
+        unsure = fig["unsure"]
+        print(
+            f"{name} pair, where the draft is unsure: p1 < 0.5 at "
+            f"{unsure['p1_below_half']:.2f} of positions; "
+            + "; ".join(
+                f"p2/p1 >= {at}: {f['positions']:.2f} of positions, {f['wrong']:.2f} of the "
+                f"wrong guesses ({f['second_right']:.2f} with the 2nd-best right)"
+                for at, f in unsure["flatness"].items()
+            )
         )
         figures[name] = fig
     return figures
