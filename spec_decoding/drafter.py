@@ -182,7 +182,6 @@ class Drafter:
         self.branch_width = branch_width
         self.branch_flatness = branch_flatness
         gamma.branch_depth = self.branch_depth
-        gamma.branch_gated = bool(self.branch_depth and branch_flatness)
         gamma.pipelined = pipeline  # the window model or the rounds model picks gamma
         gamma.alone = pipeline and decode_alone
         self.conn = conn

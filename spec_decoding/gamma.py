@@ -285,8 +285,6 @@ class GammaController:
         self.branch_depth = 0
         """spec.branch_depth (set by a pipelined Drafter that branches; 0: no branches)."""
         self._roots = [0, 0]  # wrong tokens in flight with branch roots, and roots hit
-        self.branch_gated = False
-        """Set by a Drafter that branches only tokens it is unsure of (`branch_flatness`)."""
         self._flat = [0, 0]  # drafted tokens, and those unsure enough to branch
         self._covered = [0, 0]  # wrong drafted tokens, and those that had been branched
         self._after_wrong: deque[bool] = deque(maxlen=window)  # guesses right after a wrong
@@ -400,14 +398,20 @@ class GammaController:
         return (self._roots[1] + 1) / (self._roots[0] + 2)
 
     @property
+    def _gated(self) -> bool:
+        """Some drafted token went unbranched (`branch_flatness`): the shares are measured."""
+        return self._flat[1] < self._flat[0]
+
+    @property
     def branch_share(self) -> float:
-        """The share of drafted tokens branched (1 unless gated by flatness)."""
-        return (self._flat[1] + 1) / (self._flat[0] + 2) if self.branch_gated else 1.0
+        """The share of drafted tokens branched (1 while every one has been)."""
+        return (self._flat[1] + 1) / (self._flat[0] + 2) if self._gated else 1.0
 
     @property
     def branch_cover(self) -> float:
-        """The share of wrong drafted tokens that had been branched (1 unless gated)."""
-        return (self._covered[1] + 1) / (self._covered[0] + 2) if self.branch_gated else 1.0
+        """The share of wrong drafted tokens that had been branched (1 while every drafted
+        token has been)."""
+        return (self._covered[1] + 1) / (self._covered[0] + 2) if self._gated else 1.0
 
     def observe_draft(self, step_s: float) -> None:
         self._draft.append(step_s)

@@ -291,12 +291,15 @@ def test_gated_branches_cost_only_where_they_are_drafted() -> None:
 def test_the_controller_measures_which_tokens_it_branches() -> None:
     gamma = GammaController(fixed=None, max_gamma=32, pipelined=True, alone=True)
     gamma.branch_depth = 3
+    for _ in range(20):
+        gamma.observe_flat(True)  # every drafted token branched so far: not gated
+    assert (gamma.branch_share, gamma.branch_cover) == (1.0, 1.0)  # not gated: every token
+    gamma = GammaController(fixed=None, max_gamma=32, pipelined=True, alone=True)
+    gamma.branch_depth = 3
     for i in range(98):
         gamma.observe_flat(i % 4 == 0)  # a quarter of the drafted tokens unsure
     for i in range(48):
         gamma.observe_root(None if i % 3 == 0 else i % 2 == 0)  # a third wrong where sure
-    assert (gamma.branch_share, gamma.branch_cover) == (1.0, 1.0)  # not gated: every token
-    gamma.branch_gated = True
     assert gamma.branch_share == pytest.approx(26 / 100)  # Laplace's rule: 25 of 98
     assert gamma.branch_cover == pytest.approx(33 / 50)  # 32 of 48
     assert gamma.pipeline_model().branch_share == gamma.branch_share
