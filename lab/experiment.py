@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -30,8 +31,10 @@ from omegaconf import DictConfig
 
 from lab import registry
 from lab.cli import ConfigError, reported
-from lab.config import ClusterConfig, Endpoint, LabConfig, to_settings
+from lab.config import ClusterConfig, Endpoint, LabConfig, is_loopback, to_settings
 from lab.device import apply_num_threads, share_of_cores
+from lab import fence
+from lab.fence import Fence, loopback_fence
 from lab.launch import Role, ServiceGroup, free_port, launch, services, settings_role
 from lab.multirun import JOB_LABEL_ENV, job_label, sweep_keys
 
@@ -107,6 +110,10 @@ class Experiment:
     checkpoint_marker: str = "latest.json"
     """The file a checkpoint is complete with, somewhere in the run folder: Ctrl-C claims
     checkpoints only where one is."""
+    fenced: bool = False
+    """Some of its listeners are not authenticated by the run (TensorPipe's, Gloo's): a local
+    run puts them behind a fence (`lab.fence`): an address of its own that only this user's
+    processes reach."""
 
     @property
     def schema_name(self) -> str:
@@ -200,6 +207,22 @@ def warn_if_open(role: str, cluster: ClusterConfig, endpoints: Sequence[str]) ->
         )
 
 
+@contextlib.contextmanager
+def fenced(experiment: Experiment, settings: Any) -> Iterator[tuple[Any, Fence | None]]:
+    """A local run's settings with its endpoints on the fence's address, for the block (the
+    fence up): unchanged for an experiment whose listeners all authenticate."""
+    hosts = [getattr(settings.cluster, name).host for name in experiment.endpoints]
+    if not experiment.fenced or not all(is_loopback(host) for host in hosts):
+        yield settings, None
+        return
+    with loopback_fence() as fence:
+        moved = {
+            name: Endpoint(fence.address, getattr(settings.cluster, name).port)
+            for name in experiment.endpoints
+        }
+        yield replace(settings, cluster=replace(settings.cluster, **moved)), fence
+
+
 def _local_roles(
     experiment: Experiment, settings: Any, place: Placement | None
 ) -> tuple[Any, LocalPlan, list[Role]]:
@@ -236,16 +259,18 @@ def _local_roles(
 
 
 def run_local(experiment: Experiment, settings: Any, *, place: Placement | None = None) -> Metrics:
-    """Every role of `experiment` as its own process on this machine."""
-    local, plan, roles = _local_roles(experiment, settings, place)
-    if plan.main is None:
-        if plan.finish is None:
-            raise TypeError(f"{experiment.name}'s local plan has neither main nor finish")
-        launch(roles)
-        return plan.finish(local)
-    with services(roles) as group:
-        group.wait_ready(settings.cluster.connect_timeout_s + READY_TIMEOUT_S)
-        return plan.main(local, group)
+    """Every role of `experiment` as its own process on this machine (behind the fence, for an
+    experiment that has one)."""
+    with fenced(experiment, settings) as (settings, _):
+        local, plan, roles = _local_roles(experiment, settings, place)
+        if plan.main is None:
+            if plan.finish is None:
+                raise TypeError(f"{experiment.name}'s local plan has neither main nor finish")
+            launch(roles)
+            return plan.finish(local)
+        with services(roles) as group:
+            group.wait_ready(settings.cluster.connect_timeout_s + READY_TIMEOUT_S)
+            return plan.main(local, group)
 
 
 @contextlib.contextmanager
@@ -263,13 +288,14 @@ def serving(
     role; every server is stopped on leaving the block."""
     settings = to_settings(cfg, experiment.schema)
     experiment.check(settings)
-    local, _, roles = _local_roles(experiment, settings, place or placement_from_env())
-    servers = [role for role in roles if role.service]
-    if not servers:
-        raise TypeError(f"{experiment.name}'s local plan starts no servers")
-    with services(servers, out=out) as group:
-        group.wait_ready(settings.cluster.connect_timeout_s + READY_TIMEOUT_S)
-        yield local, group
+    with fenced(experiment, settings) as (settings, _):
+        local, _, roles = _local_roles(experiment, settings, place or placement_from_env())
+        servers = [role for role in roles if role.service]
+        if not servers:
+            raise TypeError(f"{experiment.name}'s local plan starts no servers")
+        with services(servers, out=out) as group:
+            group.wait_ready(settings.cluster.connect_timeout_s + READY_TIMEOUT_S)
+            yield local, group
 
 
 def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
@@ -281,11 +307,33 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
     label = _multirun_label()
     if label:
         os.environ[JOB_LABEL_ENV] = label
+    elif (restart := _namespace_restart(experiment, cfg)) is not None:
+        print(f"{experiment.name}: not root: re-running in a private network namespace "
+              f"(unshare -rn), where no other process of this host reaches its ports", flush=True)
+        done = subprocess.run(restart, env={**os.environ, fence.NAMESPACE_ENV: "1"}, check=False)
+        raise SystemExit(done.returncode)
     try:
         with reported(interrupted=interrupted_message(experiment, cfg)):
             return run(experiment, cfg)
     finally:
         os.environ.pop(JOB_LABEL_ENV, None)
+
+
+def _namespace_restart(experiment: Experiment, cfg: DictConfig) -> list[str] | None:
+    """The command that re-runs this one inside a private network namespace: a local run of a
+    fenced experiment by a user who cannot put up the nftables fence (`lab.fence`); None when
+    it needs none or none can be made (the run then says it is unfenced)."""
+    if not experiment.fenced or str(cfg.get("role", "local")) != "local":
+        return None
+    if fence.disabled() or fence.in_private_namespace() or fence.nftables_unavailable() is None:
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    if HydraConfig.initialized() and not any(a.startswith("hydra.run.dir=") for a in argv):
+        # the same run folder inside as out here
+        argv.append(f"hydra.run.dir={HydraConfig.get().runtime.output_dir}")
+    return fence.namespace_argv(argv)
 
 
 def _multirun_label() -> str:

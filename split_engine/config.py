@@ -10,7 +10,7 @@ from lab.config import check_choice, check_fields_positive
 BALANCES = ("params", "memory")
 WIRE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRANSPORTS = ("tcp", "auto")
-CHANNELS = ("auto", "network")
+CHANNELS = ("basic", "auto", "network")
 MAX_STAGES = 16
 MIN_RPC_THREADS = 4
 """Fewest TensorPipe threads a split run may ask for (see `SplitConfig.rpc_threads`)."""
@@ -43,12 +43,12 @@ class SplitConfig:
     transport: str = "tcp"
     """tcp: TensorPipe's TCP transport, as between real hosts; auto: TensorPipe picks (shared
     memory between processes of one host)."""
-    channels: str = "auto"
-    """What carries tensors over that transport. auto: TensorPipe's choice, which between
-    processes of one machine is `cma` (a direct copy, process_vm_readv: 4.6 vs 6.0 ms a token
-    on the 2-core EPYC, 2 stages); network: only `mpt_uv` and `basic`, what crosses real hosts
-    (`cma` cannot), so processes in network namespaces of one machine (`python -m labtools.hosts`)
-    really use their links."""
+    channels: str = "basic"
+    """What carries tensors over that transport. basic: tensors inline on the transport's one
+    connection, as between real hosts; the only choice that opens no listener but TensorPipe's
+    own (lab.fence). auto: TensorPipe's choice, `cma` (process_vm_readv) between processes of
+    one machine, plus `mpt_uv`'s 16 lane listeners a process; network: `mpt_uv`, then `basic`.
+    Both open those 16 more listeners, reachable by whoever reaches the run's address."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_stages <= MAX_STAGES:

@@ -9,12 +9,12 @@ SPLIT_ROLES = [
 ]
 """(host, role name, overrides): the driver hosts the rendezvous; a stage per other host."""
 
-ACROSS = ["model.lab_preset=debug", "split.num_stages=2", "split.channels=network",
-          "cluster.overlay.up=true", "num_threads=1"]  # fmt: skip
+ACROSS = ["model.lab_preset=debug", "split.num_stages=2", "cluster.overlay.up=true",
+          "num_threads=1"]  # fmt: skip
 """Across hosts, TensorPipe, Gloo and the store listen only inside the lab's WireGuard overlay
-(a curve's local calibration run, on loopback, needs none); tensors on TensorPipe's network
-channels, not cma's copy."""
+(a curve's local calibration run, on loopback, needs none); tensors inline on TensorPipe's
+connection (`split.channels=basic`, the default), not cma's copy."""
 
-DOCUMENTED = ("model.lab_preset=debug", "split.channels=network")
-"""A documented two-machine split command in the harness: the 2-layer debug model, tensors on
-TensorPipe's network channels."""
+DOCUMENTED = ("model.lab_preset=debug",)
+"""A documented two-machine split command in the harness: the 2-layer debug model, tensors
+inline on TensorPipe's connection (the default channel)."""

@@ -165,4 +165,5 @@ def split_experiment(
         local_threads=local_threads,
         resume=resume,
         resume_roles=("local", "driver"),
+        fenced=True,  # TensorPipe and Gloo take any connection: see lab.fence
     )

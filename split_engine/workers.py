@@ -34,6 +34,7 @@ import torch.distributed.rpc as rpc
 
 from lab.cli import ConfigError, UserError
 from lab.config import ClusterConfig, Endpoint, is_loopback
+from lab.fence import FenceError, nftables_fence
 from lab.netaddr import route_towards
 from netproto import Connection, Limits
 from netproto.auth import NONCE_BYTES, mac
@@ -438,6 +439,12 @@ def safe_master(
                 raise OverlayUnavailableError(f"cluster.overlay.up=true: {exc}") from None
             log.info("%s in the overlay at %s (%s)", stage_name(rank) if rank else DRIVER,
                      membership.address, membership.interface)  # fmt: skip
+            # the overlay keeps the network out; the fence keeps out this host's other users
+            try:
+                fence = stack.enter_context(nftables_fence(membership.address))
+            except FenceError as exc:
+                raise OverlayUnavailableError(f"cluster.overlay.up=true: {exc}") from None
+            log.info("%s", fence.describe())
             # our own interface, also where two roles share a host (the way to the hub's address
             # is then another role's interface)
             saved = {name: os.environ.get(name) for name in INTERFACE_VARIABLES}
@@ -471,6 +478,14 @@ def safe_master(
     yield master
 
 
+CHANNEL_LISTS: dict[str, list[str] | None] = {
+    "basic": ["basic"],
+    "auto": None,
+    "network": ["mpt_uv", "basic"],
+}
+"""`split.channels` -> TensorPipe's `_channels` (None: every channel it has)."""
+
+
 def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
     host = f"[{world.master.host}]" if ":" in world.master.host else world.master.host
     return rpc.TensorPipeRpcBackendOptions(
@@ -479,14 +494,15 @@ def _options(world: World) -> rpc.TensorPipeRpcBackendOptions:
         init_method=f"{RENDEZVOUS_SCHEME}://{host}:{world.master.port}",
         # TensorPipe's `uv` (TCP) transport, which is what crosses real hosts. Its default
         # on one host is shared memory, whose pollers cost more CPU than they save on a small
-        # box: per-token latency of a 2-stage split over loopback halved with `uv` (2 cores).
+        # box (per-token latency of a 2-stage split over loopback halved with `uv`, 2 cores),
+        # and which listens on an abstract unix socket that any process of the host reaches.
         _transports=None if world.split.transport == "auto" else ["uv"],
-        # The channels that carry tensors: left to itself TensorPipe also offers `cma`
-        # (process_vm_readv), which it picks whenever two processes share a boot id, so a run
-        # across network namespaces of one machine moved its tensors without touching the
-        # network. `network`: `mpt_uv` (multiplexed TCP, 16 more ports a process), then `basic`
-        # (tensors inline on the transport's connection), as between real hosts.
-        _channels=["mpt_uv", "basic"] if world.split.channels == "network" else None,
+        # The channels that carry tensors. `basic` (the default): inline on the transport's
+        # connection, TensorPipe's one listener and nothing more. Left to itself (`auto`)
+        # TensorPipe also offers `cma` (process_vm_readv), which it picks whenever two
+        # processes share a boot id, and `mpt_uv` (multiplexed TCP), which listens on 16 lane
+        # ports a process: junk sent to one aborted a stage (`Unexpected Encoding Type`).
+        _channels=CHANNEL_LISTS[world.split.channels],
     )
 
 
@@ -541,6 +557,19 @@ def joined(
         world.num_stages,
     )
 
+    if world.split.channels != "basic":
+        log.warning(
+            "split.channels=%s: TensorPipe's mpt_uv channel opens 16 more listeners in each "
+            "process, which whoever reaches the run's address reaches too (the default, basic, "
+            "opens none)",
+            world.split.channels,
+        )
+    if world.split.transport == "auto":
+        log.warning(
+            "split.transport=auto: TensorPipe's shared-memory transport listens on an abstract "
+            "unix socket, which every process in this network namespace reaches, whatever the "
+            "fence (the default, tcp, does not)"
+        )
     assembled = threading.Event()
 
     def watch() -> None:  # pragma: no cover - ends the process

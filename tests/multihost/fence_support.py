@@ -1,0 +1,170 @@
+"""What the fence tests share: a process as another local user, a local split run to attack, and
+the sockets a process tree listens on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+OTHER_UID = 65534
+"""`nobody`: another local user, as on a shared server."""
+
+
+def other_user_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "running a process as another user needs root"
+    if shutil.which("setpriv") is None:
+        return "no setpriv (util-linux)"
+    return None
+
+
+def as_other_user(argv: list[str], *, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Run `argv` as uid nobody. It keeps CAP_DAC_READ_SEARCH, a capability over files only, so
+    that it can read this checkout's interpreter and packages wherever they are (under /root,
+    mode 700, here): the network sees uid 65534, which is what the fence decides by."""
+    return subprocess.run(
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
+         "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", *argv],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1",
+             "HOME": "/tmp", "LAB_SECRET": ""},
+        capture_output=True, text=True, timeout=timeout_s, cwd="/tmp", check=False,
+    )  # fmt: skip
+
+
+def dial_as_other_user(targets: list[tuple[str, int]]) -> list[str]:
+    """For each (address, port): `connected` or why not, dialled as another user."""
+    script = (
+        "import json, socket, sys\n"
+        "out = []\n"
+        "for host, port in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        socket.create_connection((host, port), timeout=3).close(); out.append('connected')\n"
+        "    except OSError as exc:\n"
+        "        out.append(f'no connection: {exc}')\n"
+        "print(json.dumps(out))\n"
+    )
+    done = as_other_user([sys.executable, "-c", script, json.dumps(targets)])
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@dataclass
+class Listening:
+    pid: int
+    name: str
+    inet: list[tuple[str, int]] = field(default_factory=list)
+    unix: list[str] = field(default_factory=list)
+
+
+def listening(root_pid: int) -> list[Listening]:
+    """Every listening socket of `root_pid` and its descendants, by process."""
+    found = []
+    try:
+        procs = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for proc in procs:
+        try:
+            item = Listening(proc.pid, " ".join(proc.cmdline()[-3:]))
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    item.inet.append((conn.laddr.ip, conn.laddr.port))
+            for conn in proc.net_connections(kind="unix"):
+                # psutil cannot tell a listening unix socket; a bound, unconnected one is
+                if conn.laddr and not conn.raddr:
+                    item.unix.append(conn.laddr)
+        except psutil.NoSuchProcess:
+            continue
+        found.append(item)
+    return found
+
+
+FENCE_LINE = re.compile(r"fence: (nftables|none|a private network namespace)\S*.*? listens on ([0-9a-f.:]*[0-9a-f])")
+
+
+@dataclass
+class SplitRun:
+    proc: subprocess.Popen[str]
+    lines: list[str]
+    run_dir: Path
+
+    def wait_for(self, fragment: str, *, count: int = 1, timeout_s: float = 300.0) -> None:
+        """Until `count` lines hold `fragment` (the run failing first fails the test)."""
+        deadline = time.monotonic() + timeout_s
+        while sum(fragment in line for line in self.lines) < count:
+            assert self.proc.poll() is None, "the run ended early:\n" + "".join(self.lines[-40:])
+            assert time.monotonic() < deadline, f"no {fragment!r} after {timeout_s:.0f} s"
+            time.sleep(0.2)
+
+    @property
+    def address(self) -> str:
+        for line in self.lines:
+            match = FENCE_LINE.search(line)
+            if match:
+                return match.group(2)
+        raise AssertionError("the run said no fence line:\n" + "".join(self.lines[-40:]))
+
+    def stage_pids(self) -> dict[str, int]:
+        stages = {}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            with_rank = [a for a in child.cmdline() if a.startswith("split.rank=")]
+            if with_rank:
+                stages[f"stage{with_rank[0].split('=')[1]}"] = child.pid
+        return stages
+
+
+@contextmanager
+def split_run(
+    tmp: Path, *overrides: str, module: str = "split_training", env: dict[str, str] | None = None
+) -> Iterator[SplitRun]:
+    """A local split run in the background, its output collected; stopped on leaving."""
+    import threading
+
+    run_dir = tmp / f"run-{time.monotonic_ns()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "model.lab_preset=debug", "tracking.wandb=false",
+         "num_threads=1", f"hydra.run.dir={run_dir}", *overrides],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield SplitRun(proc, lines, run_dir)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(timeout=10)
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The training losses a split_training run recorded, step by step."""
+    from lab.records import read_records
+
+    records = read_records(run_dir / "metrics.jsonl")
+    return [r["loss"] for r in records if r.get("kind") == "metrics" and "loss" in r]
