@@ -308,8 +308,9 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
     if label:
         os.environ[JOB_LABEL_ENV] = label
     elif (restart := _namespace_restart(experiment, cfg)) is not None:
-        print(f"{experiment.name}: not root: re-running in a private network namespace "
-              f"(unshare -rn), where no other process of this host reaches its ports", flush=True)
+        why = fence.nftables_unavailable() or f"{fence.FENCE_ENV}=namespace"
+        print(f"{experiment.name}: re-running in a private network namespace (unshare -rn), "
+              f"where no other process of this host reaches its ports ({why})", flush=True)
         done = subprocess.run(restart, env={**os.environ, fence.NAMESPACE_ENV: "1"}, check=False)
         raise SystemExit(done.returncode)
     try:
@@ -325,7 +326,7 @@ def _namespace_restart(experiment: Experiment, cfg: DictConfig) -> list[str] | N
     it needs none or none can be made (the run then says it is unfenced)."""
     if not experiment.fenced or str(cfg.get("role", "local")) != "local":
         return None
-    if fence.disabled() or fence.in_private_namespace() or fence.nftables_unavailable() is None:
+    if not fence.wants_namespace():
         return None
     from hydra.core.hydra_config import HydraConfig
 

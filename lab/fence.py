@@ -50,7 +50,9 @@ LABEL_PREFIX = "lo:f"
 NAMESPACE_ENV = "LAB_FENCE_NAMESPACE"
 """Set in a run re-started inside its private namespace (so it does not re-start again)."""
 FENCE_ENV = "LAB_FENCE"
-"""`off`: no fence (a test's control arm, or a user who knows why); anything else: the default."""
+"""`off`: no fence (a test's control arm, or a user who knows why); `namespace`: the private
+namespace even where nftables could fence; unset (or anything else): nftables where it can,
+else the namespace."""
 
 Kind = Literal["nftables", "namespace", "none"]
 
@@ -110,6 +112,14 @@ def in_private_namespace() -> bool:
 
 def disabled() -> bool:
     return os.environ.get(FENCE_ENV, "").lower() in ("off", "0", "false")
+
+
+def wants_namespace() -> bool:
+    """Whether a local run should re-start in a private namespace: asked for, or nftables
+    cannot fence here (and it is not there already, nor the fence off)."""
+    if disabled() or in_private_namespace():
+        return False
+    return os.environ.get(FENCE_ENV, "").lower() == "namespace" or nftables_unavailable() is not None
 
 
 def _run(*argv: str, stdin: str | None = None) -> str:

@@ -69,6 +69,41 @@ class Listening:
     unix: list[str] = field(default_factory=list)
 
 
+def _hex_address(text: str) -> tuple[str, int]:
+    """/proc/net/tcp's `0100007F:1F90` (or tcp6's 32 hex digits) as (address, port)."""
+    import ipaddress
+
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+    return str(ipaddress.ip_address(words)), int(port, 16)
+
+
+def _process_listeners(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
+    """The TCP and unix sockets `pid` listens on, read from its own network namespace's tables
+    (/proc/PID/net/...: psutil reads the caller's, and misses a process in another namespace)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    inet = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                inet.append(_hex_address(fields[1]))
+    unix = []
+    for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[3], 16) & 0x10000 and fields[6] in inodes:  # __SO_ACCEPTCON: listening
+            unix.append(fields[7] if len(fields) > 7 else "(unnamed)")
+    return inet, unix
+
+
 def listening(root_pid: int) -> list[Listening]:
     """Every listening socket of `root_pid` and its descendants, by process."""
     found = []
@@ -78,17 +113,10 @@ def listening(root_pid: int) -> list[Listening]:
         return []
     for proc in procs:
         try:
-            item = Listening(proc.pid, " ".join(proc.cmdline()[-3:]))
-            for conn in proc.net_connections(kind="inet"):
-                if conn.status == psutil.CONN_LISTEN:
-                    item.inet.append((conn.laddr.ip, conn.laddr.port))
-            for conn in proc.net_connections(kind="unix"):
-                # psutil cannot tell a listening unix socket; a bound, unconnected one is
-                if conn.laddr and not conn.raddr:
-                    item.unix.append(conn.laddr)
-        except psutil.NoSuchProcess:
+            inet, unix = _process_listeners(proc.pid)
+            found.append(Listening(proc.pid, " ".join(proc.cmdline()[-3:]), inet, unix))
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             continue
-        found.append(item)
     return found
 
 

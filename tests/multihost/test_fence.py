@@ -76,26 +76,29 @@ def test_a_killed_launchers_fence_is_swept_by_the_next_run(tmp_path: Path) -> No
     assert f"inet {address}/32" not in _lo_addresses()
 
 
-def test_a_split_runs_listeners_are_on_its_address_only_and_fenced(tmp_path: Path) -> None:
+ARMS = {"nftables": {}, "namespace": {"LAB_FENCE": "namespace"}, "off": {"LAB_FENCE": "off"}}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_a_split_runs_listeners_are_on_its_address_only_and_fenced(
+    tmp_path: Path, arm: str
+) -> None:
     """Every listener of the run's processes is on the run's own address (TensorPipe's one,
-    Gloo's, the store's), none a unix socket; another user connects to none of them. Control
-    arm: with LAB_FENCE=off the same listeners take the same user's connections."""
-    for arm in ("fenced", "off"):
-        env = {"LAB_FENCE": "off"} if arm == "off" else {}
-        with split_run(tmp_path, "split.steps=400", "split.rpc_timeout_s=600",
-                       env=env) as run:  # fmt: skip
-            run.wait_for("joined the run", count=2)
-            address = run.address
-            time.sleep(1.0)  # Gloo's listeners follow TensorPipe's
-            found = listening(run.proc.pid)
-            inet = [(item.name, a) for item in found for a in item.inet]
-            assert len(inet) >= 3, found  # the store, and per process TensorPipe's and Gloo's
-            assert {host for _, (host, _) in inet} == {address}, inet
-            assert not [item for item in found if item.unix], found
-            if arm == "fenced":
-                assert address != "127.0.0.1"
-            dialled = dial_as_other_user([a for _, a in inet])
-            if arm == "fenced":
-                assert all(d.startswith("no connection") for d in dialled), dialled
-            else:
-                assert all(d == "connected" for d in dialled), dialled
+    Gloo's, the store's), none a unix socket; another user connects to none of them, behind
+    nftables or in the run's private namespace. Control arm: with LAB_FENCE=off the same
+    listeners take the same user's connections."""
+    with split_run(tmp_path, "split.steps=400", "split.rpc_timeout_s=600", env=ARMS[arm]) as run:
+        run.wait_for("joined the run", count=2)
+        address = run.address
+        time.sleep(1.0)  # Gloo's listeners follow TensorPipe's
+        found = listening(run.proc.pid)
+        inet = [(item.name, a) for item in found for a in item.inet]
+        assert len(inet) >= 3, found  # the store, and per process TensorPipe's and Gloo's
+        assert {host for _, (host, _) in inet} == {address}, inet
+        assert not [item for item in found if item.unix], found
+        assert (address != "127.0.0.1") == (arm == "nftables")
+        dialled = dial_as_other_user([a for _, a in inet])
+        if arm == "off":
+            assert all(d == "connected" for d in dialled), dialled
+        else:
+            assert all(d.startswith("no connection") for d in dialled), dialled
