@@ -355,6 +355,33 @@ def main() -> None:
         "same_tokens": latency["greedy_match"] == 1.0,
     }
 
+    # 1b. The fenced default's channel (basic: tensors inline on TensorPipe's one connection,
+    # no listener but its own) vs TensorPipe's own choice (auto: cma's direct copy between
+    # processes of one machine, mpt_uv's 16 lane listeners a process), alternated.
+    channel_ms: dict[str, list[float]] = {"basic": [], "auto": []}
+    for repeat, channels in itertools.product(range(1 if args.quick else 2), ("basic", "auto")):
+        measured = run_module(
+            "split_inference",
+            f"channels_{channels}_{repeat}",
+            [
+                f"model.pretrained={medium}",
+                "generate.num_prompts=4",
+                "generate.batch_size=1",
+                "generate.baseline=false",
+                f"generate.max_new_tokens={16 if args.quick else 64}",
+                f"split.channels={channels}",
+            ],
+        )
+        channel_ms[channels].append(measured["token_ms_p50"])
+    rows["decode, channels basic (default) vs auto"] = {
+        "ours": statistics.median(channel_ms["basic"]),
+        "baseline": statistics.median(channel_ms["auto"]),
+        "unit": "ms/token (p50, median of runs)",
+        "ratio": statistics.median(channel_ms["basic"]) / statistics.median(channel_ms["auto"]),
+        "target": "",
+        "runs": channel_ms,
+    }
+
     # 2. KV cache vs recomputing the prefix, up to 256 tokens of sequence.
     new = 64 if args.quick else 224
     cache_runs = {

@@ -6,9 +6,9 @@ import json
 import secrets
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from lab import registry
 from lab.records import step_metrics
@@ -51,6 +51,9 @@ class Exposure:
     """Per attack: one line per try (`connected` or why not)."""
     run_ok: bool
     detail: str
+    local: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per host: what another local user reached of the run's overlay listeners, with the
+    controls (`dial_as_local_user`)."""
 
     @property
     def reached(self) -> dict[str, int]:
@@ -90,6 +93,48 @@ with ThreadPoolExecutor(64) as pool:
     print(json.dumps(list(pool.map(dial, targets))))
 """
 """A stranger's tries, all at once: each (address, port, payload as hex) dialled within 3 s."""
+
+
+LOCAL_DIAL = """
+import json, os, socket, subprocess, sys
+
+def dial(target):
+    try:
+        socket.create_connection(tuple(target), timeout=3).close()
+        return "connected"
+    except OSError as exc:
+        return f"no connection: {exc}"
+
+if sys.argv[1] == "dial":
+    print(json.dumps([dial(t) for t in json.loads(sys.argv[2])]))
+    raise SystemExit
+overlay, lan, targets = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+controls = [socket.create_server((overlay, 0)), socket.create_server((lan, 0))]
+mine = [list(c.getsockname()[:2]) for c in controls]
+as_other = subprocess.run(
+    ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+     "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",
+     sys.executable, "-c", sys.argv[4], "dial",
+     json.dumps(targets + mine)],
+    capture_output=True, text=True, check=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+results = json.loads(as_other.stdout)
+print(json.dumps({"other user": results[:-2], "other user, unfenced LAN control": results[-1],
+                  "other user, overlay control": results[-2],
+                  "run's user, overlay control": dial(mine[0])}))
+"""
+"""On one host of the run, as root in its namespace: another local user (uid nobody) dials each
+of the run's listeners there and two control listeners of the script's own (one on the overlay
+address, fenced as the run's, one on the LAN address, not fenced); the run's own user dials the
+overlay control. Refused on the overlay address and connected on the LAN one says the fence,
+not the script, stops the other user; the run's user connecting says it stops by uid. (The other
+user keeps CAP_DAC_READ_SEARCH to read the interpreter under /root: files, not the network.)"""
+
+
+def dial_as_local_user(host: Host, overlay: str, targets: list[tuple[str, int]]) -> dict[str, Any]:
+    """What another local user of `host` reached of `targets` (see LOCAL_DIAL)."""
+    return dict(json.loads(host.run(
+        [sys.executable, "-c", LOCAL_DIAL, overlay, host.address, json.dumps(targets), LOCAL_DIAL],
+        timeout_s=120)))  # fmt: skip
 
 
 def exposed() -> list[str]:
@@ -145,6 +190,7 @@ def probe_exposure(
                     _ip("route", "replace", f"{item.address}/32", "via", lan[item.host],
                         netns=stranger.netns)  # fmt: skip
             attempts: dict[str, list[str]] = {name: [] for name in ATTACKS}
+            local: dict[str, dict[str, Any]] = {}
             targets: list[tuple[str, str, int, str]] = []
             for name, surface in ATTACKS.items():
                 payload = (b"\xff" * 16 if "0xff" in name else b"\x00" * 16).hex()
@@ -159,17 +205,22 @@ def probe_exposure(
                 timeout_s=120))  # fmt: skip
             for (name, address, port, _), result in zip(targets, dialled, strict=True):
                 attempts[name].append(f"{result} ({address}:{port})")
+            for host in hosts:  # another user on each host of the run
+                mine = [(i.address, i.port) for i in found if i.host == host.name
+                        and i.address.startswith(OVERLAY_PREFIX)]  # fmt: skip
+                if mine:
+                    local[host.name] = dial_as_local_user(host, mine[0][0], mine)
             _wait(roles.procs, list(roles.procs), max(1.0, deadline - time.monotonic()))
             steps = step_metrics(roles.run_dirs[scenario.result_role])
             run_ok, detail = bool(steps), f"{len(steps)} steps logged"
         except HostsError as exc:
-            attempts = {name: [] for name in ATTACKS}
+            attempts, local = {name: [] for name in ATTACKS}, {}
             run_ok, detail = False, f"failed: {exc} (logs in {out / 'run'})"
         finally:
             for name in scenario.hosts:
                 network[name].stop()
-    exposure = Exposure(found, attempts, run_ok, detail)
+    exposure = Exposure(found, attempts, run_ok, detail, local)
     (out / "exposure.json").write_text(json.dumps(
         {"listeners": [vars(item) for item in found], "attempts": attempts, "run_ok": run_ok,
-         "detail": detail}, indent=2))  # fmt: skip
+         "detail": detail, "local": local}, indent=2))  # fmt: skip
     return exposure

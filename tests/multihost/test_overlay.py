@@ -150,3 +150,17 @@ def test_a_stranger_on_the_lan_reaches_no_port_of_a_split_run(
     tries = exposure.attempts[attack]
     assert tries, f"no port of the run for {attack}"
     assert exposure.reached[attack] == 0, [t for t in tries if t.startswith("connected")]
+
+
+def test_another_local_user_reaches_no_port_of_a_split_run_on_its_host(exposure: Exposure) -> None:
+    """On every host of the run, another local user (uid nobody) reaches none of the run's
+    listeners on the host's overlay address (the fence, lab.fence); controls in the same
+    script: a listener of its own on the LAN address takes that user's connection, and one on
+    the overlay address takes the run's own user's."""
+    assert set(exposure.local) == {"desktop", "laptop", "pc"}, exposure.local
+    for host, reached in exposure.local.items():
+        assert reached["other user"], host
+        assert all(r.startswith("no connection") for r in reached["other user"]), (host, reached)
+        assert reached["other user, overlay control"].startswith("no connection"), reached
+        assert reached["other user, unfenced LAN control"] == "connected", (host, reached)
+        assert reached["run's user, overlay control"] == "connected", (host, reached)
