@@ -33,15 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from safetensors.torch import load_file
 
-from fed_learn.admission import Admission, ClientHandle, NotEnoughClientsError, Reply, Task
-from fed_learn.aggregate import combiner, mix, staleness_weight
+from fed_learn.admission import Admission, ClientHandle, Reply, Task
+from fed_learn.aggregate import combiner
+from fed_learn.async_rounds import run_async
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.privacy import Accountant, central_mean, run_noise_multiplier
 from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result
+from fed_learn.rounds import FIRST_ROUND_GRACE_S, progress_bar, round_averages
 from fed_learn.secure import SecureInbox, SecureRound
 from fed_learn.strategy import Strategy
 from fed_learn.updates import ANSWER_ERRORS, check_answer
@@ -57,16 +58,6 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 CLIENT_SENDS = frozenset({FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL})
 """What a client's session may read between rounds' answers (a RESULT opens one)."""
-FIRST_ROUND_GRACE_S = 30.0
-"""Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
-
-
-def _progress() -> Progress:
-    """A transient progress bar (the lab's one progress library, rich): shown on a terminal
-    while the work lasts, never left in logs."""
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), transient=True
-    )
 
 
 class Coordinator:
@@ -262,7 +253,7 @@ class Coordinator:
 
     def run_rounds(self, tracker: Tracker) -> dict[str, float]:
         if self.fed.mode == "async":
-            return self.run_async(tracker)
+            return run_async(self, tracker)
         rounds = self._rounds_to_run()
         rng = random.Random(self.settings.seed)
         history = self.history
@@ -457,159 +448,6 @@ class Coordinator:
             )
             entry["rounds"] += 1
 
-    def run_async(self, tracker: Tracker) -> dict[str, float]:
-        """Apply each update as it arrives, mixed in with a staleness-discounted weight.
-
-        Every alive client always has work: the moment its update is applied (or refused as
-        too stale) it gets the new global adapter. No round waits for a straggler. Each
-        `min_fit_clients` applied updates count as a round: evaluated, logged, checkpointed.
-        """
-        fed = self.fed
-        rounds = self._rounds_to_run()
-        initial_loss = self._initial_loss(tracker, rounds.start)
-        self.wait_for_clients(
-            fed.min_fit_clients,
-            hoped=fed.num_clients,
-            grace_s=min(FIRST_ROUND_GRACE_S, fed.wait_clients_s),
-        )
-        version = 0
-        versions = {version: adapter_state(self.model)}  # what clients may be training from
-        busy: dict[int, tuple[ClientHandle, Task]] = {}  # client_id -> it, its task (version)
-        history = self.history
-        applied, refused = 0, 0
-        staleness: list[int] = []
-        norms: list[float] = []  # of the applied updates (see fed.max_update_norm)
-        bytes_before = self.admission.traffic()
-        round_started = time.perf_counter()
-        coordinator_s = 0.0
-        last_arrival = time.monotonic()
-        self.round = rounds.start
-        with _progress() as progress:  # transient: gone once the rounds are
-            bar = progress.add_task("async rounds", total=len(rounds))
-            while self.round in rounds:
-                for client in self.alive_clients():  # idle (new or just reported): give it work
-                    if client.client_id in busy:
-                        continue
-                    send_started = time.perf_counter()
-                    task = self._send_task(client, version, versions[version])
-                    if task is not None:
-                        busy[client.client_id] = (client, task)
-                    coordinator_s += time.perf_counter() - send_started
-                arrived = False
-                for client, task in list(busy.values()):  # (a client gone keeps its marker)
-                    try:
-                        reply = client.results.get_nowait()
-                    except queue.Empty:
-                        continue
-                    if reply is not None and reply.task is not task:
-                        continue  # answers a task withdrawn earlier: not wanted
-                    arrived = True
-                    base = busy.pop(client.client_id)[1].round
-                    if reply is None:  # the client is gone
-                        continue
-                    work_started = time.perf_counter()
-                    stale = version - base
-                    if stale > fed.max_staleness:
-                        refused += 1
-                        log.info(
-                            "refused client %d's update: %d versions old (fed.max_staleness=%d)",
-                            client.client_id,
-                            stale,
-                            fed.max_staleness,
-                        )
-                        continue
-                    try:
-                        _result, full, norm = check_answer(
-                            reply, versions[base], strategy=self.strategy, fed=fed
-                        )
-                    except ANSWER_ERRORS as exc:
-                        log.warning(
-                            "refused client %d's answer: %s", client.client_id, peer_text(exc)
-                        )
-                        refused += 1
-                        continue
-                    weight = staleness_weight(
-                        stale, mixing=fed.async_mixing, exponent=fed.staleness_exponent
-                    )
-                    load_adapter_state(self.model, mix(versions[version], full, weight=weight))
-                    self._took_part(client)
-                    version += 1
-                    versions[version] = adapter_state(self.model)
-                    for old in [v for v in versions if v < version - fed.max_staleness]:
-                        del versions[old]
-                    applied += 1
-                    staleness.append(stale)
-                    norms.append(norm)
-                    coordinator_s += time.perf_counter() - work_started
-                    if applied % fed.min_fit_clients:
-                        continue
-                    eval_started = time.perf_counter()
-                    val_loss = evaluate(self.model, self.val_blocks)
-                    coordinator_s += time.perf_counter() - eval_started
-                    traffic = self.admission.traffic()
-                    metrics = {
-                        "val_loss": val_loss,
-                        "clients": float(fed.min_fit_clients),
-                        "applied": float(applied),
-                        "refused": float(refused),
-                        "mean_staleness": sum(staleness[-fed.min_fit_clients :])
-                        / fed.min_fit_clients,
-                        "max_staleness_applied": float(max(staleness)),
-                        "largest_update_norm": max(norms[-fed.min_fit_clients :]),
-                        "bytes_down": float(traffic[0] - bytes_before[0]),
-                        "bytes_up": float(traffic[1] - bytes_before[1]),
-                    }
-                    history.append(
-                        self._close_round(
-                            metrics,
-                            outcome=f"async: {applied} updates applied",
-                            started=round_started,
-                            coordinator_s=coordinator_s,
-                        )
-                    )
-                    tracker.log(metrics, step=self.round + 1)
-                    log.info(
-                        "async round %d/%d: val loss %.4f (applied %d, refused %d, staleness %s)",
-                        self.round + 1,
-                        rounds.stop,
-                        val_loss,
-                        applied,
-                        refused,
-                        staleness[-fed.min_fit_clients :],
-                    )
-                    self.round += 1
-                    progress.advance(bar)
-                    bytes_before, round_started, coordinator_s = traffic, time.perf_counter(), 0.0
-                    if self.round not in rounds:
-                        break
-                if arrived:
-                    last_arrival = time.monotonic()
-                elif time.monotonic() - last_arrival > fed.round_timeout_s:
-                    raise NotEnoughClientsError(
-                        f"no update arrived for fed.round_timeout_s={fed.round_timeout_s:.0f}s "
-                        f"({len(self.alive_clients())} clients alive)"
-                    )
-                else:
-                    time.sleep(0.02)
-        # Clients still training get to hand in (and have discarded) what they are working on,
-        # so that every client ends cleanly on FINISH rather than on a closed connection.
-        deadline = time.monotonic() + fed.round_timeout_s
-        for client, task in busy.values():
-            self._await_reply(client, task, deadline)
-            self._withdraw(client, task)
-        self._finish_clients()
-        final = history[-1] if history else {"val_loss": initial_loss}
-        return {
-            "initial_val_loss": initial_loss,
-            "final_val_loss": final["val_loss"],
-            "rounds": float(len(history)),
-            "applied": float(applied),
-            "refused": float(refused),
-            "dropped_results": float(self.admission.dropped_results()),
-            "max_staleness_applied": float(max(staleness, default=0)),
-            **round_averages(history),
-        }
-
     def _finish_clients(self) -> None:
         """Tell every live client that training is over (it then exits)."""
         self._finished.set()
@@ -643,7 +481,7 @@ class Coordinator:
         each. Tasks still unanswered then are withdrawn (a late answer is dropped)."""
         deadline = time.monotonic() + self.fed.round_timeout_s
         collected = Collected()
-        with _progress() as progress:  # transient: gone once the round is
+        with progress_bar() as progress:  # transient: gone once the round is
             for client in progress.track(sampled, description=f"round {self.round + 1}"):
                 task = tasks[client.client_id]
                 reply = self._await_reply(client, task, deadline) if task is not None else None
@@ -770,30 +608,3 @@ class Collected:
     def clients(self) -> int:
         """Clients whose updates the round took."""
         return len(self.updates) if self.secure_clients is None else self.secure_clients
-
-
-def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
-    """What a run's rounds averaged: clients, bytes up, and the coordinator's share of the
-    time (weighted by each round's length, so short rounds do not dominate)."""
-    if not history:
-        return {
-            "mean_clients_per_round": 0.0,
-            "bytes_up_per_round": 0.0,
-            "bytes_up_per_client_round": 0.0,
-            "coordinator_share": 0.0,
-            "mean_round_s": 0.0,
-        }
-    clients = sum(h["clients"] for h in history)
-    bytes_up = sum(h["bytes_up"] for h in history)
-    seconds = sum(h["round_s"] for h in history)
-    return {
-        "mean_clients_per_round": clients / len(history),
-        "bytes_up_per_round": bytes_up / len(history),
-        "bytes_up_per_client_round": bytes_up / clients if clients else 0.0,
-        "coordinator_share": (
-            sum(h["coordinator_share"] * h["round_s"] for h in history) / seconds
-            if seconds
-            else 0.0
-        ),
-        "mean_round_s": seconds / len(history),
-    }
