@@ -102,6 +102,8 @@ class ClientHandle:
     holds_frozen: bool = False
     """It was sent the whole adapter once on this connection: from then on it gets only the
     tensors the strategy trains (FFA-LoRA: B; its A never changes)."""
+    updates: int = 0
+    """Answers (updates, masked inputs) a round took from this session."""
     dropped: int = 0
     """RESULTs that answered no outstanding task (unsolicited, duplicate, late): dropped."""
     results: queue.Queue[Reply | None] = field(

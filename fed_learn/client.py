@@ -78,7 +78,7 @@ class LoRAClient:
                     self.rounds += 1
                     continue
                 try:
-                    client_round(
+                    self.rounds += client_round(
                         conn,
                         client_id=int(welcome["client_id"]),
                         task=task,
@@ -86,7 +86,6 @@ class LoRAClient:
                         weight=len(self.train_blocks),
                         timeout_s=timeout_s,
                     )
-                    self.rounds += 1
                 except RoundAbandoned as moved:
                     log.warning("round %d: the coordinator moved on", int(task["round"]) + 1)
                     pending = moved.message

@@ -41,9 +41,9 @@ from fed_learn.async_rounds import run_async
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.privacy import Accountant, central_mean, run_noise_multiplier
-from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result
+from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result, printable
 from fed_learn.rounds import FIRST_ROUND_GRACE_S, progress_bar, round_averages
-from fed_learn.secure import SecureInbox, SecureRound
+from fed_learn.secure import InputDigests, SecureInbox, SecureRound, Skipped
 from fed_learn.strategy import Strategy
 from fed_learn.updates import ANSWER_ERRORS, check_answer
 from lab import atomic
@@ -56,7 +56,9 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
-CLIENT_SENDS = frozenset({FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL})
+CLIENT_SENDS = frozenset(
+    {FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL, FedMsg.SKIP}
+)
 """What a client's session may read between rounds' answers (a RESULT opens one)."""
 
 
@@ -89,6 +91,10 @@ class Coordinator:
         """DP: the privacy spent over the rounds run (fed_learn.privacy)."""
         self.noise_multiplier = 0.0
         self.secure_inbox = SecureInbox()
+        self.input_digests = InputDigests()
+        """Every masked input taken in this run, by digest: a replay is refused by name."""
+        self.excluded: set[int] = set()
+        """Clients a secure round refused by name: left out of the run's later rounds."""
         """A secure round's step messages, from the sessions to the round (fed_learn.secure)."""
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
 
@@ -103,15 +109,22 @@ class Coordinator:
         try:
             while True:  # heartbeats (PINGs) are answered inside recv; silence means dead
                 message = conn.recv(expect=CLIENT_SENDS, timeout_s=timeout_s)
+                body = message.payload
+                if message.type == FedMsg.SKIP:  # in clear: it sits this secure round out
+                    reason = body.get("reason") if isinstance(body, dict) else None
+                    skipped = Skipped(printable(reason if isinstance(reason, str) else "?"))
+                    self._hand_in_secure(client, FedMsg.SA_MASKED, skipped, body)
+                    continue
                 if message.type != FedMsg.RESULT:  # a secure round's step
-                    self._hand_in_secure(client, message.type, message.payload)
+                    self._hand_in_secure(client, message.type, body, body)
                     continue
                 update = conn.recv(expect={FedMsg.UPDATE, FedMsg.SA_MASKED}, timeout_s=timeout_s)
                 if update.type == FedMsg.UPDATE:
-                    self._hand_in(client, message.payload, update.payload)
+                    self._hand_in(client, body, update.payload)
                 else:
                     masked = {k: v.clone() for k, v in update.payload.items()}
-                    self._hand_in_secure(client, FedMsg.SA_MASKED, (message.payload, masked))
+                    if self._hand_in_secure(client, FedMsg.SA_MASKED, (body, masked), body):
+                        client.updates += 1
         finally:
             self.admission.leave(client)
             self.secure_inbox.leave(client.client_id)
@@ -134,6 +147,7 @@ class Coordinator:
             with self._lock:
                 if client.task is task:  # not withdrawn meanwhile (the round ended)
                     client.task = None
+                    client.updates += 1
                     client.results.put_nowait(reply)
                     return
         with self._lock:
@@ -148,13 +162,13 @@ class Coordinator:
                 dropped,
             )
 
-    def _hand_in_secure(self, client: ClientHandle, kind: int, payload: Any) -> None:
-        """A secure round's step message: to the round if it answers `client`'s task there
-        (once per step), else dropped as a stray RESULT is."""
-        body = payload[0] if kind == FedMsg.SA_MASKED else payload
+    def _hand_in_secure(self, client: ClientHandle, kind: int, payload: Any, body: Any) -> bool:
+        """A secure round's step message (`body`: the JSON naming its task): to the round if it
+        answers `client`'s task there (once per step), else dropped as a stray RESULT is.
+        Whether the round took it."""
         task = body.get("task") if isinstance(body, dict) else None
         if self.secure_inbox.offer(client.client_id, kind, payload, task=task):
-            return
+            return True
         with self._lock:
             client.dropped += 1
             dropped = client.dropped
@@ -166,6 +180,7 @@ class Coordinator:
                 client.client_id,
                 dropped,
             )
+        return False
 
     def alive_clients(self) -> list[ClientHandle]:
         return self.admission.alive()
@@ -268,6 +283,7 @@ class Coordinator:
                 hoped=self.fed.num_clients if first else 0,
                 grace_s=min(FIRST_ROUND_GRACE_S, self.fed.wait_clients_s) if first else 0.0,
             )
+            alive = [c for c in alive if c.client_id not in self.excluded]
             size = max(self.fed.min_fit_clients, math.ceil(self.fed.fraction_fit * len(alive)))
             sampled = sorted(rng.sample(alive, min(size, len(alive))), key=lambda c: c.client_id)
             # The round's clock starts here, not while waiting for clients to join; the
@@ -353,7 +369,13 @@ class Coordinator:
         fed = self.fed
         trained = {name: global_state[name] for name in sorted(self.strategy.trained(global_state))}
         secure = SecureRound.for_round(
-            fed, self.secure_inbox, sampled, trained, self.round, self.noise_multiplier
+            fed,
+            self.secure_inbox,
+            sampled,
+            trained,
+            self.round,
+            self.noise_multiplier,
+            digests=self.input_digests,
         )
         numbers = {c.client_id: secrets.randbelow(2**53) for c in sampled}
         self.secure_inbox.open(numbers)
@@ -372,6 +394,15 @@ class Coordinator:
         for client in sampled:
             with self._lock:
                 client.task = None  # nothing more is awaited from it in this round
+            if client.client_id in outcome.named:  # it costs its own session, from now on
+                self.excluded.add(client.client_id)
+                log.warning(
+                    "round %d: client %d (%s) is excluded from the run's later rounds",
+                    self.round,
+                    client.client_id,
+                    client.name,
+                )
+                client.conn.interrupt()
         collected = Collected(
             results=outcome.results,
             failures=outcome.failures,

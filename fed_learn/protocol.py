@@ -9,7 +9,8 @@
     client -> coordinator  UPDATE   TENSORS  the client's adapter after local training
     coordinator -> client  FINISH   EMPTY    training is over
 With fed.secure_aggregation the round adds the SA_* steps of `fed_learn.secure` and the update
-travels masked (SA_MASKED) instead of as an UPDATE.
+travels masked (SA_MASKED) instead of as an UPDATE; a client whose training came out
+non-finite sends SKIP {"task", "reason"} instead, in clear, and sits the round out.
 Heartbeats are netproto PINGs from the client; only adapters ever cross the wire.
 
 "task" is a number the coordinator draws at random for each TASK; a RESULT answers the task
@@ -44,6 +45,7 @@ class FedMsg(IntEnum):
     SA_MASKED = 0x010C
     SA_UNMASK = 0x010D
     SA_REVEAL = 0x010E
+    SKIP = 0x010F
 
 
 SECURE_JSON = (
@@ -53,6 +55,7 @@ SECURE_JSON = (
     FedMsg.SA_BOXES,
     FedMsg.SA_UNMASK,
     FedMsg.SA_REVEAL,
+    FedMsg.SKIP,
 )
 """Secure aggregation's steps (fed_learn.secure), besides the masked input's TENSORS."""
 
