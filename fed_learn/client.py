@@ -31,12 +31,15 @@ class LoRAClient:
         *,
         name: str,
         seed: int = 0,
+        index: int | None = None,
     ) -> None:
         self.model = model
         self.train_blocks = train_blocks
         self.val_blocks = val_blocks
         self.name = name
         self.seed = seed
+        self.index = index
+        """The client index claimed at JOIN (None: none claimed)."""
         self.feedback = ErrorFeedback()
         self.rounds = 0
         """Rounds taken part in, over every session with the coordinator."""
@@ -55,7 +58,11 @@ class LoRAClient:
         try:
             welcome = conn.request(
                 FedMsg.JOIN,
-                {"name": self.name, "num_examples": len(self.train_blocks)},
+                {
+                    "name": self.name,
+                    "num_examples": len(self.train_blocks),
+                    **({} if self.index is None else {"client_index": self.index}),
+                },
                 expect=FedMsg.WELCOME,
             ).payload
             log.info(

@@ -35,14 +35,19 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from fed_learn.admission import Admission, ClientHandle, Reply, Task
+from fed_learn.admission import Admission, ClientHandle, NotEnoughClientsError, Reply, Task
 from fed_learn.aggregate import combiner
 from fed_learn.async_rounds import run_async
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.privacy import Accountant, central_mean, run_noise_multiplier
 from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result, printable
-from fed_learn.rounds import FIRST_ROUND_GRACE_S, progress_bar, round_averages
+from fed_learn.rounds import (
+    ATTEMPTS_PER_ROUND,
+    FIRST_ROUND_GRACE_S,
+    progress_bar,
+    round_averages,
+)
 from fed_learn.secure import InputDigests, SecureInbox, SecureRound, Skipped
 from fed_learn.strategy import Strategy
 from fed_learn.updates import ANSWER_ERRORS, check_answer
@@ -56,6 +61,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
+POLL_S = 0.01
+"""How often a round looks at its clients' answer queues when none had one."""
 CLIENT_SENDS = frozenset(
     {FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL, FedMsg.SKIP}
 )
@@ -275,7 +282,16 @@ class Coordinator:
         initial_loss = self._initial_loss(tracker, rounds.start)
         if self.fed.dp.enabled:
             self.noise_multiplier = run_noise_multiplier(self.fed)
-        for round_index in rounds:
+        attempts, round_index = 0, rounds.start
+        while round_index < rounds.stop:
+            if attempts >= ATTEMPTS_PER_ROUND * self.fed.rounds:
+                self._finish_clients()
+                raise NotEnoughClientsError(
+                    f"{attempts} round attempts ({ATTEMPTS_PER_ROUND} x fed.rounds) and only "
+                    f"{round_index - rounds.start} of {len(rounds)} rounds had an update: "
+                    "the clients sampled left or failed before sending one"
+                )
+            attempts += 1
             self.round = round_index  # sessions read it: a client joining now starts next round
             first = round_index == rounds.start  # give the whole roster a moment to join
             alive = self.wait_for_clients(
@@ -301,6 +317,18 @@ class Coordinator:
                 collected = self._collect(sampled, tasks, global_state)
                 aggregate_started = time.perf_counter()
             updates, results = collected.updates, collected.results
+            if collected.arrived == 0:
+                log.warning(
+                    "round %d: no update came (%d sampled clients failed or left): attempt %d "
+                    "of at most %d, not counted as a round",
+                    self.round + 1,
+                    len(collected.failures),
+                    attempts,
+                    ATTEMPTS_PER_ROUND * self.fed.rounds,
+                )
+                continue
+            self.admission.round_counted()
+            round_index += 1
             if self.fed.secure_aggregation:
                 pass  # the round unmasked its sum and loaded it (or said why not)
             elif len(updates) >= self.fed.min_fit_clients:
@@ -409,6 +437,7 @@ class Coordinator:
             refused=outcome.refused,
             largest_norm=math.nan,  # masked: the coordinator never sees one update
             secure_clients=len(outcome.participants),
+            secure_inputs=outcome.inputs,
         )
         if outcome.merged is None:
             return collected, f"kept previous adapter ({outcome.reason})", secure.coordinator_s
@@ -508,38 +537,84 @@ class Coordinator:
         tasks: dict[int, Task | None],
         global_state: dict[str, torch.Tensor],
     ) -> Collected:
-        """Wait for the sampled clients' answers until the round's deadline; admit or refuse
-        each. Tasks still unanswered then are withdrawn (a late answer is dropped)."""
+        """Wait for the round's answers until its deadline; admit or refuse each. A round
+        closes on fed.min_fit_clients updates (or its deadline), never on sessions that left:
+        while the updates taken and those awaited are fewer, it asks clients it has not asked
+        yet, newcomers included (appended to `sampled`). Tasks still unanswered at the
+        deadline are withdrawn (a late answer is dropped)."""
         deadline = time.monotonic() + self.fed.round_timeout_s
+        need = self.fed.min_fit_clients
         collected = Collected()
+        waiting = {c.client_id: (c, t) for c in sampled if (t := tasks[c.client_id]) is not None}
+        collected.failures += [c.client_id for c in sampled if tasks[c.client_id] is None]
+        asked = {c.client_id for c in sampled}
         with progress_bar() as progress:  # transient: gone once the round is
-            for client in progress.track(sampled, description=f"round {self.round + 1}"):
-                task = tasks[client.client_id]
-                reply = self._await_reply(client, task, deadline) if task is not None else None
-                if task is not None:
+            bar = progress.add_task(f"round {self.round + 1}", total=len(asked))
+            while time.monotonic() < deadline:
+                for client in self.alive_clients():  # top up: those asked left or failed
+                    if len(collected.updates) + len(waiting) >= need:
+                        break
+                    if client.client_id in asked or client.client_id in self.excluded:
+                        continue
+                    asked.add(client.client_id)
+                    sampled.append(client)
+                    task = self._send_task(client, self.round, global_state)
+                    if task is not None:
+                        waiting[client.client_id] = (client, task)
+                progress.update(bar, total=len(asked))
+                if not waiting and len(collected.updates) >= need:
+                    break
+                arrived = False
+                for client_id, (client, task) in list(waiting.items()):
+                    try:
+                        reply = client.results.get_nowait()
+                    except queue.Empty:
+                        continue
+                    if reply is None:  # gone for good: the marker stays for whoever waits next
+                        client.results.put_nowait(None)
+                    elif reply.task is not task:
+                        continue  # answers a task withdrawn earlier: not wanted
+                    arrived = True
+                    del waiting[client_id]
                     self._withdraw(client, task)
-                if reply is None:  # gone, unreachable or too late
-                    collected.failures.append(client.client_id)
-                    continue
-                try:
-                    result, update, norm = check_answer(
-                        reply, global_state, strategy=self.strategy, fed=self.fed
-                    )
-                except ANSWER_ERRORS as exc:
-                    log.warning(
-                        "round %d: refused client %d's answer: %s",
-                        self.round,
-                        client.client_id,
-                        peer_text(exc),
-                    )
-                    collected.failures.append(client.client_id)
-                    collected.refused += 1
-                    continue
-                collected.results.append(result)
-                collected.updates.append((update, self._weight(client, result)))
-                self._took_part(client)
-                collected.largest_norm = max(collected.largest_norm, norm)
+                    progress.advance(bar)
+                    if reply is None:
+                        collected.failures.append(client_id)
+                    else:
+                        self._take(client, reply, global_state, collected)
+                if not arrived:
+                    time.sleep(POLL_S)
+        for client, task in waiting.values():  # too late
+            self._withdraw(client, task)
+            collected.failures.append(client.client_id)
         return collected
+
+    def _take(
+        self,
+        client: ClientHandle,
+        reply: Reply,
+        global_state: dict[str, torch.Tensor],
+        collected: Collected,
+    ) -> None:
+        """Admit `client`'s answer into `collected`, or refuse it (its failure, counted)."""
+        try:
+            result, update, norm = check_answer(
+                reply, global_state, strategy=self.strategy, fed=self.fed
+            )
+        except ANSWER_ERRORS as exc:
+            log.warning(
+                "round %d: refused client %d's answer: %s",
+                self.round,
+                client.client_id,
+                peer_text(exc),
+            )
+            collected.failures.append(client.client_id)
+            collected.refused += 1
+            return
+        collected.results.append(result)
+        collected.updates.append((update, self._weight(client, result)))
+        self._took_part(client)
+        collected.largest_norm = max(collected.largest_norm, norm)
 
     @staticmethod
     def _await_reply(client: ClientHandle, task: Task, deadline: float) -> Reply | None:
@@ -634,6 +709,14 @@ class Collected:
     """The largest admitted update's norm (see fed.max_update_norm)."""
     secure_clients: int | None = None
     """A secure round: the clients whose inputs its sum holds (it has no `updates`)."""
+    secure_inputs: int = 0
+    """A secure round: the masked inputs it took (its sum may still have been refused)."""
+
+    @property
+    def arrived(self) -> int:
+        """Answers that came, taken or refused: a round with none is not counted."""
+        taken = len(self.updates) if self.secure_clients is None else self.secure_inputs
+        return taken + self.refused
 
     @property
     def clients(self) -> int:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+ATTEMPTS_PER_ROUND = 3
+"""A round that got no update does not count; a run gives up after this many attempts per
+round of fed.rounds."""
 FIRST_ROUND_GRACE_S = 30.0
 """Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
 

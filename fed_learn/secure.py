@@ -400,6 +400,8 @@ class SecureOutcome:
     reason: str = ""
     named: list[int] = field(default_factory=list)
     """The clients refused by name (the run excludes them from its later rounds)."""
+    inputs: int = 0
+    """Masked inputs taken (the round may still have failed after them)."""
 
 
 class SecureRound:
@@ -534,7 +536,14 @@ class SecureRound:
         except secagg.RoundFailed as exc:
             log.warning("round %d: secure aggregation failed: %s", self.params.round, exc)
             return SecureOutcome(
-                None, [], [], sorted(self.failures), self.refused, str(exc), sorted(self.named)
+                None,
+                [],
+                [],
+                sorted(self.failures),
+                self.refused,
+                str(exc),
+                sorted(self.named),
+                len(self.server.inputs),
             )
         finally:
             self.inbox.close()
@@ -667,6 +676,7 @@ class SecureRound:
             sorted(self.failures),
             self.refused,
             named=sorted(self.named),
+            inputs=len(server.inputs),
         )
 
     def _enough(self, present: Mapping[int, Any], what: str) -> None:

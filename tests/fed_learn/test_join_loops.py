@@ -231,7 +231,11 @@ def test_a_checkpoint_taken_while_clients_join_and_leave_does_not_raise(
     """Thread switches forced every 10 microseconds: a read of the client table without the
     lock meets a JOIN changing it ("dictionary changed size during iteration")."""
     settings = settings_for(
-        tmp_path, lab_cache, join_burst_per_address=10**6, join_rate_per_address=10**6
+        tmp_path,
+        lab_cache,
+        join_burst_per_address=10**6,
+        join_rate_per_address=10**6,
+        idle_join_budget=10**6,
     )
     settings = replace(settings, cluster=ClusterConfig())  # no handshake: JOINs come faster
     coordinator, server = coordinator_server(settings)
