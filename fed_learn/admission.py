@@ -6,10 +6,11 @@ one ERROR frame, as does a malformed one. An admitted client gets an id never gi
 a place in the client table, with what it declared at JOIN capped by
 `fed.max_examples_per_client`.
 
-A session that ends without handing in an update is charged to its address range (IPv4 /24,
-IPv6 /64, all of 127/8 as one: `address_range`) and to the client index its JOIN claims (one
-shared charge for no claim or one past fed.num_clients); past `fed.idle_join_budget` charges
-either one's JOINs are refused until a round counts (`JoinBudget`). Any secret holder can claim
+A JOIN is charged to its address range (IPv4 /24, IPv6 /64, all of 127/8 as one:
+`address_range`) and to the client index it claims (one shared charge for no claim or one past
+fed.num_clients), and the charge is given back when the session hands in its first update: past
+`fed.idle_join_budget` charges either one's JOINs are refused until a round counts
+(`JoinBudget`). Any secret holder can claim
 any index, so it can spend another client's index budget: that costs the other's reconnection,
 not a round in progress (a round closes on updates, never on sessions that left).
 
@@ -69,9 +70,9 @@ def address_range(host: str) -> str:
 
 
 class JoinBudget:
-    """Charges for sessions that ended with no update, per address range and per claimed
-    index; a JOIN is refused while either is spent. Cleared when a round counts. Not
-    thread-safe: the caller holds a lock."""
+    """Charges for JOINs whose session has handed in no update (yet), per address range and
+    per claimed index; a JOIN is refused while either is spent. Cleared when a round counts.
+    Not thread-safe: the caller holds a lock."""
 
     def __init__(self, *, budget: int, num_clients: int) -> None:
         self.budget = budget
@@ -92,6 +93,11 @@ class JoinBudget:
     def charge(self, host: str, index: int | None) -> None:
         for key in self.keys(host, index):
             self._charges[key] = self._charges.get(key, 0) + 1
+
+    def refund(self, host: str, index: int | None) -> None:
+        for key in self.keys(host, index):
+            if self._charges.get(key, 0) > 0:
+                self._charges[key] -= 1
 
     def refill(self) -> None:
         self._charges.clear()
@@ -222,11 +228,13 @@ class Admission:
             spent = self.budget.spent(conn.peer_host, hello.client_index)
             self.budget_refused += spent is not None
             refused = self.budget_refused
+            if spent is None:  # given back with its first update
+                self.budget.charge(conn.peer_host, hello.client_index)
         if spent is not None:
             conn.send_error(
                 "rate_limited",
-                f"{spent} has had {self.budget.budget} sessions end with no update since the "
-                "last round (fed.idle_join_budget); try again after the next round",
+                f"{spent} has {self.budget.budget} sessions that sent no update since the last "
+                "round (fed.idle_join_budget); try again after the next round",
                 request_id=join.request_id,
             )
             if refused & (refused - 1) == 0:
@@ -268,8 +276,13 @@ class Admission:
                 received + client.conn.bytes_received,
             )
             self._departed_dropped += client.dropped
-            if client.updates == 0:  # it came and went with nothing: its range and index pay
-                self.budget.charge(client.conn.peer_host, client.index)
+
+    def took_update(self, client: ClientHandle) -> None:
+        """A round took an answer from `client`'s session: its JOIN's charge comes back with
+        the first. The caller holds the lock."""
+        client.updates += 1
+        if client.updates == 1:
+            self.budget.refund(client.conn.peer_host, client.index)
 
     def round_counted(self) -> None:
         """A round had updates: every range and index gets its budget back."""

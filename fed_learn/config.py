@@ -132,7 +132,7 @@ class FedConfig:
     Never fewer than num_clients: a whole roster behind one address (a local run, a NAT, a
     restarted coordinator's clients dialing again) joins together."""
     idle_join_budget: int = 16
-    """Sessions that may end with no update handed in, per address range (IPv4 /24, IPv6 /64,
+    """JOINs whose session has handed in no update, per address range (IPv4 /24, IPv6 /64,
     all of 127/8 as one) and per claimed client index, between two rounds that count; past it
     that range's or index's JOINs are refused. Never fewer than num_clients. Any secret holder
     can claim any index, so it can spend another client's index budget (its reconnection)."""

@@ -131,7 +131,8 @@ class Coordinator:
                 else:
                     masked = {k: v.clone() for k, v in update.payload.items()}
                     if self._hand_in_secure(client, FedMsg.SA_MASKED, (body, masked), body):
-                        client.updates += 1
+                        with self._lock:
+                            self.admission.took_update(client)
         finally:
             self.admission.leave(client)
             self.secure_inbox.leave(client.client_id)
@@ -154,7 +155,7 @@ class Coordinator:
             with self._lock:
                 if client.task is task:  # not withdrawn meanwhile (the round ended)
                     client.task = None
-                    client.updates += 1
+                    self.admission.took_update(client)
                     client.results.put_nowait(reply)
                     return
         with self._lock:
