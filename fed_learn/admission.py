@@ -6,6 +6,14 @@ one ERROR frame, as does a malformed one. An admitted client gets an id never gi
 a place in the client table, with what it declared at JOIN capped by
 `fed.max_examples_per_client`.
 
+A JOIN is charged to its address range (IPv4 /24, IPv6 /64, all of 127/8 as one:
+`address_range`) and to the client index it claims (one shared charge for no claim or one past
+fed.num_clients), and the charge is given back when the session hands in its first update: past
+`fed.idle_join_budget` charges either one's JOINs are refused until a round counts
+(`JoinBudget`). Any secret holder can claim
+any index, so it can spend another client's index budget: that costs the other's reconnection,
+not a round in progress (a round closes on updates, never on sessions that left).
+
 Nor does a client's coming and going cost more than its stay: a client that leaves is dropped
 from the table with its connection and buffers (its id is never given again), and what it
 counted for (bytes, dropped RESULTs) stays in the totals. Every reader of the table holds the
@@ -14,6 +22,7 @@ lock its writers hold; the coordinator's rounds take the same lock (`Admission.l
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import queue
@@ -42,6 +51,56 @@ number of addresses; a forgotten one starts again with a full bucket."""
 
 class NotEnoughClientsError(UserError, RuntimeError):
     """Fewer than `fed.min_fit_clients` clients connected within `fed.wait_clients_s`."""
+
+
+def address_range(host: str) -> str:
+    """The range a host's update-less JOINs are charged to: its IPv4 /24 (all of 127/8 as one:
+    any local process can bind any of it), its IPv6 /64."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    if address.is_loopback:
+        return "127.0.0.0/8"
+    return str(ipaddress.IPv4Network((address, 24), strict=False))
+
+
+class JoinBudget:
+    """Charges for JOINs whose session has handed in no update (yet), per address range and
+    per claimed index; a JOIN is refused while either is spent. Cleared when a round counts.
+    Not thread-safe: the caller holds a lock."""
+
+    def __init__(self, *, budget: int, num_clients: int) -> None:
+        self.budget = budget
+        self.num_clients = num_clients
+        self._charges: dict[str, int] = {}
+
+    def keys(self, host: str, index: int | None) -> tuple[str, str]:
+        listed = index is not None and 0 <= index < self.num_clients
+        return address_range(host), f"index {index}" if listed else "index unlisted"
+
+    def spent(self, host: str, index: int | None) -> str | None:
+        """Which of `host`'s range and `index` has no budget left, or None."""
+        for key in self.keys(host, index):
+            if self._charges.get(key, 0) >= self.budget:
+                return key
+        return None
+
+    def charge(self, host: str, index: int | None) -> None:
+        for key in self.keys(host, index):
+            self._charges[key] = self._charges.get(key, 0) + 1
+
+    def refund(self, host: str, index: int | None) -> None:
+        for key in self.keys(host, index):
+            if self._charges.get(key, 0) > 0:
+                self._charges[key] -= 1
+
+    def refill(self) -> None:
+        self._charges.clear()
 
 
 class JoinLimiter:
@@ -96,12 +155,16 @@ class ClientHandle:
     """As declared at JOIN, capped by fed.max_examples_per_client: the most weight it gets."""
     conn: Connection
     joined_round: int
+    index: int | None = None
+    """The client index its JOIN claimed (anyone's to claim: it only picks a budget)."""
     alive: bool = True
     task: Task | None = None
     """The one task it has outstanding (no RESULT is taken from it otherwise)."""
     holds_frozen: bool = False
     """It was sent the whole adapter once on this connection: from then on it gets only the
     tensors the strategy trains (FFA-LoRA: B; its A never changes)."""
+    updates: int = 0
+    """Answers (updates, masked inputs) a round took from this session."""
     dropped: int = 0
     """RESULTs that answered no outstanding task (unsolicited, duplicate, late): dropped."""
     results: queue.Queue[Reply | None] = field(
@@ -124,6 +187,11 @@ class Admission:
             burst=max(fed.join_burst_per_address, fed.num_clients),
         )
         self.joins_refused = 0
+        self.budget = JoinBudget(
+            budget=max(fed.idle_join_budget, fed.num_clients), num_clients=fed.num_clients
+        )
+        """Update-less sessions per address range and claimed index (see the module)."""
+        self.budget_refused = 0
         self._departed_traffic = (0, 0)  # bytes (sent, received) of the clients that left
         self._departed_dropped = 0  # RESULTs dropped from the clients that left
 
@@ -157,12 +225,29 @@ class Admission:
             return None
         num_examples = min(hello.num_examples, self.fed.max_examples_per_client)
         with self.lock:
+            spent = self.budget.spent(conn.peer_host, hello.client_index)
+            self.budget_refused += spent is not None
+            refused = self.budget_refused
+            if spent is None:  # given back with its first update
+                self.budget.charge(conn.peer_host, hello.client_index)
+        if spent is not None:
+            conn.send_error(
+                "rate_limited",
+                f"{spent} has {self.budget.budget} sessions that sent no update since the last "
+                "round (fed.idle_join_budget); try again after the next round",
+                request_id=join.request_id,
+            )
+            if refused & (refused - 1) == 0:
+                log.warning("refused a JOIN: %s spent its budget (%d so far)", spent, refused)
+            return None
+        with self.lock:
             client = ClientHandle(
                 client_id=next(self._client_ids),
                 name=hello.name,
                 num_examples=num_examples,
                 conn=conn,
                 joined_round=at_round(),
+                index=hello.client_index,
             )
             self.clients[client.client_id] = client
             self._joined.notify_all()
@@ -191,6 +276,18 @@ class Admission:
                 received + client.conn.bytes_received,
             )
             self._departed_dropped += client.dropped
+
+    def took_update(self, client: ClientHandle) -> None:
+        """A round took an answer from `client`'s session: its JOIN's charge comes back with
+        the first. The caller holds the lock."""
+        client.updates += 1
+        if client.updates == 1:
+            self.budget.refund(client.conn.peer_host, client.index)
+
+    def round_counted(self) -> None:
+        """A round had updates: every range and index gets its budget back."""
+        with self.lock:
+            self.budget.refill()
 
     def alive(self) -> list[ClientHandle]:
         with self.lock:

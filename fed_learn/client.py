@@ -31,12 +31,15 @@ class LoRAClient:
         *,
         name: str,
         seed: int = 0,
+        index: int | None = None,
     ) -> None:
         self.model = model
         self.train_blocks = train_blocks
         self.val_blocks = val_blocks
         self.name = name
         self.seed = seed
+        self.index = index
+        """The client index claimed at JOIN (None: none claimed)."""
         self.feedback = ErrorFeedback()
         self.rounds = 0
         """Rounds taken part in, over every session with the coordinator."""
@@ -55,7 +58,11 @@ class LoRAClient:
         try:
             welcome = conn.request(
                 FedMsg.JOIN,
-                {"name": self.name, "num_examples": len(self.train_blocks)},
+                {
+                    "name": self.name,
+                    "num_examples": len(self.train_blocks),
+                    **({} if self.index is None else {"client_index": self.index}),
+                },
                 expect=FedMsg.WELCOME,
             ).payload
             log.info(
@@ -78,7 +85,7 @@ class LoRAClient:
                     self.rounds += 1
                     continue
                 try:
-                    client_round(
+                    self.rounds += client_round(
                         conn,
                         client_id=int(welcome["client_id"]),
                         task=task,
@@ -86,7 +93,6 @@ class LoRAClient:
                         weight=len(self.train_blocks),
                         timeout_s=timeout_s,
                     )
-                    self.rounds += 1
                 except RoundAbandoned as moved:
                     log.warning("round %d: the coordinator moved on", int(task["round"]) + 1)
                     pending = moved.message

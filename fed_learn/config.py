@@ -131,6 +131,11 @@ class FedConfig:
     """JOINs one address may make at once (a token bucket refilled at join_rate_per_address).
     Never fewer than num_clients: a whole roster behind one address (a local run, a NAT, a
     restarted coordinator's clients dialing again) joins together."""
+    idle_join_budget: int = 16
+    """JOINs whose session has handed in no update, per address range (IPv4 /24, IPv6 /64,
+    all of 127/8 as one) and per claimed client index, between two rounds that count; past it
+    that range's or index's JOINs are refused. Never fewer than num_clients. Any secret holder
+    can claim any index, so it can spend another client's index budget (its reconnection)."""
     compression: str = "none"
     """none | topk | topk_int8: clients send the top-k of their update (delta from the global
     adapter), keeping the rest as error feedback for later rounds; int8 also quantizes it."""
@@ -215,6 +220,7 @@ class FedConfig:
                 "max_examples_per_client",
                 "eval_blocks",
                 "join_burst_per_address",
+                "idle_join_budget",
             ),
         )
         if not 0 < self.fraction_fit <= 1:

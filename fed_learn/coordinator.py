@@ -33,16 +33,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from safetensors.torch import load_file
 
 from fed_learn.admission import Admission, ClientHandle, NotEnoughClientsError, Reply, Task
-from fed_learn.aggregate import combiner, mix, staleness_weight
+from fed_learn.aggregate import combiner
+from fed_learn.async_rounds import run_async
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.privacy import Accountant, central_mean, run_noise_multiplier
-from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result
-from fed_learn.secure import SecureInbox, SecureRound
+from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result, printable
+from fed_learn.rounds import (
+    ATTEMPTS_PER_ROUND,
+    FIRST_ROUND_GRACE_S,
+    progress_bar,
+    round_averages,
+)
+from fed_learn.secure import InputDigests, SecureInbox, SecureRound, Skipped
 from fed_learn.strategy import Strategy
 from fed_learn.updates import ANSWER_ERRORS, check_answer
 from lab import atomic
@@ -55,18 +61,12 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
-CLIENT_SENDS = frozenset({FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL})
+POLL_S = 0.01
+"""How often a round looks at its clients' answer queues when none had one."""
+CLIENT_SENDS = frozenset(
+    {FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL, FedMsg.SKIP}
+)
 """What a client's session may read between rounds' answers (a RESULT opens one)."""
-FIRST_ROUND_GRACE_S = 30.0
-"""Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
-
-
-def _progress() -> Progress:
-    """A transient progress bar (the lab's one progress library, rich): shown on a terminal
-    while the work lasts, never left in logs."""
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), transient=True
-    )
 
 
 class Coordinator:
@@ -98,6 +98,10 @@ class Coordinator:
         """DP: the privacy spent over the rounds run (fed_learn.privacy)."""
         self.noise_multiplier = 0.0
         self.secure_inbox = SecureInbox()
+        self.input_digests = InputDigests()
+        """Every masked input taken in this run, by digest: a replay is refused by name."""
+        self.excluded: set[int] = set()
+        """Clients a secure round refused by name: left out of the run's later rounds."""
         """A secure round's step messages, from the sessions to the round (fed_learn.secure)."""
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
 
@@ -112,15 +116,23 @@ class Coordinator:
         try:
             while True:  # heartbeats (PINGs) are answered inside recv; silence means dead
                 message = conn.recv(expect=CLIENT_SENDS, timeout_s=timeout_s)
+                body = message.payload
+                if message.type == FedMsg.SKIP:  # in clear: it sits this secure round out
+                    reason = body.get("reason") if isinstance(body, dict) else None
+                    skipped = Skipped(printable(reason if isinstance(reason, str) else "?"))
+                    self._hand_in_secure(client, FedMsg.SA_MASKED, skipped, body)
+                    continue
                 if message.type != FedMsg.RESULT:  # a secure round's step
-                    self._hand_in_secure(client, message.type, message.payload)
+                    self._hand_in_secure(client, message.type, body, body)
                     continue
                 update = conn.recv(expect={FedMsg.UPDATE, FedMsg.SA_MASKED}, timeout_s=timeout_s)
                 if update.type == FedMsg.UPDATE:
-                    self._hand_in(client, message.payload, update.payload)
+                    self._hand_in(client, body, update.payload)
                 else:
                     masked = {k: v.clone() for k, v in update.payload.items()}
-                    self._hand_in_secure(client, FedMsg.SA_MASKED, (message.payload, masked))
+                    if self._hand_in_secure(client, FedMsg.SA_MASKED, (body, masked), body):
+                        with self._lock:
+                            self.admission.took_update(client)
         finally:
             self.admission.leave(client)
             self.secure_inbox.leave(client.client_id)
@@ -143,6 +155,7 @@ class Coordinator:
             with self._lock:
                 if client.task is task:  # not withdrawn meanwhile (the round ended)
                     client.task = None
+                    self.admission.took_update(client)
                     client.results.put_nowait(reply)
                     return
         with self._lock:
@@ -157,13 +170,13 @@ class Coordinator:
                 dropped,
             )
 
-    def _hand_in_secure(self, client: ClientHandle, kind: int, payload: Any) -> None:
-        """A secure round's step message: to the round if it answers `client`'s task there
-        (once per step), else dropped as a stray RESULT is."""
-        body = payload[0] if kind == FedMsg.SA_MASKED else payload
+    def _hand_in_secure(self, client: ClientHandle, kind: int, payload: Any, body: Any) -> bool:
+        """A secure round's step message (`body`: the JSON naming its task): to the round if it
+        answers `client`'s task there (once per step), else dropped as a stray RESULT is.
+        Whether the round took it."""
         task = body.get("task") if isinstance(body, dict) else None
         if self.secure_inbox.offer(client.client_id, kind, payload, task=task):
-            return
+            return True
         with self._lock:
             client.dropped += 1
             dropped = client.dropped
@@ -175,6 +188,7 @@ class Coordinator:
                 client.client_id,
                 dropped,
             )
+        return False
 
     def alive_clients(self) -> list[ClientHandle]:
         return self.admission.alive()
@@ -262,14 +276,23 @@ class Coordinator:
 
     def run_rounds(self, tracker: Tracker) -> dict[str, float]:
         if self.fed.mode == "async":
-            return self.run_async(tracker)
+            return run_async(self, tracker)
         rounds = self._rounds_to_run()
         rng = random.Random(self.settings.seed)
         history = self.history
         initial_loss = self._initial_loss(tracker, rounds.start)
         if self.fed.dp.enabled:
             self.noise_multiplier = run_noise_multiplier(self.fed)
-        for round_index in rounds:
+        attempts, round_index = 0, rounds.start
+        while round_index < rounds.stop:
+            if attempts >= ATTEMPTS_PER_ROUND * self.fed.rounds:
+                self._finish_clients()
+                raise NotEnoughClientsError(
+                    f"{attempts} round attempts ({ATTEMPTS_PER_ROUND} x fed.rounds) and only "
+                    f"{round_index - rounds.start} of {len(rounds)} rounds had an update: "
+                    "the clients sampled left or failed before sending one"
+                )
+            attempts += 1
             self.round = round_index  # sessions read it: a client joining now starts next round
             first = round_index == rounds.start  # give the whole roster a moment to join
             alive = self.wait_for_clients(
@@ -277,6 +300,7 @@ class Coordinator:
                 hoped=self.fed.num_clients if first else 0,
                 grace_s=min(FIRST_ROUND_GRACE_S, self.fed.wait_clients_s) if first else 0.0,
             )
+            alive = [c for c in alive if c.client_id not in self.excluded]
             size = max(self.fed.min_fit_clients, math.ceil(self.fed.fraction_fit * len(alive)))
             sampled = sorted(rng.sample(alive, min(size, len(alive))), key=lambda c: c.client_id)
             # The round's clock starts here, not while waiting for clients to join; the
@@ -294,6 +318,18 @@ class Coordinator:
                 collected = self._collect(sampled, tasks, global_state)
                 aggregate_started = time.perf_counter()
             updates, results = collected.updates, collected.results
+            if collected.arrived == 0:
+                log.warning(
+                    "round %d: no update came (%d sampled clients failed or left): attempt %d "
+                    "of at most %d, not counted as a round",
+                    self.round + 1,
+                    len(collected.failures),
+                    attempts,
+                    ATTEMPTS_PER_ROUND * self.fed.rounds,
+                )
+                continue
+            self.admission.round_counted()
+            round_index += 1
             if self.fed.secure_aggregation:
                 pass  # the round unmasked its sum and loaded it (or said why not)
             elif len(updates) >= self.fed.min_fit_clients:
@@ -362,7 +398,13 @@ class Coordinator:
         fed = self.fed
         trained = {name: global_state[name] for name in sorted(self.strategy.trained(global_state))}
         secure = SecureRound.for_round(
-            fed, self.secure_inbox, sampled, trained, self.round, self.noise_multiplier
+            fed,
+            self.secure_inbox,
+            sampled,
+            trained,
+            self.round,
+            self.noise_multiplier,
+            digests=self.input_digests,
         )
         numbers = {c.client_id: secrets.randbelow(2**53) for c in sampled}
         self.secure_inbox.open(numbers)
@@ -381,12 +423,22 @@ class Coordinator:
         for client in sampled:
             with self._lock:
                 client.task = None  # nothing more is awaited from it in this round
+            if client.client_id in outcome.named:  # it costs its own session, from now on
+                self.excluded.add(client.client_id)
+                log.warning(
+                    "round %d: client %d (%s) is excluded from the run's later rounds",
+                    self.round,
+                    client.client_id,
+                    client.name,
+                )
+                client.conn.interrupt()
         collected = Collected(
             results=outcome.results,
             failures=outcome.failures,
             refused=outcome.refused,
             largest_norm=math.nan,  # masked: the coordinator never sees one update
             secure_clients=len(outcome.participants),
+            secure_inputs=outcome.inputs,
         )
         if outcome.merged is None:
             return collected, f"kept previous adapter ({outcome.reason})", secure.coordinator_s
@@ -457,159 +509,6 @@ class Coordinator:
             )
             entry["rounds"] += 1
 
-    def run_async(self, tracker: Tracker) -> dict[str, float]:
-        """Apply each update as it arrives, mixed in with a staleness-discounted weight.
-
-        Every alive client always has work: the moment its update is applied (or refused as
-        too stale) it gets the new global adapter. No round waits for a straggler. Each
-        `min_fit_clients` applied updates count as a round: evaluated, logged, checkpointed.
-        """
-        fed = self.fed
-        rounds = self._rounds_to_run()
-        initial_loss = self._initial_loss(tracker, rounds.start)
-        self.wait_for_clients(
-            fed.min_fit_clients,
-            hoped=fed.num_clients,
-            grace_s=min(FIRST_ROUND_GRACE_S, fed.wait_clients_s),
-        )
-        version = 0
-        versions = {version: adapter_state(self.model)}  # what clients may be training from
-        busy: dict[int, tuple[ClientHandle, Task]] = {}  # client_id -> it, its task (version)
-        history = self.history
-        applied, refused = 0, 0
-        staleness: list[int] = []
-        norms: list[float] = []  # of the applied updates (see fed.max_update_norm)
-        bytes_before = self.admission.traffic()
-        round_started = time.perf_counter()
-        coordinator_s = 0.0
-        last_arrival = time.monotonic()
-        self.round = rounds.start
-        with _progress() as progress:  # transient: gone once the rounds are
-            bar = progress.add_task("async rounds", total=len(rounds))
-            while self.round in rounds:
-                for client in self.alive_clients():  # idle (new or just reported): give it work
-                    if client.client_id in busy:
-                        continue
-                    send_started = time.perf_counter()
-                    task = self._send_task(client, version, versions[version])
-                    if task is not None:
-                        busy[client.client_id] = (client, task)
-                    coordinator_s += time.perf_counter() - send_started
-                arrived = False
-                for client, task in list(busy.values()):  # (a client gone keeps its marker)
-                    try:
-                        reply = client.results.get_nowait()
-                    except queue.Empty:
-                        continue
-                    if reply is not None and reply.task is not task:
-                        continue  # answers a task withdrawn earlier: not wanted
-                    arrived = True
-                    base = busy.pop(client.client_id)[1].round
-                    if reply is None:  # the client is gone
-                        continue
-                    work_started = time.perf_counter()
-                    stale = version - base
-                    if stale > fed.max_staleness:
-                        refused += 1
-                        log.info(
-                            "refused client %d's update: %d versions old (fed.max_staleness=%d)",
-                            client.client_id,
-                            stale,
-                            fed.max_staleness,
-                        )
-                        continue
-                    try:
-                        _result, full, norm = check_answer(
-                            reply, versions[base], strategy=self.strategy, fed=fed
-                        )
-                    except ANSWER_ERRORS as exc:
-                        log.warning(
-                            "refused client %d's answer: %s", client.client_id, peer_text(exc)
-                        )
-                        refused += 1
-                        continue
-                    weight = staleness_weight(
-                        stale, mixing=fed.async_mixing, exponent=fed.staleness_exponent
-                    )
-                    load_adapter_state(self.model, mix(versions[version], full, weight=weight))
-                    self._took_part(client)
-                    version += 1
-                    versions[version] = adapter_state(self.model)
-                    for old in [v for v in versions if v < version - fed.max_staleness]:
-                        del versions[old]
-                    applied += 1
-                    staleness.append(stale)
-                    norms.append(norm)
-                    coordinator_s += time.perf_counter() - work_started
-                    if applied % fed.min_fit_clients:
-                        continue
-                    eval_started = time.perf_counter()
-                    val_loss = evaluate(self.model, self.val_blocks)
-                    coordinator_s += time.perf_counter() - eval_started
-                    traffic = self.admission.traffic()
-                    metrics = {
-                        "val_loss": val_loss,
-                        "clients": float(fed.min_fit_clients),
-                        "applied": float(applied),
-                        "refused": float(refused),
-                        "mean_staleness": sum(staleness[-fed.min_fit_clients :])
-                        / fed.min_fit_clients,
-                        "max_staleness_applied": float(max(staleness)),
-                        "largest_update_norm": max(norms[-fed.min_fit_clients :]),
-                        "bytes_down": float(traffic[0] - bytes_before[0]),
-                        "bytes_up": float(traffic[1] - bytes_before[1]),
-                    }
-                    history.append(
-                        self._close_round(
-                            metrics,
-                            outcome=f"async: {applied} updates applied",
-                            started=round_started,
-                            coordinator_s=coordinator_s,
-                        )
-                    )
-                    tracker.log(metrics, step=self.round + 1)
-                    log.info(
-                        "async round %d/%d: val loss %.4f (applied %d, refused %d, staleness %s)",
-                        self.round + 1,
-                        rounds.stop,
-                        val_loss,
-                        applied,
-                        refused,
-                        staleness[-fed.min_fit_clients :],
-                    )
-                    self.round += 1
-                    progress.advance(bar)
-                    bytes_before, round_started, coordinator_s = traffic, time.perf_counter(), 0.0
-                    if self.round not in rounds:
-                        break
-                if arrived:
-                    last_arrival = time.monotonic()
-                elif time.monotonic() - last_arrival > fed.round_timeout_s:
-                    raise NotEnoughClientsError(
-                        f"no update arrived for fed.round_timeout_s={fed.round_timeout_s:.0f}s "
-                        f"({len(self.alive_clients())} clients alive)"
-                    )
-                else:
-                    time.sleep(0.02)
-        # Clients still training get to hand in (and have discarded) what they are working on,
-        # so that every client ends cleanly on FINISH rather than on a closed connection.
-        deadline = time.monotonic() + fed.round_timeout_s
-        for client, task in busy.values():
-            self._await_reply(client, task, deadline)
-            self._withdraw(client, task)
-        self._finish_clients()
-        final = history[-1] if history else {"val_loss": initial_loss}
-        return {
-            "initial_val_loss": initial_loss,
-            "final_val_loss": final["val_loss"],
-            "rounds": float(len(history)),
-            "applied": float(applied),
-            "refused": float(refused),
-            "dropped_results": float(self.admission.dropped_results()),
-            "max_staleness_applied": float(max(staleness, default=0)),
-            **round_averages(history),
-        }
-
     def _finish_clients(self) -> None:
         """Tell every live client that training is over (it then exits)."""
         self._finished.set()
@@ -639,38 +538,84 @@ class Coordinator:
         tasks: dict[int, Task | None],
         global_state: dict[str, torch.Tensor],
     ) -> Collected:
-        """Wait for the sampled clients' answers until the round's deadline; admit or refuse
-        each. Tasks still unanswered then are withdrawn (a late answer is dropped)."""
+        """Wait for the round's answers until its deadline; admit or refuse each. A round
+        closes on fed.min_fit_clients updates (or its deadline), never on sessions that left:
+        while the updates taken and those awaited are fewer, it asks clients it has not asked
+        yet, newcomers included (appended to `sampled`). Tasks still unanswered at the
+        deadline are withdrawn (a late answer is dropped)."""
         deadline = time.monotonic() + self.fed.round_timeout_s
+        need = self.fed.min_fit_clients
         collected = Collected()
-        with _progress() as progress:  # transient: gone once the round is
-            for client in progress.track(sampled, description=f"round {self.round + 1}"):
-                task = tasks[client.client_id]
-                reply = self._await_reply(client, task, deadline) if task is not None else None
-                if task is not None:
+        waiting = {c.client_id: (c, t) for c in sampled if (t := tasks[c.client_id]) is not None}
+        collected.failures += [c.client_id for c in sampled if tasks[c.client_id] is None]
+        asked = {c.client_id for c in sampled}
+        with progress_bar() as progress:  # transient: gone once the round is
+            bar = progress.add_task(f"round {self.round + 1}", total=len(asked))
+            while time.monotonic() < deadline:
+                for client in self.alive_clients():  # top up: those asked left or failed
+                    if len(collected.updates) + len(waiting) >= need:
+                        break
+                    if client.client_id in asked or client.client_id in self.excluded:
+                        continue
+                    asked.add(client.client_id)
+                    sampled.append(client)
+                    task = self._send_task(client, self.round, global_state)
+                    if task is not None:
+                        waiting[client.client_id] = (client, task)
+                progress.update(bar, total=len(asked))
+                if not waiting and len(collected.updates) >= need:
+                    break
+                arrived = False
+                for client_id, (client, task) in list(waiting.items()):
+                    try:
+                        reply = client.results.get_nowait()
+                    except queue.Empty:
+                        continue
+                    if reply is None:  # gone for good: the marker stays for whoever waits next
+                        client.results.put_nowait(None)
+                    elif reply.task is not task:
+                        continue  # answers a task withdrawn earlier: not wanted
+                    arrived = True
+                    del waiting[client_id]
                     self._withdraw(client, task)
-                if reply is None:  # gone, unreachable or too late
-                    collected.failures.append(client.client_id)
-                    continue
-                try:
-                    result, update, norm = check_answer(
-                        reply, global_state, strategy=self.strategy, fed=self.fed
-                    )
-                except ANSWER_ERRORS as exc:
-                    log.warning(
-                        "round %d: refused client %d's answer: %s",
-                        self.round,
-                        client.client_id,
-                        peer_text(exc),
-                    )
-                    collected.failures.append(client.client_id)
-                    collected.refused += 1
-                    continue
-                collected.results.append(result)
-                collected.updates.append((update, self._weight(client, result)))
-                self._took_part(client)
-                collected.largest_norm = max(collected.largest_norm, norm)
+                    progress.advance(bar)
+                    if reply is None:
+                        collected.failures.append(client_id)
+                    else:
+                        self._take(client, reply, global_state, collected)
+                if not arrived:
+                    time.sleep(POLL_S)
+        for client, task in waiting.values():  # too late
+            self._withdraw(client, task)
+            collected.failures.append(client.client_id)
         return collected
+
+    def _take(
+        self,
+        client: ClientHandle,
+        reply: Reply,
+        global_state: dict[str, torch.Tensor],
+        collected: Collected,
+    ) -> None:
+        """Admit `client`'s answer into `collected`, or refuse it (its failure, counted)."""
+        try:
+            result, update, norm = check_answer(
+                reply, global_state, strategy=self.strategy, fed=self.fed
+            )
+        except ANSWER_ERRORS as exc:
+            log.warning(
+                "round %d: refused client %d's answer: %s",
+                self.round,
+                client.client_id,
+                peer_text(exc),
+            )
+            collected.failures.append(client.client_id)
+            collected.refused += 1
+            return
+        collected.results.append(result)
+        collected.updates.append((update, self._weight(client, result)))
+        self._took_part(client)
+        collected.largest_norm = max(collected.largest_norm, norm)
 
     @staticmethod
     def _await_reply(client: ClientHandle, task: Task, deadline: float) -> Reply | None:
@@ -765,35 +710,16 @@ class Collected:
     """The largest admitted update's norm (see fed.max_update_norm)."""
     secure_clients: int | None = None
     """A secure round: the clients whose inputs its sum holds (it has no `updates`)."""
+    secure_inputs: int = 0
+    """A secure round: the masked inputs it took (its sum may still have been refused)."""
+
+    @property
+    def arrived(self) -> int:
+        """Answers that came, taken or refused: a round with none is not counted."""
+        taken = len(self.updates) if self.secure_clients is None else self.secure_inputs
+        return taken + self.refused
 
     @property
     def clients(self) -> int:
         """Clients whose updates the round took."""
         return len(self.updates) if self.secure_clients is None else self.secure_clients
-
-
-def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
-    """What a run's rounds averaged: clients, bytes up, and the coordinator's share of the
-    time (weighted by each round's length, so short rounds do not dominate)."""
-    if not history:
-        return {
-            "mean_clients_per_round": 0.0,
-            "bytes_up_per_round": 0.0,
-            "bytes_up_per_client_round": 0.0,
-            "coordinator_share": 0.0,
-            "mean_round_s": 0.0,
-        }
-    clients = sum(h["clients"] for h in history)
-    bytes_up = sum(h["bytes_up"] for h in history)
-    seconds = sum(h["round_s"] for h in history)
-    return {
-        "mean_clients_per_round": clients / len(history),
-        "bytes_up_per_round": bytes_up / len(history),
-        "bytes_up_per_client_round": bytes_up / clients if clients else 0.0,
-        "coordinator_share": (
-            sum(h["coordinator_share"] * h["round_s"] for h in history) / seconds
-            if seconds
-            else 0.0
-        ),
-        "mean_round_s": seconds / len(history),
-    }

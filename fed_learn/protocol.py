@@ -1,6 +1,7 @@
 """fed_learn's netproto messages (range 0x0100-0x01FF), and the checks on what clients send.
 
-    client -> coordinator  JOIN     JSON {"name", "num_examples"}   -> WELCOME {"client_id"}
+    client -> coordinator  JOIN     JSON {"name", "num_examples", "client_index" (optional)}
+                                                                    -> WELCOME {"client_id"}
     coordinator -> client  TASK     JSON {"task", "round", "strategy", "local_epochs",
                                           "local_steps", "batch_size", "lr", "prox_mu", ...}
     coordinator -> client  GLOBAL   TENSORS  the global adapter (PEFT state dict)
@@ -9,7 +10,8 @@
     client -> coordinator  UPDATE   TENSORS  the client's adapter after local training
     coordinator -> client  FINISH   EMPTY    training is over
 With fed.secure_aggregation the round adds the SA_* steps of `fed_learn.secure` and the update
-travels masked (SA_MASKED) instead of as an UPDATE.
+travels masked (SA_MASKED) instead of as an UPDATE; a client whose training came out
+non-finite sends SKIP {"task", "reason"} instead, in clear, and sits the round out.
 Heartbeats are netproto PINGs from the client; only adapters ever cross the wire.
 
 "task" is a number the coordinator draws at random for each TASK; a RESULT answers the task
@@ -27,6 +29,7 @@ from typing import Any, TypeGuard
 from netproto import REGISTRY, PayloadKind
 
 MAX_NAME_CHARS = 64
+MAX_CLIENT_INDEX = 65_535
 
 
 class FedMsg(IntEnum):
@@ -44,6 +47,7 @@ class FedMsg(IntEnum):
     SA_MASKED = 0x010C
     SA_UNMASK = 0x010D
     SA_REVEAL = 0x010E
+    SKIP = 0x010F
 
 
 SECURE_JSON = (
@@ -53,6 +57,7 @@ SECURE_JSON = (
     FedMsg.SA_BOXES,
     FedMsg.SA_UNMASK,
     FedMsg.SA_REVEAL,
+    FedMsg.SKIP,
 )
 """Secure aggregation's steps (fed_learn.secure), besides the masked input's TENSORS."""
 
@@ -79,6 +84,8 @@ class Join:
     name: str
     """Printable characters only (it goes into logs and checkpoints), at most 64."""
     num_examples: int
+    client_index: int | None = None
+    """The index the client claims (its shard, its budget of update-less JOINs)."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,10 @@ def parse_join(payload: Any) -> Join:
     name = payload.get("name", "")
     if not isinstance(name, str):
         raise ValueError(f"JOIN's name must be a string, not {type(name).__name__}")
-    return Join(name=printable(name), num_examples=num_examples)
+    index = payload.get("client_index")
+    if index is not None and (not _is_int(index) or not 0 <= index <= MAX_CLIENT_INDEX):
+        raise ValueError(f"JOIN's client_index must be an integer in 0..{MAX_CLIENT_INDEX}")
+    return Join(name=printable(name), num_examples=num_examples, client_index=index)
 
 
 def parse_result(payload: Any, *, task: int, round_index: int) -> ClientResult:

@@ -88,6 +88,7 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         train,
         val,
         seed=settings.seed + settings.client_index,
+        index=settings.client_index,
         name=settings.client_name or f"client{settings.client_index}",
     )
     with emulated_link(settings.cluster, address) as dial:  # cluster.link.*: a LAN/WAN here
@@ -119,6 +120,7 @@ def run_simulator(settings: FedLearnRunConfig) -> dict[str, float]:
                 train,
                 val,
                 seed=settings.seed + index,
+                index=index,
                 name=f"client{index}",
                 turn=turn,
                 dropout=fed.simulate_dropout,

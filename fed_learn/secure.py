@@ -7,7 +7,9 @@ round's clients, each message checked before use.
     client -> coordinator  SA_SHARES  {"task", "boxes": {id: box}, "commit"}
     coordinator -> client  SA_BOXES   {"task", "boxes": {id: box}}    the boxes addressed to it
     (the client trains)
-    client -> coordinator  RESULT (as in a plain round) then SA_MASKED {"masked": uint64[L]}
+    client -> coordinator  RESULT (as in a plain round, plus "weight": the weight it masked
+                           with, in clear) then SA_MASKED {"masked": uint64[L]};
+                           or SKIP {"task", "reason"}: its training came out non-finite
     coordinator -> client  SA_UNMASK  {"task", "survivors": [...], "dropped": [...]}
     client -> coordinator  SA_REVEAL  {"task", "shares": {id: [kind, index, share]}}
 
@@ -19,27 +21,36 @@ else it fails in one line and the run goes on to the next round with the adapter
 
 What the coordinator sums: each client's trained adapter tensors minus the global ones
 (`strategy.trained`: all of them, or FFA-LoRA's B), clipped by the client to
-fed.max_update_norm (the coordinator can no longer check a single update's norm, nor that it
-is finite: a client's garbage moves the sum by at most that norm times its weight), times its
-weight (its examples, capped by what it declared at JOIN: the round's parameters carry the cap);
-the weights' sum comes out exactly, and the new global adapter is the old one plus sum / weights:
-FedAvg's weighted mean.
+fed.max_update_norm, times its weight (its examples, capped by what it declared at JOIN: the
+round's parameters carry the cap); the weights' sum comes out exactly, and the new global
+adapter is the old one plus sum / weights: FedAvg's weighted mean.
+
+What it enforces, since it sees no single update: each client's weight travels in clear beside
+its masked input, and one over what it declared is refused by name before unmasking; a masked
+input seen before (any client's, any round: `InputDigests`) is refused by name; and the
+unmasked sum must pass `check_aggregate` (its weights equal the clear ones, it is finite, its
+norm within fed.max_update_norm times the weights) or the round is refused whole. What no
+check can attribute: garbage inside that aggregate bound, which moves the round's mean by at
+most fed.max_update_norm whoever sent it. A client refused by name is excluded from the run.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import logging
 import math
 import queue
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from fed_learn import secagg
@@ -52,6 +63,9 @@ log = logging.getLogger(__name__)
 
 GONE = -1
 """An inbox entry: the client's session ended."""
+MAX_DIGESTS = 1 << 20
+"""Masked-input digests kept against replay (the oldest go first): a run of 10,000 rounds
+of 100 clients."""
 NOISE_SIGMAS = 12.0
 """The fixed point leaves room for noise this many standard deviations out (a clipped,
 weighted update's entries are at most its norm bound times its weight)."""
@@ -168,10 +182,11 @@ def client_round(
     train: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]],
     weight: int,
     timeout_s: float | None,
-) -> None:
+) -> bool:
     """This client's side of a secure round, from a TASK to its last message. `train()` runs
     local training and returns (RESULT payload, trained tensors, the global ones they started
-    from). Raises RoundAbandoned when the coordinator moved on."""
+    from). Whether its input went in: False if its training came out non-finite (it says so,
+    SKIP, and sits the round out). Raises RoundAbandoned when the coordinator moved on."""
     params, weight_cap, bound, share_std = parse_params(task["secure"])
     number = int(task["task"])
     me = secagg.Client(client_id, params)
@@ -202,12 +217,18 @@ def client_round(
     for refused in me.receive(inbox):
         log.warning("secure round %d: %s", params.round, refused)
     result, trained, base = train()
-    delta, norm = clip(flat_delta(trained, base), bound)
+    flat = flat_delta(trained, base)
+    if not bool(torch.isfinite(flat).all()):
+        log.warning("round %d: local training gave non-finite values: sitting out", params.round)
+        conn.send_msg(FedMsg.SKIP, {"task": number, "reason": "non-finite update"})
+        return False
+    delta, norm = clip(flat, bound)
     if norm > bound:
         log.info("update norm %.3g clipped to %.3g (the coordinator cannot check it)", norm, bound)
     noise = gaussian(params.length - 1, share_std).numpy() if share_std > 0 else None
-    masked = me.masked_input(delta.numpy(), min(weight, weight_cap), noise)
-    conn.send_msg(FedMsg.RESULT, result)
+    used = min(weight, weight_cap)
+    masked = me.masked_input(delta.numpy(), used, noise)
+    conn.send_msg(FedMsg.RESULT, {**result, "weight": used})
     conn.send_tensors(FedMsg.SA_MASKED, {"masked": torch.from_numpy(masked)})
     ask = _expect(conn, FedMsg.SA_UNMASK, number, timeout_s)
     survivors, dropped = ask.get("survivors"), ask.get("dropped")
@@ -223,9 +244,82 @@ def client_round(
             "shares": {str(c): [k, i, b64(s)] for c, (k, i, s) in shares.items()},
         },
     )
+    return True
 
 
 # ---------------------------------------------------------------------------- coordinator side
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """In place of a masked input: the client's SKIP (its training came out non-finite)."""
+
+    reason: str
+
+
+class InputDigests:
+    """SHA-256 digests of the masked inputs taken, over the run: a masked input is fresh
+    noise every round (fresh keys and seeds), so one seen before is a replay."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        """digest -> (round, client) it first came from, oldest first."""
+
+    def admit(self, client: int, round_index: int, masked: np.ndarray) -> None:
+        """Record `client`'s masked input of `round_index`; Refused if it was seen before."""
+        digest = hashlib.sha256(masked.tobytes()).digest()
+        if digest in self._seen:
+            first_round, first_client = self._seen[digest]
+            raise secagg.Refused(
+                client,
+                f"replays the masked input client {first_client} sent in round {first_round + 1}",
+            )
+        self._seen[digest] = (round_index, client)
+        while len(self._seen) > MAX_DIGESTS:
+            self._seen.popitem(last=False)
+
+
+def check_weight(client: int, value: Any, declared: int) -> int:
+    """The weight `client` says, in clear, it masked its update with: an int in 1..what it
+    declared at JOIN (capped), else Refused by name before anything is unmasked."""
+    if type(value) is not int or not 1 <= value <= declared:
+        raise secagg.Refused(
+            client, f"a weight of {value!r:.24} in clear; it may use 1..{declared} (its JOIN)"
+        )
+    return value
+
+
+def check_aggregate(
+    total: np.ndarray,
+    weight_sum: int,
+    *,
+    weights: Mapping[int, int],
+    bound: float,
+    noise_std: float,
+    frac_bits: int,
+) -> float:
+    """The unmasked sum, before it is applied: its weights equal the ones its clients sent in
+    clear, it is finite, and its L2 norm is within what clipped updates can reach (`bound` x
+    the weights, plus the DP noise and rounding room); its norm, else RoundFailed in one line
+    giving the bound and the value. What fails it is not attributable: the round goes whole."""
+    declared = sum(weights.values())
+    if weight_sum != declared:
+        raise secagg.RoundFailed(
+            f"the masked weights sum to {weight_sum:.4g}; the clients sent {declared} in clear"
+        )
+    if not np.isfinite(total).all():
+        raise secagg.RoundFailed("the unmasked sum is not finite")
+    entries, clients = total.size, len(weights)
+    noise = noise_std * math.sqrt(clients) * (math.sqrt(entries) + NOISE_SIGMAS)
+    rounding = clients * 2.0 ** -(frac_bits + 1) * math.sqrt(entries)
+    limit = bound * declared + noise + rounding
+    norm = float(np.linalg.norm(total))
+    if not norm <= limit:
+        raise secagg.RoundFailed(
+            f"the sum's L2 norm {norm:.4g} is over its bound {limit:.4g} (the clip {bound:g} "
+            f"x the weights {declared}{' + DP noise' if noise_std else ''})"
+        )
+    return norm
 
 
 @dataclass
@@ -304,6 +398,10 @@ class SecureOutcome:
     failures: list[int]
     refused: int
     reason: str = ""
+    named: list[int] = field(default_factory=list)
+    """The clients refused by name (the run excludes them from its later rounds)."""
+    inputs: int = 0
+    """Masked inputs taken (the round may still have failed after them)."""
 
 
 class SecureRound:
@@ -324,8 +422,11 @@ class SecureRound:
         input_timeout_s: float,
         declared: Mapping[int, int],
         noise_multiplier: float = 0.0,
+        digests: InputDigests | None = None,
     ) -> None:
         self.inbox = inbox
+        self.digests = InputDigests() if digests is None else digests
+        """The run's masked-input digests (a replay of any earlier input is refused)."""
         self.declared = {c: min(int(n), weight_cap) for c, n in declared.items()}
         """Each client's examples as declared at JOIN, capped: the most weight it may use."""
         self.clients = {c.client_id: c for c in clients}
@@ -357,6 +458,9 @@ class SecureRound:
         self.weight_cap, self.bound = weight_cap, bound
         self.step_timeout_s, self.input_timeout_s = step_timeout_s, input_timeout_s
         self.failures: set[int] = set()
+        self.named: set[int] = set()
+        self.weights: dict[int, int] = {}
+        """The weight each client whose input was taken sent in clear."""
         self.refused = 0
         self.elapsed_s = self.waiting_s = 0.0
 
@@ -369,6 +473,7 @@ class SecureRound:
         trained: dict[str, torch.Tensor],
         round_index: int,
         noise_multiplier: float,
+        digests: InputDigests | None = None,
     ) -> SecureRound:
         """A round of `clients` as `fed` (FedConfig) sets it: SecAgg+'s graph and threshold,
         the clip (fed.dp.clip_norm under DP, else fed.max_update_norm) and weight cap."""
@@ -386,6 +491,7 @@ class SecureRound:
             step_timeout_s=fed.secagg.step_timeout_s,
             input_timeout_s=fed.round_timeout_s,
             declared={c.client_id: c.num_examples for c in clients},
+            digests=digests,
         )
 
     def task_fields(self, client: int) -> dict[str, Any]:
@@ -399,6 +505,7 @@ class SecureRound:
     def _refuse(self, exc: secagg.Refused | ValueError, client: int) -> None:
         log.warning("round %d: refused client %d: %s", self.params.round, client, peer_text(exc))
         self.failures.add(client)
+        self.named.add(client)
         self.refused += 1
 
     def _send(self, client: int, kind: int, payload: dict[str, Any]) -> None:
@@ -428,7 +535,16 @@ class SecureRound:
             return self._run(tasks)
         except secagg.RoundFailed as exc:
             log.warning("round %d: secure aggregation failed: %s", self.params.round, exc)
-            return SecureOutcome(None, [], [], sorted(self.failures), self.refused, str(exc))
+            return SecureOutcome(
+                None,
+                [],
+                [],
+                sorted(self.failures),
+                self.refused,
+                str(exc),
+                sorted(self.named),
+                len(self.server.inputs),
+            )
         finally:
             self.inbox.close()
             self.elapsed_s = time.perf_counter() - started
@@ -484,19 +600,30 @@ class SecureRound:
                 },
             )
         results: dict[int, Any] = {}
-        for client, (payload, tensors) in self._step(
+        for client, answer in self._step(
             FedMsg.SA_MASKED, list(server.commitments), self.input_timeout_s
         ).items():
+            if isinstance(answer, Skipped):  # said in clear: a dropout, not a refusal
+                log.info(
+                    "round %d: client %d sits out: %s", self.params.round, client, answer.reason
+                )
+                self.failures.add(client)
+                continue
+            payload, tensors = answer
             try:
                 results[client] = parse_result(
                     payload, task=tasks[client], round_index=self.params.round
                 )
+                weight = check_weight(client, payload.get("weight"), self.declared[client])
                 masked = tensors.get("masked") if isinstance(tensors, dict) else None
                 if len(tensors) != 1 or not isinstance(masked, torch.Tensor):
                     raise secagg.Refused(client, "SA_MASKED must hold one tensor, 'masked'")
                 if masked.dtype != torch.uint64:
                     raise secagg.Refused(client, f"a masked input of {masked.dtype}, not uint64")
-                server.add_input(client, masked.numpy().copy())
+                array = masked.numpy().copy()
+                self.digests.admit(client, self.params.round, array)
+                server.add_input(client, array)
+                self.weights[client] = weight
             except (secagg.Refused, ValueError) as exc:
                 results.pop(client, None)
                 self._refuse(exc, client)
@@ -527,13 +654,14 @@ class SecureRound:
             self._refuse(lies[0], client)
             if len(lies) > 1:
                 log.warning("round %d: and %d more from it", self.params.round, len(lies) - 1)
-        allowed = sum(self.declared[c] for c in survivors)
-        if not 0 < weight <= allowed:
-            # a client scaled by more than it declared (its weight is masked: only the sum
-            # shows it): the sum is not the round's weighted mean
-            raise secagg.RoundFailed(
-                f"the weights sum to {weight}, outside 1..{allowed} (what the survivors declared)"
-            )
+        check_aggregate(
+            total,
+            weight,
+            weights={c: self.weights[c] for c in survivors},
+            bound=self.bound,
+            noise_std=self.noise_std,
+            frac_bits=self.params.frac_bits,
+        )
         mean = torch.from_numpy(total / (self.denominator or weight))
         merged = {
             name: (base.double() + step.double()).to(base.dtype)
@@ -547,6 +675,8 @@ class SecureRound:
             survivors,
             sorted(self.failures),
             self.refused,
+            named=sorted(self.named),
+            inputs=len(server.inputs),
         )
 
     def _enough(self, present: Mapping[int, Any], what: str) -> None:

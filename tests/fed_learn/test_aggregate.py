@@ -110,7 +110,7 @@ def test_mix_moves_the_global_adapter_towards_the_update_by_the_weight() -> None
 
 
 def test_round_averages_weigh_the_coordinator_share_by_round_length() -> None:
-    from fed_learn.coordinator import round_averages
+    from fed_learn.rounds import round_averages
 
     history = [
         {"clients": 3.0, "bytes_up": 900.0, "round_s": 9.0, "coordinator_share": 0.1},

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fed_learn import secagg, secure
+from fed_learn.admission import NotEnoughClientsError
 from fed_learn.config import DPConfig, FedConfig, SecAggConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.lora import adapter_state
@@ -302,39 +303,18 @@ def test_a_corrupt_share_is_traced_to_its_sender_and_the_sum_stays_right(
     assert rounds[0]["refused"] == 1
 
 
-def test_a_weight_above_the_declared_one_fails_the_round(secure_federation) -> None:
-    """A client masks its update with more weight than it declared at JOIN (the task's cap
-    says what it may use): only the sum shows it, and the round keeps the old adapter."""
-
-    def inflated(conn, task, state, me) -> None:
-        task = {**task, "secure": {**task["secure"], "weight_cap": 10_000}}
-        secure.client_round(
-            conn,
-            client_id=me.client_id,
-            task=task,
-            train=lambda: honest_train(task, state, 5.0, 10),
-            weight=10_000,
-            timeout_s=30,
-        )
-
-    players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(step=inflated, name="heavy")]
-    coordinator, initial, rounds = secure_federation(players)
-    assert_adapter(coordinator, initial)
-    assert rounds[0]["clients"] == 0
-
-
-def test_too_few_clients_fail_the_round_in_one_line_and_the_run_goes_on(
+def test_too_few_clients_fail_each_attempt_in_one_line_and_the_run_ends_saying_why(
     secure_federation, caplog
 ) -> None:
+    """A round whose secure sum failed before any input came is not one of fed.rounds: it is
+    tried again, up to 3 x fed.rounds times, then the run ends saying why."""
     players = [SecurePlayer(0.01)]
-    # two stay connected and silent: each round waits out its key step, then fails
+    # two stay connected and silent: each attempt waits out its key step, then fails
     players += [SecurePlayer(0.02, step=_until(FedMsg.SA_KEYS), name=f"q{i}") for i in range(2)]
-    with caplog.at_level("WARNING"):
-        coordinator, initial, rounds = secure_federation(players, rounds=2)
+    with caplog.at_level("WARNING"), pytest.raises(NotEnoughClientsError, match="3 round attempts"):
+        secure_federation(players, rounds=1)
     failed = [r for r in caplog.records if "secure aggregation failed" in r.getMessage()]
-    assert len(failed) == 2 and "the threshold is 2" in failed[0].getMessage()
-    assert [r["step"] for r in rounds] == [1, 2]  # both rounds ran and were logged
-    assert_adapter(coordinator, initial)
+    assert len(failed) == 3 and "the threshold is 2" in failed[0].getMessage()
 
 
 @pytest.mark.parametrize(

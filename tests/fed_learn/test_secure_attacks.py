@@ -1,0 +1,329 @@
+# ruff: noqa: F811 (the imported fixtures are the tests' arguments)
+"""Issue 48's scripted attacks on a secure round, each beside its control arm: the same script
+with the check that stops it taken out (monkeypatched), so a test passes only if the attack is
+real and that check is what stops it.
+
+A secret holder runs the honest protocol and tampers with one message: an offset on its masked
+input, a replay of an earlier one, a weight of 2^40, a short input, junk shares, one key for
+both purposes. Attributable attacks are refused by name (the round goes on without the
+attacker, who is excluded from later rounds); the offset is not attributable, and the check on
+the unmasked sum refuses the round whole."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fed_learn import secagg, secure
+from fed_learn.config import SecAggConfig
+from fed_learn.coordinator import Coordinator
+from fed_learn.lora import adapter_state
+from fed_learn.protocol import FedMsg
+from netproto import Connection
+
+from .test_adversarial import State
+from .test_secure_rounds import (  # noqa: F401 (fixtures: pytest finds them by name)
+    SecurePlayer,
+    _send_then_leave,
+    _until,
+    assert_adapter,
+    expected_mean,
+    federation,
+    honest,
+    secure_federation,
+)
+
+HONEST = (0.01, 0.02)
+"""The honest clients' offsets (weight 10 each); the attacker holds weight 10 too."""
+
+
+def tampered(
+    *,
+    result: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None,
+    masked: Callable[[dict[str, Any], np.ndarray], np.ndarray] | None = None,
+):
+    """The honest protocol (update = global + 0.03), its RESULT and masked input rewritten on
+    the way out by `result(task, payload)` and `masked(task, uint64 array)`."""
+
+    def step(conn: Connection, task: dict[str, Any], state: State, me: SecurePlayer) -> None:
+        send_msg, send_tensors = conn.send_msg, conn.send_tensors
+
+        def msg(kind: int, payload: Any, **kw: Any) -> Any:
+            if kind == FedMsg.RESULT and result is not None:
+                payload = result(task, payload)
+            return send_msg(kind, payload, **kw)
+
+        def tensors(kind: int, payload: Any, **kw: Any) -> Any:
+            if kind == FedMsg.SA_MASKED and masked is not None:
+                payload = {"masked": torch.from_numpy(masked(task, payload["masked"].numpy()))}
+            return send_tensors(kind, payload, **kw)
+
+        conn.send_msg, conn.send_tensors = msg, tensors  # type: ignore[method-assign]
+        try:
+            honest(conn, task, state, me)
+        finally:
+            conn.send_msg, conn.send_tensors = send_msg, send_tensors  # type: ignore[method-assign]
+
+    return step
+
+
+def players_with(step: Any) -> list[SecurePlayer]:
+    """The two honest clients and the attacker (it joins last: the highest id)."""
+    return [
+        *(SecurePlayer(o, 10) for o in HONEST),
+        SecurePlayer(0.03, 10, step=step, name="attacker", join_delay_s=0.3),
+    ]
+
+
+def moved(coordinator: Coordinator, initial: State) -> float:
+    """The L2 distance the global adapter moved from `initial`."""
+    got = adapter_state(coordinator.model)
+    return float(
+        torch.cat([(got[n].double() - initial[n].double()).reshape(-1) for n in initial]).norm()
+    )
+
+
+def named(coordinator: Coordinator) -> set[int]:
+    return set(coordinator.excluded)
+
+
+# ------------------------------------------------------------------ not attributable
+
+
+def _offset(task: dict[str, Any], masked: np.ndarray) -> np.ndarray:
+    out = masked.copy()
+    out[:-1] += np.uint64(2**58)  # every update entry; the weight entry left alone
+    return out
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_an_offset_on_a_masked_input_fails_the_round_whole(
+    secure_federation, monkeypatch, caplog, checked: bool
+) -> None:
+    """2^58 on every entry: past the bound on the sum (fed.max_update_norm x the weights),
+    so the round is refused in one line giving both; without that check the adapter moves
+    past fed.max_update_norm (issue 48 measured 1.996e5 against its bound)."""
+    if not checked:
+        monkeypatch.setattr(secure, "check_aggregate", lambda *a, **k: 0.0)
+    with caplog.at_level(logging.WARNING):
+        coordinator, initial, [record] = secure_federation(players_with(tampered(masked=_offset)))
+    bound = coordinator.fed.max_update_norm
+    if checked:
+        assert_adapter(coordinator, initial)  # refused whole: the previous adapter kept
+        [line] = [r.getMessage() for r in caplog.records if "over its bound" in r.getMessage()]
+        assert "secure aggregation failed: the sum's L2 norm" in line
+        assert record["refused"] == 0 and not named(coordinator)  # no one to name
+    else:
+        assert moved(coordinator, initial) > bound
+
+
+def _in_range(task: dict[str, Any], masked: np.ndarray) -> np.ndarray:
+    """An offset on every entry that puts the sum's norm at 0.9 of its bound (the attacker
+    reads the bound, fixed point and length from its task; weights 3 x 10)."""
+    params = task["secure"]
+    entries = params["length"] - 1
+    per_entry = 0.9 * params["bound"] * 30 / math.sqrt(entries)
+    out = masked.copy()
+    out[:-1] += np.uint64(round(per_entry * 2 ** params["frac_bits"]))
+    return out
+
+
+def test_poison_inside_the_aggregate_bound_moves_the_mean_by_up_to_max_update_norm(
+    secure_federation,
+) -> None:
+    """What no check attributes: one client's offset within the sum's bound is taken, and
+    moves the mean by up to fed.max_update_norm (0.9 of it here), three times the most its
+    own clipped, weighted update could (bound x 10 / 30)."""
+    coordinator, initial, [record] = secure_federation(players_with(tampered(masked=_in_range)))
+    bound = coordinator.fed.max_update_norm
+    distance = moved(coordinator, initial)
+    print(f"in-range poison moved the adapter by L2 {distance:.6g} (bound {bound:g})")
+    assert record["clients"] == 3 and record["refused"] == 0
+    assert 2.5 * bound * 10 / 30 < distance <= bound
+
+
+# ------------------------------------------------------------------ attributable
+
+
+def _replay() -> Any:
+    """Honest in round 1 (its masked input kept), round 1's masked input again in round 2."""
+    kept: list[np.ndarray] = []
+
+    def masked(task: dict[str, Any], array: np.ndarray) -> np.ndarray:
+        if not kept:
+            kept.append(array.copy())
+            return array
+        return kept[0]
+
+    return tampered(masked=masked)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_a_replayed_masked_input_is_refused_by_name(
+    secure_federation, monkeypatch, checked: bool
+) -> None:
+    if not checked:
+        monkeypatch.setattr(secure.InputDigests, "admit", lambda *a, **k: None)
+    coordinator, initial, rounds = secure_federation(players_with(_replay()), rounds=2)
+    after_first = expected_mean(initial, [*HONEST, 0.03], [10] * 3)
+    if checked:  # its masks taken out as a dropout's: the honest two count
+        assert_adapter(coordinator, expected_mean(after_first, list(HONEST), [10, 10]))
+        assert rounds[1]["refused"] == 1 and len(named(coordinator)) == 1
+    else:  # unmasked with round 2's masks, round 1's input is noise: a veto, no one named
+        assert_adapter(coordinator, after_first)
+        assert rounds[1]["refused"] == 0 and not named(coordinator)
+
+
+def _heavy_result(task: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "weight": 2**40}
+
+
+def _heavy_masked(task: dict[str, Any], masked: np.ndarray) -> np.ndarray:
+    out = masked.copy()
+    out[-1] += np.uint64(2**40 - 10)  # the masked weight entry: 10 becomes 2^40
+    return out
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_a_weight_of_2_to_40_is_refused_by_name_and_excluded(
+    secure_federation, monkeypatch, checked: bool
+) -> None:
+    """Its weight travels in clear: 2^40 over the 10 it declared is refused before unmasking,
+    and it takes no part in round 2. Without that check the round divides by 2^40 and the
+    honest clients' updates vanish, silently."""
+    if not checked:
+        monkeypatch.setattr(secure, "check_weight", lambda client, value, declared: value)
+    step = tampered(result=_heavy_result, masked=_heavy_masked)
+    coordinator, initial, rounds = secure_federation(players_with(step), rounds=2)
+    if checked:
+        once = expected_mean(initial, list(HONEST), [10, 10])
+        assert_adapter(coordinator, expected_mean(once, list(HONEST), [10, 10]))
+        assert [(r["clients"], r["refused"]) for r in rounds] == [(2, 1), (2, 0)]
+        assert rounds[1]["failures"] == 0  # round 2 did not even ask it
+        assert len(named(coordinator)) == 1
+    else:
+        honest_move = moved_by(initial, expected_mean(initial, list(HONEST), [10, 10]))
+        assert moved(coordinator, initial) < 1e-6 * honest_move
+        assert [r["refused"] for r in rounds] == [0, 0] and not named(coordinator)
+
+
+def moved_by(initial: State, expected: State) -> float:
+    diff = [(expected[n].double() - initial[n].double()).reshape(-1) for n in initial]
+    return float(torch.cat(diff).norm())
+
+
+def _short(task: dict[str, Any], masked: np.ndarray) -> np.ndarray:
+    return masked[:-1].copy()
+
+
+def _store_unchecked(self: secagg.Server, client: int, masked: np.ndarray) -> None:
+    self.inputs[client] = masked
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_a_short_masked_input_is_refused_by_name(
+    secure_federation, monkeypatch, checked: bool
+) -> None:
+    """Without the length check a short input reaches the unmasking and ends the run."""
+    if not checked:
+        monkeypatch.setattr(secagg.Server, "add_input", _store_unchecked)
+        with pytest.raises(ValueError, match="broadcast"):
+            secure_federation(players_with(tampered(masked=_short)))
+        return
+    coordinator, initial, [record] = secure_federation(players_with(tampered(masked=_short)))
+    assert_adapter(coordinator, expected_mean(initial, list(HONEST), [10, 10]))
+    assert record["refused"] == 1 and len(named(coordinator)) == 1
+
+
+def _junk(conn, task, payload, send) -> None:
+    for share in payload["shares"].values():
+        raw = bytearray(base64.b64decode(share[2]))
+        raw[0] ^= 0xFF
+        share[2] = base64.b64encode(bytes(raw)).decode()
+    send[0](FedMsg.SA_REVEAL, payload)
+
+
+def _rebuild_unchecked(self: secagg.Server, owner: int, kind: str, check: object):
+    shares = sorted(self._shares_of(owner, kind), key=lambda got: got[1][0])
+    return secagg._combine([s for _, s in shares[: self.params.threshold]], kind), []
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_junk_shares_are_traced_to_their_sender(
+    secure_federation, monkeypatch, checked: bool
+) -> None:
+    """The junk-share sender joins first, so its shares are among those a rebuild uses; the
+    rebuilt seed is checked against its commitment (without that, the wrong seed leaves a
+    mask in the sum and the round is lost with no one named)."""
+    if not checked:
+        monkeypatch.setattr(secagg.Server, "_rebuild", _rebuild_unchecked)
+    liar = SecurePlayer(0.03, step=_until(FedMsg.SA_REVEAL, then=_junk), name="attacker")
+    players = [liar, *(SecurePlayer(o, join_delay_s=0.3) for o in HONEST)]
+    coordinator, initial, [record] = secure_federation(players)
+    if checked:
+        assert_adapter(coordinator, expected_mean(initial, [*HONEST, 0.03], [10] * 3))
+        assert record["refused"] == 1 and named(coordinator) == {liar.client_id}
+    else:
+        assert_adapter(coordinator, initial)
+        assert record["refused"] == 0 and not named(coordinator)
+
+
+def _one_key(task: dict[str, Any]) -> dict[str, Any]:
+    key = base64.b64encode(bytes(range(1, 33))).decode()
+    return {"task": task["task"], "c": key, "s": key}
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_one_key_for_both_purposes_is_refused_by_name(
+    secure_federation, monkeypatch, checked: bool
+) -> None:
+    """The attacker advertises one key as both of its keys, then goes silent; without the
+    check it is taken and nothing names it (the round waits out the share step for it)."""
+    if not checked:
+        monkeypatch.setattr(
+            secagg.Server,
+            "add_keys",
+            lambda self, client, c, s: self.keys.__setitem__(client, (c, s)),
+        )
+    step = _send_then_leave(FedMsg.SA_KEYS, _one_key)
+    coordinator, initial, [record] = secure_federation(players_with(step))
+    assert_adapter(coordinator, expected_mean(initial, list(HONEST), [10, 10]))
+    assert record["refused"] == (1 if checked else 0)
+    assert len(named(coordinator)) == (1 if checked else 0)
+
+
+# ------------------------------------------------------------------ non-finite training
+
+
+def _silent_nan(conn, task, state, me) -> None:
+    """The honest protocol up to the masked input, which it never sends (no SKIP either)."""
+    _until(FedMsg.RESULT)(conn, task, state, me)
+
+
+@pytest.mark.parametrize("says_so", [True, False], ids=["skip", "control"])
+def test_a_client_whose_training_went_non_finite_says_so_and_is_not_waited_for(
+    secure_federation, caplog, says_so: bool
+) -> None:
+    """It sends SKIP in clear and sits the round out: the round does not wait for it (its
+    input timeout is an hour here: the test could not end otherwise). The control goes silent
+    instead, and its round waits out a short input timeout for it."""
+    nan_client = SecurePlayer(math.nan, 10, name="nan") if says_so else None
+    silent = SecurePlayer(0.03, 10, step=_silent_nan, name="silent")
+    players = [*(SecurePlayer(o, 10) for o in HONEST), nan_client or silent]
+    timeout_s = 3600.0 if says_so else 5.0
+    with caplog.at_level(logging.INFO):
+        coordinator, initial, [record] = secure_federation(
+            players, round_timeout_s=timeout_s, secagg=SecAggConfig(step_timeout_s=30.0)
+        )
+    assert_adapter(coordinator, expected_mean(initial, list(HONEST), [10, 10]))
+    assert (record["clients"], record["failures"], record["refused"]) == (2, 1, 0)
+    sat_out = [r for r in caplog.records if "sits out: non-finite update" in r.getMessage()]
+    assert len(sat_out) == (1 if says_so else 0)
+    assert not named(coordinator)
