@@ -311,13 +311,22 @@ def hold_memory_child(args) -> None:
     join_victim(args.host, args.port, args.timeout)
     confirmed, held = 0, []  # every RRef kept: one dropped here tells the owner to free it
     try:
+        # a plain call first: where no connection is made it raises at once, while an RRef's
+        # creation future, on a refused connection, is never completed (torch 2.13)
+        rpc.rpc_sync(VICTIM, torch.add, args=(torch.ones(1), 1), timeout=args.timeout)
         for _ in range(HOLD_COUNT):
             held.append(
                 rpc.remote(
                     VICTIM, torch.ones, args=([HOLD_MIB << 18],), kwargs={"dtype": torch.float32}
                 )
             )
-            held[-1]._get_future().wait()  # the stage built it and keeps it
+            created = held[-1]._get_future()  # the stage built it and keeps it
+            deadline = time.monotonic() + args.timeout
+            while not created.done():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the stage did not confirm an RRef in {args.timeout} s")
+                time.sleep(0.05)
+            created.wait()
             confirmed += 1
         line: dict[str, object] = {"confirmed": confirmed}
     except Exception as exc:
@@ -389,6 +398,12 @@ def kill_segment(args) -> Result:
     from torch._C._distributed_rpc import _invoke_rpc_builtin
 
     agent = join_victim(args.host, args.port, args.timeout)
+    import torch.distributed.rpc as rpc
+
+    try:  # the call below is fire-and-forget: a plain one first says whether we got through
+        rpc.rpc_sync(VICTIM, torch.add, args=(torch.ones(1), 1), timeout=args.timeout)
+    except Exception as exc:
+        return Result(not unreachable(exc), False, f"stage refused a call: {_error(exc)}")
     # by its qualified name: torch has no Python function that rpc maps to this operator
     _invoke_rpc_builtin(
         agent.get_worker_info(VICTIM),

@@ -81,7 +81,9 @@ def _hex_address(text: str) -> tuple[str, int]:
 
 def _process_listeners(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
     """The TCP and unix sockets `pid` listens on, read from its own network namespace's tables
-    (/proc/PID/net/...: psutil reads the caller's, and misses a process in another namespace)."""
+    (/proc/PID/net/...: psutil reads the caller's, and misses a process in another namespace);
+    TCP in the order they were made (socket inode): a stage's TensorPipe listener first, its
+    agent's, then Gloo's."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -95,7 +97,8 @@ def _process_listeners(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                inet.append(_hex_address(fields[1]))
+                inet.append((int(fields[9]), _hex_address(fields[1])))
+    inet = [address for _, address in sorted(inet)]  # in the order they were made
     unix = []
     for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
         fields = line.split()
@@ -196,3 +199,18 @@ def losses(run_dir: Path) -> list[float]:
 
     records = read_records(run_dir / "metrics.jsonl")
     return [r["loss"] for r in records if r.get("kind") == "metrics" and "loss" in r]
+
+
+def rogue(target: tuple[str, int], attack: str, *args: str) -> dict[str, object]:
+    """labtools.hosts.rogue_rpc's `attack` on `target`, as another local user (root starts it
+    and it drops to uid nobody before its first connection: the interpreter may live where
+    nobody cannot read it)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "labtools.hosts.rogue_rpc", "--target", f"{target[0]}:{target[1]}",
+         "--attack", attack, "--as-user", str(OTHER_UID), "--timeout", "10", "--wait", "10",
+         *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "LAB_SECRET": ""},
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))

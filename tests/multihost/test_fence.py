@@ -3,21 +3,33 @@ run's ports, each attack with its control arm (the same attack, fence off, gets 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 from lab import fence
 from tests.multihost.fence_support import (
+    Listening,
+    SplitRun,
     dial_as_other_user,
     listening,
+    losses,
     other_user_unavailable,
+    rogue,
     split_run,
 )
 
@@ -77,23 +89,45 @@ def test_a_killed_launchers_fence_is_swept_by_the_next_run(tmp_path: Path) -> No
 
 
 ARMS = {"nftables": {}, "namespace": {"LAB_FENCE": "namespace"}, "off": {"LAB_FENCE": "off"}}
+LONG_RUNS = {
+    "split_training": ("split.steps=400", "split.rpc_timeout_s=600"),
+    "data_parallel": ("dp.steps=400",),
+}
+"""Runs that outlast the test's look at them (stopped at its end)."""
 
 
-@pytest.mark.parametrize("arm", list(ARMS))
-def test_a_split_runs_listeners_are_on_its_address_only_and_fenced(
-    tmp_path: Path, arm: str
-) -> None:
-    """Every listener of the run's processes is on the run's own address (TensorPipe's one,
-    Gloo's, the store's), none a unix socket; another user connects to none of them, behind
-    nftables or in the run's private namespace. Control arm: with LAB_FENCE=off the same
-    listeners take the same user's connections."""
-    with split_run(tmp_path, "split.steps=400", "split.rpc_timeout_s=600", env=ARMS[arm]) as run:
-        run.wait_for("joined the run", count=2)
-        address = run.address
-        time.sleep(1.0)  # Gloo's listeners follow TensorPipe's
+def _listeners_once_up(run: SplitRun, minimum: int) -> list[Listening]:
+    """The run's listeners, once at least `minimum` are up and a second has passed with no
+    new one (Gloo's follow TensorPipe's and the store's)."""
+    deadline = time.monotonic() + 300
+    seen = -1
+    while True:
+        assert run.proc.poll() is None, "the run ended early:\n" + "".join(run.lines[-40:])
+        assert time.monotonic() < deadline, listening(run.proc.pid)
         found = listening(run.proc.pid)
+        count = sum(len(item.inet) for item in found)
+        if count >= minimum and count == seen:
+            return found
+        seen = count
+        time.sleep(1.0)
+
+
+@pytest.mark.parametrize(
+    ("module", "arm"),
+    [("split_training", arm) for arm in ARMS] + [("data_parallel", "nftables"),
+                                                 ("data_parallel", "off")],
+)  # fmt: skip
+def test_a_runs_listeners_are_on_its_address_only_and_fenced(
+    tmp_path: Path, module: str, arm: str
+) -> None:
+    """Every listener of the run's processes is on the run's own address (TensorPipe's, Gloo's,
+    the stores'), none a unix socket; another user connects to none of them, behind nftables or
+    in the run's private namespace. Control arm: with LAB_FENCE=off the same listeners take the
+    same user's connections."""
+    with split_run(tmp_path, *LONG_RUNS[module], module=module, env=ARMS[arm]) as run:
+        found = _listeners_once_up(run, minimum=3)  # a store, and per worker Gloo's at least
+        address = run.address
         inet = [(item.name, a) for item in found for a in item.inet]
-        assert len(inet) >= 3, found  # the store, and per process TensorPipe's and Gloo's
         assert {host for _, (host, _) in inet} == {address}, inet
         assert not [item for item in found if item.unix], found
         assert (address != "127.0.0.1") == (arm == "nftables")
@@ -102,3 +136,114 @@ def test_a_split_runs_listeners_are_on_its_address_only_and_fenced(
             assert all(d == "connected" for d in dialled), dialled
         else:
             assert all(d.startswith("no connection") for d in dialled), dialled
+
+
+def _marker(folder: Path) -> tuple[Path, str]:
+    """A file only the run's user (root) may read, and its bytes' sha256."""
+    marker = folder / "only-the-runs-user.bin"
+    marker.write_bytes(secrets.token_bytes(256))
+    marker.chmod(0o600)
+    return marker, hashlib.sha256(marker.read_bytes()).hexdigest()
+
+
+def _tensorpipe_listener(pid: int) -> tuple[str, int]:
+    """A stage's TensorPipe listener: the first it made (its agent's, before Gloo's)."""
+    (found,) = [item for item in listening(pid) if item.pid == pid]
+    return found.inet[0]
+
+
+def _all_attacks(stage: int, target: tuple[str, int], folder: Path) -> dict[str, dict[str, Any]]:
+    """The review's six attacks on one stage's TensorPipe listener, the kills last."""
+    marker, digest = _marker(folder)
+    written = folder / f"written-by-stage-{stage}.bin"
+    pid = ["--victim-pid", str(stage)]
+    return {
+        "file-read": rogue(target, "file-read", "--path", str(marker), "--expect-sha256", digest),
+        "file-write": rogue(target, "file-write", "--path", str(written)),
+        "memory": rogue(target, "memory", *pid),
+        "kill-lane": rogue(target, "kill-lane", *pid),
+        "kill-segment": rogue(target, "kill-segment", *pid),
+        "kill-0xff": rogue(target, "kill-0xff", *pid),
+    }
+
+
+@contextmanager
+def _held_still(run: SplitRun) -> Iterator[None]:
+    """The driver stopped (SIGSTOP) for the block, so the attacks meet a run that is still
+    there however slow the machine: its stages wait for it (split.rpc_timeout_s=600)."""
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(run.proc.pid, signal.SIGCONT)
+
+
+TRAIN = ("split.steps=12", "split.rpc_timeout_s=600", "split.checkpoint_every=0")
+
+
+def test_attacks_from_another_user_reach_no_stage_and_the_run_trains_as_unattacked(
+    tmp_path: Path,
+) -> None:
+    """Behind the fence, uid nobody's file read, file write, memory hold and three kills on each
+    stage's TensorPipe listener all fail to connect, and the run's losses equal an unattacked
+    run's. (The same attacks unfenced succeed: the test below.)"""
+    with split_run(tmp_path, *TRAIN) as unattacked:
+        assert unattacked.proc.wait(timeout=600) == 0, "".join(unattacked.lines[-30:])
+    expected = losses(unattacked.run_dir)
+    assert len(expected) == 12
+    with split_run(tmp_path, *TRAIN) as run:
+        run.wait_for("joined the run", count=2)
+        stages = run.stage_pids()
+        with _held_still(run):
+            outcomes = {
+                name: _all_attacks(pid, _tensorpipe_listener(pid), tmp_path)
+                for name, pid in stages.items()
+            }
+            assert all(psutil.pid_exists(pid) for pid in stages.values())
+        assert run.proc.wait(timeout=600) == 0, "".join(run.lines[-30:])
+    for name, results in outcomes.items():
+        for attack, got in results.items():
+            assert not got["connected"] and not got["succeeded"], (name, attack, got)
+    assert not list(tmp_path.glob("written-by-stage-*"))
+    assert losses(run.run_dir) == expected
+
+
+@pytest.fixture
+def seen_by_others() -> Iterator[Path]:
+    """A folder another user may look into (pytest's are root's alone): where the attacker
+    checks the file it made the stage write."""
+    folder = Path(tempfile.mkdtemp(prefix="fence-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("channels", ["basic", "network"])
+def test_control_arm_the_same_attacks_unfenced_succeed(
+    tmp_path: Path, seen_by_others: Path, channels: str
+) -> None:
+    """LAB_FENCE=off: the same script reads a root-only file through stage1, writes one, makes
+    it hold memory and kills it; kills stage2 with an out-of-bounds operator. With
+    split.channels=network (16 lane listeners a process), junk on a lane kills a stage too."""
+    with split_run(tmp_path, *TRAIN, f"split.channels={channels}",
+                   env={"LAB_FENCE": "off"}) as run:  # fmt: skip
+        run.wait_for("joined the run", count=2)
+        stages = run.stage_pids()
+        first, second = (_tensorpipe_listener(stages[f"stage{k}"]) for k in (1, 2))
+        with _held_still(run):
+            if channels == "network":
+                got = rogue(first, "kill-lane", "--victim-pid", str(stages["stage1"]))
+                assert got["connected"] and got["succeeded"], got
+                return
+            marker, digest = _marker(tmp_path)
+            for attack, args in {
+                "file-read": ("--path", str(marker), "--expect-sha256", digest),
+                "file-write": ("--path", str(seen_by_others / "written-by-stage-1.bin")),
+                "memory": ("--victim-pid", str(stages["stage1"])),
+                "kill-0xff": ("--victim-pid", str(stages["stage1"])),
+            }.items():
+                got = rogue(first, attack, *args)
+                assert got["connected"] and got["succeeded"], (attack, got)
+            got = rogue(second, "kill-segment", "--victim-pid", str(stages["stage2"]))
+            assert got["connected"] and got["succeeded"], got
+    assert (seen_by_others / "written-by-stage-1.bin").stat().st_uid == os.geteuid()
