@@ -243,7 +243,8 @@ class StaticDecoder:
         if prompt_len + max_new_tokens > self.max_len:
             raise ValueError(
                 f"a prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} needs "
-                f"{prompt_len + max_new_tokens} cache slots; this decoder has max_len={self.max_len}"
+                f"{prompt_len + max_new_tokens} cache slots; "
+                f"this decoder has max_len={self.max_len}"
             )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -266,9 +267,9 @@ class StaticDecoder:
         started = time.perf_counter()
         steps = 1
         while steps < max_new_tokens:
-            if eos_token_id is not None and steps % EOS_CHECK_EVERY == 0:
-                if not bool(self.unfinished.any()):
-                    break
+            ask = eos_token_id is not None and steps % EOS_CHECK_EVERY == 0
+            if ask and not bool(self.unfinished.any()):
+                break
             if self.graph is not None:
                 self.graph.replay()
             else:

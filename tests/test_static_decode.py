@@ -28,7 +28,8 @@ def tiny_llama(device: str = "cpu"):
         pad_token_id=None,
         tie_word_embeddings=False,
     )
-    return LlamaForCausalLM(config).to(device).eval()
+    model = LlamaForCausalLM(config)
+    return model.to(torch.device(device)).eval()  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
