@@ -188,6 +188,7 @@ EXPERIMENT = Experiment(
     local_threads=0,  # the agent computes nothing; each worker takes its share of the cores
     resume="dp.resume=true",
     resume_roles=("local", "worker"),
+    fenced=True,  # torch's TCPStore and Gloo take any connection: see lab.fence
 )
 
 
