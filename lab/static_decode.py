@@ -15,6 +15,21 @@ MLP, rotary, head); only attention over the static cache is written here.
 `graphs="off"` (the CPU path, and the GPU baseline) runs the very same step eagerly on the same
 cache, so graph replay and eager agree exactly in float32. Greedy only; the prefill runs eagerly.
 Split stages and speculative decoding do not use this yet.
+
+`compile=True` hands the decode step (forward, argmax, bookkeeping; one shape) to
+`torch.compile(fullgraph=True, dynamic=False)` with inductor's "default" mode (or
+"max-autotune-no-cudagraphs"), never "reduce-overhead": the graph here is our own
+`torch.cuda.CUDAGraph`, which records the compiled kernels, so fewer and fused kernels are what a
+replay launches (a plain replay is launch-bound: ~20 small kernels a layer). The compiled step runs
+`WARMUP_STEPS` times before capture, so compiling and autotuning happen outside it; its seconds are
+reported apart (`compile_s`). The prefill stays eager (another shape).
+
+Grouped-query attention reads the cache as it is, without `repeat_interleave` of the whole cache
+per step: the query heads that share a KV head become that head's rows (B, nkv, G*T, d), with the
+mask repeated to match. Not `scaled_dot_product_attention(enable_gqa=True)`: with a mask, neither
+flash (no mask) nor memory-efficient attention (no grouped heads, sdp_utils.cpp) admits it, so it
+lands on the math backend, which repeats K and V itself; the grouping here keeps the
+memory-efficient kernel and is the same arithmetic per row.
 """
 
 from __future__ import annotations
@@ -28,6 +43,8 @@ import torch.nn.functional as F
 
 GraphMode = Literal["auto", "on", "off"]
 GRAPH_MODES: tuple[str, ...] = ("auto", "on", "off")
+COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
+"""Inductor modes that launch kernels only, so our own CUDA graph can record them."""
 SUPPORTED_MODEL_TYPES = ("llama",)
 WARMUP_STEPS = 3
 """Eager steps on a side stream before capture (cuBLAS handles, allocator), as torch's docs ask."""
@@ -48,8 +65,12 @@ class StaticGeneration:
     decode_s: float
     """The steps after the first token, the device synchronised at both ends."""
     capture_s: float
-    """Warm-up and graph capture, paid once per decoder (0 when eager or captured before)."""
+    """Warm-up and graph capture, paid once per decoder (0 when eager or captured before);
+    with `compile=True` the compiling is not in it but in `compile_s`."""
     graphs: bool
+    compile_s: float = 0.0
+    """The compiled step's first run (tracing, inductor, autotuning), paid once per decoder."""
+    compiled: bool = False
 
     @property
     def per_token_ms(self) -> float:
@@ -77,11 +98,19 @@ class StaticDecoder:
     """A Llama causal LM's greedy decoder with a KV cache of `max_len` slots for `batch_size` rows.
 
     `graphs`: "on" captures the decode step in a CUDA graph (a CUDA model only), "off" runs it
-    eagerly, "auto" is "on" exactly where the model is on CUDA.
+    eagerly, "auto" is "on" exactly where the model is on CUDA. `compile`: the decode step
+    through `torch.compile` (inductor, `compile_mode`), captured in the graph where graphs are on.
     """
 
     def __init__(
-        self, model: Any, *, max_len: int, batch_size: int = 1, graphs: GraphMode = "auto"
+        self,
+        model: Any,
+        *,
+        max_len: int,
+        batch_size: int = 1,
+        graphs: GraphMode = "auto",
+        compile: bool = False,
+        compile_mode: str = "default",
     ) -> None:
         config = model.config
         if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
@@ -95,6 +124,8 @@ class StaticDecoder:
             raise ValueError(f"max_len={max_len!r} must be an int >= 2")
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode={compile_mode!r}: pick one of {COMPILE_MODES}")
         device = next(model.parameters()).device
         if graphs == "on" and device.type != "cuda":
             raise ValueError(f"graphs='on' needs the model on a CUDA device, it is on {device}")
@@ -125,6 +156,15 @@ class StaticDecoder:
         self.eos_id = torch.full((1,), -1, dtype=torch.long, **on)  # -1: no end-of-sequence id
         self.pad_id = torch.zeros(1, dtype=torch.long, **on)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.compiled = bool(compile)
+        self.compile_mode = compile_mode
+        self._decode_step = (
+            torch.compile(self._step, fullgraph=True, dynamic=False, mode=compile_mode)
+            if compile
+            else self._step
+        )
+        self._warm = False  # the compiled step has run (compiled) at least once
+        self._compile_s = 0.0
 
     # -- the model, over the static cache --------------------------------------------------
 
@@ -147,9 +187,16 @@ class StaticDecoder:
         k = k * cos + _rotate_half(k) * sin
         self.k_cache[layer].index_copy_(2, cache_position, k)
         self.v_cache[layer].index_copy_(2, cache_position, v)
-        keys = self.k_cache[layer].repeat_interleave(self.kv_groups, dim=1)  # (B, nh, S, d)
-        values = self.v_cache[layer].repeat_interleave(self.kv_groups, dim=1)  # (B, nh, S, d)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        # Query head h = j * G + g reads KV head j: group them as KV head j's G*T rows.
+        groups, nkv = self.kv_groups, self.num_kv_heads
+        q = q.reshape(batch, nkv, groups * length, self.head_dim)  # (B, nkv, G*T, d)
+        slots = mask.shape[-1]
+        mask = mask[:, :, None].expand(batch, 1, groups, length, slots)
+        mask = mask.reshape(batch, 1, groups * length, slots)  # (B, 1, G*T, S)
+        out = F.scaled_dot_product_attention(
+            q, self.k_cache[layer], self.v_cache[layer], attn_mask=mask, scale=attn.scaling
+        )  # (B, nkv, G*T, d)
+        out = out.view(batch, nkv * groups, length, self.head_dim)  # (B, nh, T, d)
         out = out.transpose(1, 2).reshape(batch, length, -1)  # (B, T, nh * d)
         return attn.o_proj(out)
 
@@ -198,22 +245,44 @@ class StaticDecoder:
         for counter in (self.input_ids, self.position_ids, self.cache_position, self.step):
             counter.zero_()
 
+    def warm_up(self) -> float:
+        """Compile the step (run it once, then `WARMUP_STEPS - 1` more: autotuned kernels pick
+        their configs); seconds of that first run (0 if not compiled or done)."""
+        if not self.compiled or self._warm:
+            return 0.0
+        self._reset()
+        with torch.no_grad():
+            started = time.perf_counter()
+            self._decode_step()
+            _sync(self.device)
+            compile_s = time.perf_counter() - started
+            for _ in range(WARMUP_STEPS - 1):
+                self._decode_step()
+        _sync(self.device)
+        self._warm = True
+        return compile_s
+
     def capture(self) -> float:
-        """Warm up and capture the decode step once; seconds spent (0 if done or eager)."""
+        """Warm up and capture the decode step once; seconds spent (0 if done or eager). A
+        compiled step is compiled first, on the same side stream, and those seconds are not
+        counted here (`warm_up`'s)."""
         if not self.graphs or self.graph is not None:
             return 0.0
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._compile_s = self.warm_up()
         started = time.perf_counter()
         self._reset()
         with torch.no_grad():
-            side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_STEPS):
-                    self._step()
+                    self._decode_step()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._step()
+                self._decode_step()
         _sync(self.device)
         self.graph = graph
         return time.perf_counter() - started
@@ -250,7 +319,9 @@ class StaticDecoder:
             attention_mask = torch.ones_like(input_ids)
         if attention_mask.shape != input_ids.shape:
             raise ValueError("attention_mask must have input_ids' shape")
-        capture_s = self.capture()
+        self._compile_s = 0.0
+        capture_s = self.capture()  # with graphs, compiles first (in `_compile_s`, not here)
+        compile_s = self._compile_s if self.graphs else self.warm_up()
         self._reset()
         self.eos_id.fill_(-1 if eos_token_id is None else eos_token_id)
         self.pad_id.fill_(pad_token_id)
@@ -273,7 +344,7 @@ class StaticDecoder:
             if self.graph is not None:
                 self.graph.replay()
             else:
-                self._step()
+                self._decode_step()
             steps += 1
         _sync(self.device)
         decode_s = time.perf_counter() - started
@@ -282,4 +353,6 @@ class StaticDecoder:
             ended = tokens == eos_token_id  # (B, steps)
             if bool(ended.any(dim=1).all()):  # the lab's loop stops after the last row's end
                 tokens = tokens[:, : int(ended.int().argmax(dim=1).max()) + 1]
-        return StaticGeneration(tokens, prefill_s, decode_s, capture_s, self.graph is not None)
+        return StaticGeneration(
+            tokens, prefill_s, decode_s, capture_s, self.graph is not None, compile_s, self.compiled
+        )

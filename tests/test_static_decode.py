@@ -111,3 +111,23 @@ def test_graph_replay_tokens_equal_the_eager_static_step_on_the_gpu() -> None:
         ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=40, do_sample=False
     )
     assert torch.equal(eager.tokens, expected[:, ids.shape[1] :].cpu())
+
+
+@pytest.mark.slow  # inductor on 2 CPU cores: about a minute
+def test_compiled_step_gives_the_eager_steps_tokens_in_float32(model) -> None:
+    """compile=True (inductor, here on the CPU, no graphs) == compile=False, token for token,
+    a left-padded batch; the decoder replays from a reset cache without compiling again."""
+    ids = prompt(batch=2, length=9, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    eager = StaticDecoder(model, max_len=32, batch_size=2, graphs="off").generate(
+        ids, mask, max_new_tokens=12
+    )
+    decoder = StaticDecoder(model, max_len=32, batch_size=2, graphs="off", compile=True)
+    first = decoder.generate(ids, mask, max_new_tokens=12)
+    again = decoder.generate(ids, mask, max_new_tokens=12)
+    assert first.compiled and first.compile_s > 0 and again.compile_s == 0
+    assert torch.equal(first.tokens, eager.tokens)
+    assert torch.equal(again.tokens, eager.tokens)
+    with pytest.raises(ValueError, match="compile_mode='reduce-overhead'"):
+        StaticDecoder(model, max_len=16, compile=True, compile_mode="reduce-overhead")
