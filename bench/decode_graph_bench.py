@@ -5,7 +5,10 @@ toy for a CPU), batch 1, a prompt of 32 random ids and 128 new tokens, greedy:
 
   (a) Hugging Face `generate`, eager (its dynamic cache, SDPA);
   (b) the lab's static-cache decoder (lab/static_decode.py), eager;
-  (c) the same decoder with each decode step replayed from one `torch.cuda.CUDAGraph`.
+  (c) the same decoder with each decode step replayed from one `torch.cuda.CUDAGraph`;
+  (d) the same, the step first through `torch.compile` (inductor, `--compile-mode`, fullgraph,
+      static shapes) and the compiled kernels captured in the graph (compile seconds apart;
+      `--no-compile` leaves (d) out). Without a GPU (d) runs compiled, eagerly.
 
 Per-token time excludes the prompt: for (a) it is (time of `generate` for N new tokens - time for
 1) / (N - 1), for (b) and (c) the decode loop after the first token, the device synchronised at
@@ -14,11 +17,12 @@ reported apart). Beside each row the floor: bytes read per token (every weight a
 dtype + the KV cache at the decode's mean position) / the card's bandwidth, measured as a
 device-to-device copy of 2 GB, counting bytes read plus bytes written (4 GB) over its time.
 Greedy agreement: (b) vs (c) and each vs (a), identical or the first position where they part;
-with `--shape 1b` also a float32 model, fewer tokens, where (b) and (c) must be identical.
+with `--shape 1b` also a float32 model, fewer tokens, where (b) and (c) must be identical, and
+last (if time is left) (d) against (b) in float32 too.
 
 Imports torch, transformers and lab's hydra-free modules only (the GPU image lacks hydra).
 Writes bench/results/decode_graph_bench_<shape>.json after each part (a killed run keeps what
-finished) and prints the ratio graph / HF `generate` eager per token last.
+finished) and prints the best graph variant / HF `generate` eager per token last.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ SHAPES: dict[str, dict[str, int]] = {
 }  # fmt: skip
 """TinyLlama-1.1B (TinyLlama/TinyLlama-1.1B-Chat-v1.0) and Llama-3-8B's configs, random-init."""
 COPY_BYTES = 2 * 10**9
+D_GRAPH = "(d) static cache, compiled + CUDA graph"
+D_EAGER = "(d) static cache, compiled (no graph)"
 
 
 def describe_machine(device: torch.device) -> dict[str, Any]:
@@ -156,10 +162,21 @@ def time_hf(model: Any, ids: torch.Tensor, new_tokens: int, repeats: int) -> dic
 
 
 def time_static(
-    model: Any, ids: torch.Tensor, new_tokens: int, repeats: int, *, graphs: bool
+    model: Any,
+    ids: torch.Tensor,
+    new_tokens: int,
+    repeats: int,
+    *,
+    graphs: bool,
+    compile: bool = False,
+    compile_mode: str = "default",
 ) -> dict[str, Any]:
     decoder = StaticDecoder(
-        model, max_len=ids.shape[1] + new_tokens, graphs="on" if graphs else "off"
+        model,
+        max_len=ids.shape[1] + new_tokens,
+        graphs="on" if graphs else "off",
+        compile=compile,
+        compile_mode=compile_mode,
     )
     first = decoder.generate(ids, max_new_tokens=new_tokens)  # warm-up (and capture)
     runs = [decoder.generate(ids, max_new_tokens=new_tokens) for _ in range(repeats)]
@@ -170,6 +187,7 @@ def time_static(
         "ms_per_token": best.per_token_ms,
         "prefill_ms": 1000 * best.prefill_s,
         "capture_ms": 1000 * first.capture_s,
+        **({"compile_s": first.compile_s} if compile else {}),
         "tokens": first.tokens,
     }
 
@@ -192,6 +210,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--float32-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="the JSON (bench/results/...)")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="leave out (d), the compiled step"
+    )
+    parser.add_argument(
+        "--compile-mode",
+        choices=("default", "max-autotune-no-cudagraphs"),
+        default="default",
+        help="inductor's mode for (d)",
+    )
+    parser.add_argument(
+        "--no-float32-compiled",
+        action="store_true",
+        help="skip the float32 check of (d) against (b) (1b / tiny only; a second compile)",
+    )
     args = parser.parse_args(argv)
     out = args.out or RESULTS / f"decode_graph_bench_{args.shape}.json"
     cuda = torch.cuda.is_available()
@@ -207,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": 1,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
+        "compile": None if args.no_compile else args.compile_mode,
         "errors": {},
     }
     print("machine: " + ", ".join(f"{k} {v}" for k, v in results["machine"].items()), flush=True)
@@ -250,8 +283,27 @@ def main(argv: list[str] | None = None) -> int:
             graph = time_static(model, ids, n, 1, graphs=True)["tokens"]
             check["graph_vs_static_eager"] = agreement(graph, eager)
         results["float32"] = check
+        state["float32_eager"] = eager
         print(
             f"float32, {n} new tokens: " + ", ".join(f"{k} {v}" for k, v in check.items()),
+            flush=True,
+        )
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def float32_compiled_identity() -> None:
+        n, eager = args.float32_new_tokens, state["float32_eager"]
+        model = build_llama(args.shape, device, torch.float32)
+        compiled = time_static(
+            model, ids, n, 1, graphs=cuda, compile=True, compile_mode=args.compile_mode
+        )
+        label = "compiled_graph_vs_static_eager" if cuda else "compiled_vs_static_eager"
+        results["float32"][label] = agreement(compiled["tokens"], eager)
+        results["float32"]["compiled_compile_s"] = compiled["compile_s"]
+        print(
+            f"float32, {n} new tokens: {label} {results['float32'][label]} "
+            f"(compiled in {compiled['compile_s']:.1f}s)",
             flush=True,
         )
         del model
@@ -292,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             results["floor_ms_per_token"] = floor_ms
         hf = rows.get("(a) HF generate eager")
         print(
-            f"\n{'decode, ' + args.shape + ' ' + results['dtype']:<34} {'ms/token':>9} "
+            f"\n{'decode, ' + args.shape + ' ' + results['dtype']:<40} {'ms/token':>9} "
             f"{'floor ms':>9} {'x floor':>8} {'vs (a)':>7}"
         )
         for name, r in rows.items():
@@ -300,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             vs_floor = f"{ms / floor_ms:8.1f}" if floor_ms else f"{'-':>8}"
             vs_hf = f"{ms / hf['ms_per_token']:7.3f}" if hf else f"{'-':>7}"
             floor = f"{floor_ms:9.3f}" if floor_ms else f"{'-':>9}"
-            print(f"{name:<34} {ms:9.3f} {floor} {vs_floor} {vs_hf}")
+            print(f"{name:<40} {ms:9.3f} {floor} {vs_floor} {vs_hf}")
         names = list(rows)
         agree = {
             f"{x} vs {y}": agreement(rows[x]["tokens"], rows[y]["tokens"])
@@ -334,11 +386,34 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             print("(c) static cache, CUDA graph: skipped, no CUDA device", flush=True)
+        if not args.no_compile:
+            name = D_GRAPH if cuda else D_EAGER
+            part(
+                name,
+                row(
+                    name,
+                    lambda: time_static(
+                        model, ids, n, r, graphs=cuda, compile=True, compile_mode=args.compile_mode
+                    ),
+                ),
+            )
     part("table", table)
-    a, c = rows.get("(a) HF generate eager"), rows.get("(c) static cache, CUDA graph")
-    last = c or rows.get("(b) static cache eager")
+    state.pop("model", None)
+    model = None  # the rows' closures hold it too: free the bf16 model before the float32 one
+    if cuda:
+        torch.cuda.empty_cache()
+    if not args.no_compile and not args.no_float32_compiled and "float32_eager" in state:
+        part("float32 compiled identity", float32_compiled_identity)
+    a = rows.get("(a) HF generate eager")
+    graphs = {k: rows[k] for k in ("(c) static cache, CUDA graph", D_GRAPH) if k in rows}
+    if graphs:
+        best = min(graphs, key=lambda k: graphs[k]["ms_per_token"])
+        label = f"best graph variant {best}"
+    else:
+        best = D_EAGER if D_EAGER in rows else "(b) static cache eager"
+        label = f"{best}, no GPU"
+    last = rows.get(best)
     if a and last:
-        label = "graph" if c else "static eager (no GPU: no graph)"
         ratio = last["ms_per_token"] / a["ms_per_token"]
         results["headline"] = {"ratio": ratio, "of": f"{label} / HF generate eager"}
         out.write_text(json.dumps(results, indent=2, default=str))
