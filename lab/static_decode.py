@@ -196,7 +196,7 @@ class StaticDecoder:
         out = F.scaled_dot_product_attention(
             q, self.k_cache[layer], self.v_cache[layer], attn_mask=mask, scale=attn.scaling
         )  # (B, nkv, G*T, d)
-        out = out.view(batch, nkv * groups, length, self.head_dim)  # (B, nh, T, d)
+        out = out.reshape(batch, nkv * groups, length, self.head_dim)  # (B, nh, T, d)
         out = out.transpose(1, 2).reshape(batch, length, -1)  # (B, T, nh * d)
         return attn.o_proj(out)
 
