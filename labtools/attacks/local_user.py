@@ -97,13 +97,13 @@ def _process_listeners(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    inet = []
+    by_inode: list[tuple[int, tuple[str, int]]] = []
     for table in ("tcp", "tcp6"):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                inet.append((int(fields[9]), _hex_address(fields[1])))
-    inet = [address for _, address in sorted(inet)]  # in the order they were made
+                by_inode.append((int(fields[9]), _hex_address(fields[1])))
+    inet = [address for _, address in sorted(by_inode)]  # in the order they were made
     unix = []
     for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
         fields = line.split()
