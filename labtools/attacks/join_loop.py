@@ -197,7 +197,7 @@ def rotating_join_run(
     return JoinLoopRun(
         budget=budget,
         rounds=config.fed.rounds,
-        clients=[r["clients"] for r in records],
+        clients=[int(r["clients"]) for r in records],
         rosters=rosters,
         welcomed=sum(loop.welcomed for loop in loops),
         refused=sum(loop.refused for loop in loops),
