@@ -24,11 +24,24 @@ other hosts, as the servers see them.
     unsigned, and TorchScript builtin operators, which TensorPipe runs in C++ without any Python
     check (reported as served: see docs/security.md). Honest: the driver's call
     to the stage.
+Then the insiders and neighbours of issue 48, each a real attack run here (labtools.attacks,
+the tests' own scripts), rows without a latency:
+  - another local user (uid nobody) against a fenced local split_training run: rogue_rpc's six
+    attacks on each stage's TensorPipe listener; the run must train to its end (root, nft and
+    setpriv; else skipped, saying why). The same user on each host of a split run across hosts
+    is `labtools.hosts.probe_exposure`'s local arm (root and WireGuard, with the stranger rows).
+  - a secret holder in a secure federation: an offset of 2^58 on its masked input (the round
+    refused whole), a replayed masked input and a weight of 2^40 (refused by name); the adapter
+    within fed.max_update_norm.
+  - two secret holders JOINing and leaving from rotating 127.0.x.y addresses beside two honest
+    clients: every counted round must aggregate the honest two.
 Bounded counts and time (`--quick`: 300 strangers instead of 1,000, shorter attacks). Prints a
 table per attack class (attempts, refused, crashes: answers `internal` or a dead server, must be
 0; served: answered as if legitimate), then one per surface with the honest client's latency,
 writes bench/results/abuse_bench.json, and ends with the worst surface's honest-client p50
-latency under attack / without.
+latency under attack / without, the 1-minute load average read at start and the verdict: `pass`
+at or under 2; over it, `busy` where the load was 0.3 or more (not a quiet machine), else
+`fail`.
 """
 
 from __future__ import annotations
@@ -515,6 +528,10 @@ def attack_verifier(address: tuple[str, int], seconds: float, tokenizer_hash: st
 
 
 def _fed_settings(cache_dir: str, rounds: int) -> Any:
+    """The coordinator surface's federation. Its JOIN budget per address range is out of reach:
+    the honest newcomers JOIN and leave from 127/8, as the loops do, and 127/8 is one range, so
+    the loops would spend the budget the newcomers' latency is timed against (the loops' own
+    JOIN rate per address still holds; the budget has a row of its own, the rotating loop)."""
     from fed_learn.config import FedConfig, FedLearnRunConfig
     from lab.config import ClusterConfig, ModelConfig, PathsConfig, TrackingConfig
 
@@ -531,6 +548,7 @@ def _fed_settings(cache_dir: str, rounds: int) -> Any:
             heartbeat_s=0.5,
             heartbeat_timeout_s=30,
             aggregator="median",
+            idle_join_budget=10**6,  # see below
         ),
         cluster=ClusterConfig(secret=SECRET),
         paths=PathsConfig(run_dir=tempfile.mkdtemp(prefix="abuse-fed-"), cache_dir=cache_dir),
@@ -1022,7 +1040,9 @@ def under_attack(
 def split_across_hosts() -> Outcomes:
     """The split-stage attacks from a host outside the overlay (labtools.hosts.probe_exposure: a
     split_training run on three network namespaces, a fourth on the same LAN without the
-    secret dialling every port the run listens on). Needs root and WireGuard; else skipped."""
+    secret dialling every port the run listens on), and from another local user on each host of
+    the run (`Exposure.local`: uid nobody dials the run's overlay listeners there, beside
+    controls). Needs root and WireGuard; else skipped, saying why."""
     from labtools.hosts import probe_exposure
     from labtools.hosts import unavailable as no_namespaces
     from netproto.overlay import unavailable as no_overlay
@@ -1030,19 +1050,124 @@ def split_across_hosts() -> Outcomes:
     why = no_namespaces() or no_overlay()
     if why is not None:
         print(f"split stage across hosts skipped: {why}")
+        print(f"local other user -> split stage (overlay host) skipped: {why}")
         return {}
     exposure = probe_exposure(Path(tempfile.mkdtemp(prefix="abuse-overlay-")), log=sys.stderr)
     print(f"split stage across hosts: {len(exposure.listeners)} listeners, all on the overlay: "
           f"{all(i.address.startswith('10.213.128.') for i in exposure.listeners)}; "
           f"run: {exposure.detail}", flush=True)  # fmt: skip
     outcomes = {}
+    crashes = 0 if exposure.run_ok else 1
     for attack, tries in exposure.attempts.items():
         reached = exposure.reached[attack]
-        crashes = 0 if exposure.run_ok else 1
         outcomes[f"split, outside the overlay: {attack}"] = Outcome(
             attempts=len(tries), refused=len(tries) - reached, crashes=crashes, served=reached
         )
+    dials = [d for local in exposure.local.values() for d in local.get("other user", [])]
+    served = sum(d == "connected" for d in dials)
+    controls = bool(exposure.local) and all(
+        local["other user, unfenced LAN control"] == "connected"
+        and local["run's user, overlay control"] == "connected"
+        and local["other user, overlay control"].startswith("no connection")
+        for local in exposure.local.values()
+    )
+    print(f"local other user -> split stage (overlay host): {len(dials)} dials of the run's "
+          f"overlay listeners on {len(exposure.local)} hosts; controls (a LAN listener takes "
+          f"that user, an overlay one the run's user): {'as expected' if controls else 'FAILED'}",
+          flush=True)  # fmt: skip
+    outcomes["local other user → split stage (overlay host)"] = Outcome(
+        attempts=len(dials), refused=len(dials) - served, crashes=crashes, served=served
+    )
+    if not controls:  # the script, not the fence, may have stopped that user: no result
+        outcomes["local other user → split stage (overlay host): controls"] = Outcome(1, 0, 1)
     return outcomes
+
+
+def local_split_loopback() -> Outcomes:
+    """Another local user (uid nobody) against a fenced local split_training run (debug model):
+    rogue_rpc's six attacks on each stage's TensorPipe listener (labtools.attacks.local_user,
+    the fence tests' own); the run must then train to its end. Needs root, nft and setpriv."""
+    from lab import fence
+    from labtools.attacks.local_user import attack_local_split_run, other_user_unavailable
+
+    why = fence.nftables_unavailable() or other_user_unavailable()
+    if why is not None:
+        print(f"local other user -> split stage (loopback) skipped: {why}")
+        return {}
+    folder = Path(tempfile.mkdtemp(prefix="abuse-fence-"))
+    got = attack_local_split_run(folder)
+    ok = got.returncode == 0 and len(got.losses) == 12 and all(got.stages_alive.values())
+    print(f"local other user -> split stage (loopback): {got.fence.partition('fence: ')[2]}; "
+          f"honest run: exit {got.returncode}, {len(got.losses)} of 12 steps, stages alive "
+          f"after the attacks: {got.stages_alive}", flush=True)  # fmt: skip
+    outcomes: Outcomes = {}
+    for results in got.outcomes.values():
+        for attack, result in results.items():
+            outcome = outcomes.setdefault(
+                f"local other user → split stage (loopback): {attack}", Outcome()
+            )
+            if result["connected"] or result["succeeded"]:
+                outcome.add(
+                    "crash" if attack.startswith("kill") and result["succeeded"] else "served"
+                )
+            else:
+                outcome.add("refused")
+    if not ok or got.files_written:
+        outcomes["local other user → split stage (loopback): the run trained on"] = Outcome(1, 0, 1)
+    return outcomes
+
+
+def secagg_insider(cache_dir: str) -> Outcomes:
+    """One client with the secret in a secure federation beside two honest ones, each attack in
+    a federation of its own (labtools.attacks.secure_rounds, the tests' scripted attacks):
+    refused means the offset's round refused whole, the replayer and the heavy weight named and
+    excluded; the adapter must stay finite and within fed.max_update_norm of where it was."""
+    from labtools.attacks.secure_rounds import secagg_attacks
+
+    outcomes: Outcomes = {}
+    for name, got in secagg_attacks(Path(cache_dir)).items():
+        within = got.finite and got.moved <= got.bound
+        print(f"secagg: {name}: {got.how}; adapter moved by L2 {got.moved:.4g} (bound "
+              f"{got.bound:g}), finite: {got.finite}", flush=True)  # fmt: skip
+        outcomes[f"secagg offset / replay / weight: {name}"] = Outcome(
+            attempts=1, refused=int(got.refused), crashes=int(not within),
+            served=int(not got.refused),
+        )  # fmt: skip
+    return outcomes
+
+
+def rotating_join_loop(cache_dir: str) -> Outcomes:
+    """Two secret holders JOINing and leaving from rotating 127.0.x.y addresses beside two
+    honest clients that train (labtools.attacks.join_loop, the test's own): every counted
+    round must aggregate the honest two (a round that did not is a crash)."""
+    from labtools.attacks.join_loop import rotating_join_run
+
+    got = rotating_join_run(Path(cache_dir))
+    honest = sum(roster == ["honest0", "honest1"] for roster in got.rosters)
+    missing = got.rounds - honest
+    print(f"JOIN loop, rotating addresses: {honest} of {got.rounds} rounds aggregated the honest "
+          f"two (clients per round {got.clients}); {got.welcomed} JOINs let in, {got.refused} "
+          f"refused by the 127/8 budget of {got.budget}, {got.tasks_left} left holding a task"
+          + (f"; errors: {got.errors[:3]}" if got.errors else ""), flush=True)  # fmt: skip
+    return {
+        "JOIN loop, rotating addresses: 2 secret holders, 2 honest": Outcome(
+            attempts=got.welcomed + got.refused,
+            refused=got.refused,
+            crashes=missing + len(got.errors) + got.hung_threads,
+            served=got.welcomed,
+        )
+    }
+
+
+QUIET_LOAD = 0.3
+"""The 1-minute load average under which a machine counts as quiet (issue 48, item 5)."""
+
+
+def verdict(ratio: float, load: float) -> str:
+    """`pass` at or under 2; over it, `busy` where the machine was not quiet at start."""
+    if ratio <= 2:
+        return "pass"
+    return "busy" if load >= QUIET_LOAD else "fail"
 
 
 def main(quick: bool) -> None:
@@ -1050,7 +1175,9 @@ def main(quick: bool) -> None:
     from lab.models import load_model
 
     os.environ.setdefault("TQDM_DISABLE", "1")  # the children's model-loading bars (HF)
+    load = os.getloadavg()[0]
     machine = announce_machine()
+    print(f"1-minute load average at start: {load:.2f} (quiet under {QUIET_LOAD})", flush=True)
     cores = split_cores()
     if cores is None:
         print("cannot pin processes to cores here: attackers share the servers' cores")
@@ -1139,10 +1266,13 @@ def main(quick: bool) -> None:
         outcomes["split stage: survived"] = Outcome(1, 0, 1)
     record("split stage", times["without"], times["under"], outcomes)
     rows.update(split_across_hosts())
+    rows.update(local_split_loopback())
+    rows.update(secagg_insider(cache_dir))
+    rows.update(rotating_join_loop(cache_dir))
 
-    print(f"\n{'attack class':<62} {'attempts':>8} {'refused':>8} {'crashes':>8} {'served':>7}")
+    print(f"\n{'attack class':<66} {'attempts':>8} {'refused':>8} {'crashes':>8} {'served':>7}")
     for name, outcome in rows.items():
-        print(f"{name:<62} {outcome.attempts:>8} {outcome.refused:>8} {outcome.crashes:>8} "
+        print(f"{name:<66} {outcome.attempts:>8} {outcome.refused:>8} {outcome.crashes:>8} "
               f"{outcome.served:>7}")  # fmt: skip
     print(f"\n{'surface':<14} {'classes':>7} {'attempts':>8} {'refused':>8} {'crashes':>7} "
           f"{'served':>6} {'honest p50 without/under (ms)':>30} {'worst (ms)':>10}")  # fmt: skip
@@ -1163,6 +1293,8 @@ def main(quick: bool) -> None:
             "honest_latency": latency,
             "worst_surface": worst[0],
             "ratio": ratio,
+            "load_1min_at_start": load,
+            "verdict": verdict(ratio, load),
             "crashes": sum(o.crashes for o in rows.values()),
         },
         machine=machine,
@@ -1170,7 +1302,8 @@ def main(quick: bool) -> None:
     print(
         f"\ncrashes: {sum(o.crashes for o in rows.values())} (must be 0); worst surface: {worst[0]}"
     )
-    print(f"honest-client p50 latency under attack / without: {ratio:.2f}")
+    print(f"honest-client p50 latency under attack / without: {ratio:.2f} "
+          f"(load {load:.2f} at start: {verdict(ratio, load)})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from fed_learn.strategy import Strategy
 from lab.cluster import connect, serve
 from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
 from lab.tracking import METRICS_FILE, Tracker, read_records
+from labtools.attacks.secure_rounds import offset_delta, result_for
 from netproto import Connection, NetprotoError, RemoteError
 from netproto.wire import Header, PayloadKind, pack_header
 
@@ -43,27 +44,6 @@ ROGUE_OFFSET = 5.0
 
 
 # ---------------------------------------------------------------- scripted clients
-
-
-def result_for(task: dict[str, Any], *, num_examples: int = 10, **fields: Any) -> dict[str, Any]:
-    """A well-formed RESULT for `task`, with `fields` changed."""
-    return {
-        "task": task["task"],
-        "round": task["round"],
-        "num_examples": num_examples,
-        "train_loss": 1.0,
-        "val_loss": 1.0,
-        "seconds": 0.1,
-        **fields,
-    }
-
-
-def offset_delta(global_state: State, offset: float, *, keys: str = "") -> State:
-    """`offset` on every entry of the tensors whose name contains `keys` (all by default)."""
-    return {
-        name: torch.full_like(t, offset) if keys in name else torch.zeros_like(t)
-        for name, t in global_state.items()
-    }
 
 
 def wire_update(task: dict[str, Any], global_state: State, delta: State) -> State:

@@ -5,7 +5,6 @@ clients come and go reads the table under its lock."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import threading
@@ -28,7 +27,8 @@ from lab.cluster import connect, serve
 from lab.config import ClusterConfig, Endpoint, ModelConfig, PathsConfig, TrackingConfig
 from lab.models import load_tokenizer
 from lab.tracking import METRICS_FILE, Tracker, read_records
-from netproto import Connection, NetprotoError, NetTimeout, RemoteError, Server
+from labtools.attacks.join_loop import rotating_join_run
+from netproto import Connection, NetprotoError, RemoteError, Server
 
 MODEL = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
 SECRET = "join-loop-secret"
@@ -266,104 +266,24 @@ def test_a_join_bucket_refills_at_its_rate_and_forgets_the_least_recent_address(
     assert [limiter.allow("a", now=100.0) for _ in range(4)] == [True, True, True, False]
 
 
-@dataclass
-class RotatingLoop:
-    """A secret holder JOINing from a fresh 127.0.x.y each time (bound before connecting), its
-    session held until the coordinator sends it a task (or briefly), then left: a sampled
-    session that leaves before any update, at every round it can reach."""
-
-    address: tuple[str, int]
-    first: int
-    welcomed: int = 0
-    refused: int = 0
-    tasks_left: int = 0
-    errors: list[str] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        number = self.first
-        while not self.stop.is_set():
-            number += 1
-            host = f"127.0.{number // 250 % 250 + 1}.{number % 250 + 2}"
-            try:
-                with Connection.connect(
-                    *self.address,
-                    secret=SECRET.encode(),
-                    connect_timeout_s=10,
-                    source_address=(host, 0),
-                ) as conn:
-                    conn.request(
-                        FedMsg.JOIN,
-                        {"name": "rotator", "num_examples": 32, "client_index": number % 2},
-                        expect=FedMsg.WELCOME,
-                    )
-                    self.welcomed += 1
-                    with contextlib.suppress(NetTimeout):
-                        conn.recv(expect={FedMsg.TASK, FedMsg.FINISH}, timeout_s=0.05)
-                        self.tasks_left += 1
-            except RemoteError as exc:
-                if exc.code != "rate_limited":
-                    self.errors.append(str(exc))
-                self.refused += 1
-            except NetprotoError as exc:
-                self.errors.append(str(exc))
-            self.stop.wait(0.002)
-
-
 @pytest.mark.parametrize("budget", [4, 10**6], ids=["budget", "control"])
 def test_rotating_addresses_joining_and_leaving_leave_every_round_to_the_honest_clients(
-    coordinator_server, threads, tmp_path: Path, lab_cache: Path, budget: int
+    tiny_models: Path, tmp_path: Path, lab_cache: Path, budget: int
 ) -> None:
-    """Two such loops beside two honest clients, two sampled a round: a round closes on two
-    updates, asking the other clients when a sampled one leaves, so every counted round holds
-    the honest two. The per-address limit never sees the same address twice; what bounds the
-    loops is the budget of their range, 127/8 (control: a budget no loop reaches: past what
-    a budget of 4 allows, never refused)."""
-    settings = settings_for(tmp_path, lab_cache, fraction_fit=0.5, idle_join_budget=budget)
-    coordinator, server = coordinator_server(settings)
-    tokenizer = load_tokenizer(MODEL, cache_dir=lab_cache)
-    for index in range(2):
-        model = peft_model(MODEL, settings.lora, cache_dir=lab_cache)
-        train, val = client_data(
-            tokenizer, index=index, num_clients=2, seed=0, block=block_size(model), max_examples=32
-        )
-        client = LoRAClient(model, train, val, name=f"honest{index}", index=index)
-        conn = connect(settings.cluster, server.address)
-
-        def take_part(client: LoRAClient = client, conn: Connection = conn) -> None:
-            with conn:
-                client.run(conn, heartbeat_s=settings.fed.heartbeat_s)
-
-        threads(take_part)
-    coordinator.wait_for_clients(2)
-    loops = [RotatingLoop(server.address, first) for first in (0, 30_000)]
-    started = [threads(loop.run) for loop in loops]
-    limit = 4 * (settings.fed.rounds + 1)
-    """The most a budget of 4 lets in: 4 JOINs without an update between counted rounds."""
-    try:
-        with Tracker(tmp_path, config={}, tracking=settings.tracking, job="test") as tracker:
-            coordinator.run_rounds(tracker)
-        # the loops go on after the run: a budget is spent for good once no round counts
-        if budget == 4:
-            assert wait_for(lambda: sum(loop.refused for loop in loops) >= 5, timeout_s=60)
-        else:
-            assert wait_for(lambda: sum(loop.welcomed for loop in loops) > limit, timeout_s=60)
-    finally:
-        stop_all(list(loops), started)
-    assert not any(loop.errors for loop in loops), [loop.errors for loop in loops]
-    rounds = [r for r in read_records(tmp_path / METRICS_FILE) if "clients" in r]
-    assert [r["clients"] for r in rounds] == [2, 2, 2]
-    for number in (1, 2, 3):
-        state = json.loads(
-            (tmp_path / CHECKPOINTS / f"round_{number:04d}" / "fed_state.json").read_text()
-        )
-        assert state["outcome"] == "aggregated"
-        assert sorted(entry["name"] for entry in state["roster"]) == ["honest0", "honest1"]
-    welcomed = sum(loop.welcomed for loop in loops)
-    refused = sum(loop.refused for loop in loops)
-    held = sum(loop.tasks_left for loop in loops)
-    print(f"budget {budget}: {welcomed} let in, {refused} refused, {held} left holding a task")
+    """Two such loops (labtools.attacks.join_loop) beside two honest clients, two sampled a
+    round: a round closes on two updates, asking the other clients when a sampled one leaves,
+    so every counted round holds the honest two. The per-address limit never sees the same
+    address twice; what bounds the loops is the budget of their range, 127/8 (control: a
+    budget no loop reaches: past what a budget of 4 allows, never refused)."""
+    got = rotating_join_run(lab_cache, run_dir=tmp_path, budget=budget)
+    assert got.hung_threads == 0, "a loop or client hung"
+    assert not got.errors, got.errors
+    assert got.after_run, got
+    assert got.clients == [2, 2, 2]
+    assert got.rosters == [["honest0", "honest1"]] * 3  # each round aggregated, the honest two
+    print(f"budget {budget}: {got.welcomed} let in, {got.refused} refused, "
+          f"{got.tasks_left} left holding a task")  # fmt: skip
     if budget == 4:
-        assert refused >= 5 and welcomed <= limit
+        assert got.refused >= 5 and got.welcomed <= got.limit
     else:  # the per-address limit alone: never the same address twice, never refused
-        assert refused == 0 and welcomed > limit
+        assert got.refused == 0 and got.welcomed > got.limit

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import logging
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -24,13 +23,21 @@ import torch
 from fed_learn import secagg, secure
 from fed_learn.config import SecAggConfig
 from fed_learn.coordinator import Coordinator
-from fed_learn.lora import adapter_state
 from fed_learn.protocol import FedMsg
-from netproto import Connection
-
-from .test_adversarial import State
-from .test_secure_rounds import (  # noqa: F401 (fixtures: pytest finds them by name)
+from labtools.attacks.secure_rounds import (
+    HONEST,
     SecurePlayer,
+    State,
+    heavy_masked,
+    heavy_result,
+    moved,
+    offset_masked,
+    players_with,
+    replay,
+    tampered,
+)
+
+from .test_secure_rounds import (  # noqa: F401 (fixtures: pytest finds them by name)
     _send_then_leave,
     _until,
     assert_adapter,
@@ -40,67 +47,12 @@ from .test_secure_rounds import (  # noqa: F401 (fixtures: pytest finds them by 
     secure_federation,
 )
 
-HONEST = (0.01, 0.02)
-"""The honest clients' offsets (weight 10 each); the attacker holds weight 10 too."""
-
-
-def tampered(
-    *,
-    result: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None,
-    masked: Callable[[dict[str, Any], np.ndarray], np.ndarray] | None = None,
-):
-    """The honest protocol (update = global + 0.03), its RESULT and masked input rewritten on
-    the way out by `result(task, payload)` and `masked(task, uint64 array)`."""
-
-    def step(conn: Connection, task: dict[str, Any], state: State, me: SecurePlayer) -> None:
-        send_msg, send_tensors = conn.send_msg, conn.send_tensors
-
-        def msg(kind: int, payload: Any, **kw: Any) -> Any:
-            if kind == FedMsg.RESULT and result is not None:
-                payload = result(task, payload)
-            return send_msg(kind, payload, **kw)
-
-        def tensors(kind: int, payload: Any, **kw: Any) -> Any:
-            if kind == FedMsg.SA_MASKED and masked is not None:
-                payload = {"masked": torch.from_numpy(masked(task, payload["masked"].numpy()))}
-            return send_tensors(kind, payload, **kw)
-
-        conn.send_msg, conn.send_tensors = msg, tensors  # type: ignore[method-assign]
-        try:
-            honest(conn, task, state, me)
-        finally:
-            conn.send_msg, conn.send_tensors = send_msg, send_tensors  # type: ignore[method-assign]
-
-    return step
-
-
-def players_with(step: Any) -> list[SecurePlayer]:
-    """The two honest clients and the attacker (it joins last: the highest id)."""
-    return [
-        *(SecurePlayer(o, 10) for o in HONEST),
-        SecurePlayer(0.03, 10, step=step, name="attacker", join_delay_s=0.3),
-    ]
-
-
-def moved(coordinator: Coordinator, initial: State) -> float:
-    """The L2 distance the global adapter moved from `initial`."""
-    got = adapter_state(coordinator.model)
-    return float(
-        torch.cat([(got[n].double() - initial[n].double()).reshape(-1) for n in initial]).norm()
-    )
-
 
 def named(coordinator: Coordinator) -> set[int]:
     return set(coordinator.excluded)
 
 
 # ------------------------------------------------------------------ not attributable
-
-
-def _offset(task: dict[str, Any], masked: np.ndarray) -> np.ndarray:
-    out = masked.copy()
-    out[:-1] += np.uint64(2**58)  # every update entry; the weight entry left alone
-    return out
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
@@ -113,7 +65,9 @@ def test_an_offset_on_a_masked_input_fails_the_round_whole(
     if not checked:
         monkeypatch.setattr(secure, "check_aggregate", lambda *a, **k: 0.0)
     with caplog.at_level(logging.WARNING):
-        coordinator, initial, [record] = secure_federation(players_with(tampered(masked=_offset)))
+        coordinator, initial, [record] = secure_federation(
+            players_with(tampered(masked=offset_masked))
+        )
     bound = coordinator.fed.max_update_norm
     if checked:
         assert_adapter(coordinator, initial)  # refused whole: the previous adapter kept
@@ -152,26 +106,13 @@ def test_poison_inside_the_aggregate_bound_moves_the_mean_by_up_to_max_update_no
 # ------------------------------------------------------------------ attributable
 
 
-def _replay() -> Any:
-    """Honest in round 1 (its masked input kept), round 1's masked input again in round 2."""
-    kept: list[np.ndarray] = []
-
-    def masked(task: dict[str, Any], array: np.ndarray) -> np.ndarray:
-        if not kept:
-            kept.append(array.copy())
-            return array
-        return kept[0]
-
-    return tampered(masked=masked)
-
-
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
 def test_a_replayed_masked_input_is_refused_by_name(
     secure_federation, monkeypatch, checked: bool
 ) -> None:
     if not checked:
         monkeypatch.setattr(secure.InputDigests, "admit", lambda *a, **k: None)
-    coordinator, initial, rounds = secure_federation(players_with(_replay()), rounds=2)
+    coordinator, initial, rounds = secure_federation(players_with(replay()), rounds=2)
     after_first = expected_mean(initial, [*HONEST, 0.03], [10] * 3)
     if checked:  # its masks taken out as a dropout's: the honest two count
         assert_adapter(coordinator, expected_mean(after_first, list(HONEST), [10, 10]))
@@ -179,16 +120,6 @@ def test_a_replayed_masked_input_is_refused_by_name(
     else:  # unmasked with round 2's masks, round 1's input is noise: a veto, no one named
         assert_adapter(coordinator, after_first)
         assert rounds[1]["refused"] == 0 and not named(coordinator)
-
-
-def _heavy_result(task: dict[str, Any], payload: dict[str, Any]) -> dict[str, Any]:
-    return {**payload, "weight": 2**40}
-
-
-def _heavy_masked(task: dict[str, Any], masked: np.ndarray) -> np.ndarray:
-    out = masked.copy()
-    out[-1] += np.uint64(2**40 - 10)  # the masked weight entry: 10 becomes 2^40
-    return out
 
 
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
@@ -200,7 +131,7 @@ def test_a_weight_of_2_to_40_is_refused_by_name_and_excluded(
     honest clients' updates vanish, silently."""
     if not checked:
         monkeypatch.setattr(secure, "check_weight", lambda client, value, declared: value)
-    step = tampered(result=_heavy_result, masked=_heavy_masked)
+    step = tampered(result=heavy_result, masked=heavy_masked)
     coordinator, initial, rounds = secure_federation(players_with(step), rounds=2)
     if checked:
         once = expected_mean(initial, list(HONEST), [10, 10])

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import base64
 import math
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from fed_learn import secagg, secure
 from fed_learn.admission import NotEnoughClientsError
 from fed_learn.config import DPConfig, FedConfig, SecAggConfig
 from fed_learn.coordinator import Coordinator
@@ -25,76 +22,20 @@ from fed_learn.lora import adapter_state
 from fed_learn.privacy import Accountant
 from fed_learn.protocol import FedMsg
 from fed_learn.run import run
-from netproto import Connection, NetprotoError
+from labtools.attacks.secure_rounds import (
+    SecurePlayer,
+    State,
+    Step,
+    honest,
+    honest_train,
+    offset_delta,
+)
+from netproto import Connection
 
 from .test_adversarial import (  # noqa: F401 (federation: the fixture, used by name)
     Federation,
-    State,
     federation,
-    offset_delta,
-    result_for,
 )
-
-Step = Callable[[Connection, dict[str, Any], State, "SecurePlayer"], None]
-
-
-def honest_train(task: dict[str, Any], global_state: State, offset: float, examples: int):
-    names = sorted(global_state)
-    delta = offset_delta(global_state, offset)
-    local = {n: global_state[n] + delta[n] for n in names}
-    return result_for(task, num_examples=examples), local, {n: global_state[n] for n in names}
-
-
-@dataclass
-class SecurePlayer:
-    """A scripted client: joins, then runs `step` on each task (default: the honest
-    protocol with its update = global + `offset`)."""
-
-    offset: float = 0.01
-    examples: int = 10
-    step: Step | None = None
-    name: str = "honest"
-    client_id: int = -1
-    join_delay_s: float = 0.0
-    errors: list[BaseException] = field(default_factory=list)
-
-    def play(self, conn: Connection) -> None:
-        try:
-            time.sleep(self.join_delay_s)
-            welcome = conn.request(
-                FedMsg.JOIN,
-                {"name": self.name, "num_examples": self.examples},
-                expect=FedMsg.WELCOME,
-            ).payload
-            self.client_id = welcome["client_id"]
-            pending = None
-            while True:
-                message = pending or conn.recv(expect={FedMsg.TASK, FedMsg.FINISH})
-                pending = None
-                if message.type == FedMsg.FINISH:
-                    return
-                global_state = conn.recv_tensors(FedMsg.GLOBAL)
-                try:
-                    (self.step or honest)(conn, message.payload, global_state, self)
-                except secure.RoundAbandoned as moved:
-                    pending = moved.message
-                except (ValueError, secagg.RoundFailed) as exc:
-                    self.errors.append(exc)
-        except NetprotoError as exc:
-            self.errors.append(exc)
-        finally:
-            conn.close()
-
-
-def honest(conn: Connection, task: dict[str, Any], state: State, me: SecurePlayer) -> None:
-    secure.client_round(
-        conn,
-        client_id=me.client_id,
-        task=task,
-        train=lambda: honest_train(task, state, me.offset, me.examples),
-        weight=me.examples,
-        timeout_s=30,
-    )
 
 
 @pytest.fixture

@@ -3,9 +3,7 @@ run's ports, each attack with its control arm (the same attack, fence off, gets 
 
 from __future__ import annotations
 
-import hashlib
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -14,23 +12,25 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import psutil
 import pytest
 
 from lab import fence
-from tests.multihost.fence_support import (
+from labtools.attacks.local_user import (
+    TRAIN,
     Listening,
     SplitRun,
+    attack_local_split_run,
     dial_as_other_user,
+    held_still,
     listening,
     losses,
+    marker,
     other_user_unavailable,
     rogue,
     split_run,
+    tensorpipe_listener,
 )
 
 pytestmark = [
@@ -138,49 +138,6 @@ def test_a_runs_listeners_are_on_its_address_only_and_fenced(
             assert all(d.startswith("no connection") for d in dialled), dialled
 
 
-def _marker(folder: Path) -> tuple[Path, str]:
-    """A file only the run's user (root) may read, and its bytes' sha256."""
-    marker = folder / "only-the-runs-user.bin"
-    marker.write_bytes(secrets.token_bytes(256))
-    marker.chmod(0o600)
-    return marker, hashlib.sha256(marker.read_bytes()).hexdigest()
-
-
-def _tensorpipe_listener(pid: int) -> tuple[str, int]:
-    """A stage's TensorPipe listener: the first it made (its agent's, before Gloo's)."""
-    (found,) = [item for item in listening(pid) if item.pid == pid]
-    return found.inet[0]
-
-
-def _all_attacks(stage: int, target: tuple[str, int], folder: Path) -> dict[str, dict[str, Any]]:
-    """The review's six attacks on one stage's TensorPipe listener, the kills last."""
-    marker, digest = _marker(folder)
-    written = folder / f"written-by-stage-{stage}.bin"
-    pid = ["--victim-pid", str(stage)]
-    return {
-        "file-read": rogue(target, "file-read", "--path", str(marker), "--expect-sha256", digest),
-        "file-write": rogue(target, "file-write", "--path", str(written)),
-        "memory": rogue(target, "memory", *pid),
-        "kill-lane": rogue(target, "kill-lane", *pid),
-        "kill-segment": rogue(target, "kill-segment", *pid),
-        "kill-0xff": rogue(target, "kill-0xff", *pid),
-    }
-
-
-@contextmanager
-def _held_still(run: SplitRun) -> Iterator[None]:
-    """The driver stopped (SIGSTOP) for the block, so the attacks meet a run that is still
-    there however slow the machine: its stages wait for it (split.rpc_timeout_s=600)."""
-    os.kill(run.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(run.proc.pid, signal.SIGCONT)
-
-
-TRAIN = ("split.steps=12", "split.rpc_timeout_s=600", "split.checkpoint_every=0")
-
-
 def test_attacks_from_another_user_reach_no_stage_and_the_run_trains_as_unattacked(
     tmp_path: Path,
 ) -> None:
@@ -191,21 +148,13 @@ def test_attacks_from_another_user_reach_no_stage_and_the_run_trains_as_unattack
         assert unattacked.proc.wait(timeout=600) == 0, "".join(unattacked.lines[-30:])
     expected = losses(unattacked.run_dir)
     assert len(expected) == 12
-    with split_run(tmp_path, *TRAIN) as run:
-        run.wait_for("joined the run", count=2)
-        stages = run.stage_pids()
-        with _held_still(run):
-            outcomes = {
-                name: _all_attacks(pid, _tensorpipe_listener(pid), tmp_path)
-                for name, pid in stages.items()
-            }
-            assert all(psutil.pid_exists(pid) for pid in stages.values())
-        assert run.proc.wait(timeout=600) == 0, "".join(run.lines[-30:])
-    for name, results in outcomes.items():
-        for attack, got in results.items():
-            assert not got["connected"] and not got["succeeded"], (name, attack, got)
-    assert not list(tmp_path.glob("written-by-stage-*"))
-    assert losses(run.run_dir) == expected
+    got = attack_local_split_run(tmp_path)
+    assert got.returncode == 0 and all(got.stages_alive.values()), got
+    for name, results in got.outcomes.items():
+        for attack, result in results.items():
+            assert not result["connected"] and not result["succeeded"], (name, attack, result)
+    assert got.files_written == 0
+    assert got.losses == expected
 
 
 @pytest.fixture
@@ -229,15 +178,15 @@ def test_control_arm_the_same_attacks_unfenced_succeed(
                    env={"LAB_FENCE": "off"}) as run:  # fmt: skip
         run.wait_for("joined the run", count=2)
         stages = run.stage_pids()
-        first, second = (_tensorpipe_listener(stages[f"stage{k}"]) for k in (1, 2))
-        with _held_still(run):
+        first, second = (tensorpipe_listener(stages[f"stage{k}"]) for k in (1, 2))
+        with held_still(run):
             if channels == "network":
                 got = rogue(first, "kill-lane", "--victim-pid", str(stages["stage1"]))
                 assert got["connected"] and got["succeeded"], got
                 return
-            marker, digest = _marker(tmp_path)
+            path, digest = marker(tmp_path)
             for attack, args in {
-                "file-read": ("--path", str(marker), "--expect-sha256", digest),
+                "file-read": ("--path", str(path), "--expect-sha256", digest),
                 "file-write": ("--path", str(seen_by_others / "written-by-stage-1.bin")),
                 "memory": ("--victim-pid", str(stages["stage1"])),
                 "kill-0xff": ("--victim-pid", str(stages["stage1"])),

@@ -1,5 +1,7 @@
-"""What the fence tests share: a process as another local user, a local split run to attack, and
-the sockets a process tree listens on."""
+"""Another local user against a local split run: a process as uid nobody, a split run to attack,
+the sockets a process tree listens on, and labtools.hosts.rogue_rpc's six attacks on each
+stage's TensorPipe listener. The fence tests (tests/multihost/test_fence.py) and
+bench/abuse_bench.py run the same attacks from here."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
+"""The checkout: the run's and the attacker's PYTHONPATH and working folder."""
 OTHER_UID = 65534
 """`nobody`: another local user, as on a shared server."""
 
@@ -51,13 +54,15 @@ def dial_as_other_user(targets: list[tuple[str, int]]) -> list[str]:
         "out = []\n"
         "for host, port in json.loads(sys.argv[1]):\n"
         "    try:\n"
-        "        socket.create_connection((host, port), timeout=3).close(); out.append('connected')\n"
+        "        socket.create_connection((host, port), timeout=3).close()\n"
+        "        out.append('connected')\n"
         "    except OSError as exc:\n"
         "        out.append(f'no connection: {exc}')\n"
         "print(json.dumps(out))\n"
     )
     done = as_other_user([sys.executable, "-c", script, json.dumps(targets)])
-    assert done.returncode == 0, done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"the dial as another user failed: {done.stderr[-2000:]}")
     return list(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -92,13 +97,13 @@ def _process_listeners(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    inet = []
+    by_inode: list[tuple[int, tuple[str, int]]] = []
     for table in ("tcp", "tcp6"):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                inet.append((int(fields[9]), _hex_address(fields[1])))
-    inet = [address for _, address in sorted(inet)]  # in the order they were made
+                by_inode.append((int(fields[9]), _hex_address(fields[1])))
+    inet = [address for _, address in sorted(by_inode)]  # in the order they were made
     unix = []
     for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
         fields = line.split()
@@ -123,7 +128,9 @@ def listening(root_pid: int) -> list[Listening]:
     return found
 
 
-FENCE_LINE = re.compile(r"fence: (nftables|none|a private network namespace)\S*.*? listens on ([0-9a-f.:]*[0-9a-f])")
+FENCE_LINE = re.compile(
+    r"fence: (nftables|none|a private network namespace)\S*.*? listens on ([0-9a-f.:]*[0-9a-f])"
+)
 
 
 @dataclass
@@ -136,8 +143,10 @@ class SplitRun:
         """Until `count` lines hold `fragment` (the run failing first fails the test)."""
         deadline = time.monotonic() + timeout_s
         while sum(fragment in line for line in self.lines) < count:
-            assert self.proc.poll() is None, "the run ended early:\n" + "".join(self.lines[-40:])
-            assert time.monotonic() < deadline, f"no {fragment!r} after {timeout_s:.0f} s"
+            if self.proc.poll() is not None:
+                raise RuntimeError("the run ended early:\n" + "".join(self.lines[-40:]))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {fragment!r} after {timeout_s:.0f} s")
             time.sleep(0.2)
 
     @property
@@ -146,7 +155,7 @@ class SplitRun:
             match = FENCE_LINE.search(line)
             if match:
                 return match.group(2)
-        raise AssertionError("the run said no fence line:\n" + "".join(self.lines[-40:]))
+        raise RuntimeError("the run said no fence line:\n" + "".join(self.lines[-40:]))
 
     def stage_pids(self) -> dict[str, int]:
         stages = {}
@@ -212,5 +221,94 @@ def rogue(target: tuple[str, int], attack: str, *args: str) -> dict[str, object]
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "LAB_SECRET": ""},
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    if done.returncode != 0:
+        raise RuntimeError(f"rogue_rpc {attack} failed: {done.stderr[-2000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def marker(folder: Path) -> tuple[Path, str]:
+    """A file only the run's user (root) may read, and its bytes' sha256."""
+    import hashlib
+    import secrets
+
+    path = folder / "only-the-runs-user.bin"
+    path.write_bytes(secrets.token_bytes(256))
+    path.chmod(0o600)
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tensorpipe_listener(pid: int) -> tuple[str, int]:
+    """A stage's TensorPipe listener: the first it made (its agent's, before Gloo's)."""
+    (found,) = [item for item in listening(pid) if item.pid == pid]
+    return found.inet[0]
+
+
+def all_attacks(stage: int, target: tuple[str, int], folder: Path) -> dict[str, dict[str, object]]:
+    """The review's six attacks on the TensorPipe listener `target` of stage pid `stage`, the
+    kills last: each rogue_rpc's JSON (`connected`, `succeeded`, `detail`)."""
+    path, digest = marker(folder)
+    written = folder / f"written-by-stage-{stage}.bin"
+    pid = ["--victim-pid", str(stage)]
+    return {
+        "file-read": rogue(target, "file-read", "--path", str(path), "--expect-sha256", digest),
+        "file-write": rogue(target, "file-write", "--path", str(written)),
+        "memory": rogue(target, "memory", *pid),
+        "kill-lane": rogue(target, "kill-lane", *pid),
+        "kill-segment": rogue(target, "kill-segment", *pid),
+        "kill-0xff": rogue(target, "kill-0xff", *pid),
+    }
+
+
+@contextmanager
+def held_still(run: SplitRun) -> Iterator[None]:
+    """The driver stopped (SIGSTOP) for the block, so the attacks meet a run that is still
+    there however slow the machine: its stages wait for it (split.rpc_timeout_s=600)."""
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(run.proc.pid, signal.SIGCONT)
+
+
+TRAIN = ("split.steps=12", "split.rpc_timeout_s=600", "split.checkpoint_every=0")
+"""A short fenced split_training run: the attacks' target."""
+
+
+@dataclass
+class LocalAttack:
+    """Another local user's six attacks on each stage of a fenced local split run."""
+
+    fence: str
+    """The run's start-up line naming its fence."""
+    outcomes: dict[str, dict[str, dict[str, object]]]
+    """Per stage, per attack: rogue_rpc's JSON."""
+    stages_alive: dict[str, bool]
+    """Per stage: alive once the attacks were over."""
+    returncode: int | None
+    losses: list[float]
+    """The run's training losses, step by step."""
+    files_written: int
+
+
+def attack_local_split_run(folder: Path, *, module: str = "split_training") -> LocalAttack:
+    """A fenced local `module` run (debug model, 12 steps) attacked as uid nobody, driver held
+    still during the attacks; then the run goes on to its end. Needs root, nft and setpriv."""
+    with split_run(folder, *TRAIN, module=module) as run:
+        run.wait_for("joined the run", count=2)
+        fence_line = next((line.strip() for line in run.lines if "fence:" in line), "")
+        stages = run.stage_pids()
+        with held_still(run):
+            outcomes = {
+                name: all_attacks(pid, tensorpipe_listener(pid), folder)
+                for name, pid in stages.items()
+            }
+            alive = {name: psutil.pid_exists(pid) for name, pid in stages.items()}
+        returncode = run.proc.wait(timeout=600)
+    return LocalAttack(
+        fence_line,
+        outcomes,
+        alive,
+        returncode,
+        losses(run.run_dir),
+        len(list(folder.glob("written-by-stage-*"))),
+    )
