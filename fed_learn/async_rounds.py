@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fed_learn.admission import ClientHandle, NotEnoughClientsError, Task
 from fed_learn.aggregate import mix, staleness_weight
@@ -17,14 +17,13 @@ from lab.losses import evaluate
 from lab.tracking import Tracker
 from netproto.errors import peer_text
 
-if TYPE_CHECKING:
-    from fed_learn.coordinator import Coordinator
-
 log = logging.getLogger(__name__)
 
 
-def run_async(coordinator: Coordinator, tracker: Tracker) -> dict[str, float]:
+def run_async(coordinator: Any, tracker: Tracker) -> dict[str, float]:
     """Apply each update as it arrives, mixed in with a staleness-discounted weight.
+    (`coordinator`: the `fed_learn.coordinator.Coordinator` driving the run, typed loosely
+    because that module imports this one.)
 
     Every alive client always has work: the moment its update is applied (or refused as
     too stale) it gets the new global adapter. No round waits for a straggler. Each
