@@ -19,6 +19,7 @@ from lab.launch import ServiceGroup
 from lab.models import resolve_source
 from split_engine.config import SplitConfig
 from split_engine.layout import stage_ranges
+from split_engine.liveness import PeerWatch
 from split_engine.stage import StageHost, set_stage_host
 from split_engine.workers import (
     World,
@@ -27,6 +28,7 @@ from split_engine.workers import (
     release_all,
     safe_master,
     serve_until_released,
+    stage_name,
 )
 
 log = logging.getLogger(__name__)
@@ -65,10 +67,12 @@ def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
 @contextmanager
 def driving(
     settings: LabConfig, split: SplitConfig, *, stages: ServiceGroup | None = None
-) -> Iterator[None]:
+) -> Iterator[PeerWatch]:
     """Join as the driver (rank 0), authenticate every stage, and release them all at the end.
 
     `stages`: the local stage processes, if this run started them (a dead one ends the wait).
+    Yields the driver's watch over its stages (heartbeats, and their processes where local):
+    its `check` raises for a stage that is gone; a long wait on the stages calls it.
     """
     if settings.cluster.master.port == 0:
         raise ConfigError("the driver needs cluster.master.port (where stages meet it)")
@@ -82,7 +86,11 @@ def driving(
         reason = ""
         try:
             authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
-            yield
+            yield PeerWatch(
+                [stage_name(rank) for rank in range(1, split.num_stages + 1)],
+                ping_timeout_s=split.rpc_timeout_s,
+                local=stages,
+            )
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"
             raise

@@ -34,6 +34,7 @@ import torch.distributed.rpc as rpc
 
 from lab.cli import ConfigError, UserError
 from lab.config import ClusterConfig, Endpoint, is_loopback
+from lab.launch import PeerLostError
 from lab.netaddr import route_towards
 from netproto import Connection, Limits
 from netproto.auth import NONCE_BYTES, mac
@@ -56,7 +57,7 @@ class SecretMismatchError(UserError, PermissionError):
     one line, naming the role whose secret differs."""
 
 
-class StageLostError(UserError, RuntimeError):
+class StageLostError(PeerLostError):
     """A stage did not answer (it died, hung, or the network between went away)."""
 
 
