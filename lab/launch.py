@@ -50,18 +50,19 @@ class Role:
 
 class PeerLostError(UserError, RuntimeError):
     """A process of the run died or stopped answering, so the run cannot go on: the message
-    names it. `resume`, where the run can go on from what it saved, is the sentence with the
-    command that does (set by `lab.experiment`, which knows the command); it is said on the
-    error's first line."""
+    names it, and `details` may follow (a log's tail, quoted). `resume`, where the run can go
+    on from what it saved, is the sentence with the command that does (set by
+    `lab.experiment`, which knows the command); it is said on the error's first line."""
 
     resume: str = ""
 
+    def __init__(self, message: str, *, details: str = "") -> None:
+        super().__init__(message)
+        self.message, self.details = message, details
+
     def __str__(self) -> str:
-        text = super().__str__()
-        if not self.resume:
-            return text
-        first, newline, rest = text.partition("\n")
-        return f"{first}; {self.resume}{newline}{rest}"
+        resume = f"; {self.resume}" if self.resume else ""
+        return f"{self.message}{resume}{self.details}"
 
 
 class RoleFailedError(PeerLostError):
@@ -84,7 +85,7 @@ class RoleFailedError(PeerLostError):
             super().__init__(f"role {role!r} {how} (by a user, or the kernel out of memory)")
             return
         quoted = "".join(f"\n  [{role}] {line}" for line in self.tail[-15:])
-        super().__init__(f"role {role!r} {how}; its last output:{quoted}")
+        super().__init__(f"role {role!r} {how}", details=f"; its last output:{quoted}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
