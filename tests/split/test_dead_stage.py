@@ -122,3 +122,65 @@ def test_a_killed_stage_ends_a_training_run_naming_it_and_how_to_go_on(
         for process in processes:
             if not gone(process):
                 process.kill()
+
+
+def test_a_wait_for_a_peers_message_ends_when_the_peer_check_says_it_is_gone() -> None:
+    """A stage's inbox wait (up to split.rpc_timeout_s x a pipeline fill) checks its peers
+    while it waits: a message that comes is taken, a peer found gone ends the wait at once."""
+    from split_engine.liveness import PeerGoneError
+    from split_training.pipeline import Inbox
+
+    inbox = Inbox(limit=8)
+    checks = []
+
+    def check() -> None:
+        checks.append(1)
+        if len(checks) == 1:
+            inbox.put(("gradient", 0, 0, 0), "came")
+        if len(checks) >= 2:
+            raise PeerGoneError("stage2", "its process is gone")
+
+    assert inbox.take(("gradient", 0, 0, 0), 600, check=check) == "came"
+    with pytest.raises(PeerGoneError, match="stage2 is gone: its process is gone"):
+        inbox.take(("gradient", 0, 0, 1), 600, check=check)
+
+
+def test_the_driver_hears_by_heartbeat_that_a_stage_it_did_not_start_is_gone(
+    llama_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Across hosts the driver has no stage process to look at: its heartbeats over the RPC
+    world find the dead one, by name, while the other still answers."""
+    from lab import launch
+    from lab.config import ClusterConfig, Endpoint
+    from lab.launch import free_port, services
+    from split_engine.config import SplitConfig
+    from split_engine.liveness import PeerGoneError
+    from split_engine.roles import driving
+    from split_training.config import SplitTrainingRunConfig
+
+    from .conftest import model_config, stage_role
+
+    monkeypatch.setattr(launch, "STOP_AFTER_S", 600.0)  # the launcher keeps stage1 running
+    port = free_port()
+    roles = [
+        stage_role("split_training", llama_folder, rank, port, tmp_path, num_stages=2, extra=[])
+        for rank in (1, 2)
+    ]
+    settings = SplitTrainingRunConfig(
+        model=model_config(llama_folder),
+        split=SplitConfig(num_stages=2, rpc_timeout_s=600, join_timeout_s=120),
+        cluster=ClusterConfig(master=Endpoint("127.0.0.1", port)),
+    )
+    with (
+        pytest.raises(PeerGoneError, match=r"^stage2 is gone: ") as info,
+        services(roles, out=sys.stderr) as stages,
+        driving(settings, settings.split) as watch,  # not told of the local processes
+    ):
+        assert watch.local is None
+        watch.check()  # both answer: the first heartbeats go out
+        stages.process("stage2").send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + RUN_ENDS_WITHIN_S
+        while time.monotonic() < deadline:
+            watch.check()
+            time.sleep(0.1)
+    assert info.value.peer == "stage2"
