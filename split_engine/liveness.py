@@ -84,15 +84,26 @@ class PeerWatch:
             self._ping(peer, now)
 
     def settle(self, grace_s: float = SETTLE_S) -> None:
-        """A call into a peer just failed: where the peers are this process's children, give
-        the one that died `grace_s` to be seen exiting (the error then says how it ended);
-        then check as usual."""
+        """A call into a peer just failed: find out now whether a peer is gone, rather than at
+        the next heartbeat. Where the peers are this process's children, the one that died
+        has `grace_s` to be seen exiting (the error then says how it ended); elsewhere every
+        peer gets a heartbeat at once, and one that fails within `grace_s` is named."""
+        deadline = time.monotonic() + grace_s
         if self.local is not None:
-            deadline = time.monotonic() + grace_s
             while time.monotonic() < deadline:
                 self.local()
                 time.sleep(0.05)
-        self.check()
+            self.check()
+            return
+        for peer in self.peers:
+            self._ping(peer, time.monotonic())
+        while time.monotonic() < deadline:
+            for _, future in self._pings.values():
+                if future.done() and _failed(future):
+                    self.check()  # raises, naming the peer
+            if all(future.done() for _, future in self._pings.values()):
+                return
+            time.sleep(0.05)
 
     def _ping(self, peer: str, now: float) -> None:
         try:

@@ -19,7 +19,7 @@ from lab.launch import ServiceGroup
 from lab.models import resolve_source
 from split_engine.config import SplitConfig
 from split_engine.layout import stage_ranges
-from split_engine.liveness import PeerWatch
+from split_engine.liveness import PING_TIMEOUT_S, PeerWatch
 from split_engine.stage import StageHost, set_stage_host
 from split_engine.workers import (
     World,
@@ -61,7 +61,9 @@ def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
         world = World(split.rank, master, split)
         with joined(world, secret=settings.cluster.resolved_secret()):
             print(f"{world.name} joined the run", flush=True)
-            serve_until_released(ping_s=PING_S, timeout_s=split.rpc_timeout_s)
+            # a driver that does not answer its heartbeat in seconds is gone (not a whole
+            # split.rpc_timeout_s: that bounds a call that works, not a peer's silence)
+            serve_until_released(ping_s=PING_S, timeout_s=min(split.rpc_timeout_s, PING_TIMEOUT_S))
 
 
 @contextmanager
