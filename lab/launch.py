@@ -55,6 +55,8 @@ class PeerLostError(UserError, RuntimeError):
     `lab.experiment`, which knows the command); it is said on the error's first line."""
 
     resume: str = ""
+    peer: str | None = None
+    """The role (process) that is gone, where known: nobody waits for it any more."""
 
     def __init__(self, message: str, *, details: str = "") -> None:
         super().__init__(message)
@@ -70,7 +72,7 @@ class RoleFailedError(PeerLostError):
     A role killed by SIGKILL is named in one line: nothing in its log can say why."""
 
     def __init__(self, role: str, returncode: int, tail: Sequence[str]) -> None:
-        self.role = role
+        self.role = self.peer = role
         self.returncode = returncode
         self.tail = list(tail)
         if returncode < 0:

@@ -24,10 +24,12 @@ from split_engine.workers import DRIVER, driver_alive, stage_alive
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 1.0
 """How often a waiting process asks each peer it waits on whether it is there."""
-PING_TIMEOUT_S = 10.0
-"""Longest a heartbeat may go unanswered (at most split.rpc_timeout_s): the peer is lost."""
+PING_TIMEOUT_S = 4.0
+"""Longest a heartbeat may go unanswered (at most split.rpc_timeout_s): the peer is lost. A
+peer answers from a thread of its own, so a busy peer answers too; one whose host went away
+without closing its connections (power off, its overlay gone with it) is known only by this."""
 WATCH_S = 0.5
 """How often a wait wakes to look at its peers (heartbeats go out every HEARTBEAT_S only)."""
 SETTLE_S = 1.0

@@ -15,7 +15,7 @@ from lab.cli import ConfigError
 from lab.config import LabConfig
 from lab.device import detect_device
 from lab.experiment import Experiment, LocalPlan, Metrics, Process
-from lab.launch import ServiceGroup
+from lab.launch import PeerLostError, ServiceGroup
 from lab.models import resolve_source
 from split_engine.config import SplitConfig
 from split_engine.layout import stage_ranges
@@ -85,7 +85,7 @@ def driving(
         ) as master,
         joined(World(0, master, split), secret=secret, check=stages or (lambda: None)),
     ):
-        reason = ""
+        reason, gone = "", None
         try:
             authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
             yield PeerWatch(
@@ -95,9 +95,10 @@ def driving(
             )
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"
+            gone = exc.peer if isinstance(exc, PeerLostError) else None
             raise
         finally:
-            release_all(split.num_stages, reason=reason)
+            release_all(split.num_stages, reason=reason, gone=gone)
 
 
 def check_layers(settings: Any) -> None:

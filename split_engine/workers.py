@@ -734,13 +734,16 @@ def serve_until_released(*, ping_s: float, timeout_s: float) -> None:
         raise StageLostError(f"the driver stopped the run: {_release_reason[0]}")
 
 
-def release_all(num_stages: int, *, reason: str = "") -> bool:
+def release_all(num_stages: int, *, reason: str = "", gone: str | None = None) -> bool:
     """Driver side: tell every stage to leave, and why when the run failed (best effort: some
     may be gone, and one that has not accepted this driver refuses it). Then tell them all, in
     the world's store, whether the world ends in order: only if every stage acknowledged (its
-    answer has arrived, so no stage leaves before its answer is sent). Returns that."""
+    answer has arrived, so no stage leaves before its answer is sent). Returns that.
+    `gone`: a stage known to be dead, not waited for (its host may not even say no)."""
     futures = []
     for rank in range(1, num_stages + 1):
+        if stage_name(rank) == gone:
+            continue
         with contextlib.suppress(RuntimeError):
             futures.append(
                 rpc.rpc_async(stage_name(rank), release_stage, args=(reason,), timeout=5.0)
@@ -753,7 +756,7 @@ def release_all(num_stages: int, *, reason: str = "") -> bool:
     # Stages wait for this driver's RRefs to be deleted only where it can still delete them
     # (see `_rref_context_spent`); where not, they leave in order all the same.
     word = ABRUPT
-    if acknowledged == num_stages:
+    if acknowledged == num_stages and gone is None:
         word = ORDERLY_KEPT if _rref_context_spent else ORDERLY
     try:
         if _end.store is not None:
