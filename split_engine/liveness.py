@@ -64,6 +64,8 @@ class PeerWatch:
         self._pings: dict[str, tuple[float, torch.futures.Future]] = {}
 
     def check(self) -> None:
+        """Raise for a peer that is gone; else send the heartbeats that are due. Cheap: it
+        never waits for an answer."""
         if self.local is not None:
             self.local()
         now = time.monotonic()
@@ -73,14 +75,12 @@ class PeerWatch:
                 at, future = sent
                 if not future.done():
                     if now - at > self.ping_timeout_s:
-                        raise PeerGoneError(
-                            peer, f"it did not answer a heartbeat within {self.ping_timeout_s:g} s"
-                        )
+                        raise PeerGoneError(peer, self._silent())
                     continue
                 try:
                     future.wait()
                 except RuntimeError as exc:
-                    raise PeerGoneError(peer, _first_line(exc)) from None
+                    raise PeerGoneError(peer, self._why(exc)) from None
                 if now - at < HEARTBEAT_S:
                     continue
             self._ping(peer, now)
@@ -112,13 +112,23 @@ class PeerWatch:
             alive = driver_alive if peer == DRIVER else stage_alive
             future = rpc.rpc_async(peer, alive, timeout=self.ping_timeout_s)
         except RuntimeError as exc:
-            raise PeerGoneError(peer, _first_line(exc)) from None
+            raise PeerGoneError(peer, self._why(exc)) from None
         self._pings[peer] = (now, future)
 
+    def _silent(self) -> str:
+        return (
+            f"it did not answer a heartbeat within {self.ping_timeout_s:g} s (its host is down "
+            "or cut off, or the process hangs)"
+        )
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return (lines[0] if lines else type(exc).__name__)[:300]
+    def _why(self, exc: BaseException) -> str:
+        """A failed heartbeat in words: torch's timeout, or the connection torch saw fail."""
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        said = lines[0] if lines else type(exc).__name__
+        if "timeout" in said.lower():
+            return self._silent()
+        said = said.split(" (this error originated at")[0]  # TensorPipe's source file
+        return f"its connection to this process failed ({said[:200]}): the process is gone"
 
 
 def wait_watching(futures: list[torch.futures.Future], watch: PeerWatch) -> None:
