@@ -34,7 +34,8 @@ class SplitConfig:
     """dtype of activations between stages; auto = the stages' compute dtype. bfloat16 or
     float16 halve the bytes on the wire at a small cost in precision."""
     rpc_timeout_s: float = 60.0
-    """Longest wait for any one RPC; a stage that dies is reported within this."""
+    """Longest wait for any one RPC. A stage that dies is reported sooner, by heartbeats (lost
+    after 4 s unanswered, or this if shorter: split_engine/liveness.py)."""
     join_timeout_s: float = 300.0
     """Longest wait for every stage and the driver to meet at `cluster.master` at start-up."""
     rpc_threads: int = 16
