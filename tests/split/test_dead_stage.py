@@ -153,10 +153,9 @@ def test_the_driver_hears_by_heartbeat_that_a_stage_it_did_not_start_is_gone(
     from lab import launch
     from lab.config import ClusterConfig, Endpoint
     from lab.launch import free_port, services
-    from split_engine.config import SplitConfig
     from split_engine.liveness import PeerGoneError
     from split_engine.roles import driving
-    from split_training.config import SplitTrainingRunConfig
+    from split_training.config import SplitTrainConfig, SplitTrainingRunConfig
 
     from .conftest import model_config, stage_role
 
@@ -168,7 +167,7 @@ def test_the_driver_hears_by_heartbeat_that_a_stage_it_did_not_start_is_gone(
     ]
     settings = SplitTrainingRunConfig(
         model=model_config(llama_folder),
-        split=SplitConfig(num_stages=2, rpc_timeout_s=600, join_timeout_s=120),
+        split=SplitTrainConfig(num_stages=2, rpc_timeout_s=600, join_timeout_s=120),
         cluster=ClusterConfig(master=Endpoint("127.0.0.1", port)),
     )
     with (
