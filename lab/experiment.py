@@ -288,7 +288,10 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
             except PeerLostError as exc:  # a process of the run died: say how to go on
                 command = resume_command(experiment, cfg)
                 if command:
-                    exc.resume = f"go on from its last checkpoint with: {command}"
+                    # across hosts this process is one role, the others started by hand
+                    local = str(cfg.get("role", "local")) == "local"
+                    first = "" if local else "start its other roles again, then "
+                    exc.resume = f"{first}go on from its last checkpoint with: {command}"
                 raise
     finally:
         os.environ.pop(JOB_LABEL_ENV, None)

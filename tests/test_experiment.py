@@ -208,6 +208,42 @@ def test_ctrl_c_claims_checkpoints_only_once_one_exists(tmp_path: Path) -> None:
     assert "fed.resume=true" in message()
 
 
+@pytest.mark.parametrize("role", ["local", "driver"])
+def test_a_lost_process_is_said_with_the_command_that_goes_on_once_a_checkpoint_exists(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    role: str,
+) -> None:
+    """A run that a dead process ended (PeerLostError) says, on its one error line, the command
+    that resumes it; across hosts (a role of its own) that the other roles start again first;
+    before its first checkpoint, nothing about going on."""
+    from omegaconf import OmegaConf
+
+    from lab.launch import RoleFailedError
+    from split_training.run import EXPERIMENT
+
+    def lost(*args: object, **kwargs: object) -> dict[str, float]:
+        raise RoleFailedError("stage2", -9, [])
+
+    monkeypatch.setattr(experiment, "run", lost)
+    cfg = OmegaConf.create({"role": role, "paths": {"run_dir": str(tmp_path)}})
+    with pytest.raises(SystemExit):
+        experiment.main(EXPERIMENT, cfg)
+    assert capsys.readouterr().err.strip() == (
+        "error: role 'stage2' was killed by SIGKILL (by a user, or the kernel out of memory)"
+    )
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        experiment.main(EXPERIMENT, cfg)
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith("error: role 'stage2' was killed by SIGKILL")
+    first = "" if role == "local" else "start its other roles again, then "
+    assert f"; {first}go on from its last checkpoint with: python -m split_training " in error
+    assert error.endswith(f"split.resume=true hydra.run.dir={tmp_path}")
+
+
 def test_a_multirun_summary_has_a_column_per_swept_key_and_a_row_per_job() -> None:
     from lab.multirun import job_label, summary_rows, sweep_keys, swept_keys
 
