@@ -85,13 +85,14 @@ class PeerWatch:
                     continue
             self._ping(peer, now)
 
-    def settle(self, grace_s: float = SETTLE_S) -> None:
+    def settle(self) -> None:
         """A call into a peer just failed: find out now whether a peer is gone, rather than at
         the next heartbeat. Where the peers are this process's children, the one that died
-        has `grace_s` to be seen exiting (the error then says how it ended); elsewhere every
-        peer gets a heartbeat at once, and one that fails within `grace_s` is named."""
-        deadline = time.monotonic() + grace_s
+        has SETTLE_S to be seen exiting (the error then says how it ended); elsewhere every
+        peer gets a heartbeat at once, and one that fails, or goes unanswered for
+        `ping_timeout_s`, is named. Returns where every peer answers (the call was refused)."""
         if self.local is not None:
+            deadline = time.monotonic() + SETTLE_S
             while time.monotonic() < deadline:
                 self.local()
                 time.sleep(0.05)
@@ -99,13 +100,13 @@ class PeerWatch:
             return
         for peer in self.peers:
             self._ping(peer, time.monotonic())
+        deadline = time.monotonic() + self.ping_timeout_s + WATCH_S
         while time.monotonic() < deadline:
-            for _, future in self._pings.values():
-                if future.done() and _failed(future):
-                    self.check()  # raises, naming the peer
-            if all(future.done() for _, future in self._pings.values()):
-                return
+            futures = [future for _, future in self._pings.values()]
+            if all(f.done() for f in futures) or any(f.done() and _failed(f) for f in futures):
+                break
             time.sleep(0.05)
+        self.check()
 
     def _ping(self, peer: str, now: float) -> None:
         try:

@@ -157,11 +157,13 @@ class ShardedModel:
                 rpc.rpc_sync(stage_name(probe + 1), stage_alive, timeout=min(5.0, self.timeout_s))
             except RuntimeError:
                 start, end = self.ranges[probe]
-                return StageLostError(
+                lost = StageLostError(
                     f"{stage_name(probe + 1)} (layers {start}-{end - 1}) failed or stopped "
                     f"answering within split.rpc_timeout_s={self.timeout_s:g}: it no longer "
                     f"answers ({reason})"
                 )
+                lost.peer = stage_name(probe + 1)  # the driver does not wait to release it
+                return lost
         start, end = self.ranges[index]
         said = remote_reason(exc)
         if said is not None:
