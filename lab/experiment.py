@@ -29,13 +29,12 @@ from typing import Any, TextIO
 
 from omegaconf import DictConfig
 
-from lab import registry
+from lab import fence, registry
 from lab.cli import ConfigError, reported
 from lab.config import ClusterConfig, Endpoint, LabConfig, is_loopback, to_settings
 from lab.device import apply_num_threads, share_of_cores
-from lab import fence
 from lab.fence import Fence, loopback_fence
-from lab.launch import Role, ServiceGroup, free_port, launch, services, settings_role
+from lab.launch import PeerLostError, Role, ServiceGroup, free_port, launch, services, settings_role
 from lab.multirun import JOB_LABEL_ENV, job_label, sweep_keys
 
 log = logging.getLogger(__name__)
@@ -309,13 +308,25 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
         os.environ[JOB_LABEL_ENV] = label
     elif (restart := _namespace_restart(experiment, cfg)) is not None:
         why = fence.nftables_unavailable() or f"{fence.FENCE_ENV}=namespace"
-        print(f"{experiment.name}: re-running in a private network namespace (unshare -rn), "
-              f"where no other process of this host reaches its ports ({why})", flush=True)
+        print(
+            f"{experiment.name}: re-running in a private network namespace (unshare -rn), "
+            f"where no other process of this host reaches its ports ({why})",
+            flush=True,
+        )
         done = subprocess.run(restart, env={**os.environ, fence.NAMESPACE_ENV: "1"}, check=False)
         raise SystemExit(done.returncode)
     try:
         with reported(interrupted=interrupted_message(experiment, cfg)):
-            return run(experiment, cfg)
+            try:
+                return run(experiment, cfg)
+            except PeerLostError as exc:  # a process of the run died: say how to go on
+                command = resume_command(experiment, cfg)
+                if command:
+                    # across hosts this process is one role, the others started by hand
+                    local = str(cfg.get("role", "local")) == "local"
+                    first = "" if local else "start its other roles again, then "
+                    exc.resume = f"{first}go on from its last checkpoint with: {command}"
+                raise
     finally:
         os.environ.pop(JOB_LABEL_ENV, None)
 
@@ -354,29 +365,46 @@ def interrupted_message(experiment: Experiment, cfg: DictConfig) -> Callable[[],
     return lambda: _interrupted(experiment, cfg)
 
 
+def _run_dir(cfg: DictConfig) -> str:
+    try:
+        return str(cfg.paths.run_dir)
+    except Exception:
+        return ""
+
+
 def _interrupted(experiment: Experiment, cfg: DictConfig) -> str:
     role = str(cfg.get("role", "local"))
-    try:
-        run_dir = str(cfg.paths.run_dir)
-    except Exception:
-        run_dir = ""
+    run_dir = _run_dir(cfg)
     where = f"; its log and metrics so far are in {run_dir}" if run_dir else ""
     if experiment.resume is None or role not in experiment.resume_roles or not run_dir:
         return f"interrupted{where}"
-    if not any(Path(run_dir).rglob(experiment.checkpoint_marker)):
+    command = resume_command(experiment, cfg)
+    if not command:
         return f"interrupted before its first checkpoint: nothing to go on from{where}"
+    return (
+        f"interrupted; its checkpoints are kept in {run_dir}. "
+        f"Go on from the last one with:\n  {command}"
+    )
+
+
+def resume_command(experiment: Experiment, cfg: DictConfig) -> str:
+    """The command that continues this run from its last checkpoint: this run's own command
+    line with the experiment's `resume` override; "" where this role cannot resume or the run
+    has saved no checkpoint yet."""
+    role = str(cfg.get("role", "local"))
+    run_dir = _run_dir(cfg)
+    if experiment.resume is None or role not in experiment.resume_roles or not run_dir:
+        return ""
+    if not any(Path(run_dir).rglob(experiment.checkpoint_marker)):
+        return ""
     resume_key = override_key(experiment.resume)
     kept = [
         o
         for o in _task_overrides()
         if override_key(o) not in (resume_key, "hydra.run.dir", "paths.run_dir")
     ]
-    command = shlex.join(
+    return shlex.join(
         ["python", "-m", experiment.name, *kept, experiment.resume, f"hydra.run.dir={run_dir}"]
-    )
-    return (
-        f"interrupted; its checkpoints are kept in {run_dir}. "
-        f"Go on from the last one with:\n  {command}"
     )
 
 

@@ -99,7 +99,8 @@ def nftables_unavailable() -> str | None:
         return "not root"
     for tool in ("nft", "ip"):
         if shutil.which(tool) is None:
-            return f"no `{tool}` (Debian: apt-get install {'nftables' if tool == 'nft' else 'iproute2'})"
+            package = "nftables" if tool == "nft" else "iproute2"
+            return f"no `{tool}` (Debian: apt-get install {package})"
     probe = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         return f"nft cannot list tables here: {probe.stderr.strip()[:200]}"
@@ -119,7 +120,9 @@ def wants_namespace() -> bool:
     cannot fence here (and it is not there already, nor the fence off)."""
     if disabled() or in_private_namespace():
         return False
-    return os.environ.get(FENCE_ENV, "").lower() == "namespace" or nftables_unavailable() is not None
+    return (
+        os.environ.get(FENCE_ENV, "").lower() == "namespace" or nftables_unavailable() is not None
+    )
 
 
 def _run(*argv: str, stdin: str | None = None) -> str:
@@ -168,7 +171,9 @@ def sweep_stale() -> list[str]:
     addresses = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "lo"],
                                capture_output=True, text=True, check=False).stdout  # fmt: skip
     live = set(re.findall(rf"table inet {TABLE_PREFIX}([0-9a-f]+)", listed)) - set(removed)
-    for address, run_id in re.findall(rf"inet (\S+) .*{re.escape(LABEL_PREFIX)}([0-9a-f]+)", addresses):
+    for address, run_id in re.findall(
+        rf"inet (\S+) .*{re.escape(LABEL_PREFIX)}([0-9a-f]+)", addresses
+    ):
         if run_id not in live:
             subprocess.run(["ip", "addr", "del", address, "dev", "lo"], capture_output=True,
                            check=False)  # fmt: skip
@@ -180,7 +185,7 @@ def _fresh_loopback_address() -> str:
     held = _run("ip", "-4", "-o", "addr", "show")
     while True:
         candidate = str(ipaddress.IPv4Address((127 << 24) | secrets.randbelow(1 << 24)))
-        second, third, last = (int(part) for part in candidate.split(".")[1:])
+        second, _, last = (int(part) for part in candidate.split(".")[1:])
         if second == 0 or last in (0, 255) or f"inet {candidate}/" in held:
             continue
         return candidate

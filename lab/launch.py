@@ -48,20 +48,46 @@ class Role:
     so nothing dials a server that is still loading its model."""
 
 
-class RoleFailedError(UserError, RuntimeError):
-    """A role's process failed: its own log, quoted, says why (its traceback too, for a bug)."""
+class PeerLostError(UserError, RuntimeError):
+    """A process of the run died or stopped answering, so the run cannot go on: the message
+    names it, and `details` may follow (a log's tail, quoted). `resume`, where the run can go
+    on from what it saved, is the sentence with the command that does (set by
+    `lab.experiment`, which knows the command); it is said on the error's first line."""
+
+    resume: str = ""
+    peer: str | None = None
+    """The role (process) that is gone, where known: nobody waits for it any more."""
+
+    def __init__(self, message: str, *, details: str = "") -> None:
+        super().__init__(message)
+        self.message, self.details = message, details
+
+    def __str__(self) -> str:
+        resume = f"; {self.resume}" if self.resume else ""
+        return f"{self.message}{resume}{self.details}"
+
+
+class RoleFailedError(PeerLostError):
+    """A role's process failed: its own log, quoted, says why (its traceback too, for a bug).
+    A role killed by SIGKILL is named in one line: nothing in its log can say why."""
 
     def __init__(self, role: str, returncode: int, tail: Sequence[str]) -> None:
-        self.role = role
+        self.role = self.peer = role
         self.returncode = returncode
         self.tail = list(tail)
-        how = (
-            f"was killed by signal {-returncode}"
-            if returncode < 0
-            else f"exited with code {returncode}"
-        )
+        if returncode < 0:
+            try:
+                name = signal.Signals(-returncode).name
+            except ValueError:
+                name = f"signal {-returncode}"
+            how = f"was killed by {name}"
+        else:
+            how = f"exited with code {returncode}"
+        if returncode == -signal.SIGKILL:
+            super().__init__(f"role {role!r} {how} (by a user, or the kernel out of memory)")
+            return
         quoted = "".join(f"\n  [{role}] {line}" for line in self.tail[-15:])
-        super().__init__(f"role {role!r} {how}; its last output:{quoted}")
+        super().__init__(f"role {role!r} {how}", details=f"; its last output:{quoted}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -208,12 +234,21 @@ def _stop(running: Sequence[_Running], *, grace_s: float) -> None:
         proc.finish_output()
 
 
+WATCH_S = 0.2
+"""How often a `services` block's watcher looks at its roles."""
+STOP_AFTER_S = 3.0
+"""A role of a `services` block died unasked and the block has not ended this long after: the
+watcher stops the others, so that whatever the block waits on ends (see `services`)."""
+
+
 class ServiceGroup:
     """The background roles of a `services` block. Calling it checks them (RoleFailedError for
     any that has exited); `wait_exited` waits for roles told to leave to have left."""
 
     def __init__(self) -> None:
         self.running: list[_Running] = []
+        self.died: RoleFailedError | None = None
+        """The first role the watcher saw fail unasked (a non-zero exit), if any."""
 
     def __call__(self) -> None:
         for proc in self.running:
@@ -240,6 +275,27 @@ class ServiceGroup:
                 raise TimeoutError(f"roles {pending} not ready after {timeout_s:.0f}s")
             time.sleep(0.05)
 
+    def watch(self, ending: threading.Event) -> None:
+        """The block's watcher (a thread): notes the first role to fail unasked and, if the
+        block is still running STOP_AFTER_S later, stops the others (the block's own waits
+        on them then end); returns once `ending` is set."""
+        noticed = 0.0
+        while not ending.wait(WATCH_S):
+            if self.died is None:
+                for proc in self.running:
+                    code = proc.process.poll()
+                    if code not in (None, 0) and not proc.stopped_by_us:
+                        self.died = RoleFailedError(proc.role.name, code, proc.tail)
+                        noticed = time.monotonic()
+                        break
+            elif noticed and time.monotonic() - noticed > STOP_AFTER_S:
+                log.warning("%s, and the run has not ended: stopping its other roles", self.died)
+                noticed = 0.0
+                for proc in self.running:
+                    if proc.process.poll() is None:
+                        proc.stopped_by_us = True
+                        proc.signal_group(signal.SIGTERM)
+
     def wait_exited(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for every role to exit on its own; True if they all did.
 
@@ -261,17 +317,30 @@ def services(
     """Start `roles` (servers) in the background for the length of a `with` block.
 
     Yields a `ServiceGroup`: call it to check the roles (RoleFailedError if any has exited).
-    On leaving the block, whatever happened inside it, every process group is stopped and
-    reaped.
+    A watcher thread looks at the roles meanwhile: one that fails unasked while the block runs
+    is what the block's error becomes, where the block raised no error of its own that a user
+    can read (a peer's closed connection, say), and if the block has not ended STOP_AFTER_S
+    after it, the watcher stops the other roles. On leaving the block, whatever happened inside
+    it, every process group is stopped and reaped.
     """
     lock = threading.Lock()
     group = ServiceGroup()
+    ending = threading.Event()
     try:
         with _sigterm_as_interrupt():
             for role in roles:
                 group.running.append(_Running(role, out=out or sys.stdout, out_lock=lock))
-            yield group
+            threading.Thread(
+                target=group.watch, args=(ending,), name="launch-watch", daemon=True
+            ).start()
+            try:
+                yield group
+            except Exception as exc:
+                if group.died is not None and not isinstance(exc, UserError):
+                    raise group.died from exc
+                raise
     finally:
+        ending.set()
         _stop(group.running, grace_s=grace_s)
 
 

@@ -34,7 +34,13 @@ class SplitConfig:
     """dtype of activations between stages; auto = the stages' compute dtype. bfloat16 or
     float16 halve the bytes on the wire at a small cost in precision."""
     rpc_timeout_s: float = 60.0
-    """Longest wait for any one RPC; a stage that dies is reported within this."""
+    """Longest wait for any one RPC. A stage that dies is reported sooner, by heartbeats (lost
+    after heartbeat_timeout_s unanswered, or this if shorter: split_engine/liveness.py)."""
+    heartbeat_timeout_s: float = 4.0
+    """How long a peer's heartbeat may go unanswered before the peer is taken as gone (a
+    process answers from a thread of its own, so a busy one answers too). Raise it where a
+    live process may stall that long (a host swapping hard; a test that stops a run's
+    processes on purpose)."""
     join_timeout_s: float = 300.0
     """Longest wait for every stage and the driver to meet at `cluster.master` at start-up."""
     rpc_threads: int = 16
@@ -66,7 +72,9 @@ class SplitConfig:
         check_choice("split.channels", self.channels, CHANNELS)
         if not 0 <= self.rank <= self.num_stages:
             raise ValueError(f"split.rank={self.rank} must be in 1..{self.num_stages} for a stage")
-        check_fields_positive("split", self, ("rpc_timeout_s", "join_timeout_s"))
+        check_fields_positive(
+            "split", self, ("rpc_timeout_s", "join_timeout_s", "heartbeat_timeout_s")
+        )
         if self.rpc_threads < MIN_RPC_THREADS:
             raise ValueError(
                 f"split.rpc_threads={self.rpc_threads}: at least {MIN_RPC_THREADS} (a stage "

@@ -15,18 +15,20 @@ from lab.cli import ConfigError
 from lab.config import LabConfig
 from lab.device import detect_device
 from lab.experiment import Experiment, LocalPlan, Metrics, Process
-from lab.launch import ServiceGroup
+from lab.launch import PeerLostError, ServiceGroup
 from lab.models import resolve_source
 from split_engine.config import SplitConfig
 from split_engine.layout import stage_ranges
+from split_engine.listening import safe_master
+from split_engine.liveness import PeerWatch, heartbeat_timeout_s
 from split_engine.stage import StageHost, set_stage_host
 from split_engine.workers import (
     World,
     authenticate_stages,
     joined,
     release_all,
-    safe_master,
     serve_until_released,
+    stage_name,
 )
 
 log = logging.getLogger(__name__)
@@ -59,16 +61,20 @@ def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
         world = World(split.rank, master, split)
         with joined(world, secret=settings.cluster.resolved_secret()):
             print(f"{world.name} joined the run", flush=True)
-            serve_until_released(ping_s=PING_S, timeout_s=split.rpc_timeout_s)
+            # a driver that does not answer its heartbeat in seconds is gone (not a whole
+            # split.rpc_timeout_s: that bounds a call that works, not a peer's silence)
+            serve_until_released(ping_s=PING_S, timeout_s=heartbeat_timeout_s(split))
 
 
 @contextmanager
 def driving(
     settings: LabConfig, split: SplitConfig, *, stages: ServiceGroup | None = None
-) -> Iterator[None]:
+) -> Iterator[PeerWatch]:
     """Join as the driver (rank 0), authenticate every stage, and release them all at the end.
 
     `stages`: the local stage processes, if this run started them (a dead one ends the wait).
+    Yields the driver's watch over its stages (heartbeats, and their processes where local):
+    its `check` raises for a stage that is gone; a long wait on the stages calls it.
     """
     if settings.cluster.master.port == 0:
         raise ConfigError("the driver needs cluster.master.port (where stages meet it)")
@@ -79,15 +85,20 @@ def driving(
         ) as master,
         joined(World(0, master, split), secret=secret, check=stages or (lambda: None)),
     ):
-        reason = ""
+        reason, gone = "", None
         try:
             authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
-            yield
+            yield PeerWatch(
+                [stage_name(rank) for rank in range(1, split.num_stages + 1)],
+                ping_timeout_s=heartbeat_timeout_s(split),
+                local=stages,
+            )
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"
+            gone = exc.peer if isinstance(exc, PeerLostError) else None
             raise
         finally:
-            release_all(split.num_stages, reason=reason)
+            release_all(split.num_stages, reason=reason, gone=gone)
 
 
 def check_layers(settings: Any) -> None:

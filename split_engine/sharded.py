@@ -22,6 +22,7 @@ from lab.config import ModelConfig
 from split_engine.config import SplitConfig
 from split_engine.generation import Generation, Sampling, positions_from_mask
 from split_engine.layout import StageCosts, balance_boundaries, stage_ranges
+from split_engine.liveness import PeerWatch, wait_watching
 from split_engine.stage import Stage, describe_model
 from split_engine.workers import StageLostError, free_memory_bytes, stage_alive, stage_name
 
@@ -56,10 +57,24 @@ def remote_reason(exc: Exception) -> str | None:
     return said[-1][:500] if said else None
 
 
-def wait_all(futures: list[torch.futures.Future]) -> tuple[list[Any], tuple[int, Exception] | None]:
+def wait_all(
+    futures: list[torch.futures.Future], *, watch: PeerWatch | None = None
+) -> tuple[list[Any], tuple[int, Exception] | None]:
     """Every future's result in order, each waited for even after one fails (a call left
     running on a stage would overlap that stage's next one); with the first failure and its
-    index, or None."""
+    index, or None. With `watch` (the driver's over its stages), the peers are checked every
+    liveness.WATCH_S while the calls run (PeerGoneError, or RoleFailedError for a local stage
+    process), and the first failure returns at once, with no results: the calls left running
+    end with the run."""
+    if watch is not None:
+        wait_watching(futures, watch)
+        for index, future in enumerate(futures):
+            if future.done():
+                try:
+                    future.wait()
+                except RuntimeError as exc:
+                    watch.settle()  # where it can, it names the peer and how it ended
+                    return [], (index, exc)
     results: list[Any] = []
     failed: tuple[int, Exception] | None = None
     for index, future in enumerate(futures):
@@ -142,11 +157,13 @@ class ShardedModel:
                 rpc.rpc_sync(stage_name(probe + 1), stage_alive, timeout=min(5.0, self.timeout_s))
             except RuntimeError:
                 start, end = self.ranges[probe]
-                return StageLostError(
+                lost = StageLostError(
                     f"{stage_name(probe + 1)} (layers {start}-{end - 1}) failed or stopped "
                     f"answering within split.rpc_timeout_s={self.timeout_s:g}: it no longer "
                     f"answers ({reason})"
                 )
+                lost.peer = stage_name(probe + 1)  # the driver does not wait to release it
+                return lost
         start, end = self.ranges[index]
         said = remote_reason(exc)
         if said is not None:

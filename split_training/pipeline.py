@@ -36,7 +36,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -45,9 +45,10 @@ import torch
 from torch.distributed.rpc import RRef
 
 from split_engine import rpc_guard
+from split_engine.liveness import PING_TIMEOUT_S, WATCH_S, PeerGoneError, PeerWatch
 from split_engine.rpc_guard import never_sent
 from split_engine.stage import Stage
-from split_engine.workers import require_driver
+from split_engine.workers import DRIVER, require_driver, stage_name
 from split_training.config import SCHEDULES
 
 ACTIVATION, GRADIENT, NORM, TIED, ABORT = "activation", "gradient", "norm", "tied", "abort"
@@ -112,10 +113,16 @@ class Inbox:
             self.items[key] = value
             self.cond.notify_all()
 
-    def take(self, key: tuple, timeout_s: float) -> Any:
+    def take(
+        self, key: tuple, timeout_s: float, *, check: Callable[[], None] = lambda: None
+    ) -> Any:
+        """The message at `key`, waiting up to `timeout_s`; `check` (which raises for a peer
+        that is gone) runs every WATCH_S meanwhile, outside the lock."""
         deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while key not in self.items:
+        while True:
+            with self.cond:
+                if key in self.items:
+                    return self.items.pop(key)
                 if key[1] in self.aborted:
                     raise ValueError(self.aborted[key[1]])
                 left = deadline - time.monotonic()
@@ -125,8 +132,10 @@ class Inbox:
                         "(split.rpc_timeout_s, times the micro-batches a wait may span): a "
                         "peer stage is gone or stuck"
                     )
-                self.cond.wait(left)
-            return self.items.pop(key)
+                self.cond.wait(min(left, WATCH_S))
+                if key in self.items:
+                    return self.items.pop(key)
+            check()
 
     def finish(self, step: int) -> None:
         """Step `step` is over: what is left of it is dropped."""
@@ -229,6 +238,10 @@ class PipelineStage:
         self.saved = SavedBytes(self.stage.model)
         self.stepping = threading.Lock()
         """One step at a time: a second `train_step` while one runs is refused."""
+        others = [stage_name(k + 1) for k in range(num_stages) if k != index]
+        heartbeat = float(settings.get("heartbeat_timeout_s", PING_TIMEOUT_S))
+        self.watch = PeerWatch([DRIVER, *others], ping_timeout_s=min(timeout_s, heartbeat))
+        """Heartbeats to the driver and the other stages while a step waits on a message."""
 
     def connect(self, peers: list[RRef]) -> int:
         """Every stage's `PipelineStage` RRef, in stage order; returns the count this trains."""
@@ -287,7 +300,7 @@ class PipelineStage:
     ) -> Any:
         """The message for `slot`, waiting up to `waits` x split.rpc_timeout_s (a stage may
         wait for a whole pipeline fill before its first gradient)."""
-        value = self.inbox.take((kind, step, *slot), self.timeout_s * waits)
+        value = self.inbox.take((kind, step, *slot), self.timeout_s * waits, check=self._peers)
         if like is not None and (value.shape != like.shape or value.dtype != like.dtype):
             raise ValueError(
                 f"{kind} for micro-batch {slot} of shape {tuple(value.shape)} {value.dtype}, "
@@ -296,6 +309,13 @@ class PipelineStage:
         if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all()):
             raise ValueError(f"{kind} for micro-batch {slot} holds inf or nan")
         return value
+
+    def _peers(self) -> None:
+        """The watch's check, its error a ValueError (what a step's refusal travels as)."""
+        try:
+            self.watch.check()
+        except PeerGoneError as exc:
+            raise ValueError(str(exc)) from None
 
     # ------------------------------------------------------------------ one step
 

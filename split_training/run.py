@@ -113,7 +113,7 @@ def run_driver(
         }
     with (
         Tracker.from_settings(settings, job="split_training") as tracker,
-        driving(settings, split, stages=stages),
+        driving(settings, split, stages=stages) as peers,
     ):
         sharded = ShardedModel.build(
             settings.model,
@@ -123,7 +123,7 @@ def run_driver(
             lora=lora,
             seed=settings.seed,
         )
-        trainer = DistributedTrainer(sharded, split)
+        trainer = DistributedTrainer(sharded, split, watch=peers)
         if split.export and "config.json" not in sharded.call(0, "model_files"):
             raise ConfigError(  # found out now, not after the whole run
                 f"split.export=true, but {settings.model.pretrained!r} has no config.json "

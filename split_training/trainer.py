@@ -20,6 +20,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from lab import atomic
+from split_engine.liveness import PeerWatch, heartbeat_timeout_s
 from split_engine.sharded import ShardedModel, wait_all
 from split_training.config import SplitTrainConfig
 from split_training.pipeline import PipelineStage, Plan
@@ -48,16 +49,25 @@ class DistributedTrainer:
     """Trains a `ShardedModel` built with `training=True`."""
 
     def __init__(
-        self, sharded: ShardedModel, settings: SplitTrainConfig, *, sync_tied: bool = True
+        self,
+        sharded: ShardedModel,
+        settings: SplitTrainConfig,
+        *,
+        sync_tied: bool = True,
+        watch: PeerWatch | None = None,
     ) -> None:
+        """`watch`: the driver's over its stages (what `driving` yields), checked every
+        liveness.WATCH_S while a step waits for the stages' answers."""
         self.sharded = sharded
         self.settings = settings
+        self.watch = watch
         hyper = {
             "schedule": settings.schedule,
             "lr": settings.lr,
             "weight_decay": settings.weight_decay,
             "grad_clip": settings.grad_clip,
             "sync_tied": sync_tied,
+            "heartbeat_timeout_s": heartbeat_timeout_s(settings),
         }
         stages = sharded.stages
         self.pipes: list[RRef] = [
@@ -82,7 +92,7 @@ class DistributedTrainer:
         fails, the others are waited for, then the first failure is raised."""
         timeout = self.sharded.timeout_s
         futures = [getattr(pipe.rpc_async(timeout=timeout), method)(*args) for pipe in self.pipes]
-        results, failed = wait_all(futures)
+        results, failed = wait_all(futures, watch=self.watch)
         if failed is not None:
             raise self.sharded._lost(*failed) from None
         return results
@@ -148,7 +158,7 @@ class DistributedTrainer:
             )
             for index, pipe in enumerate(self.pipes)
         ]
-        answers, failed = wait_all(futures)
+        answers, failed = wait_all(futures, watch=self.watch)
         if failed is not None:  # a stage that is gone by name, else the stage's own reason
             raise self.sharded._lost(*failed, call="the training step") from None
         loss = sum(answers[last]["losses"]) / (per_batch * len(batches))

@@ -157,7 +157,7 @@ def test_a_server_role_on_a_network_address_without_a_secret_warns(
 def test_tensorpipe_listens_on_the_interface_that_leads_to_the_master() -> None:
     import psutil
 
-    from split_engine.workers import interface_towards
+    from split_engine.listening import interface_towards
 
     loopback = interface_towards("127.0.0.1")
     addresses = [a.address for a in psutil.net_if_addrs()[loopback]]
@@ -172,7 +172,7 @@ def test_tensorpipe_and_gloo_both_listen_towards_the_master_unless_the_user_chos
     """init_rpc builds a Gloo group beside TensorPipe: left to itself it advertised the address
     of the host's name (loopback on Debian), and stages on other hosts were refused."""
     from lab.config import Endpoint
-    from split_engine.workers import (
+    from split_engine.listening import (
         INTERFACE_VARIABLES,
         _listening_towards_the_master,
         interface_towards,
@@ -206,6 +206,42 @@ def test_ctrl_c_claims_checkpoints_only_once_one_exists(tmp_path: Path) -> None:
     latest.write_text("{}")
     assert message().startswith(f"interrupted; its checkpoints are kept in {tmp_path}")
     assert "fed.resume=true" in message()
+
+
+@pytest.mark.parametrize("role", ["local", "driver"])
+def test_a_lost_process_is_said_with_the_command_that_goes_on_once_a_checkpoint_exists(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    role: str,
+) -> None:
+    """A run that a dead process ended (PeerLostError) says, on its one error line, the command
+    that resumes it; across hosts (a role of its own) that the other roles start again first;
+    before its first checkpoint, nothing about going on."""
+    from omegaconf import OmegaConf
+
+    from lab.launch import RoleFailedError
+    from split_training.run import EXPERIMENT
+
+    def lost(*args: object, **kwargs: object) -> dict[str, float]:
+        raise RoleFailedError("stage2", -9, [])
+
+    monkeypatch.setattr(experiment, "run", lost)
+    cfg = OmegaConf.create({"role": role, "paths": {"run_dir": str(tmp_path)}})
+    with pytest.raises(SystemExit):
+        experiment.main(EXPERIMENT, cfg)
+    assert capsys.readouterr().err.strip() == (
+        "error: role 'stage2' was killed by SIGKILL (by a user, or the kernel out of memory)"
+    )
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        experiment.main(EXPERIMENT, cfg)
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith("error: role 'stage2' was killed by SIGKILL")
+    first = "" if role == "local" else "start its other roles again, then "
+    assert f"; {first}go on from its last checkpoint with: python -m split_training " in error
+    assert error.endswith(f"split.resume=true hydra.run.dir={tmp_path}")
 
 
 def test_a_multirun_summary_has_a_column_per_swept_key_and_a_row_per_job() -> None:

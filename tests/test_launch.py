@@ -184,3 +184,44 @@ def test_a_dead_service_is_reported_by_check() -> None:
             while time.monotonic() < deadline:
                 check()
                 time.sleep(0.01)
+
+
+def test_a_service_killed_by_sigkill_is_named_in_one_line_with_how_to_go_on() -> None:
+    """Nothing in a SIGKILLed role's log can say why: the error is one line, and the command
+    that goes on (set by lab.experiment where the run can resume) is on that line."""
+    from lab.launch import PeerLostError
+
+    killed = RoleFailedError("stage2", -signal.SIGKILL, ["step 14", "step 15"])
+    assert isinstance(killed, PeerLostError)
+    assert (
+        str(killed)
+        == "role 'stage2' was killed by SIGKILL (by a user, or the kernel out of memory)"
+    )
+    killed.resume = "go on from its last checkpoint with: python -m m split.resume=true"
+    assert "\n" not in str(killed) and str(killed).endswith("split.resume=true")
+    failed = RoleFailedError("stage1", 1, ["Traceback", "ValueError: bad"])
+    failed.resume = "go on with: python -m m"
+    first, *quoted = str(failed).splitlines()
+    assert first == "role 'stage1' exited with code 1; go on with: python -m m; its last output:"
+    assert quoted == ["  [stage1] Traceback", "  [stage1] ValueError: bad"]
+
+
+def test_a_service_that_dies_while_the_block_waits_on_another_ends_the_block() -> None:
+    """The block waits on something the dead role was to give (here: another role's exit),
+    checking nothing: the launcher's watcher stops the other roles, so the wait ends, and the
+    error the block then raises (a closed connection, say) becomes the dead role's."""
+    from lab.launch import services
+
+    dying = py_role("stage2", "import time; time.sleep(0.5); raise SystemExit(3)", service=True)
+    waiting = py_role("stage1", SLEEPER, service=True)
+    with (
+        pytest.raises(RoleFailedError, match="'stage2' exited with code 3") as info,
+        services([dying, waiting], out=io.StringIO()) as group,
+    ):
+        try:
+            group.process("stage1").wait(timeout=100)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the watcher did not stop the roles left after one died")
+        raise ConnectionResetError("the peer closed the connection")
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+    assert not alive(group.process("stage1").pid)

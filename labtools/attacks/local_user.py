@@ -262,7 +262,8 @@ def all_attacks(stage: int, target: tuple[str, int], folder: Path) -> dict[str, 
 @contextmanager
 def held_still(run: SplitRun) -> Iterator[None]:
     """The driver stopped (SIGSTOP) for the block, so the attacks meet a run that is still
-    there however slow the machine: its stages wait for it (split.rpc_timeout_s=600)."""
+    there however slow the machine: its stages wait for it (split.rpc_timeout_s and
+    split.heartbeat_timeout_s 600 s, in TRAIN)."""
     os.kill(run.proc.pid, signal.SIGSTOP)
     try:
         yield
@@ -270,7 +271,8 @@ def held_still(run: SplitRun) -> Iterator[None]:
         os.kill(run.proc.pid, signal.SIGCONT)
 
 
-TRAIN = ("split.steps=12", "split.rpc_timeout_s=600", "split.checkpoint_every=0")
+TRAIN = ("split.steps=12", "split.rpc_timeout_s=600", "split.heartbeat_timeout_s=600",
+         "split.checkpoint_every=0")  # fmt: skip
 """A short fenced split_training run: the attacks' target."""
 
 
