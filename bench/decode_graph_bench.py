@@ -97,7 +97,7 @@ def build_llama(shape: str, device: torch.device, dtype: torch.dtype) -> Any:
             model = LlamaForCausalLM(config)
     except Exception as exc:  # a transformers that refuses: built on the CPU
         print(f"built on the CPU, then moved ({type(exc).__name__}: {exc})", flush=True)
-        model = LlamaForCausalLM(config).to(device)
+        model = LlamaForCausalLM(config).to(device)  # type: ignore[arg-type]
     return model.to(dtype).eval()  # type: ignore[arg-type]
 
 

@@ -54,6 +54,7 @@ def _lo_addresses() -> str:
 def test_only_the_runs_user_reaches_the_fenced_address() -> None:
     with fence.nftables_fence() as fenced, socket.create_server((fenced.address, 0)) as server:
         port = server.getsockname()[1]
+        assert fenced.table is not None
         assert fenced.address.startswith("127.") and fenced.address != "127.0.0.1"
         assert f"inet {fenced.address}/32" in _lo_addresses()
         assert fenced.table in _tables()
@@ -61,7 +62,7 @@ def test_only_the_runs_user_reaches_the_fenced_address() -> None:
         (other,) = dial_as_other_user([(fenced.address, port)])
         assert other.startswith("no connection"), other
     # gone with the block
-    assert fenced.table not in _tables()
+    assert fenced.table is not None and fenced.table not in _tables()
     assert f"inet {fenced.address}/32" not in _lo_addresses()
     # control arm: the same dial, unfenced, connects
     with socket.create_server((fenced.address, 0)) as server:
