@@ -201,8 +201,11 @@ def test_two_join_and_leave_loops_leave_every_round_to_the_honest_clients(
     assert watch.largest <= 2 + 2 * len(loops)
     assert wait_for(lambda: not coordinator.clients)  # after FINISH, all left: none kept
     assert past_bursts
-    assert sum(loop.welcomed for loop in loops) >= 2 * 8  # each spent its burst at least
     admission = coordinator.admission  # refused by an address's rate or its range's budget
+    # each spent its burst at least, unless its range's JOIN budget (shared with the honest
+    # two: all of 127/8 is one range) refused it first: which of the two comes first depends
+    # on how fast the rounds go, so their sum is what holds on any machine
+    assert sum(loop.welcomed for loop in loops) + admission.budget_refused >= 2 * 8
     assert admission.joins_refused + admission.budget_refused == sum(j.refused for j in loops)
 
 
