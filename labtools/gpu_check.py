@@ -47,6 +47,14 @@ CHECKS = (
     Check("cuda tests: speculative decoding", (*CUDA_TESTS, "-k", "speculative")),
     Check("cuda tests: split", (*CUDA_TESTS, "-k", "split")),
     Check("cuda tests: federated QLoRA", (*CUDA_TESTS, "-k", "federated")),
+    Check(
+        "decode on a static cache in a CUDA graph, 1B shape",
+        ("bench/decode_graph_bench.py", "--shape", "1b"),
+    ),
+    Check(
+        "decode on a static cache in a CUDA graph, 8B shape",
+        ("bench/decode_graph_bench.py", "--shape", "8b"),
+    ),
     Check("netproto bench", ("bench/netproto_bench.py",)),
     Check("split profile, 1B shape", ("bench/split_bench.py", "--shape", "1b", "--profile")),
     Check("split bench, 1B shape", ("bench/split_bench.py", "--shape", "1b")),
