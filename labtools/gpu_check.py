@@ -47,6 +47,7 @@ CHECKS = (
     Check("cuda tests: speculative decoding", (*CUDA_TESTS, "-k", "speculative")),
     Check("cuda tests: split", (*CUDA_TESTS, "-k", "split")),
     Check("cuda tests: federated QLoRA", (*CUDA_TESTS, "-k", "federated")),
+    Check("cuda tests: static decode", (*CUDA_TESTS[:-1], "tests/test_static_decode.py")),
     Check(
         "decode on a static cache in a CUDA graph, 1B shape",
         ("bench/decode_graph_bench.py", "--shape", "1b"),
