@@ -20,7 +20,6 @@ import importlib
 import logging
 import os
 import shlex
-import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -313,8 +312,7 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
             f"where no other process of this host reaches its ports ({why})",
             flush=True,
         )
-        done = subprocess.run(restart, env={**os.environ, fence.NAMESPACE_ENV: "1"}, check=False)
-        raise SystemExit(done.returncode)
+        raise SystemExit(fence.run_inside(restart))
     try:
         with reported(interrupted=interrupted_message(experiment, cfg)):
             try:

@@ -37,6 +37,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -274,3 +275,24 @@ def namespace_argv(argv: list[str]) -> list[str] | None:
         return None
     script = 'ip link set lo up && exec "$@"'
     return ["unshare", "-rn", "sh", "-c", script, "sh", *argv]
+
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def run_inside(argv: list[str]) -> int:
+    """Run `argv` (from `namespace_argv`) to its end, marked as inside its namespace, handing
+    it every Ctrl-C, SIGTERM and SIGHUP this process gets (so the run inside ends as it would
+    have out here: its checkpoints named, its roles stopped); its exit status, a signal's as
+    128 + the signal's number."""
+    child = subprocess.Popen(argv, env={**os.environ, NAMESPACE_ENV: "1"})
+    previous = {
+        number: signal.signal(number, lambda number, _frame: child.send_signal(number))
+        for number in FORWARDED
+    }
+    try:
+        code = child.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    return code if code >= 0 else 128 - code

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from lab import fence
@@ -197,3 +198,23 @@ def test_control_arm_the_same_attacks_unfenced_succeed(
             got = rogue(second, "kill-segment", "--victim-pid", str(stages["stage2"]))
             assert got["connected"] and got["succeeded"], got
     assert (seen_by_others / "written-by-stage-1.bin").stat().st_uid == os.geteuid()
+
+
+def test_ctrl_c_reaches_a_run_in_its_private_namespace(tmp_path: Path) -> None:
+    """The namespace fence re-runs the command inside `unshare -rn`: Ctrl-C on the command a
+    user started still ends the run as Ctrl-C does (exit 130, its line about what was kept),
+    with none of its processes left behind."""
+    with split_run(tmp_path, "split.steps=400", env={"LAB_FENCE": "namespace"}) as run:
+        run.wait_for("joined the run", count=2)
+        os.kill(run.proc.pid, signal.SIGINT)
+        assert run.proc.wait(timeout=120) == 130, "".join(run.lines[-30:])
+    assert any(line.startswith("interrupted") for line in run.lines), run.lines[-10:]
+    # the driver inside heard it, and released its stages in order (a driver killed outright,
+    # its stages dying with it, says nothing of the kind)
+    assert any("the driver stopped the run: KeyboardInterrupt" in line for line in run.lines)
+    left = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(run.run_dir) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left, left
