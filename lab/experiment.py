@@ -337,7 +337,8 @@ def _namespace_restart(experiment: Experiment, cfg: DictConfig) -> list[str] | N
         return None
     if not fence.wants_namespace():
         return None
-    if sys.orig_argv[1:3] != ["-m", experiment.name]:
+    argv = sys.orig_argv
+    if "-m" not in argv or argv[argv.index("-m") + 1 :][:1] != [experiment.name]:
         return None  # not `python -m <module>` (a test, a tool calling main): nothing to re-run
     from hydra.core.hydra_config import HydraConfig
 
