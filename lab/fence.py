@@ -38,9 +38,11 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 log = logging.getLogger(__name__)
@@ -142,36 +144,77 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "unknown"
+
+
 def _owner_comment() -> str:
-    return f"pid={os.getpid()} start={_start_time(os.getpid())}"
+    pid = os.getpid()
+    return f"pid={pid} start={_start_time(pid)} ns={_pid_namespace()}"
 
 
 def _owner_alive(comment: str) -> bool:
-    match = re.search(r"pid=(\d+) start=(\d+)", comment)
+    """Whether the launcher that wrote `comment` may still run. A launcher in another PID
+    namespace (a container sharing this network namespace) cannot be looked up from here:
+    taken as alive, never swept from here."""
+    match = re.search(r"pid=(\d+) start=(\d+)(?: ns=(\S+))?", comment)
     if match is None:
         return False
+    if match.group(3) is not None and match.group(3) != _pid_namespace():
+        return True
     return _start_time(int(match.group(1))) == match.group(2)
 
 
+GONE_STATES = {"06", "07"}
+"""/proc/net/tcp states of a socket no process holds any more (TIME_WAIT, CLOSE)."""
+
+
+def _sockets_on(address: str) -> int:
+    """Sockets of this network namespace bound to `address` (IPv4) in a live state: a fence
+    is never taken down under a run still listening there, whoever's launcher it was (the
+    whole of 127/8 reaches lo: removing the address alone closes nothing)."""
+    packed = socket.inet_aton(address)[::-1].hex().upper()  # as /proc/net lists it
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/udp"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[1].split(":")[0] == packed and fields[3] not in GONE_STATES:
+                count += 1
+    return count
+
+
 def sweep_stale() -> list[str]:
-    """Remove fences whose launcher is gone (SIGKILLed: nothing ran its teardown); returns
-    the run ids removed."""
+    """Remove fences whose launcher is gone (SIGKILLed: nothing ran its teardown) and under
+    which nothing is bound any more; returns the run ids removed. Addresses are listed before
+    tables: a run putting up its fence meanwhile adds its table first, so an address seen here
+    has its table in the later list."""
+    addresses = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "lo"],
+                               capture_output=True, text=True, check=False).stdout  # fmt: skip
     listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
                             check=False).stdout  # fmt: skip
+    tables = re.findall(rf"table inet {TABLE_PREFIX}([0-9a-f]+)", listed)
     removed = []
-    for run_id in re.findall(rf"table inet {TABLE_PREFIX}([0-9a-f]+)", listed):
+    for run_id in tables:
         table = subprocess.run(["nft", "list", "table", "inet", TABLE_PREFIX + run_id],
                                capture_output=True, text=True, check=False).stdout  # fmt: skip
         comment = re.search(r'comment "([^"]*)"', table)
         if comment is not None and _owner_alive(comment.group(1)):
             continue
+        fenced = re.search(r"ip daddr (\S+)", table)
+        if fenced is not None and _sockets_on(fenced.group(1)):
+            continue
         subprocess.run(["nft", "delete", "table", "inet", TABLE_PREFIX + run_id],
                        capture_output=True, check=False)  # fmt: skip
         removed.append(run_id)
     # addresses whose table is gone (removed above, or the launcher died between the two)
-    addresses = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "lo"],
-                               capture_output=True, text=True, check=False).stdout  # fmt: skip
-    live = set(re.findall(rf"table inet {TABLE_PREFIX}([0-9a-f]+)", listed)) - set(removed)
+    live = set(tables) - set(removed)
     for address, run_id in re.findall(
         rf"inet (\S+) .*{re.escape(LABEL_PREFIX)}([0-9a-f]+)", addresses
     ):

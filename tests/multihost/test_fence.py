@@ -81,11 +81,17 @@ def test_a_killed_launchers_fence_is_swept_by_the_next_run(tmp_path: Path) -> No
     assert holder.stdout is not None
     table, address = holder.stdout.readline().split()
     assert table in _tables()
-    assert fence.sweep_stale() == []  # its launcher lives: kept
+    run_id = table.removeprefix(fence.TABLE_PREFIX)
+    assert run_id not in fence.sweep_stale()  # its launcher lives: kept
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     assert table in _tables()  # nothing ran its teardown
-    assert fence.sweep_stale() == [table.removeprefix(fence.TABLE_PREFIX)]
+    # something still listens on its address (a role that outlived it): kept, or its ports
+    # would be open to every user (removing the address closes nothing: 127/8 is all lo's)
+    with socket.create_server((address, 0)):
+        assert run_id not in fence.sweep_stale()
+        assert table in _tables()
+    assert run_id in fence.sweep_stale()
     assert table not in _tables()
     assert f"inet {address}/32" not in _lo_addresses()
 
@@ -218,3 +224,13 @@ def test_ctrl_c_reaches_a_run_in_its_private_namespace(tmp_path: Path) -> None:
         if str(run.run_dir) in " ".join(p.info["cmdline"] or [])
     ]
     assert not left, left
+
+
+def test_a_launcher_in_another_pid_namespace_is_never_taken_for_dead() -> None:
+    """A container sharing this network namespace but not its PIDs: its launcher's pid means
+    nothing here, so its fence is kept (sweeping it opened a live run's ports to every user)."""
+    here = fence._owner_comment()
+    assert fence._owner_alive(here)
+    pid = here.split()[0]
+    assert not fence._owner_alive(f"{pid} start=1 ns={here.split('ns=')[1]}")  # reused pid
+    assert fence._owner_alive(f"{pid} start=1 ns=pid:[1]")  # another namespace: can't tell
