@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -305,16 +306,24 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
     label = _multirun_label()
     if label:
         os.environ[JOB_LABEL_ENV] = label
-    elif (restart := _namespace_restart(experiment, cfg)) is not None:
+    restart = _namespace_restart(experiment, cfg, job=bool(label))
+    if restart is not None:
         why = fence.nftables_unavailable() or f"{fence.FENCE_ENV}=namespace"
         print(
-            f"{experiment.name}: re-running in a private network namespace (unshare -rn), "
-            f"where no other process of this host reaches its ports ({why})",
+            f"{experiment.name}: re-running {'this job ' if label else ''}in a private network "
+            f"namespace (unshare -rn), where no other process of this host reaches its ports "
+            f"({why})",
             flush=True,
         )
-        raise SystemExit(fence.run_inside(restart))
     try:
         with reported(interrupted=interrupted_message(experiment, cfg)):
+            if restart is not None:
+                code = fence.run_inside(restart)
+                if not label:
+                    raise SystemExit(code)
+                if code == 128 + signal.SIGINT:  # Ctrl-C, handed to the job inside
+                    raise KeyboardInterrupt
+                return _job_summary(code)  # a multirun job's metrics, for the sweep's table
             try:
                 return run(experiment, cfg)
             except PeerLostError as exc:  # a process of the run died: say how to go on
@@ -329,10 +338,13 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
         os.environ.pop(JOB_LABEL_ENV, None)
 
 
-def _namespace_restart(experiment: Experiment, cfg: DictConfig) -> list[str] | None:
+def _namespace_restart(
+    experiment: Experiment, cfg: DictConfig, *, job: bool = False
+) -> list[str] | None:
     """The command that re-runs this one inside a private network namespace: a local run of a
     fenced experiment by a user who cannot put up the nftables fence (`lab.fence`); None when
-    it needs none or none can be made (the run then says it is unfenced)."""
+    it needs none or none can be made (the run then says it is unfenced). `job`: one job of a
+    multirun, re-run alone with its own overrides in its own folder."""
     if not experiment.fenced or str(cfg.get("role", "local")) != "local":
         return None
     if not fence.wants_namespace():
@@ -342,11 +354,32 @@ def _namespace_restart(experiment: Experiment, cfg: DictConfig) -> list[str] | N
         return None  # not `python -m <module>` (a test, a tool calling main): nothing to re-run
     from hydra.core.hydra_config import HydraConfig
 
-    argv = [sys.executable, *sys.orig_argv[1:]]
+    if job:
+        overrides = [o for o in _task_overrides() if override_key(o) != "hydra.run.dir"]
+        argv = [sys.executable, "-m", experiment.name, *overrides]
+    else:
+        argv = [sys.executable, *sys.orig_argv[1:]]
     if HydraConfig.initialized() and not any(a.startswith("hydra.run.dir=") for a in argv):
         # the same run folder inside as out here
         argv.append(f"hydra.run.dir={HydraConfig.get().runtime.output_dir}")
     return fence.namespace_argv(argv)
+
+
+def _job_summary(code: int) -> Metrics:
+    """A multirun job that ran inside its namespace: its summary metrics, read from the
+    metrics file it wrote in its folder; ConfigError naming the folder if it failed."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from lab.records import METRICS_FILE, read_records
+
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    if code != 0:
+        raise ConfigError(f"this job failed in its namespace (exit {code}): its log is in {folder}")
+    records = read_records(folder / METRICS_FILE) if (folder / METRICS_FILE).exists() else []
+    summaries = [r for r in records if r.get("kind") == "summary"]
+    if not summaries:
+        return {}
+    return {k: float(v) for k, v in summaries[-1].items() if isinstance(v, int | float)}
 
 
 def _multirun_label() -> str:

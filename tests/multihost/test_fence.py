@@ -234,3 +234,24 @@ def test_a_launcher_in_another_pid_namespace_is_never_taken_for_dead() -> None:
     pid = here.split()[0]
     assert not fence._owner_alive(f"{pid} start=1 ns={here.split('ns=')[1]}")  # reused pid
     assert fence._owner_alive(f"{pid} start=1 ns=pid:[1]")  # another namespace: can't tell
+
+
+def test_each_job_of_a_multirun_runs_in_its_own_namespace(tmp_path: Path) -> None:
+    """Where only the namespace can fence, a multirun's jobs (run in one process by Hydra's
+    launcher) are each re-run inside one, and the sweep's table still gets their metrics."""
+    done = subprocess.run(
+        [sys.executable, "-m", "split_inference", "-m", "model.lab_preset=debug",
+         "tracking.wandb=false", "num_threads=1", "generate.num_prompts=2",
+         "generate.max_new_tokens=4,8", f"hydra.sweep.dir={tmp_path}"],
+        cwd=Path(__file__).resolve().parents[2], env={**os.environ, "LAB_FENCE": "namespace"},
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("re-running this job in a private network namespace") == 2
+    for job in ("0", "1"):
+        logged = (tmp_path / job / "split_inference.log").read_text()
+        assert "fence: a private network namespace" in logged
+    header, *rows = (tmp_path / "summary.csv").read_text().splitlines()
+    column = header.split(",").index("token_ms_p50")  # the jobs' metrics came back out
+    assert [row.split(",")[0] for row in rows] == ["4", "8"]
+    assert all(float(row.split(",")[column]) > 0 for row in rows), rows
