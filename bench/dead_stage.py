@@ -68,8 +68,13 @@ def on_loopback(out: Path, rank: int) -> tuple[float, str]:
     log = out / f"loopback-stage{rank}.log"
     argv = [sys.executable, "-m", "split_training", *SETTINGS, f"hydra.run.dir={run_dir}"]
     with log.open("w") as sink:
-        launcher = subprocess.Popen(argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+        launcher = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         _wait_for(run_dir / "checkpoints" / "latest.json", lambda: launcher.poll() is None)
         tree = [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(True)]
@@ -130,12 +135,16 @@ def main() -> None:
             for rank in (1, 2):
                 seconds, error = measure(out, rank)
                 rows.append(seconds)
-                print(f"{where:13s} stage{rank} SIGKILLed: all gone in {seconds:5.1f} s | {error}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{where:13s} stage{rank} SIGKILLed: all gone in {seconds:5.1f} s | {error}",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    print(f"slowest, SIGKILL to every process of the run gone: {max(rows):.1f} s "
-          f"(target {TARGET_S:g} s)")  # fmt: skip
+    print(
+        f"slowest, SIGKILL to every process of the run gone: {max(rows):.1f} s "
+        f"(target {TARGET_S:g} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -195,23 +195,32 @@ def sweep_stale() -> list[str]:
     which nothing is bound any more; returns the run ids removed. Addresses are listed before
     tables: a run putting up its fence meanwhile adds its table first, so an address seen here
     has its table in the later list."""
-    addresses = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "lo"],
-                               capture_output=True, text=True, check=False).stdout  # fmt: skip
-    listed = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True,
-                            check=False).stdout  # fmt: skip
+    addresses = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "dev", "lo"], capture_output=True, text=True, check=False
+    ).stdout
+    listed = subprocess.run(
+        ["nft", "list", "tables"], capture_output=True, text=True, check=False
+    ).stdout
     tables = re.findall(rf"table inet {TABLE_PREFIX}([0-9a-f]+)", listed)
     removed = []
     for run_id in tables:
-        table = subprocess.run(["nft", "list", "table", "inet", TABLE_PREFIX + run_id],
-                               capture_output=True, text=True, check=False).stdout  # fmt: skip
+        table = subprocess.run(
+            ["nft", "list", "table", "inet", TABLE_PREFIX + run_id],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
         comment = re.search(r'comment "([^"]*)"', table)
         if comment is not None and _owner_alive(comment.group(1)):
             continue
         fenced = re.search(r"ip daddr (\S+)", table)
         if fenced is not None and _sockets_on(fenced.group(1)):
             continue
-        subprocess.run(["nft", "delete", "table", "inet", TABLE_PREFIX + run_id],
-                       capture_output=True, check=False)  # fmt: skip
+        subprocess.run(
+            ["nft", "delete", "table", "inet", TABLE_PREFIX + run_id],
+            capture_output=True,
+            check=False,
+        )
         removed.append(run_id)
     # addresses whose table is gone (removed above, or the launcher died between the two)
     live = set(tables) - set(removed)
@@ -219,8 +228,9 @@ def sweep_stale() -> list[str]:
         rf"inet (\S+) .*{re.escape(LABEL_PREFIX)}([0-9a-f]+)", addresses
     ):
         if run_id not in live:
-            subprocess.run(["ip", "addr", "del", address, "dev", "lo"], capture_output=True,
-                           check=False)  # fmt: skip
+            subprocess.run(
+                ["ip", "addr", "del", address, "dev", "lo"], capture_output=True, check=False
+            )
     return removed
 
 
@@ -274,8 +284,11 @@ def nftables_fence(address: str | None = None) -> Iterator[Fence]:
         yield Fence("nftables", address, uid, run_id=run_id, interface=label, table=table)
     finally:
         if added:
-            subprocess.run(["ip", "addr", "del", f"{address}/32", "dev", "lo"],
-                           capture_output=True, check=False)  # fmt: skip
+            subprocess.run(
+                ["ip", "addr", "del", f"{address}/32", "dev", "lo"],
+                capture_output=True,
+                check=False,
+            )
         subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True, check=False)
 
 
@@ -312,8 +325,9 @@ def namespace_argv(argv: list[str]) -> list[str] | None:
     unprivileged user namespaces)."""
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         return None
-    probe = subprocess.run(["unshare", "-rn", "ip", "link", "set", "lo", "up"],
-                           capture_output=True, check=False)  # fmt: skip
+    probe = subprocess.run(
+        ["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True, check=False
+    )
     if probe.returncode != 0:
         return None
     script = 'ip link set lo up && exec "$@"'

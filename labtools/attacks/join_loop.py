@@ -10,8 +10,9 @@ import json
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,24 +77,23 @@ class RotatingLoop:
             self.stop.wait(0.002)
 
 
-def settings(run_dir: Path, cache_dir: Path, *, budget: int) -> FedLearnRunConfig:
-    """3 rounds, 2 clients of 4 sampled a round (the honest two and the loops' latest)."""
+def settings(run_dir: Path, cache_dir: Path, **fed: Any) -> FedLearnRunConfig:
+    """3 rounds of 2 clients on the debug model, short timeouts; `fed`: fields to override."""
+    base = FedConfig(
+        rounds=3,
+        num_clients=2,
+        min_fit_clients=2,
+        round_timeout_s=60,
+        wait_clients_s=30,
+        local_steps=2,
+        max_examples_per_client=32,
+        eval_blocks=4,
+        heartbeat_s=0.5,
+        heartbeat_timeout_s=20,
+    )
     return FedLearnRunConfig(
         model=MODEL,
-        fed=FedConfig(
-            rounds=3,
-            num_clients=2,
-            min_fit_clients=2,
-            round_timeout_s=60,
-            wait_clients_s=30,
-            local_steps=2,
-            max_examples_per_client=32,
-            eval_blocks=4,
-            heartbeat_s=0.5,
-            heartbeat_timeout_s=20,
-            fraction_fit=0.5,
-            idle_join_budget=budget,
-        ),
+        fed=replace(base, **fed),
         cluster=ClusterConfig(secret=SECRET),
         paths=PathsConfig(run_dir=str(run_dir), cache_dir=str(cache_dir)),
         tracking=TrackingConfig(wandb=False, console=False),
@@ -141,7 +141,8 @@ def rotating_join_run(
     this process, with fed.idle_join_budget=`budget` (10**6: the control, a budget no loop
     reaches)."""
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="join-loop-"))
-    config = settings(run_dir, cache_dir, budget=budget)
+    # 2 clients of 4 sampled a round (the honest two and the loops' latest)
+    config = settings(run_dir, cache_dir, fraction_fit=0.5, idle_join_budget=budget)
     model = peft_model(MODEL, config.lora, cache_dir=cache_dir)
     coordinator = Coordinator(config, model, torch.randint(0, 300, (4, 32)))
     server = serve(coordinator.handle, config.cluster, Endpoint(), name="coordinator")
@@ -156,8 +157,14 @@ def rotating_join_run(
     try:
         for index in range(2):
             client_model = peft_model(MODEL, config.lora, cache_dir=cache_dir)
-            train, val = client_data(tokenizer, index=index, num_clients=2, seed=0,
-                                     block=block_size(client_model), max_examples=32)  # fmt: skip
+            train, val = client_data(
+                tokenizer,
+                index=index,
+                num_clients=2,
+                seed=0,
+                block=block_size(client_model),
+                max_examples=32,
+            )
             client = LoRAClient(client_model, train, val, name=f"honest{index}", index=index)
             conn = connect(config.cluster, server.address)
 

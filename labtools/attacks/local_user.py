@@ -39,12 +39,28 @@ def as_other_user(argv: list[str], *, timeout_s: float = 120.0) -> subprocess.Co
     that it can read this checkout's interpreter and packages wherever they are (under /root,
     mode 700, here): the network sees uid 65534, which is what the fence decides by."""
     return subprocess.run(
-        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
-         "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", *argv],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1",
-             "HOME": "/tmp", "LAB_SECRET": ""},
-        capture_output=True, text=True, timeout=timeout_s, cwd="/tmp", check=False,
-    )  # fmt: skip
+        [
+            "setpriv",
+            f"--reuid={OTHER_UID}",
+            f"--regid={OTHER_UID}",
+            "--clear-groups",
+            "--inh-caps=+dac_read_search",
+            "--ambient-caps=+dac_read_search",
+            *argv,
+        ],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "HOME": "/tmp",
+            "LAB_SECRET": "",
+        },
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd="/tmp",
+        check=False,
+    )
 
 
 def dial_as_other_user(targets: list[tuple[str, int]]) -> list[str]:
@@ -175,11 +191,23 @@ def split_run(
 
     run_dir = tmp / f"run-{time.monotonic_ns()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, "model.lab_preset=debug", "tracking.wandb=false",
-         "num_threads=1", f"hydra.run.dir={run_dir}", *overrides],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            module,
+            "model.lab_preset=debug",
+            "tracking.wandb=false",
+            "num_threads=1",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
 
     def read() -> None:
@@ -215,12 +243,29 @@ def rogue(target: tuple[str, int], attack: str, *args: str) -> dict[str, object]
     and it drops to uid nobody before its first connection: the interpreter may live where
     nobody cannot read it)."""
     done = subprocess.run(
-        [sys.executable, "-m", "labtools.hosts.rogue_rpc", "--target", f"{target[0]}:{target[1]}",
-         "--attack", attack, "--as-user", str(OTHER_UID), "--timeout", "10", "--wait", "10",
-         *args],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "LAB_SECRET": ""},
-        capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "labtools.hosts.rogue_rpc",
+            "--target",
+            f"{target[0]}:{target[1]}",
+            "--attack",
+            attack,
+            "--as-user",
+            str(OTHER_UID),
+            "--timeout",
+            "10",
+            "--wait",
+            "10",
+            *args,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "LAB_SECRET": ""},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"rogue_rpc {attack} failed: {done.stderr[-2000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -271,8 +316,12 @@ def held_still(run: SplitRun) -> Iterator[None]:
         os.kill(run.proc.pid, signal.SIGCONT)
 
 
-TRAIN = ("split.steps=12", "split.rpc_timeout_s=600", "split.heartbeat_timeout_s=600",
-         "split.checkpoint_every=0")  # fmt: skip
+TRAIN = (
+    "split.steps=12",
+    "split.rpc_timeout_s=600",
+    "split.heartbeat_timeout_s=600",
+    "split.checkpoint_every=0",
+)
 """A short fenced split_training run: the attacks' target."""
 
 

@@ -132,9 +132,22 @@ user keeps CAP_DAC_READ_SEARCH to read the interpreter under /root: files, not t
 
 def dial_as_local_user(host: Host, overlay: str, targets: list[tuple[str, int]]) -> dict[str, Any]:
     """What another local user of `host` reached of `targets` (see LOCAL_DIAL)."""
-    return dict(json.loads(host.run(
-        [sys.executable, "-c", LOCAL_DIAL, overlay, host.address, json.dumps(targets), LOCAL_DIAL],
-        timeout_s=120)))  # fmt: skip
+    return dict(
+        json.loads(
+            host.run(
+                [
+                    sys.executable,
+                    "-c",
+                    LOCAL_DIAL,
+                    overlay,
+                    host.address,
+                    json.dumps(targets),
+                    LOCAL_DIAL,
+                ],
+                timeout_s=120,
+            )
+        )
+    )
 
 
 def exposed() -> list[str]:
@@ -206,8 +219,11 @@ def probe_exposure(
             for (name, address, port, _), result in zip(targets, dialled, strict=True):
                 attempts[name].append(f"{result} ({address}:{port})")
             for host in hosts:  # another user on each host of the run
-                mine = [(i.address, i.port) for i in found if i.host == host.name
-                        and i.address.startswith(OVERLAY_PREFIX)]  # fmt: skip
+                mine = [
+                    (i.address, i.port)
+                    for i in found
+                    if i.host == host.name and i.address.startswith(OVERLAY_PREFIX)
+                ]
                 if mine:
                     local[host.name] = dial_as_local_user(host, mine[0][0], mine)
             _wait(roles.procs, list(roles.procs), max(1.0, deadline - time.monotonic()))

@@ -19,19 +19,17 @@ import torch
 
 from fed_learn.admission import JoinLimiter
 from fed_learn.client import LoRAClient
-from fed_learn.config import FedConfig, FedLearnRunConfig
+from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import CHECKPOINTS, Coordinator
 from fed_learn.lora import block_size, client_data, peft_model
 from fed_learn.protocol import FedMsg
 from lab.cluster import connect, serve
-from lab.config import ClusterConfig, Endpoint, ModelConfig, PathsConfig, TrackingConfig
+from lab.config import ClusterConfig, Endpoint
 from lab.models import load_tokenizer
 from lab.tracking import METRICS_FILE, Tracker, read_records
-from labtools.attacks.join_loop import rotating_join_run
+from labtools.attacks.join_loop import MODEL, SECRET, rotating_join_run, settings
 from netproto import Connection, NetprotoError, RemoteError, Server
 
-MODEL = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
-SECRET = "join-loop-secret"
 LOOP_HOSTS = ("127.0.0.2", "127.0.0.3")
 """Each loop dials from an address of its own (another host, as the coordinator sees it)."""
 
@@ -55,25 +53,7 @@ def stop_all(workers: list[JoinLoop | TableWatch], started: list[threading.Threa
 
 
 def settings_for(tmp_path: Path, lab_cache: Path, **fed: Any) -> FedLearnRunConfig:
-    base = FedConfig(
-        rounds=3,
-        num_clients=2,
-        min_fit_clients=2,
-        round_timeout_s=60,
-        wait_clients_s=30,
-        local_steps=2,
-        max_examples_per_client=32,
-        eval_blocks=4,
-        heartbeat_s=0.5,
-        heartbeat_timeout_s=20,
-    )
-    return FedLearnRunConfig(
-        model=MODEL,
-        fed=replace(base, **fed),
-        cluster=ClusterConfig(secret=SECRET),
-        paths=PathsConfig(run_dir=str(tmp_path), cache_dir=str(lab_cache)),
-        tracking=TrackingConfig(wandb=False, console=False),
-    )
+    return settings(tmp_path, lab_cache, **fed)
 
 
 @dataclass
@@ -284,8 +264,10 @@ def test_rotating_addresses_joining_and_leaving_leave_every_round_to_the_honest_
     assert got.after_run, got
     assert got.clients == [2, 2, 2]
     assert got.rosters == [["honest0", "honest1"]] * 3  # each round aggregated, the honest two
-    print(f"budget {budget}: {got.welcomed} let in, {got.refused} refused, "
-          f"{got.tasks_left} left holding a task")  # fmt: skip
+    print(
+        f"budget {budget}: {got.welcomed} let in, {got.refused} refused, "
+        f"{got.tasks_left} left holding a task"
+    )
     if budget == 4:
         assert got.refused >= 5 and got.welcomed <= got.limit
     else:  # the per-address limit alone: never the same address twice, never refused

@@ -90,8 +90,11 @@ def test_a_stage_host_killed_mid_run_ends_the_run_across_hosts(tmp_path: Path) -
         assert len(errors) == 1, driver_log[-3000:]
         assert errors[0].startswith("error: stage2 "), errors[0]  # the dead one, not stage1
         assert "within 600" not in driver_log
-        said = re.search(r"go on from its last checkpoint with: python -m split_training .*"
-                         r"split\.resume=true", errors[0])  # fmt: skip
+        said = re.search(
+            r"go on from its last checkpoint with: python -m split_training .*"
+            r"split\.resume=true",
+            errors[0],
+        )
         assert said, errors[0]
         assert survivors["stage1"].returncode != 0
         assert all(gone(p) for p in processes), [p.cmdline() for p in processes if not gone(p)]

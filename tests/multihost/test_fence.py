@@ -48,8 +48,9 @@ def _tables() -> str:
 
 
 def _lo_addresses() -> str:
-    return subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", "lo"], capture_output=True,
-                          text=True).stdout  # fmt: skip
+    return subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "dev", "lo"], capture_output=True, text=True
+    ).stdout
 
 
 def test_only_the_runs_user_reaches_the_fenced_address() -> None:
@@ -73,11 +74,15 @@ def test_only_the_runs_user_reaches_the_fenced_address() -> None:
 
 def test_a_killed_launchers_fence_is_swept_by_the_next_run(tmp_path: Path) -> None:
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import time\nfrom lab import fence\nwith fence.nftables_fence() as f:\n"
-         "    print(f.table, f.address, flush=True)\n    time.sleep(600)\n"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import time\nfrom lab import fence\nwith fence.nftables_fence() as f:\n"
+            "    print(f.table, f.address, flush=True)\n    time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout is not None
     table, address = holder.stdout.readline().split()
     assert table in _tables()
@@ -122,9 +127,9 @@ def _listeners_once_up(run: SplitRun, minimum: int) -> list[Listening]:
 
 @pytest.mark.parametrize(
     ("module", "arm"),
-    [("split_training", arm) for arm in ARMS] + [("data_parallel", "nftables"),
-                                                 ("data_parallel", "off")],
-)  # fmt: skip
+    [("split_training", arm) for arm in ARMS]
+    + [("data_parallel", "nftables"), ("data_parallel", "off")],
+)
 def test_a_runs_listeners_are_on_its_address_only_and_fenced(
     tmp_path: Path, module: str, arm: str
 ) -> None:
@@ -182,8 +187,7 @@ def test_control_arm_the_same_attacks_unfenced_succeed(
     """LAB_FENCE=off: the same script reads a root-only file through stage1, writes one, makes
     it hold memory and kills it; kills stage2 with an out-of-bounds operator. With
     split.channels=network (16 lane listeners a process), junk on a lane kills a stage too."""
-    with split_run(tmp_path, *TRAIN, f"split.channels={channels}",
-                   env={"LAB_FENCE": "off"}) as run:  # fmt: skip
+    with split_run(tmp_path, *TRAIN, f"split.channels={channels}", env={"LAB_FENCE": "off"}) as run:
         run.wait_for("joined the run", count=2)
         stages = run.stage_pids()
         first, second = (tensorpipe_listener(stages[f"stage{k}"]) for k in (1, 2))
@@ -240,12 +244,25 @@ def test_each_job_of_a_multirun_runs_in_its_own_namespace(tmp_path: Path) -> Non
     """Where only the namespace can fence, a multirun's jobs (run in one process by Hydra's
     launcher) are each re-run inside one, and the sweep's table still gets their metrics."""
     done = subprocess.run(
-        [sys.executable, "-m", "split_inference", "-m", "model.lab_preset=debug",
-         "tracking.wandb=false", "num_threads=1", "generate.num_prompts=2",
-         "generate.max_new_tokens=4,8", f"hydra.sweep.dir={tmp_path}"],
-        cwd=Path(__file__).resolve().parents[2], env={**os.environ, "LAB_FENCE": "namespace"},
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "split_inference",
+            "-m",
+            "model.lab_preset=debug",
+            "tracking.wandb=false",
+            "num_threads=1",
+            "generate.num_prompts=2",
+            "generate.max_new_tokens=4,8",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "LAB_FENCE": "namespace"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("re-running this job in a private network namespace") == 2
     for job in ("0", "1"):
