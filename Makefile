@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run test test-slow browser-deps multihost-deps test-multihost gpu-check lint format bench readme-check lock clean
+.PHONY: help venv run test test-slow browser-deps multihost-deps ray-deps test-multihost gpu-check lint format bench readme-check lock clean
 
 help: ## List every target with its one-line description
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-15s\033[0m %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ multihost-deps: ## Install what the multi-host tests need (root, Debian): WireGu
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	    wireguard-tools wireguard-go nftables >/dev/null && echo "multihost-deps: installed"; \
 	else echo "multihost-deps: not root or no apt-get: the overlay's tests will be skipped, saying why"; fi
+
+ray-deps: $(STAMP) ## Install the optional Ray extra (run_matrix's cells as Ray tasks; ~40 s, ~300 MB)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[ray]"
 
 test-multihost: $(STAMP) multihost-deps ## The modules across network namespaces (root, iproute2; else skipped, saying why)
 	$(PY) -m pytest -m multihost -q -rs tests/multihost

@@ -4,27 +4,34 @@ Runs every cell of the grid (`conf/matrix.yaml`) as its own isolated process tre
 `labtools/matrix.py`), appends each cell's result as it comes, then draws one heatmap per metric
 with seaborn. The last line is `cells ok: N of M`.
 
-On a cluster, hand the cells to a Hydra launcher plugin instead of running them here: every job
-runs one cell and appends to the same results table, then one plain run draws the heatmaps:
-    python run_matrix.py --multirun cell='range(0,9)' plot=false hydra/launcher=submitit_slurm
-    python run_matrix.py            # the finished cells are skipped: only draws
+Past one machine, name a Hydra launcher plugin and the cells not yet done go to it, one job a
+cell, each still its own process tree with its memory cap, appending to the same results table
+(a folder every node sees); when they are back, this run draws the heatmaps:
+    python run_matrix.py hydra/launcher=ray hydra.launcher.ray.init.address=HEAD:6379
+Interrupted, the same command goes on with the cells not yet done (docs/run_matrix.md).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lab.cli import ConfigError, reported
+from lab.cli import EXIT_INTERRUPTED, ConfigError, reported
 from lab.config import to_settings
 from lab.machine import Machine
 from lab.redact import redact_argv, redact_config, scrub_argv
@@ -35,8 +42,11 @@ from labtools.heatmaps import draw
 log = logging.getLogger("run_matrix")
 
 
-def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> list[dict[str, Any]]:
-    """Run the cells not yet in the results (all of them, or just `config.cell`), then draw.
+def sweep(
+    config: matrix.MatrixConfig, *, console: Console | None = None, run: bool = True
+) -> list[dict[str, Any]]:
+    """Run the cells not yet in the results (all of them, or just `config.cell`), then draw;
+    with `run=False` (their jobs ran elsewhere) only draw.
 
     Returns the sweep's latest record per cell, in grid order."""
     console = console or Console()
@@ -54,9 +64,10 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
     todo = [
         cell
         for cell in grid_cells
-        if cell.name not in done or (config.retry_failed and done[cell.name]["status"] != "ok")
+        if run
+        and (cell.name not in done or (config.retry_failed and done[cell.name]["status"] != "ok"))
     ]
-    machine = Machine.probe().as_dict()
+    machine = {**Machine.probe().as_dict(), "node": matrix.node_name()}
     console.print(
         f"run_matrix: {config.workload}, {len(matrix.cells(config))} cells "
         f"({' x '.join(f'{a}={v}' for a, v in config.grid.items())}); "
@@ -90,7 +101,7 @@ def sweep(config: matrix.MatrixConfig, *, console: Console | None = None) -> lis
     latest = results.latest(fingerprint)
     records = [latest[c.name] for c in matrix.cells(config) if c.name in latest]
     flags = flagged(config, records)
-    if flags and config.retry_flagged and config.cell < 0:
+    if flags and config.retry_flagged and config.cell < 0 and run:
         again = [c for c in grid_cells if c.name in flags]
         console.print(f"[yellow]{len(again)} cells with a baseline off their group's: "
                       "running them again[/]")  # fmt: skip
@@ -209,6 +220,79 @@ def log_to_wandb(
         run.finish()
 
 
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+FARM_GRACE_S = 60.0
+"""After Ctrl-C, how long the launcher gets to stop its jobs before it is terminated."""
+
+
+def launcher_named() -> str | None:
+    """The Hydra launcher plugin a plain run names (`hydra/launcher=ray`): the cells go to it.
+    None when the run names none, or is itself one of a launcher's jobs (`--multirun`)."""
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode != RunMode.RUN:
+        return None
+    target = str(hydra_config.launcher.get("_target_", ""))
+    return None if target in ("", BASIC_LAUNCHER) else target
+
+
+def farm(config: matrix.MatrixConfig, launcher: str, console: Console) -> int:
+    """Hand the cells not yet done to `launcher`, one Hydra job a cell (`--multirun cell=...`),
+    and wait for them; returns the launcher's exit status (0 when nothing was left to do).
+
+    Hydra launchers do not resume; this does: what is already in the results is not sent."""
+    hydra_config = HydraConfig.get()
+    out_dir = Path(config.out_dir).resolve()
+    matrix.check_sweep(config)  # refused here, before any node is asked for anything
+    done = matrix.Results(out_dir).latest(matrix.sweep_fingerprint(config))
+    todo = [
+        cell.index
+        for cell in matrix.cells(config)
+        if cell.name not in done or (config.retry_failed and done[cell.name]["status"] != "ok")
+    ]
+    total = len(matrix.cells(config))
+    console.print(
+        f"run_matrix: {config.workload}, {total} cells; {total - len(todo)} already done, "
+        f"{len(todo)} handed to {launcher.rsplit('.', 1)[-1]}; results in {out_dir}"
+    )
+    if not todo:
+        return 0
+    ours = ("cell", "plot", "out_dir")
+    fixes = []
+    ray_init = OmegaConf.select(hydra_config.launcher, "ray.init") or {}
+    if ray_init.get("address") and "object_store_memory" not in ray_init:
+        # hydra-ray-launcher 1.2.2 always sets object_store_memory, which Ray (2.x) refuses
+        # when connecting to a running cluster: that is the cluster's own setting
+        fixes.append("+hydra.launcher.ray.init.object_store_memory=null")
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--multirun",
+        *(o for o in hydra_config.overrides.hydra if not o.startswith("hydra.mode=")),
+        *fixes,
+        *(o for o in hydra_config.overrides.task if o.lstrip("+~").split("=")[0] not in ours),
+        f"out_dir={out_dir}",
+        "cell=" + ",".join(map(str, todo)),
+        "plot=false",
+    ]
+    # its own session: Ctrl-C reaches it once, from here, and it stops its jobs
+    proc = subprocess.Popen(argv, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        console.print(f"[yellow]stopping the launcher's jobs (up to {FARM_GRACE_S:.0f} s)[/]")
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=FARM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        raise
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="matrix")
 def main(cfg: DictConfig) -> None:
     with reported():  # a bad setting: one line, exit 2
@@ -216,11 +300,29 @@ def main(cfg: DictConfig) -> None:
     kept = (f"interrupted; the cells done are kept in {config.out_dir}: the same command goes "
             "on with the others")  # fmt: skip
     with reported(interrupted=kept):
-        records = sweep(config)
+        launcher = launcher_named() if config.cell < 0 else None
+        if launcher is not None:
+            console = Console()
+            status = farm(config, launcher, console)
+            records = sweep(config, console=console, run=False)
+            missing = len(matrix.cells(config)) - len(records)
+            if status != 0 or missing:
+                console.print(
+                    f"[yellow]the launcher exited {status}; {missing} cells have no record: "
+                    "the same command sends them again[/]"
+                )
+        else:
+            records = sweep(config)
+        if config.cell >= 0:  # one job of a launcher: its own cell's line
+            records = [r for r in records if r["index"] == config.cell]
         ok = sum(r["status"] == "ok" for r in records)
         total = len(matrix.cells(config)) if config.cell < 0 else 1
         print(f"cells ok: {ok} of {total}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # a launcher's driver (`farm`'s child) stopped: one line
+        print("run_matrix: the launcher's jobs were stopped", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)

@@ -97,7 +97,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: ask the kernel to SIGTERM this child when the launcher dies, even by SIGKILL."""
     PR_SET_PDEATHSIG = 1
     with contextlib.suppress(Exception):
@@ -121,7 +121,7 @@ class _Running:
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **role.env},
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         self._reader = threading.Thread(
             target=self._copy_output, args=(out, out_lock), name=f"launch-{role.name}", daemon=True

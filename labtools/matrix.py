@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ import psutil
 from lab import atomic, experiment, registry
 from lab.cli import ConfigError
 from lab.config import SECRET_ENV, check_fields_positive, register_schema
+from lab.launch import die_with_parent
 from lab.redact import redact_argv, redact_config, split_secret
 from lab.registry import Workload
 from lab.tracking import METRICS_FILE, read_records
@@ -296,6 +298,15 @@ def _kill_tree(processes: Sequence[psutil.Process]) -> None:
             proc.kill()
 
 
+def node_name() -> str:
+    """Which machine ran a cell: inside a Ray worker its node's address too (namespace hosts,
+    and containers, share a hostname), elsewhere the hostname."""
+    ray = sys.modules.get("ray")  # imported only where a Ray launcher runs the cell
+    if ray is not None and ray.is_initialized():
+        return f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
+    return socket.gethostname()
+
+
 def run_cell_process(
     argv: list[str],
     *,
@@ -322,6 +333,9 @@ def run_cell_process(
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
+            # a cell outlives no sweep: a launcher's worker (Ray, submitit) killed mid-cell
+            # takes the cell with it (its local launcher stops its roles on the SIGTERM)
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
         root = psutil.Process(proc.pid)
         seen: list[psutil.Process] = [root]

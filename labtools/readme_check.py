@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import re
 import secrets
@@ -73,6 +74,8 @@ NEEDS = [
     ),
 ]
 """Lines that cannot run here as written, and why."""
+if importlib.util.find_spec("ray") is None:
+    NEEDS.append((re.compile(r"hydra/launcher=ray"), "the Ray extra (`make ray-deps`)"))
 
 ACROSS_HOSTS_ONLY = (
     re.compile(r"(?<!\S)cluster=mine(?!\S)"),

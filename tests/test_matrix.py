@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -311,3 +313,53 @@ def test_an_axis_the_workload_lacks_is_one_line_naming_the_axis(tmp_path: Path) 
     (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
     assert "~grid.batch drops that axis" in line
     assert not (tmp_path / "sweep" / "cells").exists()
+
+
+def test_a_cells_processes_end_with_the_process_that_runs_it(tmp_path: Path) -> None:
+    """A launcher's worker (Ray, submitit) killed mid-cell, even by SIGKILL, takes the cell with
+    it: no cell is left running after Ctrl-C stops a farmed sweep."""
+    marker = tmp_path / "cell-marker"
+    script = (
+        "import sys; from pathlib import Path; from labtools.matrix import run_cell_process; "
+        f"run_cell_process([sys.executable, '-c', 'import time; time.sleep(600)', {str(marker)!r}],"
+        f" cwd=Path('.'), log_path=Path({str(tmp_path / 'cell.log')!r}), timeout_s=600,"
+        " memory_mib=1e9)"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        cell = _wait_for(
+            lambda: [p for p in _processes_naming(str(marker)) if p != worker.pid],
+            what="the cell to start",
+        )
+        worker.kill()  # SIGKILL: no cleanup of its own runs
+        worker.wait()
+        _wait_for(lambda: not psutil.pid_exists(cell[0]) or _zombie(cell[0]),
+                  what="the cell to end with its worker")  # fmt: skip
+    finally:
+        worker.kill()
+        for proc in _processes_naming(str(marker)):
+            psutil.Process(proc).kill()
+
+
+def _processes_naming(text: str) -> list[int]:
+    return [
+        p.pid for p in psutil.process_iter(["cmdline"]) if text in " ".join(p.info["cmdline"] or [])
+    ]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_for(check: Any, *, what: str, limit_s: float = 120.0) -> Any:
+    """Poll `check` until it holds; a generous limit, so only a cell that never ends fails."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"gave up waiting for {what} after {limit_s:.0f} s")
