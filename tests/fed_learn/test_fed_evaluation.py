@@ -191,6 +191,7 @@ def round_losses(run_dir: Path) -> list[float]:
     return [r["val_loss"] for r in records if "clients" in r]
 
 
+@pytest.mark.slow  # five local runs
 def test_a_resumed_fedadam_run_repeats_the_uninterrupted_one(
     compose_config, tiny_models: Path, tmp_path: Path
 ) -> None:
