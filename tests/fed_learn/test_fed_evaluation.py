@@ -239,3 +239,27 @@ def test_federated_evaluation_in_a_real_run_logs_each_client_and_plots_them(
     assert metrics["client_eval_round"] == 2
     written = plots(tmp_path)
     assert tmp_path / "fed_client_eval.png" in written
+
+
+def test_file_type_partition_gives_each_client_one_kind_of_file() -> None:
+    """fed.partition=file_type: 3 clients hold .py, .decTest and the other text files; 6
+    clients split each type in two disjoint halves; the coordinator's held-out files stay out."""
+    from fed_learn.partition import FILE_TYPES, file_type_shard, text_files
+    from lab.corpus import load_finetune_corpus
+
+    try:
+        files = text_files()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    kind_of = {text: kind for kind, found in files.items() for _, text in found}
+    everything = 10**12
+    for index, kind in enumerate(FILE_TYPES):
+        shard = file_type_shard(index, 3, seed=0, max_chars=everything)
+        assert shard and {kind_of[text] for text in shard} == {kind}
+    first, second = (file_type_shard(i, 6, seed=0, max_chars=everything) for i in (1, 4))
+    assert not set(first) & set(second)
+    assert sorted(first + second) == sorted(text for _, text in files["decTest"])
+    held_out = {d.path for d in load_finetune_corpus().validation}
+    assert held_out and not held_out & {path for found in files.values() for path, _ in found}
+    capped = file_type_shard(0, 3, seed=0, max_chars=5000)
+    assert sum(map(len, capped)) == 5000
