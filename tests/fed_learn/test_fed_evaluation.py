@@ -17,6 +17,7 @@ from fed_learn.config import SecAggConfig
 from fed_learn.evaluation import summarize
 from fed_learn.protocol import Evaluation, FedMsg, parse_evaluation, parse_join
 from fed_learn.run import run
+from lab.plots import legend_check
 from lab.tracking import METRICS_FILE, read_records
 from labtools.attacks.secure_rounds import SecurePlayer, offset_delta, result_for
 from netproto import Connection, NetprotoError
@@ -239,6 +240,7 @@ def test_federated_evaluation_in_a_real_run_logs_each_client_and_plots_them(
     assert metrics["client_eval_round"] == 2
     written = plots(tmp_path)
     assert tmp_path / "fed_client_eval.png" in written
+    assert legend_check(tmp_path / "fed_client_eval.png") == "none"  # off the clients' lines
 
 
 def test_file_type_partition_gives_each_client_one_kind_of_file() -> None:
