@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fed_learn.config import FedConfig
-from fed_learn.protocol import ClientResult, FedMsg, parse_join
+from fed_learn.protocol import ClientResult, Evaluation, FedMsg, parse_join
 from lab.cli import UserError
 from netproto import Connection
 from netproto.server import address_key
@@ -132,6 +132,8 @@ class Task:
     number: int
     """Drawn at random; the RESULT that answers this task echoes it."""
     round: int
+    evaluate: bool = False
+    """An EVALUATE (answered by an EVAL_RESULT), not training (a RESULT)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,8 @@ class Reply:
     result: ClientResult | None
     update: dict[str, torch.Tensor]
     error: str = ""
+    evaluation: Evaluation | None = None
+    """The answer to an EVALUATE task, checked (`result` is then None)."""
 
 
 @dataclass
@@ -157,6 +161,9 @@ class ClientHandle:
     joined_round: int
     index: int | None = None
     """The client index its JOIN claimed (anyone's to claim: it only picks a budget)."""
+    eval_tokens: int = 0
+    """Its held-out shard's size in tokens, as declared at JOIN: the most an EVAL_RESULT may
+    count (0: it is never asked to evaluate)."""
     alive: bool = True
     task: Task | None = None
     """The one task it has outstanding (no RESULT is taken from it otherwise)."""
@@ -248,6 +255,7 @@ class Admission:
                 conn=conn,
                 joined_round=at_round(),
                 index=hello.client_index,
+                eval_tokens=hello.eval_tokens,
             )
             self.clients[client.client_id] = client
             self._joined.notify_all()

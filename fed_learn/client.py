@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -61,6 +62,7 @@ class LoRAClient:
                 {
                     "name": self.name,
                     "num_examples": len(self.train_blocks),
+                    "eval_tokens": self.eval_tokens,
                     **({} if self.index is None else {"client_index": self.index}),
                 },
                 expect=FedMsg.WELCOME,
@@ -71,13 +73,16 @@ class LoRAClient:
             pending = None  # a TASK or FINISH that ended a secure round early
             while True:
                 message = pending or conn.recv(
-                    expect={FedMsg.TASK, FedMsg.FINISH}, timeout_s=timeout_s
+                    expect={FedMsg.TASK, FedMsg.FINISH, FedMsg.EVALUATE}, timeout_s=timeout_s
                 )
                 pending = None
                 if message.type == FedMsg.FINISH:
                     return self.rounds
                 task = message.payload
                 global_state = conn.recv_tensors(FedMsg.GLOBAL, timeout_s=timeout_s)
+                if message.type == FedMsg.EVALUATE:
+                    conn.send_msg(FedMsg.EVAL_RESULT, self.evaluate_global(task, global_state))
+                    continue
                 if not task.get("secure"):
                     result, update = self.train_round(task, global_state)
                     conn.send_msg(FedMsg.RESULT, result)
@@ -100,6 +105,26 @@ class LoRAClient:
                     log.warning("round %d: left the secure round: %s", int(task["round"]) + 1, exc)
         finally:
             stop.set()
+
+    @property
+    def eval_tokens(self) -> int:
+        """The tokens an evaluation on the held-out shard predicts (declared at JOIN)."""
+        return int(self.val_blocks[:, 1:].numel())
+
+    def evaluate_global(
+        self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """EVAL_RESULT for an EVALUATE: the global adapter's loss on this client's held-out
+        shard (null if not finite: JSON has no NaN, and the coordinator refuses it)."""
+        load_adapter_state(self.model, global_state)  # only B, after the first round of ffa
+        loss = evaluate(self.model, self.val_blocks)
+        log.info("round %d: the global adapter's loss here %.4f", int(task["round"]) + 1, loss)
+        return {
+            "task": task.get("task"),
+            "round": task.get("round"),
+            "loss": loss if math.isfinite(loss) else None,
+            "tokens": self.eval_tokens,
+        }
 
     def train_round(
         self, task: dict[str, Any], global_state: dict[str, torch.Tensor]

@@ -18,6 +18,7 @@ from lab.config import (
 
 STRATEGIES = ("fedavg", "fedprox", "ffa", "svd")
 MODES = ("sync", "async")
+PARTITIONS = ("package", "file_type")
 
 
 @dataclass
@@ -169,6 +170,31 @@ class FedConfig:
     clients clip their own updates to fed.max_update_norm (the coordinator cannot check one)."""
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
     dp: DPConfig = field(default_factory=DPConfig)
+    server_optimizer: str = "none"
+    """What the coordinator does with a round's aggregate (fed_learn.server_opt, FedOpt): none
+    (it is the next global adapter) | avgm (server momentum) | adam | yogi | adagrad; the
+    aggregate minus the global adapter is the optimizer's pseudo-gradient."""
+    server_lr: float = 0.0
+    """The server optimizer's learning rate; 0: its default (Flower's): 1.0 for avgm, 0.1 for
+    adam, yogi and adagrad."""
+    server_beta1: float = 0.9
+    """First moment's decay (adam, yogi, adagrad); avgm's momentum."""
+    server_beta2: float = 0.99
+    """Second moment's decay (adam, yogi)."""
+    server_tau: float = 1e-3
+    """adam, yogi, adagrad: added to sqrt(v), it sets how adaptive the step is (Reddi et al.
+    2021 tune it on {1e-1, ..., 1e-5}; small: each coordinate moves about server_lr)."""
+    partition: str = "package"
+    """Local runs: how the lab's stand-in data is dealt to clients: package (whole test packages
+    of the stdlib test suite, unequal shares) | file_type (the test suite's text files by type:
+    .py, .decTest, the others, a type per client: heterogeneous clients)."""
+    evaluate_on_clients: bool = False
+    """Federated evaluation: every eval_every rounds, sampled clients evaluate the global adapter
+    on their own held-out shard and send loss and token count (fed_learn.evaluation)."""
+    fraction_evaluate: float = 1.0
+    """Of the clients connected, the fraction asked to evaluate (at least one)."""
+    eval_every: int = 1
+    """Federated evaluation after every this many rounds (and after the last)."""
 
     def __post_init__(self) -> None:
         check_choice("fed.strategy", self.strategy, STRATEGIES)
@@ -233,6 +259,7 @@ class FedConfig:
             raise ValueError("fed.heartbeat_timeout_s must exceed fed.heartbeat_s")
         self._check_secure()
         self._check_dp()
+        self._check_server_optimizer()
         per_round = max(self.min_fit_clients, math.ceil(self.num_clients * self.fraction_fit))
         if self.aggregator == "trimmed_mean" and int(self.trim_fraction * per_round) == 0:
             warnings.warn(
@@ -242,6 +269,46 @@ class FedConfig:
                 f"at least {1 / per_round:.2f} or use fed.aggregator=median",
                 UserWarning,
                 stacklevel=2,
+            )
+
+    def _check_server_optimizer(self) -> None:
+        """fed.server_optimizer and federated evaluation: their own keys and what they need."""
+        from fed_learn.server_opt import SERVER_OPTIMIZERS
+
+        check_choice("fed.server_optimizer", self.server_optimizer, SERVER_OPTIMIZERS)
+        check_choice("fed.partition", self.partition, PARTITIONS)
+        if not 0 <= self.server_lr < math.inf:
+            raise ValueError(f"fed.server_lr={self.server_lr} must be finite and >= 0")
+        if self.server_optimizer == "none" and self.server_lr not in (0, 1):
+            raise ValueError(
+                f"fed.server_lr={self.server_lr} with fed.server_optimizer=none: plain averaging "
+                "has no learning rate; choose fed.server_optimizer=avgm|adam|yogi|adagrad"
+            )
+        for key in ("server_beta1", "server_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"fed.{key}={getattr(self, key)} must be in [0, 1)")
+        if not 0 < self.server_tau < math.inf:
+            raise ValueError(f"fed.server_tau={self.server_tau} must be finite and > 0")
+        if self.server_optimizer != "none":
+            for key, applies, why in (
+                ("fed.mode=async", self.mode == "async", "mixes in one update at a time"),
+                ("fed.strategy=svd", self.strategy == "svd", "re-factorizes the products each "
+                 "round, so A and B's coordinates do not mean the same from one round to the "
+                 "next"),
+            ):  # fmt: skip
+                if applies:
+                    raise ValueError(
+                        f"fed.server_optimizer={self.server_optimizer} with {key}: a server "
+                        f"optimizer steps on each round's mean update, and {key.split('=')[0]} "
+                        f"{why}; use fed.strategy=fedavg|fedprox|ffa in sync mode"
+                    )
+        if not 0 < self.fraction_evaluate <= 1:
+            raise ValueError(f"fed.fraction_evaluate={self.fraction_evaluate} must be in (0, 1]")
+        check_fields_positive("fed", self, ("eval_every",))
+        if self.evaluate_on_clients and self.mode == "async":
+            raise ValueError(
+                "fed.evaluate_on_clients=true with fed.mode=async: async clients always hold a "
+                "training task, so none is free to evaluate; use fed.mode=sync"
             )
 
     def _check_dp(self) -> None:

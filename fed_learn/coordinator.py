@@ -33,25 +33,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from fed_learn.admission import Admission, ClientHandle, NotEnoughClientsError, Reply, Task
 from fed_learn.aggregate import combiner
 from fed_learn.async_rounds import run_async
 from fed_learn.config import FedLearnRunConfig
+from fed_learn.evaluation import ClientEvaluator, client_eval_summary
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.privacy import Accountant, central_mean, run_noise_multiplier
-from fed_learn.protocol import ClientResult, FedMsg, answers, parse_result, printable
-from fed_learn.rounds import (
-    ATTEMPTS_PER_ROUND,
-    FIRST_ROUND_GRACE_S,
-    progress_bar,
-    round_averages,
+from fed_learn.protocol import (
+    ClientResult,
+    FedMsg,
+    answers,
+    parse_evaluation,
+    parse_result,
+    printable,
 )
+from fed_learn.rounds import ATTEMPTS_PER_ROUND, FIRST_ROUND_GRACE_S, progress_bar, round_averages
 from fed_learn.secure import InputDigests, SecureInbox, SecureRound, Skipped
+from fed_learn.server_opt import ServerOptimizer
 from fed_learn.strategy import Strategy
 from fed_learn.updates import ANSWER_ERRORS, check_answer
 from lab import atomic
+from lab.cli import ConfigError
 from lab.losses import evaluate
 from lab.tracking import Tracker
 from netproto import Connection, NetprotoError
@@ -61,10 +66,12 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
+SERVER_OPT_FILE = "server_optimizer.safetensors"
 POLL_S = 0.01
 """How often a round looks at its clients' answer queues when none had one."""
 CLIENT_SENDS = frozenset(
     {FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL, FedMsg.SKIP}
+    | {FedMsg.EVAL_RESULT}
 )
 """What a client's session may read between rounds' answers (a RESULT opens one)."""
 
@@ -81,7 +88,17 @@ class Coordinator:
             rank=settings.lora.r,
             combine=combiner(self.fed.aggregator, trim_fraction=self.fed.trim_fraction),
         )
+        self.server_opt = ServerOptimizer.create(
+            self.fed.server_optimizer,
+            lr=self.fed.server_lr,
+            beta1=self.fed.server_beta1,
+            beta2=self.fed.server_beta2,
+            tau=self.fed.server_tau,
+        )
+        """Turns each round's aggregate into the next global adapter (fed.server_optimizer)."""
         self.admission = Admission(self.fed)
+        self.evaluator = ClientEvaluator(self)
+        """Federated evaluation on the clients' own held-out data (fed.evaluate_on_clients)."""
         self.clients = self.admission.clients
         """The clients connected now (a client that leaves is dropped): read it under _lock."""
         self.roster: dict[int, dict[str, Any]] = {}
@@ -122,6 +139,9 @@ class Coordinator:
                     skipped = Skipped(printable(reason if isinstance(reason, str) else "?"))
                     self._hand_in_secure(client, FedMsg.SA_MASKED, skipped, body)
                     continue
+                if message.type == FedMsg.EVAL_RESULT:  # federated evaluation's answer
+                    self._hand_in(client, body, {}, evaluate=True)
+                    continue
                 if message.type != FedMsg.RESULT:  # a secure round's step
                     self._hand_in_secure(client, message.type, body, body)
                     continue
@@ -141,21 +161,38 @@ class Coordinator:
             else:
                 log.warning("%s (id %d) is gone", client.name, client.client_id)
 
-    def _hand_in(self, client: ClientHandle, payload: Any, update: dict[str, torch.Tensor]) -> None:
-        """Queue a RESULT + UPDATE as the answer to `client`'s outstanding task, checked; drop
-        it if it answers none (the connection reuses its buffers: kept tensors are copied)."""
+    def _hand_in(
+        self,
+        client: ClientHandle,
+        payload: Any,
+        update: dict[str, torch.Tensor],
+        *,
+        evaluate: bool = False,
+    ) -> None:
+        """Queue a RESULT + UPDATE (`evaluate`: an EVAL_RESULT) as the answer to `client`'s
+        outstanding task, checked; drop it if it answers none (the connection reuses its
+        buffers: kept tensors are copied)."""
         with self._lock:
             task = client.task
-        if task is not None and answers(payload, task.number):
+        if task is not None and answers(payload, task.number) and task.evaluate == evaluate:
+            number, version = task.number, task.round
             try:
-                result = parse_result(payload, task=task.number, round_index=task.round)
-                reply = Reply(task, result, {k: v.clone() for k, v in update.items()})
+                if evaluate:
+                    declared = client.eval_tokens  # at JOIN: the most it may count
+                    checked = parse_evaluation(
+                        payload, task=number, round_index=version, declared_tokens=declared
+                    )
+                    reply = Reply(task, None, {}, evaluation=checked)
+                else:
+                    result = parse_result(payload, task=number, round_index=version)
+                    reply = Reply(task, result, {k: v.clone() for k, v in update.items()})
             except ValueError as exc:
                 reply = Reply(task, None, {}, error=str(exc))
             with self._lock:
                 if client.task is task:  # not withdrawn meanwhile (the round ended)
                     client.task = None
-                    self.admission.took_update(client)
+                    if not evaluate:
+                        self.admission.took_update(client)
                     client.results.put_nowait(reply)
                     return
         with self._lock:
@@ -209,12 +246,14 @@ class Coordinator:
         *,
         number: int | None = None,
         extra: dict[str, Any] | None = None,
+        evaluate: bool = False,
     ) -> Task | None:
         """Ask `client` to train from `global_state` (tagged `version`), withdrawing any task
         it still had; the task, or None if the client is unreachable. `number`: the task's
         number, drawn beforehand (a secure round listens for it before the TASK goes out);
-        `extra`: more fields for the TASK."""
-        task = Task(number=secrets.randbelow(2**53) if number is None else number, round=version)
+        `extra`: more fields for the TASK; `evaluate`: send an EVALUATE instead."""
+        number = secrets.randbelow(2**53) if number is None else number
+        task = Task(number=number, round=version, evaluate=evaluate)
         with self._lock:
             if not client.alive:
                 return None
@@ -243,8 +282,10 @@ class Coordinator:
         if client.holds_frozen:
             trained = self.strategy.trained(global_state)
             global_state = {name: global_state[name] for name in trained}
+        if evaluate:
+            message = {"task": task.number, "round": version}
         try:
-            client.conn.send_msg(FedMsg.TASK, message)
+            client.conn.send_msg(FedMsg.EVALUATE if evaluate else FedMsg.TASK, message)
             client.conn.send_tensors(FedMsg.GLOBAL, global_state)
             client.holds_frozen = True
         except NetprotoError as exc:
@@ -364,6 +405,8 @@ class Coordinator:
                     self.noise_multiplier, rate, self.fed.dp.delta
                 )
             coordinator_s += time.perf_counter() - aggregate_started
+            if self.evaluator.due(self.round, last=rounds.stop - 1):
+                metrics.update(self.evaluator.run(adapter_state(self.model)))
             history.append(
                 self._close_round(
                     metrics, outcome=outcome, started=started, coordinator_s=coordinator_s
@@ -388,6 +431,7 @@ class Coordinator:
             "dropped_results": float(self.admission.dropped_results()),
             **round_averages(history),
             **self._privacy_summary(),
+            **client_eval_summary(history),
         }
 
     def _secure_round(
@@ -454,7 +498,9 @@ class Coordinator:
         for client_id in outcome.participants:
             client = next(c for c in sampled if c.client_id == client_id)
             self._took_part(client)
-        load_adapter_state(self.model, {**global_state, **outcome.merged})
+        step = self.server_opt.propose(global_state, outcome.merged)  # on the unmasked sum
+        load_adapter_state(self.model, step.weights)
+        self.server_opt.commit(step)
         return collected, "aggregated securely", secure.coordinator_s
 
     def _privacy_summary(self) -> dict[str, float]:
@@ -485,6 +531,8 @@ class Coordinator:
                 }
             else:
                 merged = self.strategy.aggregate(updates)
+            step = self.server_opt.propose(global_state, merged)  # fed.server_optimizer
+            merged = step.weights
             if not all(bool(torch.isfinite(t).all()) for t in merged.values()):
                 raise ValueError("the aggregate is not finite")
         except ValueError as exc:
@@ -493,6 +541,7 @@ class Coordinator:
             )
             return "kept previous adapter (aggregation failed)"
         load_adapter_state(self.model, merged)
+        self.server_opt.commit(step)
         return "aggregated"
 
     def _took_part(self, client: ClientHandle) -> None:
@@ -665,9 +714,12 @@ class Coordinator:
             "roster": roster,
             "config": config,
             "dp_history": self.accountant.state() if self.accountant is not None else [],
+            "server_optimizer": self.server_opt.describe(),
         }
         with atomic.staged_dir(final) as staging:
             self.model.save_pretrained(staging)  # adapter_model.safetensors + adapter_config
+            if moments := self.server_opt.state_tensors():  # restored on resume
+                save_file(moments, str(staging / SERVER_OPT_FILE))
             (staging / "fed_state.json").write_text(json.dumps(state, indent=2, default=str))
         pointer = {"round": self.round + 1, "path": final.name}
         atomic.write_text(self.checkpoint_dir / LATEST, json.dumps(pointer))
@@ -688,6 +740,14 @@ class Coordinator:
         self.history = [dict(h) for h in state.get("history", [])]
         if self.accountant is not None:  # the privacy already spent stays spent
             self.accountant.restore(state.get("dp_history", []))
+        moments = folder / SERVER_OPT_FILE
+        try:  # the server optimizer's moments and step count: it goes on as if never stopped
+            self.server_opt.restore(
+                state.get("server_optimizer", {"name": "none"}),
+                load_file(str(moments)) if moments.is_file() else {},
+            )
+        except ValueError as exc:
+            raise ConfigError(f"fed.resume=true from {folder}: {exc}") from exc
         initial = state.get("initial_val_loss")
         self.initial_loss = float(initial) if isinstance(initial, (int, float)) else None
         # the adapter it loaded, on the same held-out text: the saved round's loss again

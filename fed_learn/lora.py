@@ -85,6 +85,7 @@ def client_data(
     max_examples: int,
     data_dir: str = "",
     data_glob: str = "**/*",
+    partition: str = "package",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, validation) blocks of this client's own data (90/10 split).
 
@@ -95,6 +96,13 @@ def client_data(
     """
     if data_dir:
         texts = [d.text for d in shuffled(folder_documents(data_dir, pattern=data_glob), seed=seed)]
+    elif partition == "file_type":  # heterogeneous clients: a file type each
+        from fed_learn.partition import CHARS_PER_BLOCK_TOKEN, file_type_shard
+
+        if not 0 <= index < num_clients:
+            raise ValueError(f"client_index={index} must be in 0..{num_clients - 1}")
+        budget = max_examples * block * CHARS_PER_BLOCK_TOKEN
+        texts = file_type_shard(index, num_clients, seed=seed, max_chars=budget)
     else:
         if not 0 <= index < num_clients:
             raise ValueError(f"client_index={index} must be in 0..{num_clients - 1}")

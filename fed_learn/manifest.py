@@ -66,7 +66,49 @@ def plots(run_dir: Path) -> list[Path]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
         ax.grid(alpha=0.3)
     remark = rising_validation([(r["step"], r["val_loss"]) for r in rounds], step="round")
-    return [save(fig, plt, run_dir / "fed_rounds.png", remark=remark)]
+    return [
+        save(fig, plt, run_dir / "fed_rounds.png", remark=remark),
+        *client_plot(run_dir, records),
+    ]
+
+
+PER_CLIENT = "client_eval_loss/"  # fed_learn.evaluation.PER_CLIENT (no model code imported here)
+
+
+def client_plot(run_dir: Path, records: list[dict]) -> list[Path]:
+    """Federated evaluation (fed.evaluate_on_clients): each client's loss on its own held-out
+    data per round, and the token-weighted mean."""
+    rounds = step_rows(records, "client_eval_loss")
+    if not rounds:
+        return []
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    clients = sorted(
+        {k for r in rounds for k in r if k.startswith(PER_CLIENT)},
+        key=lambda k: int(k.removeprefix(PER_CLIENT)),
+    )
+    for key in clients:
+        points = [(r["step"], r[key]) for r in rounds if key in r]
+        ax.plot(
+            *zip(*points, strict=True),
+            marker=".",
+            alpha=0.6,
+            label=f"client {key.removeprefix(PER_CLIENT)}",
+        )
+    ax.plot(
+        [r["step"] for r in rounds],
+        [r["client_eval_loss"] for r in rounds],
+        color="black",
+        linewidth=2,
+        marker="o",
+        label="mean (by tokens)",
+    )
+    ax.set_xlabel("round")
+    ax.set_ylabel("loss on its own held-out data")
+    ax.set_title("federated evaluation")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return [save(fig, plt, run_dir / "fed_client_eval.png")]
 
 
 def round_s(run_dir: Path) -> float:

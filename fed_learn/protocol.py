@@ -9,6 +9,11 @@
                                           "val_loss", "seconds"}
     client -> coordinator  UPDATE   TENSORS  the client's adapter after local training
     coordinator -> client  FINISH   EMPTY    training is over
+    coordinator -> client  EVALUATE JSON {"task", "round"}, then GLOBAL: evaluate it on the
+                                         client's own held-out shard (fed.evaluate_on_clients)
+    client -> coordinator  EVAL_RESULT JSON {"task", "round", "loss", "tokens"}
+JOIN may also declare "eval_tokens", the size of the client's held-out shard in predicted
+tokens: an EVAL_RESULT counting more is refused.
 With fed.secure_aggregation the round adds the SA_* steps of `fed_learn.secure` and the update
 travels masked (SA_MASKED) instead of as an UPDATE; a client whose training came out
 non-finite sends SKIP {"task", "reason"} instead, in clear, and sits the round out.
@@ -30,6 +35,8 @@ from netproto import REGISTRY, PayloadKind
 
 MAX_NAME_CHARS = 64
 MAX_CLIENT_INDEX = 65_535
+MAX_EVAL_TOKENS = 2**40
+"""The most held-out tokens a JOIN may declare (a trillion: beyond any client's shard)."""
 
 
 class FedMsg(IntEnum):
@@ -48,6 +55,8 @@ class FedMsg(IntEnum):
     SA_UNMASK = 0x010D
     SA_REVEAL = 0x010E
     SKIP = 0x010F
+    EVALUATE = 0x0110
+    EVAL_RESULT = 0x0111
 
 
 SECURE_JSON = (
@@ -75,6 +84,8 @@ REGISTRY.register(
         FedMsg.FINISH: PayloadKind.EMPTY,
         **{kind: PayloadKind.JSON for kind in SECURE_JSON},
         FedMsg.SA_MASKED: PayloadKind.TENSORS,
+        FedMsg.EVALUATE: PayloadKind.JSON,
+        FedMsg.EVAL_RESULT: PayloadKind.JSON,
     },
 )
 
@@ -86,6 +97,20 @@ class Join:
     num_examples: int
     client_index: int | None = None
     """The index the client claims (its shard, its budget of update-less JOINs)."""
+    eval_tokens: int = 0
+    """Its held-out shard's size in predicted tokens (0: it cannot evaluate)."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """An EVAL_RESULT whose every field has been checked (`parse_evaluation`)."""
+
+    task: int
+    round: int
+    loss: float
+    """Mean next-token loss (nats) of the global adapter on the client's held-out shard."""
+    tokens: int
+    """The tokens it was measured on: its weight in the round's mean."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +159,43 @@ def parse_join(payload: Any) -> Join:
     index = payload.get("client_index")
     if index is not None and (not _is_int(index) or not 0 <= index <= MAX_CLIENT_INDEX):
         raise ValueError(f"JOIN's client_index must be an integer in 0..{MAX_CLIENT_INDEX}")
-    return Join(name=printable(name), num_examples=num_examples, client_index=index)
+    eval_tokens = payload.get("eval_tokens", 0)
+    if not _is_int(eval_tokens) or not 0 <= eval_tokens <= MAX_EVAL_TOKENS:
+        raise ValueError(f"JOIN's eval_tokens must be an integer in 0..{MAX_EVAL_TOKENS}")
+    return Join(
+        name=printable(name),
+        num_examples=num_examples,
+        client_index=index,
+        eval_tokens=eval_tokens,
+    )
+
+
+def parse_evaluation(
+    payload: Any, *, task: int, round_index: int, declared_tokens: int
+) -> Evaluation:
+    """An EVAL_RESULT answering task `task` of round `round_index`, from a client that
+    declared `declared_tokens` held-out tokens at JOIN; ValueError naming the first bad field
+    (a loss that is not a finite number >= 0, a token count not in 1..declared_tokens)."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"EVAL_RESULT must be a JSON object, not {type(payload).__name__}")
+    if not answers(payload, task):
+        raise ValueError(f"EVAL_RESULT answers task {payload.get('task')!r:.40}, not {task}")
+    checks = (
+        ("round", _is_int(payload.get("round")) and payload["round"] == round_index,
+         f"the task's round, {round_index}"),
+        ("loss", _is_number(payload.get("loss")) and payload["loss"] >= 0,
+         "a finite number >= 0"),
+        ("tokens", _is_int(payload.get("tokens")) and 1 <= payload["tokens"] <= declared_tokens,
+         f"an integer in 1..{declared_tokens}, the held-out tokens declared at JOIN"),
+    )  # fmt: skip
+    for key, valid, wanted in checks:
+        if key not in payload:
+            raise ValueError(f"EVAL_RESULT has no {key}")
+        if not valid:
+            raise ValueError(f"EVAL_RESULT's {key}={payload[key]!r:.40} must be {wanted}")
+    return Evaluation(
+        task=task, round=payload["round"], loss=float(payload["loss"]), tokens=payload["tokens"]
+    )
 
 
 def parse_result(payload: Any, *, task: int, round_index: int) -> ClientResult:

@@ -74,6 +74,7 @@ def shard(
         max_examples=fed.max_examples_per_client,
         data_dir=fed.data_dir if own_data else "",
         data_glob=fed.data_glob,
+        partition=fed.partition,
     )
 
 
@@ -178,6 +179,12 @@ class VirtualClient(LoRAClient):
             log.info("%s drops out of round %d (simulated)", self.name, int(task["round"]) + 1)
             self.conn.close()
             raise ConnectionClosed(f"{self.name} dropped out (fed.simulate_dropout)")
+
+    def evaluate_global(
+        self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        with self.turn:
+            return super().evaluate_global(task, global_state)
 
     def train_round(
         self, task: dict[str, Any], global_state: dict[str, torch.Tensor]

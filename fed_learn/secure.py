@@ -154,7 +154,8 @@ def parse_params(payload: Any) -> tuple[secagg.Params, int, float, float]:
 
 
 class RoundAbandoned(Exception):
-    """The coordinator moved on (a new TASK or FINISH) while this client was mid-round."""
+    """The coordinator moved on (a new TASK, an EVALUATE or FINISH) while this client was
+    mid-round."""
 
     def __init__(self, message: Any) -> None:
         super().__init__("the coordinator moved on")
@@ -165,7 +166,8 @@ def _expect(conn: Connection, kind: int, task: int, timeout_s: float | None) -> 
     """The coordinator's next step message for `task`; a TASK or FINISH instead means the
     round was abandoned (RoundAbandoned carries it)."""
     while True:
-        message = conn.recv(expect={kind, FedMsg.TASK, FedMsg.FINISH}, timeout_s=timeout_s)
+        moved_on = {FedMsg.TASK, FedMsg.FINISH, FedMsg.EVALUATE}
+        message = conn.recv(expect={kind, *moved_on}, timeout_s=timeout_s)
         if message.type != kind:
             raise RoundAbandoned(message)
         payload = message.payload
