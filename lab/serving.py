@@ -374,7 +374,12 @@ class Server:
 
         self.running.add(cancel)
         future = loop.run_in_executor(self.executor, work)
-        future.add_done_callback(lambda _: (self.running.discard(cancel), self.slot.release()))
+
+        def done(_: object) -> None:
+            self.running.discard(cancel)
+            self.slot.release()
+
+        future.add_done_callback(done)
         return future, cancel
 
     def stop(self) -> None:

@@ -146,7 +146,7 @@ def split_experiment(
 
     def check_split(settings: Any) -> None:
         check(settings)
-        if settings.model.quantization != "none" and settings.role in ("local", "driver"):
+        if settings.model.quantization != "none" and settings.role in ("local", "driver", "serve"):
             warnings.warn(
                 f"model.quantization={settings.model.quantization} is not applied by {name}: "
                 "each stage, and the unsplit baseline, loads the weights in full precision "

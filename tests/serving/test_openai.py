@@ -4,13 +4,16 @@ in its own process, as a user starts it."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import logging
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import openai
@@ -24,6 +27,7 @@ from lab.config import CONF_DIR, ModelConfig
 from lab.launch import free_port, services, settings_role
 from lab.models import load_model, load_tokenizer
 from lab.pretrain import TinyModelSpec, build_llama
+from lab.serving import ApiError, Params, ServeConfig, Server, Text
 from split_engine.generation import UnsplitModel, decode
 
 from ..conftest import import_schemas
@@ -282,3 +286,64 @@ def test_openai_bad_requests_get_a_4xx_in_openais_shape(endpoint: dict) -> None:
     # and the slot is free: a good request is served after them
     assert api.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices[0].text
     assert "Traceback" not in endpoint["out"].getvalue()
+
+
+class _Unused:
+    """An engine the queue tests never reach (they test the slot in front of it)."""
+
+    context_tokens = None
+
+    def generate(self, prompt: list[int], params: Params, on_tokens: Any) -> list[int]:
+        raise AssertionError("the queue tests generate nothing")
+
+    def health(self) -> dict[str, Any]:
+        return {}
+
+
+def test_openai_queue_is_bounded_and_a_wait_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    config = ServeConfig(max_queue=1, queue_timeout_s=0.3)
+    server = Server(_Unused(), SimpleNamespace(chat_template=None), model_id="m", config=config,
+                    secret=None)  # fmt: skip
+
+    async def stays() -> bool:
+        return False
+
+    async def leaves() -> bool:
+        return True
+
+    async def scenario() -> None:
+        await server.slot.acquire()  # a generation holds the slot
+        waiting = asyncio.create_task(server.take_slot("cmpl-a", stays))
+        await asyncio.sleep(0)  # it waits now
+        with pytest.raises(ApiError) as full:
+            await server.take_slot("cmpl-b", stays)
+        assert full.value.status == 429 and "serve.max_queue=1" in str(full.value)
+        with pytest.raises(ApiError) as late:
+            await waiting
+        assert late.value.status == 503 and "serve.queue_timeout_s=0.3" in str(late.value)
+        assert late.value.body()["error"]["code"] == "queue_timeout"
+        assert await server.take_slot("cmpl-c", leaves) is False  # its client left meanwhile
+        assert server.waiting == 0
+        server.slot.release()  # the generation ends: the next request gets the slot
+        assert await server.take_slot("cmpl-d", stays) is True
+
+    with caplog.at_level(logging.INFO, logger="lab.serving"):
+        asyncio.run(scenario())
+    said = caplog.messages
+    assert any("cmpl-a waits for the generation slot" in line and "serve.queue_timeout_s=0.3"
+               in line for line in said)  # fmt: skip
+    assert any("cmpl-a gave up after waiting" in line for line in said)
+    assert any("cmpl-c: client left while waiting" in line for line in said)
+
+
+def test_openai_streamed_pieces_hold_back_a_stop_string_and_half_a_character() -> None:
+    vocab = ["ab", "c<", "/s", ">x", "\ufffd", "é"]
+    tokenizer = SimpleNamespace(decode=lambda ids, **_: "".join(vocab[i] for i in ids))
+    text = Text(tokenizer, ["</s>"], eos=None)
+    assert [text.delta([0]), text.delta([0, 1])] == ["ab", "c"]  # `<` may start `</s>`
+    assert text.delta([0, 1, 2]) == ""  # `</s` still may
+    assert text.delta([0, 1, 2, 3]) == "" and text.stopped  # it did: nothing after `c`
+    assert text.text([0, 1, 2, 3]) == "abc"
+    halves = Text(tokenizer, [], eos=None)
+    assert halves.delta([0, 4]) == "ab"  # a character whose bytes have not all come
+    assert halves.delta([0, 5]) == "é"
