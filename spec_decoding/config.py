@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from lab.config import LabConfig, ModelConfig, check_fields_positive, register_schema
+from lab.serving import ServeConfig
 
 MAX_GAMMA = 32
 """Most tokens one draft may hold (the verifier refuses more)."""
@@ -105,6 +106,8 @@ class SpecDecodingRunConfig(LabConfig):
         default_factory=lambda: ModelConfig(name="tiny_draft", pretrained="lab:tiny_draft")
     )
     spec: SpecConfig = field(default_factory=SpecConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """`role=serve` (on the drafter's host): the OpenAI-compatible endpoint (docs/serving.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

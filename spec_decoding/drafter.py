@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,7 +240,19 @@ class Drafter:
                 rows.append(q)
         return draft, (torch.stack(rows) if rows else None)  # q weights: (gamma, V)
 
-    def generate(self, prompt: list[int], *, max_new_tokens: int, seed: int = 0) -> Generation:
+    def generate(
+        self,
+        prompt: list[int],
+        *,
+        max_new_tokens: int,
+        seed: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Generation:
+        """`on_tokens` sees the tokens the verifier has confirmed so far, as they come (past
+        an end-of-text or max_new_tokens at times: the result is cut there). What it raises
+        ends the generation mid-session and propagates: close the connection then (the verifier
+        frees the session), for a stale verdict may still be on its way."""
+        self.on_tokens = on_tokens or (lambda tokens: None)
         if type(max_new_tokens) is not int or max_new_tokens < 1:
             # (pipelined, OPEN goes out unanswered: the verifier's refusal would only surface
             # as a broken connection at the next generation)
@@ -334,8 +346,10 @@ class Drafter:
             )
             if self.eos_token_id is not None and self.eos_token_id in new:
                 result.tokens.extend(new[: new.index(self.eos_token_id) + 1])
+                self.on_tokens(result.tokens)
                 break
             result.tokens.extend(new)
+            self.on_tokens(result.tokens)
         return result
 
     def _generate_pipelined(
@@ -394,6 +408,7 @@ class Drafter:
                 if waited:
                     busy_since = received
                 stats = self._take_progress(progress, flight, received, waited, window)
+                self.on_tokens(flight.confirmed)
                 result.checks.append(stats)
                 result.alone += 1 if stats.alone else 0
                 result.branch_tokens += stats.branch

@@ -307,6 +307,12 @@ def verifier_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
     return {}
 
 
+def serve_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
+    from spec_decoding.serve import serve_role as serving  # the HTTP stack, for this role only
+
+    return serving(settings)
+
+
 def prepare(settings: SpecDecodingRunConfig) -> None:
     """Build the models here once (the lab's tiny pair, or a hub fetch) before the roles load;
     a draft that is not there is refused before the verifier starts."""
@@ -327,7 +333,7 @@ def local_plan(settings: SpecDecodingRunConfig) -> LocalPlan:
 EXPERIMENT = Experiment(
     name="spec_decoding",
     schema=SpecDecodingRunConfig,
-    roles={"verifier": verifier_role, "drafter": drafter_role},
+    roles={"verifier": verifier_role, "drafter": drafter_role, "serve": serve_role},
     plan=local_plan,
     endpoints=("verifier",),
     servers=("verifier",),

@@ -11,6 +11,7 @@ any difference in output or time is the split.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -116,11 +117,14 @@ def decode(
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
     kv_cache: bool = True,
+    on_token: Callable[[torch.Tensor], None] | None = None,
 ) -> Generation:
     """Greedy (temperature 0) or sampled continuation of left-padded prompts (B, T).
 
     With `kv_cache` the prompt is run once and then only each new token; without, the whole
-    sequence is recomputed every step (what a model without a cache has to do).
+    sequence is recomputed every step (what a model without a cache has to do). `on_token`
+    sees each step's tokens (B,) as they come; what it raises ends the generation (the
+    request's state freed on every stage) and propagates.
     """
     batch = input_ids.shape[0]
     request = model.new_request(sampling, kv_cache=kv_cache)
@@ -139,6 +143,8 @@ def decode(
             token = model.next_token(feed, mask, positions, request=request)  # (B,)
             token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
             generated.append(token)
+            if on_token is not None:
+                on_token(token)
             if eos_token_id is not None:
                 unfinished &= token != eos_token_id
             ids = torch.cat([ids, token[:, None]], dim=-1)  # (B, T+1)

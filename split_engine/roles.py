@@ -132,10 +132,13 @@ def split_experiment(
     local_threads: int | None = None,
     resume: str | None = None,
     check: Callable[[Any], None] = lambda settings: None,
+    roles: dict[str, Callable[[Any], Metrics]] | None = None,
 ) -> Experiment:
     """The registry entry of a split module: `stage` and `driver` roles; locally, its stages
     as processes on loopback and this process the driver. `check`: the module's own checks
-    before anything starts."""
+    before anything starts. `roles`: more roles that drive the stages as the driver does (rank
+    0, hosting the rendezvous), e.g. `serve`."""
+    more = dict(roles or {})
 
     def stage_role(settings: Any) -> Metrics:
         serve_stage(settings, settings.split)
@@ -143,7 +146,7 @@ def split_experiment(
 
     def check_split(settings: Any) -> None:
         check(settings)
-        if settings.model.quantization != "none" and settings.role in ("local", "driver"):
+        if settings.model.quantization != "none" and settings.role in ("local", "driver", "serve"):
             warnings.warn(
                 f"model.quantization={settings.model.quantization} is not applied by {name}: "
                 "each stage, and the unsplit baseline, loads the weights in full precision "
@@ -166,10 +169,14 @@ def split_experiment(
     return Experiment(
         name=name,
         schema=schema,
-        roles={"driver": run_driver, "stage": stage_role},
+        roles={"driver": run_driver, "stage": stage_role, **more},
         plan=plan,
         endpoints=("master",),
-        servers=("driver", "stage"),  # the driver hosts the rendezvous; every rank, TensorPipe
+        servers=(
+            "driver",
+            "stage",
+            *more,
+        ),  # the driver hosts the rendezvous; every rank, TensorPipe
         unread=UNREAD,
         check=check_split,
         prepare=prepare,

@@ -279,3 +279,35 @@ class ShardedModel:
 
     def stats(self) -> list[dict[str, float]]:
         return self.call_all("stats")
+
+
+class DriverChain:
+    """The split model as `generation.decode` sees it from the driver: per token one call into
+    the first stage, which hands on down the chain; the last stage picks. One hop more per token
+    than `ShardedModel.generate` (whose loop runs in the first stage), for a driver that sees
+    each token as it comes and can stop between tokens (an HTTP client streaming, or leaving).
+    """
+
+    def __init__(self, sharded: ShardedModel) -> None:
+        self.sharded = sharded
+
+    def new_request(self, sampling: Sampling, *, kv_cache: bool) -> int:
+        request = next(self.sharded._requests)
+        self.sharded.call(0, "open_request", request, sampling.as_dict(), kv_cache)
+        return request
+
+    def next_token(
+        self,
+        feed: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        *,
+        request: int,
+    ) -> torch.Tensor:
+        return self.sharded.call(
+            0, "forward", feed, attention_mask, position_ids, request=request, chain=True,
+            pick=True,
+        )  # fmt: skip
+
+    def end_request(self, request: int) -> None:
+        self.sharded.call(0, "end_request", request, chain=True)

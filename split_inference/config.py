@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lab.config import LabConfig, check_fields_positive, register_schema
+from lab.serving import ServeConfig
 from split_engine.config import SplitConfig
 
 
@@ -45,6 +46,8 @@ class SplitInferenceRunConfig(LabConfig):
 
     split: SplitConfig = field(default_factory=SplitConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """`role=serve`: the OpenAI-compatible endpoint (docs/serving.md)."""
 
 
 register_schema("split_inference_schema", SplitInferenceRunConfig)

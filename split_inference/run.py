@@ -171,7 +171,15 @@ def run_driver(
         return metrics
 
 
-EXPERIMENT = split_experiment("split_inference", SplitInferenceRunConfig, run_driver)
+def serve_role(settings: SplitInferenceRunConfig) -> dict[str, float]:
+    from split_inference.serve import serve_role as serving  # the HTTP stack, for this role only
+
+    return serving(settings)
+
+
+EXPERIMENT = split_experiment(
+    "split_inference", SplitInferenceRunConfig, run_driver, roles={"serve": serve_role}
+)
 
 
 def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:
