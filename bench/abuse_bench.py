@@ -868,7 +868,7 @@ def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
     )
     try:
         from netproto import Connection
-        from split_engine.store import NetprotoStoreClient
+        from world.store import NetprotoStoreClient
 
         conn = Connection.connect("127.0.0.1", port, connect_timeout_s=5)
         NetprotoStoreClient(conn, timeout=timedelta(seconds=5)).set("rpc_prefix_0/x", b"x")
@@ -1045,7 +1045,7 @@ def split_across_hosts() -> Outcomes:
     controls). Needs root and WireGuard; else skipped, saying why."""
     from labtools.hosts import probe_exposure
     from labtools.hosts import unavailable as no_namespaces
-    from netproto.overlay import unavailable as no_overlay
+    from world.overlay import unavailable as no_overlay
 
     why = no_namespaces() or no_overlay()
     if why is not None:
@@ -1087,8 +1087,8 @@ def local_split_loopback() -> Outcomes:
     """Another local user (uid nobody) against a fenced local split_training run (debug model):
     rogue_rpc's six attacks on each stage's TensorPipe listener (labtools.attacks.local_user,
     the fence tests' own); the run must then train to its end. Needs root, nft and setpriv."""
-    from lab import fence
     from labtools.attacks.local_user import attack_local_split_run, other_user_unavailable
+    from world import fence
 
     why = fence.nftables_unavailable() or other_user_unavailable()
     if why is not None:

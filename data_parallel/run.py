@@ -22,6 +22,7 @@ from lab.cli import ConfigError
 from lab.experiment import Experiment, LocalPlan, Process
 from lab.records import METRICS_FILE, read_records
 from lab.tracking import Tracker
+from world.fence import LOCAL_FENCE
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ EXPERIMENT = Experiment(
     local_threads=0,  # the agent computes nothing; each worker takes its share of the cores
     resume="dp.resume=true",
     resume_roles=("local", "worker"),
-    fenced=True,  # torch's TCPStore and Gloo take any connection: see lab.fence
+    fence=LOCAL_FENCE,  # Gloo takes any connection: see world.fence
 )
 
 

@@ -33,7 +33,7 @@ from labtools.hosts import (
     run_documented,
     scenarios,
 )
-from netproto.overlay import unavailable as overlay_unavailable
+from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = pytest.mark.multihost
 

@@ -1,4 +1,4 @@
-"""The split run's rendezvous store (split_engine.store): torch's TCPStore answered anyone,
+"""A world's rendezvous store (world.store): torch's TCPStore answered anyone,
 held values of any size and let a stranger rewrite a worker's address before a run. Each
 attack here has its own test, against the real server over loopback."""
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from netproto import Connection
 from netproto.errors import AuthenticationError, NetprotoError
 from netproto.wire import HEADER, Header, Limits, PayloadKind, pack_header
-from split_engine.store import (
+from world.store import (
     MAX_FRAME_BYTES,
     MAX_KEYS,
     MAX_VALUE_BYTES,
@@ -95,7 +95,7 @@ def test_a_peer_without_the_secret_never_reaches_the_store(server: StoreServer) 
 def test_a_key_outside_the_worlds_prefixes_is_refused(server: StoreServer) -> None:
     store = client(server)
     for key in ("rpc_prefix_1/addrs/x", "/etc/passwd", "default_pg/0", "rpc_prefix_0/\x00"):
-        with pytest.raises(dist.DistStoreError, match="outside this run's prefixes"):
+        with pytest.raises(dist.DistStoreError, match="outside the split run's key space"):
             store.set(key, b"x")
     store.set("rpc_prefix_0/fine", b"x")  # the session goes on after a refusal
     assert server.refused == 4
