@@ -111,11 +111,13 @@ def serving_store(
     keys: KeySpace,
     timeout_s: float,
     what: str,
+    timeout_key: str = "the timeout",
 ) -> Iterator[tuple[AuthenticatedStore, StoreServer | None]]:
     """The world's store at `master` for the block: served here when `serve` (rank 0, the agent
     on the master's host), reached by every rank (the server's own too). One line and exit 2
     (WorldUnreachableError) when it cannot be reached within `timeout_s` or refuses the secret;
-    while it waits it says so within 5 s and every 30 s."""
+    while it waits it says so within 5 s and every 30 s. `timeout_key`: the setting that gave
+    `timeout_s`, named in the error."""
     server = None
     if serve:
         try:
@@ -137,12 +139,14 @@ def serving_store(
                 timeout_s=timeout_s,
                 describe=lambda waited: (
                     f"waiting for the {what}'s store at cluster.master={master.host}:"
-                    f"{master.port} ({waited:.0f}s of {timeout_s:g}s)"
+                    f"{master.port} ({waited:.0f}s of {timeout_key}={timeout_s:g}s)"
                 ),
             )
-        except StoreUnreachableError as exc:
+        except StoreUnreachableError:
             raise WorldUnreachableError(
-                f"{exc}: is rank 0 (the first host) running with the same cluster.master?"
+                f"no {what} store answered at cluster.master={master.host}:{master.port} within "
+                f"{timeout_key}={timeout_s:g}s: is the first host's rank 0 running with the same "
+                "cluster.master, and its port open to this host?"
             ) from None
         except AuthenticationError as exc:
             raise WorldUnreachableError(
@@ -167,6 +171,7 @@ def process_group(
     name: str = "world",
     timeout_s: float = 300.0,
     device_id: torch.device | None = None,
+    timeout_key: str = "the timeout",
 ) -> Iterator[Group]:
     """Be rank `rank` of a world of `world_size` ranks meeting at `cluster.master`, safe on this
     network (see the module's docstring), for the block: torch's default process group is the
@@ -194,6 +199,7 @@ def process_group(
             keys=group_keys(),
             timeout_s=timeout_s,
             what=f"{name} world",
+            timeout_key=timeout_key,
         ) as (store, _),
     ):
         log.info("rank %d of %d joining the %s world at %s:%d", rank, world_size, name,

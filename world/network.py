@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+import psutil
 
 from lab.cli import ConfigError, UserError
 from lab.config import ClusterConfig, Endpoint, is_loopback
@@ -20,6 +23,28 @@ from world import overlay as wg
 from world.fence import FenceError, nftables_fence
 
 log = logging.getLogger(__name__)
+
+
+def endpoint_text(endpoint: Endpoint) -> str:
+    """`host:port`, bracketed for IPv6 (`[::1]:29500`), as torch parses rendezvous endpoints."""
+    host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+    return f"{host}:{endpoint.port}"
+
+
+def holds_address(host: str) -> bool:
+    """Whether `host` (an address, or a name resolving to one) is this machine's: the host that
+    serves a world's store (network namespaces share one hostname, so a name match says yes on
+    every one of them)."""
+    if is_loopback(host):
+        return True
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    mine = {
+        a.address.split("%")[0] for addresses in psutil.net_if_addrs().values() for a in addresses
+    }
+    return bool(wanted & mine)
 
 
 def interface_towards(host: str) -> str | None:

@@ -304,6 +304,8 @@ class StoreServer:
             name="rendezvous store",
         )
         self.refused = 0
+        self.requests = 0
+        """Requests answered (every round trip a rank made)."""
 
     def start(self) -> StoreServer:
         self.server.start()
@@ -316,6 +318,7 @@ class StoreServer:
     def _session(self, conn: Connection) -> None:
         while True:
             message = conn.recv(expect=StoreMsg.STORE_REQUEST, timeout_s=None)
+            self.requests += 1
             try:
                 fields = unpack_fields(message.payload)
                 if not fields or len(fields[0]) != 1:
