@@ -365,8 +365,16 @@ class NetprotoStoreClient:
     def _until(self, timeout: timedelta | None, op: Op, *args: bytes) -> list[bytes]:
         """Repeat a waiting request until it succeeds or the timeout passes."""
         limit = (timeout or self.timeout).total_seconds()
-        deadline = time.monotonic() + limit
+        started = time.monotonic()
+        deadline = started + limit
+        say_at = 5.0
         while True:
+            waited = time.monotonic() - started
+            if waited >= say_at:  # within 5 s, then every 30 s
+                names = b", ".join(args).decode(errors="replace")[:200]
+                log.info("waiting for %s in the rendezvous store at %s (%.0fs of %.0fs)",
+                         names, self.conn.peer, waited, limit)  # fmt: skip
+                say_at += 30.0
             if self.abandoned:
                 raise dist.DistStoreError(f"rendezvous abandoned: {self.abandoned}")
             fields = self._request(op, *args)
