@@ -45,8 +45,8 @@ SECRET = b"rendezvous-bench-secret-of-32-by"
 class OneCallPerKey(AuthenticatedStore):
     """AuthenticatedStore without the batch calls: c10d's Store then gets and sets key by key."""
 
-    multi_get = dist.Store.multi_get  # type: ignore[assignment]
-    multi_set = dist.Store.multi_set  # type: ignore[assignment]
+    multi_get = dist.Store.multi_get
+    multi_set = dist.Store.multi_set  # type: ignore[attr-defined]
 
 
 def meet(stores: list[dist.Store], run_id: str) -> tuple[float, float]:
@@ -70,7 +70,7 @@ def meet(stores: list[dist.Store], run_id: str) -> tuple[float, float]:
             info = handler.next_rendezvous()
             met = time.perf_counter()
             SimpleElasticAgent._assign_worker_ranks(  # torch's own, as the agent calls it
-                None,  # type: ignore[arg-type]
+                None,
                 info.store, info.rank, info.world_size, spec,
             )  # fmt: skip
             times[index] = (met - started, time.perf_counter() - started)

@@ -50,8 +50,10 @@ Placement = Callable[[Role], Role]
 
 
 class FencedAddress(Protocol):
-    address: str
-    """Where every role of the run listens."""
+    @property
+    def address(self) -> str:
+        """Where every role of the run listens."""
+        ...
 
 
 class Fencing(Protocol):

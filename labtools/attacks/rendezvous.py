@@ -8,6 +8,7 @@ first). The tests (tests/data_parallel/test_world.py) and bench/abuse_bench.py r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -132,7 +133,7 @@ def junk_to(targets: list[tuple[str, int]], *, other_user: bool) -> list[str]:
 
 
 TRAIN = (
-    "dp.steps=40",
+    "dp.steps=200",
     "dp.workers=2",
     "dp.batch_size=2",
     "dp.max_train_blocks=256",
@@ -140,7 +141,8 @@ TRAIN = (
     "dp.eval_every=0",
     "dp.checkpoint_every=0",
 )
-"""A short local data_parallel run (debug model): the attacks' target and its control."""
+"""A local data_parallel run (debug model), long enough that its workers are caught training:
+the attacks' target and its control."""
 
 
 @dataclass
@@ -166,10 +168,13 @@ def run_listeners(run: SplitRun, *, num_workers: int, timeout_s: float = 300.0) 
         if run.proc.poll() is not None:
             raise RuntimeError("the run ended early:\n" + "".join(run.lines[-40:]))
         found = [item for item in listening(run.proc.pid) if item.inet]
-        agents = [item for item in found if "role=worker" in item.name]
-        workers = [item for item in found if item not in agents]
-        if len(agents) == 1 and len(workers) == num_workers:
-            return RunListeners(agents[0], workers)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            # the agent is the parent of the workers
+            parents = {psutil.Process(item.pid).ppid() for item in found}
+            agents = [item for item in found if item.pid in parents]
+            workers = [item for item in found if item not in agents]
+            if len(agents) == 1 and len(workers) == num_workers:
+                return RunListeners(agents[0], workers)
         if time.monotonic() > deadline:
             raise RuntimeError(f"the run's workers did not listen within {timeout_s:.0f}s")
         time.sleep(0.2)

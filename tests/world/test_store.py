@@ -246,7 +246,7 @@ def test_the_batch_calls_are_one_round_trip_each(elastic_server: StoreServer) ->
     assert store.multi_get(keys) == [f"role {i}".encode() for i in range(8)]
     assert elastic_server.requests - before == 2
     prefixed = dist.PrefixStore("group/p", store)  # torch's C++ PrefixStore calls them too
-    prefixed.multi_set(["a", "b"], ["1", "2"])
+    prefixed.multi_set(["a", "b"], ["1", "2"])  # type: ignore[attr-defined]
     assert prefixed.multi_get(["a", "b"]) == [b"1", b"2"]
     assert elastic_server.requests - before == 4
 
