@@ -82,7 +82,8 @@ for name, call in attacks.items():
         out[name] = "refused: no store connection"
     else:
         bounded(name, call)
-print(json.dumps(out))
+print(json.dumps(out), flush=True)
+os._exit(0)  # a client thread still retrying in C++ would abort the interpreter's exit
 """
 """Run as `python -c STRANGER host port run_id timeout_s`: one JSON line, each attack
 `served: ...` or `refused: why`."""
