@@ -1057,7 +1057,9 @@ def split_across_hosts() -> Outcomes:
         print(f"split stage across hosts skipped: {why}")
         print(f"local other user -> split stage (overlay host) skipped: {why}")
         return {}
-    exposure = probe_exposure(Path(tempfile.mkdtemp(prefix="abuse-overlay-")), log=sys.stderr)
+    exposure = probe_exposure(
+        Path(tempfile.mkdtemp(prefix="abuse-overlay-")), module="split_training", log=sys.stderr
+    )
     print(f"split stage across hosts: {len(exposure.listeners)} listeners, all on the overlay: "
           f"{all(i.address.startswith('10.213.128.') for i in exposure.listeners)}; "
           f"run: {exposure.detail}", flush=True)  # fmt: skip

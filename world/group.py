@@ -153,6 +153,14 @@ def serving_store(
                 f"the {what}'s store at {master.host}:{master.port} refused this process: {exc}"
                 " (cluster.secret / secret_file / LAB_SECRET must be the same on every host)"
             ) from None
+        try:  # without a secret nothing is said on connecting: a first request tells
+            client.num_keys()
+        except dist.DistStoreError:
+            raise WorldUnreachableError(
+                f"no {what} store answered at cluster.master={master.host}:{master.port} within "
+                f"{timeout_key}={timeout_s:g}s: something there accepts connections but is not "
+                "the rendezvous (another service on that port?)"
+            ) from None
         yield AuthenticatedStore(client), server
     finally:
         if client is not None:

@@ -502,7 +502,7 @@ def connect(
         try:
             conn = Connection.connect(
                 host, port, secret=secret, connect_timeout_s=min(10.0, timeout_s),
-                read_timeout_s=60.0,
+                read_timeout_s=min(60.0, max(10.0, timeout_s)),
                 limits=Limits(max_frame_bytes=MAX_FRAME_BYTES, max_json_bytes=4096),
             )  # fmt: skip
             break

@@ -126,7 +126,7 @@ def test_a_split_run_on_the_plain_network_refuses_to_start_in_one_line(tmp_path:
 
 @pytest.fixture(scope="module")
 def exposure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exposure]:
-    yield probe_exposure(tmp_path_factory.mktemp("exposure"))
+    yield probe_exposure(tmp_path_factory.mktemp("exposure"), module="split_training")
 
 
 def test_the_split_run_under_attack_trains_to_the_end(exposure: Exposure) -> None:
