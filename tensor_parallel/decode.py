@@ -84,9 +84,12 @@ def generate(
     for step in range(max_new_tokens):
         started = time.perf_counter()
         logits = model(
-            input_ids=step_input, attention_mask=mask, position_ids=positions,
-            past_key_values=cache, use_cache=True,
-        ).logits[:, -1, :]  # fmt: skip  # (B, V)
+            input_ids=step_input,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1, :]  # (B, V)
         if temperature > 0:
             probs = probs_from_logits(logits.cpu(), temperature=temperature, top_p=top_p)
             token = torch.multinomial(probs, 1, generator=generator).to(device)  # (B, 1)

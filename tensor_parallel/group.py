@@ -130,8 +130,9 @@ def process_group(master: Endpoint, *, rank: int, ranks: int, timeout_s: float) 
             if rank == 0:
                 store = _bound_store(master, timeout_s=timeout_s)
             else:
-                store = dist.TCPStore(master.host, master.port, is_master=False,
-                                      timeout=timedelta(seconds=timeout_s))  # fmt: skip
+                store = dist.TCPStore(
+                    master.host, master.port, is_master=False, timeout=timedelta(seconds=timeout_s)
+                )
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
                 store=dist.PrefixStore(KEY_PREFIX, store),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -69,11 +68,25 @@ def top2_margin(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-def _gen(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], settings: Any,
-         seed: int, sync: Any, keep: bool = False) -> Generation:  # fmt: skip
+def _gen(
+    model: torch.nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    settings: Any,
+    seed: int,
+    sync: Any,
+    keep: bool = False,
+) -> Generation:
     tp = settings.tp
-    return generate(model, *batch, max_new_tokens=tp.max_new_tokens, temperature=tp.temperature,
-                    top_p=tp.top_p, seed=seed, keep_logits=keep, sync=sync)  # fmt: skip
+    return generate(
+        model,
+        *batch,
+        max_new_tokens=tp.max_new_tokens,
+        temperature=tp.temperature,
+        top_p=tp.top_p,
+        seed=seed,
+        keep_logits=keep,
+        sync=sync,
+    )
 
 
 def run_rank(settings: TensorParallelRunConfig) -> dict[str, float]:
@@ -83,8 +96,9 @@ def run_rank(settings: TensorParallelRunConfig) -> dict[str, float]:
     logging.basicConfig(level=logging.INFO, format=f"[rank{tp.rank}] %(levelname)s: %(message)s")
     log.info("rank %d of %d on cores %s", tp.rank, tp.ranks, cores)
     folder = Path(resolve_source(settings.model, cache_dir=settings.paths.cache_path))
-    with process_group(settings.cluster.master, rank=tp.rank, ranks=tp.ranks,
-                       timeout_s=tp.join_timeout_s) as group:  # fmt: skip
+    with process_group(
+        settings.cluster.master, rank=tp.rank, ranks=tp.ranks, timeout_s=tp.join_timeout_s
+    ) as group:
         return _measure(settings, group, folder, cores)
 
 
@@ -93,9 +107,16 @@ def _measure(settings: Any, group: Group, folder: Path, cores: list[int]) -> dic
     dtype = resolve_dtype(settings.model.dtype, group.device)
     seed = torch.tensor([settings.seed])
     dist.broadcast(seed, src=0)  # rank 0's seed, for every rank's sampler
-    sharded = load_sharded(folder, rank=group.rank, ranks=group.ranks, engine=tp.engine,
-                           dtype=dtype, device=group.device, mesh=group.mesh,
-                           progress=log.info)  # fmt: skip
+    sharded = load_sharded(
+        folder,
+        rank=group.rank,
+        ranks=group.ranks,
+        engine=tp.engine,
+        dtype=dtype,
+        device=group.device,
+        mesh=group.mesh,
+        progress=log.info,
+    )
     tokenizer = load_tokenizer(settings.model, cache_dir=settings.paths.cache_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = left_padded([tokenizer(p)["input_ids"] for p in tp.prompts], pad)
@@ -108,8 +129,15 @@ def _measure(settings: Any, group: Group, folder: Path, cores: list[int]) -> dic
         generation = _gen(sharded.model, batch, settings, int(seed), sync, keep=True)
         wall = time.perf_counter() - started
         if repeat:
-            ours.append((generation, wall, sharded.collectives.seconds, sharded.collectives.count,
-                         sharded.collectives.nbytes))  # fmt: skip
+            ours.append(
+                (
+                    generation,
+                    wall,
+                    sharded.collectives.seconds,
+                    sharded.collectives.count,
+                    sharded.collectives.nbytes,
+                )
+            )
         if tp.baseline:
             if unsplit is not None:
                 theirs.append(_gen(unsplit, batch, settings, int(seed), sync, keep=True))
@@ -129,8 +157,10 @@ def _measure(settings: Any, group: Group, folder: Path, cores: list[int]) -> dic
     }
     metrics["batch"] = float(len(tp.prompts))
     with Tracker.from_settings(settings, job=JOB) as tracker:
-        tracker.outputs({"prompt": prompt, "tokens": tokens.tolist()}
-                        for prompt, tokens in zip(tp.prompts, ours[-1][0].tokens, strict=True))
+        tracker.outputs(
+            {"prompt": prompt, "tokens": tokens.tolist()}
+            for prompt, tokens in zip(tp.prompts, ours[-1][0].tokens, strict=True)
+        )
         tracker.summary(metrics)
     return metrics
 
@@ -142,8 +172,9 @@ def _unsplit(folder: Path, dtype: torch.dtype, group: Group) -> torch.nn.Module:
     return model.eval()
 
 
-def _metrics(settings: Any, sharded: ShardedModel, ours: list, theirs: list[Generation],
-             unsplit: Any) -> dict[str, float]:  # fmt: skip
+def _metrics(
+    settings: Any, sharded: ShardedModel, ours: list, theirs: list[Generation], unsplit: Any
+) -> dict[str, float]:
     """The run's figures from the measured generations (warm-up left out)."""
     tp = settings.tp
     batch = len(tp.prompts)
@@ -170,8 +201,8 @@ def _metrics(settings: Any, sharded: ShardedModel, ours: list, theirs: list[Gene
             "unsplit_token_ms": base.median_ms,
             "unsplit_tokens_per_s": 1e3 * batch / base.median_ms,
             "speedup": base.median_ms / pooled.median_ms,
-            "unsplit_weights_mib": sum(p.numel() * p.element_size()
-                                       for p in unsplit.parameters()) / 2**20,  # fmt: skip
+            "unsplit_weights_mib": sum(p.numel() * p.element_size() for p in unsplit.parameters())
+            / 2**20,
         }
         if tp.temperature == 0:
             metrics |= _exactness(ours[-1][0], theirs[-1])
@@ -183,11 +214,15 @@ def _exactness(ours: Generation, theirs: Generation) -> dict[str, float]:
     unsplit model's top-2 margin there (a near tie that rounding may break)."""
     where = first_divergence(ours.tokens, theirs.tokens)
     upto = len(ours.step_logits) if where is None else where[1] + 1  # the same context so far
-    worst = max(float((a - b).abs().max()) for a, b in
-                zip(ours.step_logits[:upto], theirs.step_logits[:upto], strict=True))  # fmt: skip
+    worst = max(
+        float((a - b).abs().max())
+        for a, b in zip(ours.step_logits[:upto], theirs.step_logits[:upto], strict=True)
+    )
     out = {"same_greedy_tokens": float(where is None), "max_logit_diff": worst}
     if where is not None:
         row, position = where
-        out |= {"diverged_at": float(position),
-                "unsplit_top2_margin": top2_margin(theirs.step_logits[position][row])}  # fmt: skip
+        out |= {
+            "diverged_at": float(position),
+            "unsplit_top2_margin": top2_margin(theirs.step_logits[position][row]),
+        }
     return out

@@ -30,7 +30,7 @@ UNREAD = {
     "cluster.secret_file": "see cluster.secret",
     "cluster.link": "netproto's link emulator shapes netproto traffic; gloo's does not cross it",
     "cluster.tls": "gloo does not use netproto's TLS",
-    "cluster.overlay": "not yet: tensor_parallel's ranks meet on loopback (docs/tensor_parallel.md)",
+    "cluster.overlay": "not yet: its ranks meet on loopback (docs/tensor_parallel.md)",
     "cluster.unsafe_plain_network": "a network master is refused, not warned about",
     "cluster.connect_timeout_s": "the ranks wait tp.join_timeout_s",
     "cluster.read_timeout_s": "the ranks wait tp.join_timeout_s",
@@ -82,9 +82,17 @@ def local_plan(settings: TensorParallelRunConfig) -> LocalPlan:
     ranks = settings.tp.ranks
     threads = max(1, usable_cores() // ranks)
     processes = [
-        Process(rank_name(r), ("role=rank", f"tp.rank={r}", f"tp.cpus={cores_of(r, ranks)}",
-                               f"num_threads={threads}", "tracking.wandb=false",
-                               "tracking.console=false"))  # fmt: skip
+        Process(
+            rank_name(r),
+            (
+                "role=rank",
+                f"tp.rank={r}",
+                f"tp.cpus={cores_of(r, ranks)}",
+                f"num_threads={threads}",
+                "tracking.wandb=false",
+                "tracking.console=false",
+            ),
+        )
         for r in range(ranks)
     ]
     return LocalPlan(processes=processes, finish=finish_local)

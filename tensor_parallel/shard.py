@@ -243,8 +243,7 @@ def _narrow_linears(model: nn.Module, styles: dict[str, str], ranks: int) -> Non
         else:
             in_f //= ranks
         with torch.device("meta"):
-            narrow = nn.Linear(in_f, out_f, bias=linear.bias is not None,
-                               dtype=linear.weight.dtype)  # fmt: skip
+            narrow = nn.Linear(in_f, out_f, bias=linear.bias is not None, dtype=linear.weight.dtype)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, narrow)
 

@@ -29,9 +29,16 @@ SEED = 1234
 def shapes() -> dict[str, object]:
     from transformers import LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=12, num_key_value_heads=6, head_dim=8,
-                  max_position_embeddings=64)  # fmt: skip
+    common = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=12,
+        num_key_value_heads=6,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     return {
         "llama_gqa": LlamaConfig(**common, tie_word_embeddings=False),
         "qwen2_tied_bias": Qwen2Config(**common, tie_word_embeddings=True),
@@ -58,8 +65,15 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def run(model, dtype: torch.dtype, *, temperature: float = 0.0):
     ids, mask = left_padded(PROMPTS, 0)
-    return generate(model.to(dtype), ids, mask, max_new_tokens=NEW_TOKENS, temperature=temperature,
-                    seed=SEED, keep_logits=True)  # fmt: skip
+    return generate(
+        model.to(dtype),
+        ids,
+        mask,
+        max_new_tokens=NEW_TOKENS,
+        temperature=temperature,
+        seed=SEED,
+        keep_logits=True,
+    )
 
 
 def rank_main(rank: int, ranks: int, port: int, folders: dict[str, Path], out: Path) -> None:
@@ -68,15 +82,29 @@ def rank_main(rank: int, ranks: int, port: int, folders: dict[str, Path], out: P
     with process_group(Endpoint("127.0.0.1", port), rank=rank, ranks=ranks, timeout_s=60) as group:
         for name, folder in folders.items():
             for engine in ENGINES:
-                for dtype, temperature in ((torch.float64, 0.0), (torch.float32, 0.0),
-                                           (torch.float64, 0.8)):  # fmt: skip
-                    sharded = load_sharded(folder, rank=rank, ranks=ranks, engine=engine,
-                                           dtype=dtype, device=group.device, mesh=group.mesh)  # fmt: skip
+                for dtype, temperature in (
+                    (torch.float64, 0.0),
+                    (torch.float32, 0.0),
+                    (torch.float64, 0.8),
+                ):
+                    sharded = load_sharded(
+                        folder,
+                        rank=rank,
+                        ranks=ranks,
+                        engine=engine,
+                        dtype=dtype,
+                        device=group.device,
+                        mesh=group.mesh,
+                    )
                     got = run(sharded.model, dtype, temperature=temperature)
                     agreed = same_on_every_rank(got.tokens)
                     key = (name, engine, str(dtype), temperature)
-                    results[key] = (got.tokens, torch.stack(got.step_logits), agreed,
-                                    sharded.collectives.count)  # fmt: skip
+                    results[key] = (
+                        got.tokens,
+                        torch.stack(got.step_logits),
+                        agreed,
+                        sharded.collectives.count,
+                    )
     if rank == 0:
         torch.save(results, out)
 
@@ -90,8 +118,9 @@ def test_split_generation_matches_the_unsplit_model(
     context = mp.get_context("spawn")
     out = tmp_path / "results.pt"
     port = free_port("127.0.0.1")
-    procs = [context.Process(target=rank_main, args=(r, ranks, port, saved, out))
-             for r in range(ranks)]  # fmt: skip
+    procs = [
+        context.Process(target=rank_main, args=(r, ranks, port, saved, out)) for r in range(ranks)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -105,13 +134,16 @@ def test_split_generation_matches_the_unsplit_model(
     for name, folder in saved.items():
         unsplit = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
         layers = unsplit.config.num_hidden_layers
-        want = {(str(d), t): run(unsplit, d, temperature=t)
-                for d, t in ((torch.float64, 0.0), (torch.float32, 0.0), (torch.float64, 0.8))}  # fmt: skip
+        want = {
+            (str(d), t): run(unsplit, d, temperature=t)
+            for d, t in ((torch.float64, 0.0), (torch.float32, 0.0), (torch.float64, 0.8))
+        }
         for engine in ENGINES:
+
             def got(dtype: torch.dtype, t: float, engine: str = engine, name: str = name):
                 return results[(name, engine, str(dtype), t)]
 
-            tokens, logits, agreed, count = got(torch.float64, 0.0)
+            tokens, _, agreed, count = got(torch.float64, 0.0)
             assert agreed, f"{name} {engine}: ranks generated different tokens"
             assert torch.equal(tokens, want[(str(torch.float64), 0.0)].tokens), (name, engine)
             if engine == "local":  # two all-reduces a layer, every step
