@@ -35,6 +35,11 @@ the tests' own scripts), rows without a latency:
     within fed.max_update_norm.
   - two secret holders JOINing and leaving from rotating 127.0.x.y addresses beside two honest
     clients: every counted round must aggregate the honest two.
+  - data_parallel (issue 49): a stranger to its rendezvous with torch's own TCPStore client
+    (read the state and the job token, join as a host, overwrite the state) and junk to gloo's
+    ports: another local user and this user against a local run (the honest job must end with
+    the unattacked run's final loss), a stranger outside the overlay against a run across
+    hosts. `--only data_parallel` runs these rows alone.
 Bounded counts and time (`--quick`: 300 strangers instead of 1,000, shorter attacks). Prints a
 table per attack class (attempts, refused, crashes: answers `internal` or a dead server, must be
 0; served: answered as if legitimate), then one per surface with the honest client's latency,
@@ -868,7 +873,7 @@ def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
     )
     try:
         from netproto import Connection
-        from split_engine.store import NetprotoStoreClient
+        from world.store import NetprotoStoreClient
 
         conn = Connection.connect("127.0.0.1", port, connect_timeout_s=5)
         NetprotoStoreClient(conn, timeout=timedelta(seconds=5)).set("rpc_prefix_0/x", b"x")
@@ -1045,7 +1050,7 @@ def split_across_hosts() -> Outcomes:
     controls). Needs root and WireGuard; else skipped, saying why."""
     from labtools.hosts import probe_exposure
     from labtools.hosts import unavailable as no_namespaces
-    from netproto.overlay import unavailable as no_overlay
+    from world.overlay import unavailable as no_overlay
 
     why = no_namespaces() or no_overlay()
     if why is not None:
@@ -1087,8 +1092,8 @@ def local_split_loopback() -> Outcomes:
     """Another local user (uid nobody) against a fenced local split_training run (debug model):
     rogue_rpc's six attacks on each stage's TensorPipe listener (labtools.attacks.local_user,
     the fence tests' own); the run must then train to its end. Needs root, nft and setpriv."""
-    from lab import fence
     from labtools.attacks.local_user import attack_local_split_run, other_user_unavailable
+    from world import fence
 
     why = fence.nftables_unavailable() or other_user_unavailable()
     if why is not None:
@@ -1114,6 +1119,85 @@ def local_split_loopback() -> Outcomes:
                 outcome.add("refused")
     if not ok or got.files_written:
         outcomes["local other user → split stage (loopback): the run trained on"] = Outcome(1, 0, 1)
+    return outcomes
+
+
+def _served(results: list[str] | dict[str, str]) -> Outcome:
+    tries = list(results.values()) if isinstance(results, dict) else results
+    served = sum(not t.startswith(("refused", "no connection")) for t in tries)
+    return Outcome(attempts=len(tries), refused=len(tries) - served, served=served)
+
+
+def data_parallel_loopback() -> Outcomes:
+    """A local data_parallel run (labtools.attacks.rendezvous: 40 steps, 2 workers) attacked
+    with torch's own TCPStore client: its rendezvous state and job token read, a join as a
+    host, the state overwritten; then junk to each worker's gloo port. Once by another local
+    user (uid nobody: the fence; needs root, nft and setpriv), once by this user (past the
+    fence: the store's secret). The honest job must finish with the unattacked run's loss."""
+    from labtools.attacks.local_user import other_user_unavailable, split_run
+    from labtools.attacks.rendezvous import TRAIN, attack_local_data_parallel_run, final_loss
+    from world import fence
+
+    with split_run(Path(tempfile.mkdtemp(prefix="abuse-dp-")), *TRAIN,
+                   module="data_parallel") as run:  # fmt: skip
+        code = run.proc.wait(timeout=900)
+    reference = final_loss(run.run_dir) if code == 0 else None
+    print(f"data_parallel (loopback), unattacked: exit {code}, final loss {reference}", flush=True)
+    arms = [("this user, past the fence", False)]
+    why = fence.nftables_unavailable() or other_user_unavailable()
+    if why is None:
+        arms.insert(0, ("other user", True))
+    else:
+        print(f"data_parallel (loopback), other user: skipped: {why}")
+    outcomes: Outcomes = {}
+    for label, other_user in arms:
+        got = attack_local_data_parallel_run(Path(tempfile.mkdtemp(prefix="abuse-dp-")),
+                                             other_user=other_user)  # fmt: skip
+        same = reference is not None and got.final_loss == reference
+        print(f"data_parallel (loopback), {label}: {got.fence.partition('fence: ')[2][:90]}; "
+              f"store {got.listeners.store}, gloo {got.listeners.gloo}; honest job: exit "
+              f"{got.returncode}, final loss {got.final_loss} (unattacked {reference})",
+              flush=True)  # fmt: skip
+        prefix = f"data_parallel (loopback), {label}"
+        for attack, result in got.store.items():
+            outcomes[f"{prefix}: store {attack}"] = _served([result])
+        outcomes[f"{prefix}: TCPStore client at gloo ports"] = _served(got.tcpstore)
+        if other_user:  # this user reaches gloo's ports by design: the fence is for others
+            outcomes[f"{prefix}: junk to gloo ports"] = _served(got.gloo)
+        if got.returncode != 0 or not same:
+            outcomes[f"{prefix}: the honest job's final loss"] = Outcome(1, 0, 1)
+    return outcomes
+
+
+def data_parallel_across_hosts() -> Outcomes:
+    """A data_parallel run across three hosts inside the lab's overlay, and a stranger on the
+    same LAN dialling every port it listens on, its LAN and overlay addresses
+    (labtools.hosts.probe_exposure, the split rows' harness); another local user on each host
+    beside. Needs root and WireGuard; else skipped, saying why."""
+    from labtools.hosts import probe_exposure
+    from labtools.hosts import unavailable as no_namespaces
+    from labtools.hosts.exposure import ATTACKS
+    from world.overlay import unavailable as no_overlay
+
+    why = no_namespaces() or no_overlay()
+    if why is not None:
+        print(f"data_parallel across hosts skipped: {why}")
+        return {}
+    exposure = probe_exposure(Path(tempfile.mkdtemp(prefix="abuse-dp-overlay-")),
+                              module="data_parallel", log=sys.stderr)  # fmt: skip
+    print(f"data_parallel across hosts: {len(exposure.listeners)} listeners, all on the "
+          f"overlay: {all(i.address.startswith('10.213.128.') for i in exposure.listeners)}; "
+          f"run: {exposure.detail}", flush=True)  # fmt: skip
+    crashes = 0 if exposure.run_ok else 1
+    outcomes: Outcomes = {}
+    for surface, label in (("store", "rendezvous store"), ("gloo", "gloo ports")):
+        tries = [t for name, ts in exposure.attempts.items()
+                 if (ATTACKS[name] == "store") == (surface == "store") for t in ts]  # fmt: skip
+        row = _served(tries)
+        row.crashes = crashes
+        outcomes[f"data_parallel, outside the overlay: {label}"] = row
+    dials = [d for local in exposure.local.values() for d in local.get("other user", [])]
+    outcomes["data_parallel, other user on a host (overlay)"] = _served(dials)
     return outcomes
 
 
@@ -1168,6 +1252,26 @@ def verdict(ratio: float, load: float) -> str:
     if ratio <= 2:
         return "pass"
     return "busy" if load >= QUIET_LOAD else "fail"
+
+
+def print_rows(rows: Outcomes) -> None:
+    print(f"\n{'attack class':<66} {'attempts':>8} {'refused':>8} {'crashes':>8} {'served':>7}")
+    for name, outcome in rows.items():
+        print(f"{name:<66} {outcome.attempts:>8} {outcome.refused:>8} {outcome.crashes:>8} "
+              f"{outcome.served:>7}")  # fmt: skip
+
+
+def main_data_parallel() -> None:
+    """`--only data_parallel`: its rows alone (no honest-latency surfaces), in their own file."""
+    machine = announce_machine()
+    rows = {**data_parallel_loopback(), **data_parallel_across_hosts()}
+    print_rows(rows)
+    served = sum(o.served for o in rows.values())
+    crashes = sum(o.crashes for o in rows.values())
+    write_results(RESULTS.with_name("abuse_bench_data_parallel.json"),
+                  {"attacks": {k: vars(v) for k, v in rows.items()}, "served": served,
+                   "crashes": crashes}, machine=machine)  # fmt: skip
+    print(f"\ndata_parallel attacks served: {served}, crashes: {crashes} (both must be 0)")
 
 
 def main(quick: bool) -> None:
@@ -1269,11 +1373,10 @@ def main(quick: bool) -> None:
     rows.update(local_split_loopback())
     rows.update(secagg_insider(cache_dir))
     rows.update(rotating_join_loop(cache_dir))
+    rows.update(data_parallel_loopback())
+    rows.update(data_parallel_across_hosts())
 
-    print(f"\n{'attack class':<66} {'attempts':>8} {'refused':>8} {'crashes':>8} {'served':>7}")
-    for name, outcome in rows.items():
-        print(f"{name:<66} {outcome.attempts:>8} {outcome.refused:>8} {outcome.crashes:>8} "
-              f"{outcome.served:>7}")  # fmt: skip
+    print_rows(rows)
     print(f"\n{'surface':<14} {'classes':>7} {'attempts':>8} {'refused':>8} {'crashes':>7} "
           f"{'served':>6} {'honest p50 without/under (ms)':>30} {'worst (ms)':>10}")  # fmt: skip
     for surface, row in latency.items():
@@ -1310,6 +1413,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer attempts, shorter attacks")
     parser.add_argument("--rpc-role", nargs=5, metavar=("ROLE", "PORT", "OUT", "N", "GO"))
+    parser.add_argument("--only", choices=["data_parallel"], help="one experiment's rows alone")
     args = parser.parse_args()
     if args.rpc_role:
         role, port, out, number, go = args.rpc_role
@@ -1317,5 +1421,7 @@ if __name__ == "__main__":
             rpc_driver(int(port), out, int(number), go)
         else:
             rpc_rogue(int(port), out, float(number), go)
+    elif args.only == "data_parallel":
+        main_data_parallel()
     else:
         main(args.quick)

@@ -27,7 +27,7 @@ from typing import Any
 from lab.machine import announce_machine, write_results
 from lab.records import step_metrics
 from labtools.hosts import Network, Security, provision, run_across, scenarios
-from netproto.overlay import unavailable as overlay_unavailable
+from world.overlay import unavailable as overlay_unavailable
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overlay_bench.json"
 VARIANTS = {"plain": "cluster.unsafe_plain_network=true", "overlay": "cluster.overlay.up=true"}

@@ -33,8 +33,8 @@ from lab.machine import announce_machine, write_results
 from lab.records import step_metrics
 from labtools.hosts import HostsError, Network, Security, provision, run_across, scenarios
 from labtools.hosts.scenarios import run_loopback
-from netproto.overlay import unavailable as overlay_unavailable
 from split_training.manifest import crossings
+from world.overlay import unavailable as overlay_unavailable
 
 RESULTS = Path(__file__).resolve().parent / "results" / "split_delays.json"
 HOSTS = ["desktop", "laptop", "pc", "server"]

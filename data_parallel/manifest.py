@@ -36,8 +36,10 @@ EXACT_RTOL = 1e-6
 """Losses across hosts against the same run's on loopback (relative): the same global batches,
 the same gradient sums (two workers add alike in either order), one thread per worker on both."""
 ACROSS = ["model.lab_preset=debug", "dp.steps=10", "dp.max_train_blocks=256", "dp.eval_blocks=4",
-          "dp.eval_every=5", "dp.checkpoint_every=5", "num_threads=1"]  # fmt: skip
-"""Both runs' settings (the loopback run: dp.workers=2 on one host)."""
+          "dp.eval_every=5", "dp.checkpoint_every=5", "num_threads=1",
+          "cluster.overlay.up=true"]  # fmt: skip
+"""Both runs' settings (the loopback run: dp.workers=2 on one host, where the overlay is not
+needed and not brought up). Across hosts the rendezvous and gloo meet inside the lab's overlay."""
 WORKERS = [
     ("desktop", "worker0", ["role=worker", "dp.nnodes=2", "dp.workers=1"]),
     ("laptop", "worker1", ["role=worker", "dp.nnodes=2", "dp.workers=1"]),
@@ -256,5 +258,6 @@ MANIFEST = Manifest(
     faults={
         "worker killed mid-run": Fault(kill_a_worker_mid_run, FAULT, "uninterrupted", same_steps),
     },
+    exposure=("dp.steps=300",),
     tour=(),
 )

@@ -22,6 +22,7 @@ from lab.cli import ConfigError
 from lab.experiment import Experiment, LocalPlan, Process
 from lab.records import METRICS_FILE, read_records
 from lab.tracking import Tracker
+from world.fence import LOCAL_FENCE
 
 log = logging.getLogger(__name__)
 
@@ -29,21 +30,17 @@ AGENT = "agent"
 """The local run's agent process, and its run folder under this run's."""
 
 UNREAD = {
-    "cluster.secret": "torch.distributed's store and gloo have no authentication, so a secret "
-    "would protect nothing: keep the run on loopback or inside a VPN (docs/data_parallel.md)",
-    "cluster.secret_file": "torch.distributed's store and gloo have no authentication (see "
-    "cluster.secret)",
     "cluster.link": "netproto's link emulator shapes netproto traffic; gloo's does not cross it",
-    "cluster.tls": "gloo does not use netproto's TLS (docs/data_parallel.md: put a VPN in front)",
-    "cluster.overlay": "data_parallel does not bring up the lab's overlay: name a VPN interface "
-    "in GLOO_SOCKET_IFNAME instead",
-    "cluster.unsafe_plain_network": "data_parallel warns, rather than refuses, on a network "
-    "address",
+    "cluster.tls": "gloo does not use netproto's TLS: across hosts it runs inside the overlay "
+    "(cluster.overlay), whose WireGuard encrypts it",
     "cluster.connect_timeout_s": "the rendezvous waits dp.join_timeout_s",
     "cluster.read_timeout_s": "the rendezvous waits dp.join_timeout_s",
-    "cluster.max_frame_mib": "no netproto frames cross between its workers",
-    "cluster.min_frame_rate_kbps": "no netproto frames cross between its workers",
-    "cluster.max_connections_per_address": "no netproto server runs in it",
+    "cluster.max_frame_mib": "only its rendezvous store speaks netproto, its frames capped by "
+    "the store's own limits (world.store)",
+    "cluster.min_frame_rate_kbps": "only its rendezvous store speaks netproto, with limits of its "
+    "own (world.store)",
+    "cluster.max_connections_per_address": "its rendezvous store takes at most 64 connections "
+    "(world.store)",
 }
 
 
@@ -51,11 +48,11 @@ def check(settings: DataParallelRunConfig) -> None:
     """What no worker should find out first: settings that cannot run here, a resume with
     nothing to resume."""
     dp = settings.dp
-    if settings.cluster.overlay.up:  # from a cluster file (two_hosts.yaml): not refused, said
-        log.warning(
-            "data_parallel does not bring up the lab's overlay (cluster.overlay.up=true is not "
-            "used): torch.distributed's store and gloo have no authentication; keep the run on "
-            "loopback or name a VPN interface in GLOO_SOCKET_IFNAME (docs/data_parallel.md)"
+    if settings.cluster.overlay.up and dp.node_bounds[0] != dp.node_bounds[1]:
+        raise ConfigError(
+            f"dp.nnodes={dp.nnodes} with cluster.overlay.up=true: the lab's overlay is built once "
+            "for a fixed set of hosts; set dp.nnodes=N, or bring up your own overlay and name it "
+            "in cluster.overlay.interface"
         )
     if settings.role == "local" and dp.node_bounds != (1, 1):
         raise ConfigError(
@@ -188,7 +185,7 @@ EXPERIMENT = Experiment(
     local_threads=0,  # the agent computes nothing; each worker takes its share of the cores
     resume="dp.resume=true",
     resume_roles=("local", "worker"),
-    fenced=True,  # torch's TCPStore and Gloo take any connection: see lab.fence
+    fence=LOCAL_FENCE,  # Gloo takes any connection: see world.fence
 )
 
 

@@ -40,7 +40,6 @@ from data_parallel.data import (
 )
 from data_parallel.diloco import DiLoCo
 from data_parallel.manifest import TRACE_FILE
-from data_parallel.network import listening_store
 from lab import redact
 from lab.cli import ConfigError
 from lab.corpus import train_and_validation_blocks
@@ -48,6 +47,7 @@ from lab.device import share_of_cores, supports_bf16
 from lab.losses import evaluate, next_token_loss
 from lab.models import load_model, load_tokenizer
 from lab.tracking import Tracker
+from world.elastic import WorkerAccess, worker_group
 
 log = logging.getLogger(__name__)
 
@@ -133,34 +133,27 @@ class World:
 
 
 @record
-def train_worker(settings: DataParallelRunConfig, data: TrainingData) -> dict[str, float]:
-    """The elastic agent's entry point (top level, so it pickles): join the process group,
-    train, leave it. Returns the run's metrics."""
+def train_worker(
+    settings: DataParallelRunConfig, data: TrainingData, access: WorkerAccess
+) -> dict[str, float]:
+    """The elastic agent's entry point (top level, so it pickles): join this round's process
+    group on the world's authenticated store (`access`: world.elastic), train, leave it.
+    Returns the run's metrics."""
     world = World.from_env()
     logging.basicConfig(
         level=logging.INFO if world.logs else logging.WARNING,
         format=f"[rank{world.rank}] %(levelname)s %(name)s: %(message)s",
     )
     torch.set_num_threads(settings.num_threads or share_of_cores(world.local_world_size))
-    # rank 0 hosts the workers' store on the address its agent told the others, not on every
-    # interface (init_process_group's own TCPStore(is_master=True) then shares this one)
-    _store = listening_store(*master_address()) if world.rank == 0 else None
     if torch.cuda.is_available():
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        group = worker_group(access, backend="nccl", device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    try:
+        group = worker_group(access, backend="gloo")
+    with group:
         return Trainer(settings, data, world=world, device=device).run()
-    finally:
-        dist.destroy_process_group()
-
-
-def master_address() -> tuple[str, int]:
-    """MASTER_ADDR and MASTER_PORT, as the agent sets them (the workers' store)."""
-    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
 
 
 @dataclass

@@ -120,7 +120,7 @@ class OverlayConfig:
     the kernel's WireGuard or wireguard-go): the driver's host is its hub, keys are set up over
     netproto with the shared secret, and it is torn down when the run ends."""
     interface: str = ""
-    """An overlay already up on this host (`python -m netproto.overlay up`, or your own
+    """An overlay already up on this host (`python -m world.overlay up`, or your own
     WireGuard or Tailscale interface): the run listens on it only, and cluster.master.host must
     be the driver's address on it."""
     port: int = 0

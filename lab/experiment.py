@@ -23,17 +23,17 @@ import shlex
 import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from omegaconf import DictConfig
 
-from lab import fence, registry
+from lab import registry
 from lab.cli import ConfigError, reported
 from lab.config import ClusterConfig, Endpoint, LabConfig, is_loopback, to_settings
 from lab.device import apply_num_threads, share_of_cores
-from lab.fence import Fence, loopback_fence
 from lab.launch import PeerLostError, Role, ServiceGroup, free_port, launch, services, settings_role
 from lab.multirun import JOB_LABEL_ENV, job_label, sweep_keys
 
@@ -47,6 +47,34 @@ READY_TIMEOUT_S = 300.0
 
 Metrics = dict[str, float]
 Placement = Callable[[Role], Role]
+
+
+class FencedAddress(Protocol):
+    address: str
+    """Where every role of the run listens."""
+
+
+class Fencing(Protocol):
+    """What puts a local run's listeners behind a fence: an address of its own that only this
+    user's processes reach. `world.fence.LOCAL_FENCE` is the one there is (the world floor
+    hands it to an experiment, which hands it here: lab does not import upward)."""
+
+    def loopback(self) -> AbstractContextManager[FencedAddress]:
+        """The fence, up for the block, and the address the run's roles listen on."""
+        ...
+
+    def namespace_reason(self) -> str | None:
+        """Why a local run should re-run inside a private network namespace (no nftables
+        here, or asked for); None when it need not."""
+        ...
+
+    def namespace_argv(self, argv: list[str]) -> list[str] | None:
+        """The command that re-runs `argv` in that namespace; None where none can be made."""
+        ...
+
+    def run_inside(self, argv: list[str]) -> int:
+        """Run that command to its end, handing it Ctrl-C; its exit status."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -109,10 +137,10 @@ class Experiment:
     checkpoint_marker: str = "latest.json"
     """The file a checkpoint is complete with, somewhere in the run folder: Ctrl-C claims
     checkpoints only where one is."""
-    fenced: bool = False
+    fence: Fencing | None = None
     """Some of its listeners are not authenticated by the run (TensorPipe's, Gloo's): a local
-    run puts them behind a fence (`lab.fence`): an address of its own that only this user's
-    processes reach."""
+    run puts them behind this fence (`world.fence.LOCAL_FENCE`): an address of its own that
+    only this user's processes reach."""
 
     @property
     def schema_name(self) -> str:
@@ -207,14 +235,14 @@ def warn_if_open(role: str, cluster: ClusterConfig, endpoints: Sequence[str]) ->
 
 
 @contextlib.contextmanager
-def fenced(experiment: Experiment, settings: Any) -> Iterator[tuple[Any, Fence | None]]:
+def fenced(experiment: Experiment, settings: Any) -> Iterator[tuple[Any, FencedAddress | None]]:
     """A local run's settings with its endpoints on the fence's address, for the block (the
     fence up): unchanged for an experiment whose listeners all authenticate."""
     hosts = [getattr(settings.cluster, name).host for name in experiment.endpoints]
-    if not experiment.fenced or not all(is_loopback(host) for host in hosts):
+    if experiment.fence is None or not all(is_loopback(host) for host in hosts):
         yield settings, None
         return
-    with loopback_fence() as fence:
+    with experiment.fence.loopback() as fence:
         moved = {
             name: Endpoint(fence.address, getattr(settings.cluster, name).port)
             for name in experiment.endpoints
@@ -308,7 +336,8 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
         os.environ[JOB_LABEL_ENV] = label
     restart = _namespace_restart(experiment, cfg, job=bool(label))
     if restart is not None:
-        why = fence.nftables_unavailable() or f"{fence.FENCE_ENV}=namespace"
+        assert experiment.fence is not None
+        why = experiment.fence.namespace_reason()
         print(
             f"{experiment.name}: re-running {'this job ' if label else ''}in a private network "
             f"namespace (unshare -rn), where no other process of this host reaches its ports "
@@ -318,7 +347,8 @@ def main(experiment: Experiment, cfg: DictConfig) -> Metrics:
     try:
         with reported(interrupted=interrupted_message(experiment, cfg)):
             if restart is not None:
-                code = fence.run_inside(restart)
+                assert experiment.fence is not None
+                code = experiment.fence.run_inside(restart)
                 if not label:
                     raise SystemExit(code)
                 if code == 128 + signal.SIGINT:  # Ctrl-C, handed to the job inside
@@ -342,12 +372,13 @@ def _namespace_restart(
     experiment: Experiment, cfg: DictConfig, *, job: bool = False
 ) -> list[str] | None:
     """The command that re-runs this one inside a private network namespace: a local run of a
-    fenced experiment by a user who cannot put up the nftables fence (`lab.fence`); None when
-    it needs none or none can be made (the run then says it is unfenced). `job`: one job of a
-    multirun, re-run alone with its own overrides in its own folder."""
-    if not experiment.fenced or str(cfg.get("role", "local")) != "local":
+    fenced experiment by a user who cannot put up the nftables fence (`world.fence`); None
+    when it needs none or none can be made (the run then says it is unfenced). `job`: one job
+    of a multirun, re-run alone with its own overrides in its own folder."""
+    fence = experiment.fence
+    if fence is None or str(cfg.get("role", "local")) != "local":
         return None
-    if not fence.wants_namespace():
+    if fence.namespace_reason() is None:
         return None
     argv = sys.orig_argv
     if "-m" not in argv or argv[argv.index("-m") + 1 :][:1] != [experiment.name]:

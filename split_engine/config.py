@@ -52,7 +52,7 @@ class SplitConfig:
     channels: str = "basic"
     """What carries tensors over that transport. basic: tensors inline on the transport's one
     connection, as between real hosts; the only choice that opens no listener but TensorPipe's
-    own (lab.fence). auto: TensorPipe's choice, `cma` (process_vm_readv) between processes of
+    own (world.fence). auto: TensorPipe's choice, `cma` (process_vm_readv) between processes of
     one machine, plus `mpt_uv`'s 16 lane listeners a process; network: `mpt_uv`, then `basic`.
     Both open those 16 more listeners, reachable by whoever reaches the run's address."""
 

@@ -19,10 +19,10 @@ from lab.launch import PeerLostError, ServiceGroup
 from lab.models import resolve_source
 from split_engine.config import SplitConfig
 from split_engine.layout import stage_ranges
-from split_engine.listening import safe_master
 from split_engine.liveness import PeerWatch, heartbeat_timeout_s
 from split_engine.stage import StageHost, set_stage_host
 from split_engine.workers import (
+    DRIVER,
     World,
     authenticate_stages,
     joined,
@@ -30,6 +30,8 @@ from split_engine.workers import (
     serve_until_released,
     stage_name,
 )
+from world.fence import LOCAL_FENCE
+from world.network import safe_master
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
         raise ConfigError("role=stage needs cluster.master.port (the driver's rendezvous port)")
     set_stage_host(StageHost(cache_dir=settings.paths.cache_path, device=detect_device()))
     with safe_master(
-        settings.cluster, rank=split.rank, num_stages=split.num_stages,
+        settings.cluster, hub=False, name=stage_name(split.rank), num_peers=split.num_stages,
         timeout_s=split.join_timeout_s,
     ) as master:  # fmt: skip
         world = World(split.rank, master, split)
@@ -81,7 +83,12 @@ def driving(
     secret = settings.cluster.resolved_secret()
     with (
         safe_master(
-            settings.cluster, rank=0, num_stages=split.num_stages, timeout_s=split.join_timeout_s
+            settings.cluster,
+            hub=True,
+            name=DRIVER,
+            num_peers=split.num_stages,
+            peer_names=frozenset(stage_name(rank) for rank in range(1, split.num_stages + 1)),
+            timeout_s=split.join_timeout_s,
         ) as master,
         joined(World(0, master, split), secret=secret, check=stages or (lambda: None)),
     ):
@@ -176,5 +183,5 @@ def split_experiment(
         local_threads=local_threads,
         resume=resume,
         resume_roles=("local", "driver"),
-        fenced=True,  # TensorPipe and Gloo take any connection: see lab.fence
+        fence=LOCAL_FENCE,  # TensorPipe and Gloo take any connection: see world.fence
     )

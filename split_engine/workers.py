@@ -40,8 +40,8 @@ from netproto.auth import NONCE_BYTES, mac
 from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
 from split_engine import rpc_guard
 from split_engine.config import SplitConfig
-from split_engine.listening import DRIVER, _listening_towards_the_master, stage_name
-from split_engine.store import MAX_FRAME_BYTES, NetprotoStoreClient, StoreServer
+from world.network import listening_towards
+from world.store import MAX_FRAME_BYTES, SPLIT_KEYS, NetprotoStoreClient, StoreServer
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,14 @@ class World:
         return self.split.num_stages
 
 
+DRIVER = "driver"
+"""Rank 0's worker name; stage k is rank k (`stage_name`)."""
+
+
+def stage_name(rank: int) -> str:
+    return f"stage{rank}"
+
+
 RENDEZVOUS_SCHEME = "labtcp"
 
 _BARRIER_KEY = re.compile(r"^(.*/shutdown/(?:ACTIVE_CALLS|PROCESS_COUNT|READY)_ID_)(\d+)$")
@@ -310,7 +318,11 @@ def _store_on_master_host(
     if rank == 0:
         try:
             _end.server = StoreServer(
-                host=host, port=port, secret=secret, timeout_s=timeout.total_seconds()
+                host=host,
+                port=port,
+                secret=secret,
+                timeout_s=timeout.total_seconds(),
+                keys=SPLIT_KEYS,
             ).start()
         except OSError as exc:
             raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
@@ -478,7 +490,7 @@ def joined(
     _forget_previous_world()
     _register_rendezvous()
     try:
-        with _listening_towards_the_master(world.master), warnings.catch_warnings():
+        with listening_towards(world.master), warnings.catch_warnings():
             # torch's own start-up (`_tensorpipe_init_backend_handler`) hands the Gloo backend
             # it builds to `all_gather_object`, which then warns that a Backend is used as a
             # ProcessGroup: torch's internal call, nothing this code passes or could change.

@@ -157,7 +157,7 @@ def test_a_server_role_on_a_network_address_without_a_secret_warns(
 def test_tensorpipe_listens_on_the_interface_that_leads_to_the_master() -> None:
     import psutil
 
-    from split_engine.listening import interface_towards
+    from world.network import interface_towards
 
     loopback = interface_towards("127.0.0.1")
     addresses = [a.address for a in psutil.net_if_addrs()[loopback]]
@@ -172,20 +172,20 @@ def test_tensorpipe_and_gloo_both_listen_towards_the_master_unless_the_user_chos
     """init_rpc builds a Gloo group beside TensorPipe: left to itself it advertised the address
     of the host's name (loopback on Debian), and stages on other hosts were refused."""
     from lab.config import Endpoint
-    from split_engine.listening import (
+    from world.network import (
         INTERFACE_VARIABLES,
-        _listening_towards_the_master,
         interface_towards,
+        listening_towards,
     )
 
     for name in INTERFACE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     loopback = interface_towards("127.0.0.1")
-    with _listening_towards_the_master(Endpoint("127.0.0.1", 29530)):
+    with listening_towards(Endpoint("127.0.0.1", 29530)):
         assert os.environ["TP_SOCKET_IFNAME"] == os.environ["GLOO_SOCKET_IFNAME"] == loopback
     assert not any(name in os.environ for name in INTERFACE_VARIABLES)  # a later world decides anew
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "wg0")  # the user's own choice is kept
-    with _listening_towards_the_master(Endpoint("127.0.0.1", 29530)):
+    with listening_towards(Endpoint("127.0.0.1", 29530)):
         assert os.environ["GLOO_SOCKET_IFNAME"] == "wg0"
         assert os.environ["TP_SOCKET_IFNAME"] == loopback
     assert os.environ["GLOO_SOCKET_IFNAME"] == "wg0" and "TP_SOCKET_IFNAME" not in os.environ

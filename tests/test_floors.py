@@ -1,7 +1,7 @@
 """The floors of the house (docs/architecture.md), read from the source, every import counted
 wherever it stands (a cycle hidden inside a function is still a cycle):
 
-    netproto  ->  lab  ->  split_engine  ->  experiments  ->  labtools
+    netproto  ->  lab  ->  world  ->  split_engine  ->  experiments  ->  labtools
 
 Each floor imports only floors below it; no experiment imports a sibling; no module cycle; no
 file outside tests/ and bench/ over 800 lines. lab/'s one-release forwarders of the tools' old
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FLOORS = ("netproto", "lab", "split_engine", "<experiment>", "labtools")
+FLOORS = ("netproto", "lab", "world", "split_engine", "<experiment>", "labtools")
 """Lowest first."""
 MAX_LINES = 800
 
@@ -91,8 +91,15 @@ def test_each_module_imports_only_floors_below_it(module: str) -> None:
 
 def test_the_floors_are_what_the_architecture_says() -> None:
     assert experiments() >= {"fed_learn", "spec_decoding", "split_inference", "split_training"}
-    # netproto is the ground: it knows nothing of models, configs or experiments
-    assert all(not t.startswith(("lab", "split_engine")) for t in EDGES["netproto.overlay"])
+    # netproto is the ground: it knows nothing of models, configs, networks' policy or
+    # experiments; where ranks meet (store, overlay, fence, the safety policy) is world's
+    above = ("lab", "world", "split_engine", *experiments())
+    assert all(not t.startswith(above) for m, ts in EDGES.items() if m.startswith("netproto")
+               for t in ts)  # fmt: skip
+    assert {"world.store", "world.overlay", "world.fence", "world.network"} <= set(EDGES)
+    assert not any(
+        m.startswith(("netproto.overlay", "lab.fence", "split_engine.store")) for m in EDGES
+    )
 
 
 def test_no_module_cycle() -> None:
@@ -134,7 +141,7 @@ def test_no_module_cycle() -> None:
 
 @pytest.mark.parametrize("module", sorted(m for m in EDGES if m.split(".")[0] == "lab"))
 def test_lab_names_no_experiment_or_tool_in_an_import(module: str) -> None:
-    names = experiments() | {"labtools", "split_engine"}
+    names = experiments() | {"labtools", "split_engine", "world"}
     assert not {t.split(".")[0] for t in EDGES[module]} & names
 
 

@@ -25,7 +25,6 @@ from data_parallel.manifest import (
     step_ms,
     step_records,
 )
-from data_parallel.network import listening_store
 from lab.config import to_settings
 from lab.launch import free_port
 from lab.linkmodel import Link
@@ -454,42 +453,53 @@ def test_settings_a_local_run_cannot_honour_are_refused(
         check(settings)
 
 
-def test_an_overlay_from_a_cluster_file_is_said_unused_not_silently_ignored(
-    tmp_path: Path, lab_cache: Path, caplog: pytest.LogCaptureFixture
+def test_the_lab_overlay_for_an_elastic_number_of_hosts_is_refused(
+    tmp_path: Path, lab_cache: Path
 ) -> None:
-    """cluster=two_hosts sets cluster.overlay.up=true for the split modules; data_parallel does
-    not bring the overlay up, and says so rather than leave the user believing it is on."""
+    """The overlay is built for a fixed set of peers: dp.nnodes=MIN:MAX with it is one line."""
     from dataclasses import replace
 
     from data_parallel.run import check
 
-    settings = to_settings(compose_dp(tmp_path, lab_cache, ()), DataParallelRunConfig)
+    settings = to_settings(
+        compose_dp(tmp_path, lab_cache, ("role=worker", "dp.nnodes=2:3", "dp.checkpoint_dir=x")),
+        DataParallelRunConfig,
+    )
     overlay = replace(settings.cluster.overlay, up=True)
     settings = replace(settings, cluster=replace(settings.cluster, overlay=overlay))
-    with caplog.at_level("WARNING", logger="data_parallel.run"):
+    with pytest.raises(ValueError, match=r"dp.nnodes=2:3 with cluster.overlay.up=true"):
         check(settings)
-    assert "does not bring up the lab's overlay" in caplog.text
 
 
-def test_a_secret_is_refused_since_nothing_here_would_check_it() -> None:
+def test_the_secret_and_the_overlay_are_settings_it_reads() -> None:
     from data_parallel.run import EXPERIMENT
 
-    with pytest.raises(ValueError, match=r"data_parallel does not read cluster\.secret: .*no auth"):
-        EXPERIMENT.refuse_unread(["cluster.secret"])
+    for key in ("cluster.secret", "cluster.secret_file", "cluster.overlay.up",
+                "cluster.overlay.interface", "cluster.unsafe_plain_network"):  # fmt: skip
+        EXPERIMENT.refuse_unread([key])  # refused keys raise
 
 
-# ---------------------------------------------------------------------- listening, cost
-
-
-def test_the_rendezvous_store_listens_on_its_address_only() -> None:
-    store = listening_store("127.0.0.1", 0)
-    assert store is not None
-    listening = [
-        c.laddr
-        for c in psutil.Process().net_connections("tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
-    ]
-    assert [address.ip for address in listening] == ["127.0.0.1"]  # torch's own: 0.0.0.0 / ::
+def test_a_master_on_a_plain_network_is_refused_before_anything_waits(tmp_path: Path) -> None:
+    """Like a split run: a rendezvous reached over a plain network, with no overlay, is one
+    line and exit 2 (the address is this machine's own: nothing leaves it)."""
+    lan = next(
+        (a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+         if a.family == socket.AF_INET and not a.address.startswith("127.")),
+        None,
+    )  # fmt: skip
+    if lan is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    command = [
+        sys.executable, "-m", "data_parallel", "role=worker", "dp.nnodes=2",
+        f"cluster.master.host={lan}", f"cluster.master.port={free_port()}",
+        f"dp.checkpoint_dir={tmp_path / 'shared'}", f"hydra.run.dir={tmp_path}",
+        f"paths.cache_dir={tmp_path / 'cache'}", "model.lab_preset=debug",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cluster.unsafe_plain_network=true" in errors[0]
+    assert "a data_parallel run listens only on loopback" in errors[0]
 
 
 TRACED = {"workers": 2, "step_ms": 50.0, "synced_ms": 40.0,

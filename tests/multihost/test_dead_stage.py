@@ -24,7 +24,7 @@ import pytest
 from lab import registry
 from labtools.hosts import Network
 from labtools.hosts.scenarios import Roles, Security, provision
-from netproto.overlay import unavailable as overlay_unavailable
+from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = pytest.mark.multihost
 

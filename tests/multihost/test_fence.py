@@ -1,4 +1,4 @@
-"""The fence around a run's listeners (lab.fence): another local user reaches none of a split
+"""The fence around a run's listeners (world.fence): another local user reaches none of a split
 run's ports, each attack with its control arm (the same attack, fence off, gets through)."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lab import fence
 from labtools.attacks.local_user import (
     TRAIN,
     Listening,
@@ -33,6 +32,7 @@ from labtools.attacks.local_user import (
     split_run,
     tensorpipe_listener,
 )
+from world import fence
 
 pytestmark = [
     pytest.mark.multihost,
@@ -77,7 +77,7 @@ def test_a_killed_launchers_fence_is_swept_by_the_next_run(tmp_path: Path) -> No
         [
             sys.executable,
             "-c",
-            "import time\nfrom lab import fence\nwith fence.nftables_fence() as f:\n"
+            "import time\nfrom world import fence\nwith fence.nftables_fence() as f:\n"
             "    print(f.table, f.address, flush=True)\n    time.sleep(600)\n",
         ],
         stdout=subprocess.PIPE,

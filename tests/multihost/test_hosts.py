@@ -33,7 +33,7 @@ from labtools.hosts import (
     run_documented,
     scenarios,
 )
-from netproto.overlay import unavailable as overlay_unavailable
+from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = pytest.mark.multihost
 
@@ -55,11 +55,15 @@ except OSError as exc:
 """
 
 
+OVERLAID = ("split_inference", "split_training", "data_parallel")
+"""Modules whose runs across hosts listen only inside the lab's WireGuard overlay (world)."""
+
+
 def skip_split_without_wireguard(module: str) -> None:
-    """Split runs across hosts listen only inside the lab's WireGuard overlay."""
+    """Split and data_parallel runs across hosts listen only inside the lab's overlay."""
     why = overlay_unavailable()
-    if module.startswith("split") and why is not None:
-        pytest.skip(f"split runs across hosts need the overlay: {why} (make multihost-deps)")
+    if module in OVERLAID and why is not None:
+        pytest.skip(f"{module} runs across hosts need the overlay: {why} (make multihost-deps)")
 
 
 def namespaces() -> set[str]:
@@ -236,10 +240,10 @@ def test_a_module_across_hosts_gives_what_it_gives_on_loopback(tmp_path: Path, m
         tokens = sum(len(row["tokens"]) for row in rows)  # padding left out: fewer
         between = summary[-1]["bytes_between_stages_per_token"] * tokens
         assert outcome.link_bytes["laptop"] >= between and outcome.link_bytes["pc"] >= between
-    if module == "data_parallel":  # torch.distributed on a network address: said at start-up
+    if module == "data_parallel":  # the rendezvous and gloo met inside the overlay (world)
         assert outcome.run_dir is not None
         log = outcome.run_dir.with_name(outcome.run_dir.name + ".log").read_text()
-        assert "torch.distributed's store and gloo have no authentication" in log
+        assert "rendezvous store listening on 10.213.128.1:" in log and "(auth)" in log
     assert "".join(lines).strip().endswith("modules identical across hosts: 1 of 1")
 
 

@@ -1,4 +1,4 @@
-"""Split runs across hosts listen only inside the lab's WireGuard overlay (netproto.overlay):
+"""Split runs across hosts listen only inside the lab's WireGuard overlay (world.overlay):
 a stranger on the same LAN, without the secret, reaches none of their ports, even routing the
 overlay's addresses through a host's LAN address; a split run that would listen on the plain
 network refuses to start."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from labtools.hosts import ATTACKS, OVERLAY_PREFIX, Exposure, Host, Network, probe_exposure
-from netproto.overlay import unavailable as overlay_unavailable
+from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = [
     pytest.mark.multihost,
@@ -45,7 +45,7 @@ except OSError as exc:
 
 
 def overlay_up(host: Host, log: Path, *args: str) -> subprocess.Popen:
-    proc = host.start([sys.executable, "-m", "netproto.overlay", "up", *args], log,
+    proc = host.start([sys.executable, "-m", "world.overlay", "up", *args], log,
                       env={"LAB_SECRET": SECRET})  # fmt: skip
     return proc
 
@@ -97,7 +97,7 @@ def test_an_overlay_peer_without_the_secret_is_refused_and_the_hub_waits_on(tmp_
                    "--interface", "labwgtesthub")  # fmt: skip
         wait_for(tmp_path / "hub.log", "waiting for 1 peers")
         wrong = peer.start(
-            [sys.executable, "-m", "netproto.overlay", "up", "--hub-address", hub.address,
+            [sys.executable, "-m", "world.overlay", "up", "--hub-address", hub.address,
              "--interface", "labwgtestbad"],
             tmp_path / "wrong.log", env={"LAB_SECRET": "not the secret"},
         )  # fmt: skip
@@ -154,7 +154,7 @@ def test_a_stranger_on_the_lan_reaches_no_port_of_a_split_run(
 
 def test_another_local_user_reaches_no_port_of_a_split_run_on_its_host(exposure: Exposure) -> None:
     """On every host of the run, another local user (uid nobody) reaches none of the run's
-    listeners on the host's overlay address (the fence, lab.fence); controls in the same
+    listeners on the host's overlay address (the fence, world.fence); controls in the same
     script: a listener of its own on the LAN address takes that user's connection, and one on
     the overlay address takes the run's own user's."""
     assert set(exposure.local) == {"desktop", "laptop", "pc"}, exposure.local

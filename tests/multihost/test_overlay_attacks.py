@@ -1,4 +1,4 @@
-"""Attacks on the overlay's interface handling and on a peer by its hub (netproto.overlay),
+"""Attacks on the overlay's interface handling and on a peer by its hub (world.overlay),
 each in network namespaces of its own: an interface name another namespace's wireguard-go
 serves, the name of an interface the host has, and a roster handing a peer its LAN address."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from labtools.hosts import Host, Network
-from netproto.overlay import unavailable as overlay_unavailable
+from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = [
     pytest.mark.multihost,
@@ -24,7 +24,7 @@ pytestmark = [
 SECRET = "overlay-attack-secret"
 HOLD = """
 import sys, time
-from netproto.overlay import Interface
+from world.overlay import Interface
 wg = Interface(name=sys.argv[1])
 try:
     wg.up()
@@ -35,7 +35,7 @@ finally:
 """
 TAKE = """
 import sys
-from netproto.overlay import Interface, OverlayError
+from world.overlay import Interface, OverlayError
 wg = Interface(name=sys.argv[1])
 try:
     wg.up()
@@ -48,7 +48,7 @@ finally:
 ROGUE_HUB = """
 import json, sys, time
 from netproto import Server
-from netproto.overlay import OverlayMsg
+from world.overlay import OverlayMsg
 
 def session(conn):
     join = conn.recv(expect=OverlayMsg.JOIN)
@@ -113,7 +113,7 @@ def test_an_interface_name_the_host_already_has_is_refused_and_left_alone(
     with Network(["peer"], root=tmp_path / "hosts") as network:
         peer = network["peer"]
         proc = peer.start(
-            [sys.executable, "-m", "netproto.overlay", "up", "--hub-address", "10.99.0.1",
+            [sys.executable, "-m", "world.overlay", "up", "--hub-address", "10.99.0.1",
              "--interface", "eth0"],
             tmp_path / "peer.log", env={"LAB_SECRET": SECRET},
         )  # fmt: skip
@@ -134,7 +134,7 @@ def test_a_roster_giving_a_peer_its_lan_address_is_refused(tmp_path: Path) -> No
         python(hub, ROGUE_HUB, tmp_path / "hub.log", hub.address, json.dumps(roster), SECRET)
         wait_for(tmp_path / "hub.log", "serving")
         peer.start(
-            [sys.executable, "-m", "netproto.overlay", "up", "--hub-address", hub.address,
+            [sys.executable, "-m", "world.overlay", "up", "--hub-address", hub.address,
              "--interface", "labwgatkpeer"],
             tmp_path / "peer.log", env={"LAB_SECRET": SECRET},
         )  # fmt: skip

@@ -1,13 +1,16 @@
-"""A split run's rendezvous store, served by the lab over netproto (the shared secret, capped).
+"""A world's rendezvous store, served by the lab over netproto (the shared secret, capped).
 
-torch.distributed.rpc meets through a key-value store: TensorPipe's and Gloo's addresses, the
-start-up all-gather, the shutdown barrier. torch's TCPStore server is C++ with no hooks: it
-answers anyone who reaches its port, keeps values of any size (4 MiB each, without limit, in a
-test) and lets a stranger rewrite `rpc_prefix_0/addrs/*` before a run (both stages died). Here
-the driver serves the store itself: a netproto server (the secret's handshake when one is set,
-frames capped), keys only under the prefixes torch's RPC and Gloo use, values and key counts
-capped, and each rank reaches it through `NetprotoStoreClient`, which `workers._WorldStore`
-hands to torch as its `Store`.
+torch.distributed meets through a key-value store: TensorPipe's and Gloo's addresses, RPC's
+start-up all-gather and shutdown barrier, the elastic agent's rendezvous state and heartbeats.
+torch's TCPStore server is C++ with no hooks: it answers anyone who reaches its port, keeps
+values of any size (4 MiB each, without limit, in a test) and lets a stranger rewrite
+`rpc_prefix_0/addrs/*` before a split run (both stages died) or a data_parallel run's
+rendezvous state (the run ended with `The state object is corrupt`). Here rank 0 serves the
+store itself: a netproto server (the secret's handshake when one is set, frames capped), keys
+only in the key space of its kind of world (`KeySpace`: `SPLIT_KEYS`, `elastic_keys`,
+`group_keys`), values and key counts capped, and each rank reaches it through
+`NetprotoStoreClient`, which `AuthenticatedStore` hands to torch as its `dist.Store` (with the
+batch calls the elastic agent makes: one round trip for `multi_get` / `multi_set`).
 
     client -> server  STORE_REQUEST  BYTES  fields: op, key..., value...
     server -> client  STORE_REPLY    BYTES  fields: status, value...
@@ -18,25 +21,75 @@ one thread's wait never holds the connection another thread of the same rank nee
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
+from typing import Any
 
 import torch.distributed as dist
 
 from netproto import REGISTRY, Connection, Limits, PayloadKind, Server
-from netproto.errors import NetprotoError
+from netproto.errors import ConnectionClosed, NetprotoError, NetTimeout
 
-KEY_PREFIXES = ("rpc_prefix_0/", "split/")
-"""The keys of one world: torch's RPC start-up, its shutdown barrier and the Gloo group beside it
-(all under `rpc_prefix_0/`: `workers._forget_previous_world` numbers every world from 0) and the
-lab's own words (`split/...`); any other key is refused."""
-WRITE_ONCE = ("rpc_prefix_0/addrs/", "rpc_prefix_0/names/")
-"""Where each worker publishes its name and address: the first value stands (any later write
-of one, `set`, `add`, `compare_set` or `delete`, a hijack, is refused)."""
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """The keys one kind of world uses: any other key is refused."""
+
+    prefixes: tuple[str, ...]
+    """Every key starts with one of these."""
+    write_once: tuple[str, ...] = ()
+    """Keys under these are written once: the first value stands (any later write of one,
+    `set`, `add`, `compare_set` or `delete`, a hijack, is refused)."""
+    name: str = "world"
+    """What the refusals call it."""
+
+
+SPLIT_KEYS = KeySpace(
+    prefixes=("rpc_prefix_0/", "split/"),
+    write_once=("rpc_prefix_0/addrs/", "rpc_prefix_0/names/"),
+    name="split run",
+)
+"""A split run's world: torch's RPC start-up, its shutdown barrier and the Gloo group beside it
+(all under `rpc_prefix_0/`: split_engine.workers numbers every world from 0) and the lab's own
+words (`split/...`). Each worker publishes its name and address once (`addrs/`, `names/`)."""
+
+
+def elastic_keys(run_id: str, *, own: tuple[str, ...] = ()) -> KeySpace:
+    """The world of torch's elastic agents (torchrun) of run `run_id`: the rendezvous state
+    (`torch.rendezvous.<run_id>`, rewritten at every join, heartbeat and round), each round's
+    keys (`torch.rendezvous.<run_id>.<round>/...`: the agents' rank assignment, exit barrier,
+    MASTER_ADDR/PORT), torch's `/torch/elastic/` store keys, the workers' process groups (each
+    round's under `group_keys`' prefix) and the experiment's `own` prefixes. Nothing is
+    write-once: the agent rewrites its state many times."""
+    return KeySpace(
+        prefixes=(f"torch.rendezvous.{run_id}", "/torch/elastic/", GROUP_PREFIX, *own),
+        name=f"rendezvous {run_id}",
+    )
+
+
+GROUP_PREFIX = "group/"
+"""Where the process groups of a world keep their keys: `group/<round>/...` (`round_prefix`)."""
+
+
+def round_prefix(round_name: str) -> str:
+    """The prefix of one round's process group: a group started again (after a failure, or a
+    host joining) never reads its predecessors' gloo addresses."""
+    return f"{GROUP_PREFIX}{round_name}"
+
+
+def group_keys() -> KeySpace:
+    """A world of fixed ranks that only builds process groups (`world.group.process_group`)."""
+    return KeySpace(prefixes=(GROUP_PREFIX,), name="process group")
+
+
 MAX_KEY_BYTES = 256
 MAX_VALUE_BYTES = 64 * 2**10
 """TensorPipe's and Gloo's address records are a few hundred bytes."""
@@ -55,7 +108,7 @@ class StoreMsg(IntEnum):
 
 
 REGISTRY.register(
-    "split_store",
+    "world_store",
     0x0300,
     0x030F,
     {StoreMsg.STORE_REQUEST: PayloadKind.BYTES, StoreMsg.STORE_REPLY: PayloadKind.BYTES},
@@ -71,10 +124,12 @@ class Op(IntEnum):
     WAIT = 6  # keys -> b"1" when all present, else b"0" after POLL_WAIT_S
     DELETE = 7  # key -> b"1" / b"0"
     NUM_KEYS = 8
+    MULTI_GET = 9  # keys -> values, waits up to POLL_WAIT_S for all ("missing" if not)
+    MULTI_SET = 10  # key, value, key, value, ... -> ok
 
 
 OK, MISSING, REFUSED = b"ok", b"missing", b"refused"
-_WRITES = (Op.SET, Op.ADD, Op.COMPARE_SET, Op.DELETE)
+_WRITES = (Op.SET, Op.ADD, Op.COMPARE_SET, Op.DELETE, Op.MULTI_SET)
 
 
 class StoreRefused(ValueError):
@@ -111,22 +166,23 @@ def unpack_fields(data: bytes) -> list[bytes]:
     return fields
 
 
-def _key(raw: bytes) -> str:
+def _key(raw: bytes, space: KeySpace) -> str:
     if len(raw) > MAX_KEY_BYTES:
         raise StoreRefused(f"store key of {len(raw)} bytes (at most {MAX_KEY_BYTES})")
     try:
         key = raw.decode()
     except UnicodeDecodeError:
         raise StoreRefused("store key is not UTF-8") from None
-    if not key.startswith(KEY_PREFIXES) or not key.isprintable():
-        raise StoreRefused(f"store key {key[:64]!r} is outside this run's prefixes")
+    if not key.startswith(space.prefixes) or not key.isprintable():
+        raise StoreRefused(f"store key {key[:64]!r} is outside the {space.name}'s key space")
     return key
 
 
 class StoreState:
     """The store's contents and the operations on them (no I/O: the server's sessions call it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: KeySpace = SPLIT_KEYS) -> None:
+        self.keys = keys
         self._values: dict[str, bytes] = {}
         self._total = 0
         self._changed = threading.Condition()
@@ -159,19 +215,30 @@ class StoreState:
         with self._changed:
             if op == Op.NUM_KEYS:
                 return [OK, str(len(self._values)).encode()]
-            if op in (Op.CHECK, Op.WAIT):
-                keys = [_key(raw) for raw in args]
+            if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET):
+                keys = [_key(raw, self.keys) for raw in args]
+                if op == Op.MULTI_GET:
+                    if not self._wait_for(keys, wait_s):
+                        return [MISSING]
+                    return [OK, *(self._values[key] for key in keys)]
                 present = (
                     all(k in self._values for k in keys)
                     if op == Op.CHECK
                     else self._wait_for(keys, wait_s)
                 )
                 return [OK, b"1" if present else b"0"]
-            key = _key(args[0])
-            if op in _WRITES and key.startswith(WRITE_ONCE) and key in self._values:
-                # every write, not only SET: a compare-set, an add or a delete then a set
-                # would rewrite a published address as surely
-                raise StoreRefused(f"store key {key!r} is written once, and it has been")
+            if op == Op.MULTI_SET:
+                if len(args) % 2:
+                    raise ValueError("store MULTI_SET with a key without its value")
+                pairs = [(_key(args[i], self.keys), args[i + 1]) for i in range(0, len(args), 2)]
+                for key, _ in pairs:  # all refused or all written
+                    self._check_rewrite(key)
+                for key, value in pairs:
+                    self._put(key, value)
+                return [OK]
+            key = _key(args[0], self.keys)
+            if op in _WRITES:
+                self._check_rewrite(key)
             if op == Op.SET and len(args) == 2:
                 self._put(key, args[1])
                 return [OK]
@@ -197,6 +264,12 @@ class StoreState:
                 return [OK, b"1" if old is not None else b"0"]
         raise ValueError(f"store request op {op} with {len(args)} arguments")
 
+    def _check_rewrite(self, key: str) -> None:
+        # every write, not only SET: a compare-set, an add or a delete then a set would rewrite
+        # a published address as surely
+        if key.startswith(self.keys.write_once) and key in self._values:
+            raise StoreRefused(f"store key {key!r} is written once, and it has been")
+
 
 def _integer(raw: bytes) -> int:
     if len(raw) > 20 or not raw.lstrip(b"-").isdigit():
@@ -205,10 +278,18 @@ def _integer(raw: bytes) -> int:
 
 
 class StoreServer:
-    """The run's store, served on `host:port` by the driver (rank 0) until `stop`."""
+    """The world's store, served on `host:port` by rank 0 until `stop`, taking keys in `keys`."""
 
-    def __init__(self, *, host: str, port: int, secret: bytes | None, timeout_s: float) -> None:
-        self.state = StoreState()
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        secret: bytes | None,
+        timeout_s: float,
+        keys: KeySpace = SPLIT_KEYS,
+    ) -> None:
+        self.state = StoreState(keys)
         limits = Limits(max_frame_bytes=MAX_FRAME_BYTES, max_json_bytes=4096)
         self.server = Server(
             self._session,
@@ -223,6 +304,8 @@ class StoreServer:
             name="rendezvous store",
         )
         self.refused = 0
+        self.requests = 0
+        """Requests answered (every round trip a rank made)."""
 
     def start(self) -> StoreServer:
         self.server.start()
@@ -235,6 +318,7 @@ class StoreServer:
     def _session(self, conn: Connection) -> None:
         while True:
             message = conn.recv(expect=StoreMsg.STORE_REQUEST, timeout_s=None)
+            self.requests += 1
             try:
                 fields = unpack_fields(message.payload)
                 if not fields or len(fields[0]) != 1:
@@ -250,8 +334,8 @@ class StoreServer:
 
 
 class NetprotoStoreClient:
-    """One rank's connection to the run's store, with TCPStore's Python methods (the ones
-    `workers._WorldStore` calls). Thread-safe: one request at a time on the connection."""
+    """One rank's connection to the world's store, with TCPStore's Python methods (the ones
+    `AuthenticatedStore` calls). Thread-safe: one request at a time on the connection."""
 
     def __init__(self, conn: Connection, *, timeout: timedelta) -> None:
         self.conn = conn
@@ -274,15 +358,23 @@ class NetprotoStoreClient:
         if not fields or fields[0] not in (OK, MISSING):
             detail = fields[1].decode(errors="replace") if len(fields) > 1 else "no reason"
             raise dist.DistStoreError(f"rendezvous store refused {op.name}: {detail}")
-        if fields[0] == OK and len(fields) < (1 if op == Op.SET else 2):
+        if fields[0] == OK and len(fields) < (1 if op in (Op.SET, Op.MULTI_SET) else 2):
             raise dist.DistStoreError(f"rendezvous store answered {op.name} without its value")
         return fields
 
     def _until(self, timeout: timedelta | None, op: Op, *args: bytes) -> list[bytes]:
         """Repeat a waiting request until it succeeds or the timeout passes."""
         limit = (timeout or self.timeout).total_seconds()
-        deadline = time.monotonic() + limit
+        started = time.monotonic()
+        deadline = started + limit
+        say_at = 5.0
         while True:
+            waited = time.monotonic() - started
+            if waited >= say_at:  # within 5 s, then every 30 s
+                names = b", ".join(args).decode(errors="replace")[:200]
+                log.info("waiting for %s in the rendezvous store at %s (%.0fs of %.0fs)",
+                         names, self.conn.peer, waited, limit)  # fmt: skip
+                say_at += 30.0
             if self.abandoned:
                 raise dist.DistStoreError(f"rendezvous abandoned: {self.abandoned}")
             fields = self._request(op, *args)
@@ -319,6 +411,15 @@ class NetprotoStoreClient:
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._until(timeout, Op.WAIT, *(key.encode() for key in keys))
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Every key's value in one round trip (waiting, as `get` does, until all are there)."""
+        return self._until(None, Op.MULTI_GET, *(key.encode() for key in keys))[1:]
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        pairs = [part for key, value in zip(keys, values, strict=True)
+                 for part in (key.encode(), self._bytes(value))]  # fmt: skip
+        self._request(Op.MULTI_SET, *pairs)
+
     def delete_key(self, key: str) -> bool:
         return self._request(Op.DELETE, key.encode())[1] == b"1"
 
@@ -330,3 +431,89 @@ class NetprotoStoreClient:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class AuthenticatedStore(dist.Store):
+    """A world's store as torch sees it (`init_process_group(store=...)`, `PrefixStore`, the
+    elastic agent's `C10dRendezvousBackend`): every call one request on the rank's netproto
+    connection. c10d's Python store trampoline calls these methods by their C++ names where
+    they differ (`deleteKey`, `getNumKeys`); `multi_get` / `multi_set` are one round trip."""
+
+    def __init__(self, client: NetprotoStoreClient) -> None:
+        super().__init__()
+        self.client = client
+
+    def set(self, key: str, value: Any) -> None:
+        self.client.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self.client.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self.client.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.client.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.client.wait(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self.client.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self.client.multi_set(keys, values)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self.client.set_timeout(timeout)
+
+    def deleteKey(self, key: str) -> bool:  # the C++ name, which the trampoline calls
+        return self.client.delete_key(key)
+
+    def getNumKeys(self) -> int:  # the C++ name, which the trampoline calls
+        return self.client.num_keys()
+
+
+class StoreUnreachableError(ConnectionError):
+    """No store answered at the address within the timeout."""
+
+
+def connect(
+    host: str,
+    port: int,
+    *,
+    secret: bytes | None,
+    timeout_s: float,
+    abandoned: Callable[[], str] = lambda: "",
+    describe: Callable[[float], str] | None = None,
+) -> NetprotoStoreClient:
+    """This rank's connection to the world's store at host:port, retried until rank 0 serves it
+    or `timeout_s` passes (StoreUnreachableError), or `abandoned()` says why to stop. A store
+    that refuses the secret raises AuthenticationError at once. `describe(waited_s)`: the line
+    logged within 5 s and every 30 s while it waits (what it waits for, where, which key)."""
+    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    said = 0.0
+    while True:
+        try:
+            conn = Connection.connect(
+                host, port, secret=secret, connect_timeout_s=min(10.0, timeout_s),
+                read_timeout_s=60.0,
+                limits=Limits(max_frame_bytes=MAX_FRAME_BYTES, max_json_bytes=4096),
+            )  # fmt: skip
+            break
+        except (ConnectionClosed, NetTimeout):
+            waited = time.monotonic() - started
+            if time.monotonic() > deadline or abandoned():
+                raise StoreUnreachableError(
+                    f"no rendezvous store answered at {host}:{port} within {timeout_s:g}s"
+                ) from None
+            if describe is not None and waited >= said:
+                log.info("%s", describe(waited))
+                said = 5.0 if said == 0.0 else said + 30.0
+            time.sleep(0.2)
+    return NetprotoStoreClient(conn, timeout=timedelta(seconds=timeout_s))

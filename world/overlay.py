@@ -16,8 +16,8 @@ An nftables table per interface drops packets for this host's overlay address th
 any other interface than the overlay's own (or loopback): Linux would otherwise accept them
 from a LAN neighbour that routes the overlay subnet through this host's LAN address.
 
-    LAB_SECRET=... python -m netproto.overlay up --hub --listen 192.168.1.10 --peers 1
-    LAB_SECRET=... python -m netproto.overlay up --hub-address 192.168.1.10
+    LAB_SECRET=... python -m world.overlay up --hub --listen 192.168.1.10 --peers 1
+    LAB_SECRET=... python -m world.overlay up --hub-address 192.168.1.10
 Each prints its overlay address and holds the overlay until Ctrl-C or SIGTERM, then tears it
 down. A split run can instead bring it up itself (`cluster.overlay.up=true`).
 """
@@ -599,7 +599,7 @@ def _secret(path: str | None) -> bytes:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m netproto.overlay",
+        prog="python -m world.overlay",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""The split run's rendezvous store (split_engine.store): torch's TCPStore answered anyone,
+"""A world's rendezvous store (world.store): torch's TCPStore answered anyone,
 held values of any size and let a stranger rewrite a worker's address before a run. Each
 attack here has its own test, against the real server over loopback."""
 
@@ -17,16 +17,18 @@ import torch.distributed as dist
 from netproto import Connection
 from netproto.errors import AuthenticationError, NetprotoError
 from netproto.wire import HEADER, Header, Limits, PayloadKind, pack_header
-from split_engine.store import (
+from world.store import (
     MAX_FRAME_BYTES,
     MAX_KEYS,
     MAX_VALUE_BYTES,
+    AuthenticatedStore,
     NetprotoStoreClient,
     Op,
     StoreMsg,
     StoreRefused,
     StoreServer,
     StoreState,
+    elastic_keys,
     pack_fields,
     unpack_fields,
 )
@@ -95,7 +97,7 @@ def test_a_peer_without_the_secret_never_reaches_the_store(server: StoreServer) 
 def test_a_key_outside_the_worlds_prefixes_is_refused(server: StoreServer) -> None:
     store = client(server)
     for key in ("rpc_prefix_1/addrs/x", "/etc/passwd", "default_pg/0", "rpc_prefix_0/\x00"):
-        with pytest.raises(dist.DistStoreError, match="outside this run's prefixes"):
+        with pytest.raises(dist.DistStoreError, match="outside the split run's key space"):
             store.set(key, b"x")
     store.set("rpc_prefix_0/fine", b"x")  # the session goes on after a refusal
     assert server.refused == 4
@@ -202,3 +204,56 @@ def test_a_published_address_cannot_be_rewritten_by_another_write(
         hijacker.set(key, b"attacker")
     assert owner.get(key) == value
     assert server.state._total == len(value)
+
+
+@pytest.fixture
+def elastic_server() -> Iterator[StoreServer]:
+    keys = elastic_keys("data_parallel-7", own=("data_parallel/",))
+    store = StoreServer(host="127.0.0.1", port=0, secret=SECRET, timeout_s=5.0, keys=keys).start()
+    try:
+        yield store
+    finally:
+        store.stop()
+
+
+def test_the_elastic_key_space_takes_the_agents_keys_and_lets_the_state_be_rewritten(
+    elastic_server: StoreServer,
+) -> None:
+    """The rendezvous state is compare-set at every join and heartbeat (not write-once, unlike
+    a split run's addresses); another run's state, or a split run's keys, are refused."""
+    store = client(elastic_server)
+    state = "torch.rendezvous.data_parallel-7"
+    assert store.compare_set(state, "", "Y2FuaW1hZGFt") == b"Y2FuaW1hZGFt"
+    for version in (b"round 0", b"round 0, 2 nodes", b"round 1"):
+        current = store.get(state)
+        assert store.compare_set(state, current, version) == version
+    store.set("torch.rendezvous.data_parallel-7.1/torchelastic/role_info/0", b"info")
+    store.set("/torch/elastic/store/x", b"1")
+    store.set("group/ab12/0//cpu//0/0", b"gloo address")
+    store.set("data_parallel/job", b"token")
+    for key in ("torch.rendezvous.data_parallel-8", "rpc_prefix_0/addrs/stage1", "default_pg/0"):
+        with pytest.raises(dist.DistStoreError, match="outside the rendezvous data_parallel-7"):
+            store.set(key, b"x")
+
+
+def test_the_batch_calls_are_one_round_trip_each(elastic_server: StoreServer) -> None:
+    """What the elastic agent's rank assignment makes (multi_set by rank 0, multi_get of every
+    agent's role): one request each, counted by the server."""
+    store = AuthenticatedStore(client(elastic_server))
+    keys = [f"group/r/torchelastic/role_info/{i}" for i in range(8)]
+    before = elastic_server.requests
+    store.multi_set(keys, [f"role {i}" for i in range(8)])
+    assert store.multi_get(keys) == [f"role {i}".encode() for i in range(8)]
+    assert elastic_server.requests - before == 2
+    prefixed = dist.PrefixStore("group/p", store)  # torch's C++ PrefixStore calls them too
+    prefixed.multi_set(["a", "b"], ["1", "2"])
+    assert prefixed.multi_get(["a", "b"]) == [b"1", b"2"]
+    assert elastic_server.requests - before == 4
+
+
+def test_a_multi_set_with_one_refused_key_writes_none() -> None:
+    state = StoreState(elastic_keys("r"))
+    with pytest.raises(StoreRefused):
+        state.apply(Op.MULTI_SET, [b"group/a", b"1", b"elsewhere/b", b"2"])
+    assert state.apply(Op.NUM_KEYS, []) == [b"ok", b"0"]
+    assert state.apply(Op.MULTI_GET, [b"group/a"], wait_s=0.0) == [b"missing"]

@@ -1,4 +1,4 @@
-"""netproto.overlay's control plane checks every field a peer or the hub sends before it turns
+"""world.overlay's control plane checks every field a peer or the hub sends before it turns
 into a `wg` or `ip` argument; the overlay itself runs in tests/multihost/test_overlay.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lab.config import ClusterConfig, OverlayConfig
-from netproto.overlay import (
+from world.overlay import (
     Interface,
     OverlayError,
     _check_join,
@@ -149,7 +149,7 @@ def test_a_secret_holder_joining_again_under_other_keys_takes_no_peers_place() -
 
     from netproto import Connection, Server
     from netproto.errors import RemoteError
-    from netproto.overlay import OverlayMsg, Peer, _Hub
+    from world.overlay import OverlayMsg, Peer, _Hub
 
     hub = _Hub(num_peers=2, subnet=ipaddress.IPv4Network("10.213.128.0/24"),
                names=frozenset({"stage1", "stage2"}))  # fmt: skip

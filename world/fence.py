@@ -15,7 +15,7 @@ unless a process of the run's own user sent it:
   one.
 - **namespace** (not root): the run starts in a private user and network namespace (`unshare
   -rn`), whose loopback no other process of the host shares (`lab.experiment.main` re-runs the
-  command there).
+  command there, through `LOCAL_FENCE`).
 
 Drawn as the kernel sees one packet to the run's address::
 
@@ -24,8 +24,9 @@ Drawn as the kernel sees one packet to the run's address::
 
 Each nftables table is `lab_fence_<id>`, its comment naming the launcher's pid and start time:
 the next run on the host removes tables (and addresses) whose launcher is gone, so a SIGKILLed
-launcher leaves nothing for long. One fence per run; `world/` is where it will live with the
-rest of where ranks meet (issue 49), applied unchanged to data_parallel's gloo and store.
+launcher leaves nothing for long. One fence per run, the same for a split run's TensorPipe and
+Gloo and for data_parallel's gloo and rendezvous store. An experiment hands `LOCAL_FENCE` to
+its `lab.experiment.Experiment(fence=...)`: lab, a floor below, never imports it.
 """
 
 from __future__ import annotations
@@ -353,3 +354,26 @@ def run_inside(argv: list[str]) -> int:
         for number, handler in previous.items():
             signal.signal(number, handler)
     return code if code >= 0 else 128 - code
+
+
+class LocalFence:
+    """The fence as `lab.experiment` asks for it (its `Fencing`): the loopback fence of a local
+    run, and the private namespace a run re-runs in where nftables cannot fence."""
+
+    def loopback(self) -> contextlib.AbstractContextManager[Fence]:
+        return loopback_fence()
+
+    def namespace_reason(self) -> str | None:
+        if not wants_namespace():
+            return None
+        return nftables_unavailable() or f"{FENCE_ENV}=namespace"
+
+    def namespace_argv(self, argv: list[str]) -> list[str] | None:
+        return namespace_argv(argv)
+
+    def run_inside(self, argv: list[str]) -> int:
+        return run_inside(argv)
+
+
+LOCAL_FENCE = LocalFence()
+"""What a fenced experiment's `Experiment(fence=...)` holds."""
