@@ -69,9 +69,11 @@ def generate(
     seed: int = 0,
     keep_logits: bool = False,
     sync: Callable[[], None] = lambda: None,
+    after_prefill: Callable[[], None] = lambda: None,
 ) -> Generation:
     """`max_new_tokens` tokens for each prompt of the (B, T) batch; temperature 0 is greedy.
-    `sync` runs before each step's clock stops (a CUDA synchronize)."""
+    `sync` runs before each step's clock stops (a CUDA synchronize); `after_prefill` once the
+    prompt's step is done (counters of the decode steps alone start there)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -99,6 +101,7 @@ def generate(
         elapsed = time.perf_counter() - started
         if step == 0:
             prefill_s = elapsed
+            after_prefill()
         else:
             times.append(elapsed)
         if keep_logits:

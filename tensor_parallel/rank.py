@@ -25,7 +25,7 @@ from lab.models import load_tokenizer, resolve_source
 from lab.tracking import Tracker
 from tensor_parallel.config import TensorParallelRunConfig
 from tensor_parallel.decode import Generation, generate, left_padded, same_on_every_rank
-from tensor_parallel.group import Group, process_group
+from tensor_parallel.group import Group, tp_group
 from tensor_parallel.shard import ShardedModel, load_sharded
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ def _gen(
     seed: int,
     sync: Any,
     keep: bool = False,
+    after_prefill: Any = lambda: None,
 ) -> Generation:
     tp = settings.tp
     return generate(
@@ -86,6 +87,7 @@ def _gen(
         seed=seed,
         keep_logits=keep,
         sync=sync,
+        after_prefill=after_prefill,
     )
 
 
@@ -96,8 +98,8 @@ def run_rank(settings: TensorParallelRunConfig) -> dict[str, float]:
     logging.basicConfig(level=logging.INFO, format=f"[rank{tp.rank}] %(levelname)s: %(message)s")
     log.info("rank %d of %d on cores %s", tp.rank, tp.ranks, cores)
     folder = Path(resolve_source(settings.model, cache_dir=settings.paths.cache_path))
-    with process_group(
-        settings.cluster.master, rank=tp.rank, ranks=tp.ranks, timeout_s=tp.join_timeout_s
+    with tp_group(
+        settings.cluster, rank=tp.rank, ranks=tp.ranks, timeout_s=tp.join_timeout_s
     ) as group:
         return _measure(settings, group, folder, cores)
 
@@ -126,7 +128,15 @@ def _measure(settings: Any, group: Group, folder: Path, cores: list[int]) -> dic
     for repeat in range(tp.repeats + 1):  # the first: warm-up
         sharded.collectives.reset()
         started = time.perf_counter()
-        generation = _gen(sharded.model, batch, settings, int(seed), sync, keep=True)
+        generation = _gen(
+            sharded.model,
+            batch,
+            settings,
+            int(seed),
+            sync,
+            keep=True,
+            after_prefill=sharded.collectives.reset,
+        )  # decode steps' alone
         wall = time.perf_counter() - started
         if repeat:
             ours.append(
@@ -180,18 +190,18 @@ def _metrics(
     batch = len(tp.prompts)
     steps = [s for g, *_ in ours for s in g.token_s]
     pooled = Generation(ours[-1][0].tokens, steps, 0.0)
-    decode_steps = sum(len(g.token_s) + 1 for g, *_ in ours)
+    decode_steps = sum(len(g.token_s) for g, *_ in ours)  # the collectives counted after prefill
     comm_s = sum(c for _, _, c, _, _ in ours)
     count = sum(n for *_, n, _ in ours)
     nbytes = sum(b for *_, b in ours)
-    busy_s = sum(g.prefill_s + sum(g.token_s) for g, *_ in ours)
+    busy_s = sum(sum(g.token_s) for g, *_ in ours)
     metrics = {
         "ranks": float(tp.ranks),
         "token_ms": pooled.median_ms,
         "token_ms_p95": pooled.ms(0.95),
         "tokens_per_s": 1e3 * batch / pooled.median_ms,
         "allreduces_per_token": count / decode_steps,
-        "allreduce_bytes_per_token": nbytes / decode_steps / batch,
+        "allreduce_bytes_per_token": nbytes / decode_steps / batch,  # per prompt's token
     }
     if sharded.engine == "local":
         metrics["collective_share"] = comm_s / busy_s

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from secrets import token_hex
 
 from omegaconf import DictConfig
 
@@ -21,17 +22,13 @@ from lab.records import METRICS_FILE, read_records
 from lab.tracking import Tracker
 from tensor_parallel.config import TensorParallelRunConfig
 from tensor_parallel.rank import JOB, run_rank
+from world.fence import LOCAL_FENCE
 
 log = logging.getLogger(__name__)
 
 UNREAD = {
-    "cluster.secret": "torch's store and gloo authenticate nobody: tensor_parallel runs on "
-    "loopback only until the lab's authenticated world carries it (docs/tensor_parallel.md)",
-    "cluster.secret_file": "see cluster.secret",
     "cluster.link": "netproto's link emulator shapes netproto traffic; gloo's does not cross it",
-    "cluster.tls": "gloo does not use netproto's TLS",
-    "cluster.overlay": "not yet: its ranks meet on loopback (docs/tensor_parallel.md)",
-    "cluster.unsafe_plain_network": "a network master is refused, not warned about",
+    "cluster.tls": "gloo does not use TLS (the overlay or the fence keeps strangers out)",
     "cluster.connect_timeout_s": "the ranks wait tp.join_timeout_s",
     "cluster.read_timeout_s": "the ranks wait tp.join_timeout_s",
     "cluster.max_frame_mib": "no netproto frames cross between its ranks",
@@ -51,11 +48,8 @@ def check(settings: TensorParallelRunConfig) -> None:
     from transformers import AutoConfig
 
     from lab.models import resolve_source
-    from tensor_parallel.group import refuse_network_master
     from tensor_parallel.shard import check_divisible, tp_plan
 
-    if settings.role != "local":
-        refuse_network_master(settings.cluster.master)
     if settings.role == "local" and settings.tp.cpus:
         raise ConfigError("tp.cpus is for role=rank: a local run gives each rank its own cores")
     source = resolve_source(settings.model, cache_dir=settings.paths.cache_path)
@@ -81,6 +75,9 @@ def local_plan(settings: TensorParallelRunConfig) -> LocalPlan:
     """`tp.ranks` rank processes on loopback; rank 0's figures become this run's."""
     ranks = settings.tp.ranks
     threads = max(1, usable_cores() // ranks)
+    # the world's store takes only who knows the secret: with none set, one only these ranks
+    # know (settings_role hands it over in their environment, never in argv or a file)
+    drawn = () if settings.cluster.resolved_secret() else (f"cluster.secret={token_hex(32)}",)
     processes = [
         Process(
             rank_name(r),
@@ -91,6 +88,7 @@ def local_plan(settings: TensorParallelRunConfig) -> LocalPlan:
                 f"num_threads={threads}",
                 "tracking.wandb=false",
                 "tracking.console=false",
+                *drawn,
             ),
         )
         for r in range(ranks)
@@ -161,7 +159,7 @@ EXPERIMENT = Experiment(
     unread=UNREAD,
     check=check,
     local_threads=0,  # each rank sets its own (num_threads above)
-    fenced=True,  # torch's TCPStore and gloo take any connection: see lab.fence
+    fence=LOCAL_FENCE,  # gloo takes any connection: see world.fence
 )
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.config import Endpoint
+from lab.config import ClusterConfig, Endpoint
 from lab.launch import free_port
 from tensor_parallel.decode import generate, left_padded, same_on_every_rank
-from tensor_parallel.group import process_group
+from tensor_parallel.group import tp_group
 from tensor_parallel.shard import ENGINES, load_sharded
 
 PROMPTS = [[5, 17, 3, 44, 9, 12], [7, 7, 81], [60, 2, 33, 19], [90]]
@@ -78,8 +78,9 @@ def run(model, dtype: torch.dtype, *, temperature: float = 0.0):
 
 def rank_main(rank: int, ranks: int, port: int, folders: dict[str, Path], out: Path) -> None:
     torch.set_num_threads(1)
+    cluster = ClusterConfig(master=Endpoint("127.0.0.1", port), secret="test-secret")
     results = {}
-    with process_group(Endpoint("127.0.0.1", port), rank=rank, ranks=ranks, timeout_s=60) as group:
+    with tp_group(cluster, rank=rank, ranks=ranks, timeout_s=60) as group:
         for name, folder in folders.items():
             for engine in ENGINES:
                 for dtype, temperature in (
