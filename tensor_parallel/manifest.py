@@ -13,8 +13,10 @@ from lab.records import METRICS_FILE, read_records, same_outputs
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
 
 NAME = "tensor_parallel"
-ACROSS = ["tp.max_new_tokens=8", "tp.repeats=1", "tp.baseline=false", "num_threads=1"]
-"""Both runs' settings (the loopback run: tp.ranks=2 on one host)."""
+ACROSS = ["model.lab_preset=debug", "tp.max_new_tokens=8", "tp.repeats=1", "tp.baseline=false",
+          "num_threads=1", "cluster.overlay.up=true"]  # fmt: skip
+"""Both runs' settings (the loopback run: tp.ranks=2 on one host, where the overlay is not
+needed and not brought up). Across hosts the store and gloo meet inside the lab's overlay."""
 RANKS = [
     ("desktop", "rank0", ["role=rank", "tp.rank=0"]),
     ("laptop", "rank1", ["role=rank", "tp.rank=1"]),

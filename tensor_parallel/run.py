@@ -18,7 +18,7 @@ from lab import experiment
 from lab.cli import ConfigError
 from lab.device import usable_cores
 from lab.experiment import Experiment, LocalPlan, Process
-from lab.records import METRICS_FILE, read_records
+from lab.records import METRICS_FILE, OUTPUTS_FILE, read_records
 from lab.tracking import Tracker
 from tensor_parallel.config import TensorParallelRunConfig
 from tensor_parallel.rank import JOB, run_rank
@@ -103,7 +103,10 @@ def finish_local(local: TensorParallelRunConfig) -> dict[str, float]:
     if not summaries:
         raise ConfigError(f"rank 0 wrote no summary in {local.paths.run_path / rank_name(0)}")
     summary = {k: v for k, v in summaries[-1].items() if k not in ("kind", "time_s")}
+    outputs = local.paths.run_path / rank_name(0) / OUTPUTS_FILE
     with Tracker.from_settings(local, job=JOB) as tracker:
+        if outputs.is_file():
+            tracker.outputs(read_records(outputs))
         tracker.summary(summary)
     for line in verdict(summary):
         print(line, flush=True)
