@@ -8,7 +8,8 @@
    Both TP engines (local shards + dist.all_reduce; DTensor) on the 2-rank arm.
 3. The link grid (`--grid`, root): the 2-rank run across two namespace hosts of one core each
    (labtools.hosts, `--cores-per-host 1`), one-way delay {0, 0.2, 1, 5} ms x rate {1gbit,
-   100mbit}, each cell beside the cost model's prediction.
+   100mbit}, inside the lab's WireGuard overlay (the security policy), each cell beside
+   the cost model's prediction.
 4. A compute-bound row: a prefill of 256 tokens, 1 host x 1 core vs 2 hosts x 1 core.
 
 The cost model uses local measurements only: compute = bytes a rank reads a token / the
@@ -293,9 +294,10 @@ def grid(
                             f"model.pretrained={folder.resolve()}",
                             f"cluster.master.host={desktop.address}",
                             "cluster.master.port=29530",
-                            "cluster.unsafe_plain_network=true",
+                            "cluster.overlay.up=true",  # where the security policy puts it
                             "tp.baseline=false",
-                            "tp.max_new_tokens=16",
+                            "tp.max_new_tokens=24",
+                            "tp.prompts=[import os]",
                             "tp.repeats=1",
                             "num_threads=1",
                             "tracking.wandb=false",
