@@ -47,7 +47,12 @@ def tp_group(cluster: ClusterConfig, *, rank: int, ranks: int, timeout_s: float)
     from torch.distributed.device_mesh import init_device_mesh
 
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    # a GPU each: NCCL runs no two ranks on one device (a local run's check refuses more ranks
+    # than GPUs); a rank on a host without one runs gloo, and every rank must agree (a pair of
+    # a GPU host and a CPU host runs with CUDA_VISIBLE_DEVICES= on the GPU host: gloo for both)
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     with process_group(
         cluster,
         rank=rank,

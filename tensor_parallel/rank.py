@@ -165,6 +165,8 @@ def _measure(settings: Any, group: Group, folder: Path, cores: list[int]) -> dic
         "peak_rss_mib_rank0": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "cores_per_rank": float(len(cores)),
     }
+    if group.device.type == "cuda":
+        metrics["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated(group.device) / 2**20
     metrics["batch"] = float(len(tp.prompts))
     with Tracker.from_settings(settings, job=JOB) as tracker:
         tracker.outputs(

@@ -52,6 +52,14 @@ def check(settings: TensorParallelRunConfig) -> None:
 
     if settings.role == "local" and settings.tp.cpus:
         raise ConfigError("tp.cpus is for role=rank: a local run gives each rank its own cores")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if settings.role == "local" and gpus and settings.tp.ranks > gpus:
+        raise ConfigError(
+            f"tp.ranks={settings.tp.ranks} but this host has {gpus} CUDA device(s): NCCL runs "
+            "one rank a GPU (CUDA_VISIBLE_DEVICES= runs them on the CPU with gloo instead)"
+        )
     source = resolve_source(settings.model, cache_dir=settings.paths.cache_path)
     config = AutoConfig.from_pretrained(source)
     tp_plan(config)
