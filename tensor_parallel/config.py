@@ -15,6 +15,18 @@ DEFAULT_PROMPTS = [
 ]
 
 
+def parse_cpus(text: str) -> set[int]:
+    """`0-1,3` -> {0, 1, 3}; ValueError naming tp.cpus otherwise."""
+    cpus: set[int] = set()
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(f"tp.cpus={text!r} must list cores, e.g. 0 or 0-1,3") from None
+    return cpus
+
+
 @dataclass
 class TPConfig:
     """How many ranks share each layer, and what they generate."""
@@ -57,8 +69,6 @@ class TPConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"tp.top_p={self.top_p} must be in (0, 1]")
         if self.cpus:
-            from tensor_parallel.rank import parse_cpus
-
             parse_cpus(self.cpus)
         if not self.prompts or not all(self.prompts):
             raise ValueError("tp.prompts must hold at least one non-empty prompt")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lab.device import resolve_dtype
 from lab.models import load_tokenizer, resolve_source
 from lab.tracking import Tracker
-from tensor_parallel.config import TensorParallelRunConfig
+from tensor_parallel.config import TensorParallelRunConfig, parse_cpus
 from tensor_parallel.decode import Generation, generate, left_padded, same_on_every_rank
 from tensor_parallel.group import Group, tp_group
 from tensor_parallel.shard import ShardedModel, load_sharded
@@ -31,18 +31,6 @@ from tensor_parallel.shard import ShardedModel, load_sharded
 log = logging.getLogger(__name__)
 
 JOB = "tensor_parallel"
-
-
-def parse_cpus(text: str) -> set[int]:
-    """`0-1,3` -> {0, 1, 3}; ValueError naming tp.cpus otherwise."""
-    cpus: set[int] = set()
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            low, _, high = part.partition("-")
-            cpus.update(range(int(low), int(high or low) + 1))
-    except ValueError:
-        raise ValueError(f"tp.cpus={text!r} must list cores, e.g. 0 or 0-1,3") from None
-    return cpus
 
 
 def pin_cores(text: str) -> list[int]:
