@@ -27,6 +27,7 @@ Writes bench/results/tensor_parallel.json; the last line is
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -336,6 +337,52 @@ def grid(
     return cells
 
 
+def crossover(cells: list[dict], rows: dict[str, dict]) -> dict[str, float | None]:
+    """The one-way delay (ms) beyond which 2 hosts x 1 core loses to 1 host x 1 core at 1 Gbit/s:
+    measured (linear between the grid's delays; 0 if it loses at 0 ms, None if never within the
+    grid) and predicted (the loopback arm's step plus each all-reduce's ring steps of delay)."""
+    from tensor_parallel.manifest import allreduce_steps
+
+    one, tp = rows["1x1/-"]["ms"], rows["2x1/local"]
+    predicted = (one - tp["ms"]) / (tp["allreduces"] * allreduce_steps(2))
+    line = sorted((c["delay_ms"], c["measured_ms"]) for c in cells if c["rate"] == "1gbit")
+    measured: float | None = None
+    if line[0][1] >= one:
+        measured = 0.0
+    for (d0, m0), (d1, m1) in itertools.pairwise(line):
+        if measured is None and m0 < one <= m1:
+            measured = d0 + (one - m0) / (m1 - m0) * (d1 - d0)
+    return {"measured_ms": measured, "predicted_ms": predicted, "one_host_ms": one}
+
+
+def crossover_line(c: dict[str, float | None]) -> str:
+    predicted = c["predicted_ms"]
+    said = "TP loses already at 0 ms" if predicted is not None and predicted <= 0 else ""
+    measured = "beyond the grid" if c["measured_ms"] is None else f"{c['measured_ms']:.2f} ms"
+    return (
+        f"crossover one-way delay (TP slower than one host beyond it), 1 Gbit/s: measured "
+        f"{measured}, predicted {predicted:.2f} ms {('(' + said + ')') if said else ''}"
+    )
+
+
+def report(results: dict[str, Any]) -> None:
+    """A results file's grid, crossover and compute-bound ratio, as the run printed them."""
+    print(f"load before {results['load_before']}, after {results['load_after']}")
+    last = list(results["shapes"])[-1]
+    shape = results["shapes"][last]
+    for c in shape.get("grid", []):
+        print(
+            f"  {c['delay_ms']:4.1f} ms {c['rate']:>8}: measured {c['measured_ms']:8.2f} ms, "
+            f"predicted {c['predicted_ms']:8.2f} ms, ratio {c['ratio']:.2f}"
+        )
+    if shape.get("grid"):
+        within = sum(0.85 <= c["ratio"] <= 1.15 for c in shape["grid"])
+        print(f"cells within 0.85-1.15 of the cost model: {within} of {len(shape['grid'])}")
+        print(crossover_line(crossover(shape["grid"], shape["decode"])))
+    ratio = results["compute_bound_ratio"]
+    print(f"compute-bound row, 2 hosts x 1 core / 1 host x 1 core, {last} prefill 256: {ratio:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -347,7 +394,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the arms")
     parser.add_argument("--grid", action="store_true", help="the link grid (root, namespaces)")
     parser.add_argument("--grid-repeats", type=int, default=1)
+    parser.add_argument(
+        "--from-results",
+        action="store_true",
+        help=f"measure nothing: print the grid, crossover and ratio of {RESULTS.name}",
+    )
     args = parser.parse_args()
+    if args.from_results:
+        report(json.loads(RESULTS.read_text()))
+        return
     from lab.config import ModelConfig, default_cache_dir
     from lab.machine import announce_machine, write_results
     from lab.models import resolve_source
@@ -420,6 +475,8 @@ def main() -> None:
         within = sum(0.85 <= c["ratio"] <= 1.15 for c in cells)
         results["shapes"][last]["grid"] = cells
         print(f"cells within 0.85-1.15 of the cost model: {within} of {len(cells)}")
+        results["shapes"][last]["crossover"] = crossover(cells, rows)
+        print(crossover_line(results["shapes"][last]["crossover"]))
     prefill = {"kind": "prefill", "batch": 1, "prompt": 256, "new_tokens": 0, "repeats": 3}
     print(f"{last}: compute-bound row (prefill of 256 tokens)", flush=True)
     rows = alternate(folder, prefill, [("1x1", "-"), ("2x1", "local")], args.rounds)
