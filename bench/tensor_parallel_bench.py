@@ -148,7 +148,7 @@ def _arm(
                 times = []
                 for _ in range(task["repeats"]):
                     began = time.perf_counter()
-                    model(input_ids=ids, attention_mask=mask, use_cache=False)
+                    model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
                     times.append(time.perf_counter() - began)
                 return {"ms": 1e3 * statistics.median(times)}
             if sharded is not None:
@@ -404,11 +404,22 @@ def main() -> None:
         report(json.loads(RESULTS.read_text()))
         return
     from lab.config import ModelConfig, default_cache_dir
-    from lab.machine import announce_machine, write_results
+    from lab.machine import announce_machine
     from lab.models import resolve_source
 
     machine = announce_machine()
     WORK.mkdir(parents=True, exist_ok=True)
+    if args.compute_row_only:  # the other rows as the results file has them
+        results = {
+            k: v
+            for k, v in json.loads(RESULTS.read_text()).items()
+            if k not in ("command", "machine")
+        }
+        tiny = Path(resolve_source(ModelConfig(), cache_dir=default_cache_dir()))
+        last = args.shapes[-1]
+        folder = tiny if last == "tiny_target" else save_shape(last, tiny)
+        compute_row(results, last, folder, args.rounds, machine)
+        return
     print(f"load before: {uptime()}", flush=True)
     big, small = 256 * 2**20, 2**20
     bw = {
@@ -477,11 +488,21 @@ def main() -> None:
         print(f"cells within 0.85-1.15 of the cost model: {within} of {len(cells)}")
         results["shapes"][last]["crossover"] = crossover(cells, rows)
         print(crossover_line(results["shapes"][last]["crossover"]))
+    compute_row(results, last, folder, args.rounds, machine)
+
+
+def compute_row(
+    results: dict[str, Any], last: str, folder: Path, rounds: int, machine: Any
+) -> None:
+    """The compute-bound row (a prefill of 256 tokens, the last position's logits only, as
+    generation needs), 1 x 1 against 2 x 1 alternated; written into `results` and printed last."""
+    from lab.machine import write_results
+
     prefill = {"kind": "prefill", "batch": 1, "prompt": 256, "new_tokens": 0, "repeats": 3}
-    print(f"{last}: compute-bound row (prefill of 256 tokens)", flush=True)
-    rows = alternate(folder, prefill, [("1x1", "-"), ("2x1", "local")], args.rounds)
+    print(f"{last}: compute-bound row (prefill of 256 tokens), load {uptime()}", flush=True)
+    rows = alternate(folder, prefill, [("1x1", "-"), ("2x1", "local")], rounds)
     ratio = rows["1x1/-"]["ms"] / rows["2x1/local"]["ms"]
-    results["shapes"][last]["prefill_256"] = rows
+    results["shapes"].setdefault(last, {})["prefill_256"] = rows
     results["compute_bound_ratio"] = ratio
     results["load_after"] = uptime()
     write_results(RESULTS, results, machine=machine)
