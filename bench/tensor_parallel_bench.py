@@ -395,6 +395,11 @@ def main() -> None:
     parser.add_argument("--grid", action="store_true", help="the link grid (root, namespaces)")
     parser.add_argument("--grid-repeats", type=int, default=1)
     parser.add_argument(
+        "--compute-row-only",
+        action="store_true",
+        help=f"measure the compute-bound row again into {RESULTS.name}",
+    )
+    parser.add_argument(
         "--from-results",
         action="store_true",
         help=f"measure nothing: print the grid, crossover and ratio of {RESULTS.name}",
