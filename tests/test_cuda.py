@@ -5,7 +5,7 @@ Each module runs as a user runs it, its device detected, on models small enough 
 the device and dtype a process picks, tensors crossing netproto from the GPU, speculative
 decoding's greedy output, a split model whose stages compute on the GPU while activations cross
 on the CPU, split training under bf16 autocast,
-and federated QLoRA with bitsandbytes' NF4 layers on the GPU.
+federated QLoRA with bitsandbytes' NF4 layers on the GPU, and tensor parallelism on NCCL.
 """
 
 from __future__ import annotations
@@ -134,6 +134,30 @@ def test_a_split_model_on_the_gpu_generates_what_the_unsplit_one_does(
     assert metrics["greedy_match"] == 1.0
     assert metrics.get("stage1_cuda_max_allocated_mib", 0) > 0
     assert metrics.get("stage2_cuda_max_allocated_mib", 0) > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_tensor_parallel_on_the_gpu_runs_nccl(
+    compose_config, tiny_models: Path, dtype: str
+) -> None:
+    """Ranks on NCCL, one GPU each (2 where there are 2, else a world of 1: NCCL runs no two
+    ranks on one device): float32 keeps the unsplit model's greedy output (or differs only at a
+    near tie); bf16 (auto) runs, every rank generating the same tokens."""
+    import json
+
+    from tensor_parallel.run import run
+
+    ranks = 2 if torch.cuda.device_count() >= 2 else 1
+    cfg = compose_config("tensor_parallel", [f"tp.ranks={ranks}", f"model.dtype={dtype}",
+                                             "tp.max_new_tokens=6", "tp.repeats=1",
+                                             "tracking.wandb=false"])  # fmt: skip
+    metrics = run(cfg)
+    layers = json.loads((tiny_models / "tiny_target" / "config.json").read_text())
+    assert metrics["allreduces_per_token"] == 2 * layers["num_hidden_layers"]
+    assert metrics["same_tokens_on_every_rank"] == 1.0
+    assert metrics["cuda_max_allocated_mib"] > 0
+    if dtype == "float32":
+        assert metrics["same_greedy_tokens"] == 1.0 or metrics["unsplit_top2_margin"] < 1e-4
 
 
 def test_split_training_on_the_gpu_under_bf16_autocast_lowers_the_loss(

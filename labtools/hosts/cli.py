@@ -13,9 +13,14 @@ from pathlib import Path
 from labtools.hosts.curves import CURVE_DELAYS_MS, CURVE_RATES, curves
 from labtools.hosts.documented import _docs_main
 from labtools.hosts.faults import fault_names, faults
-from labtools.hosts.network import HostsError, _raise_interrupt, unavailable
+from labtools.hosts.network import HostsError, _raise_interrupt, host_cpus, unavailable
 from labtools.hosts.probe import link
 from labtools.hosts.scenarios import check, modules
+
+CORES_HELP = (
+    "each host its own N cores (taskset on every process it starts; memory bandwidth and L3 "
+    "stay shared: docs/hosts.md)"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--rate", help="cap each host's link (a tc rate: 100mbit, 10mbit)")
     run.add_argument("--out", type=Path, default=Path("outputs/hosts"), help="logs and results")
     run.add_argument("--timeout-s", type=float, default=600.0, help="per module")
+    run.add_argument("--cores-per-host", type=int, help=CORES_HELP)
     grid = sub.add_parser("curves", help="each module over link delay x rate, with predictions")
     grid.add_argument("--only", action="append", help="a variant (repeatable)")
     grid.add_argument("--delay-ms", type=float, nargs="+", default=list(CURVE_DELAYS_MS))
@@ -37,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid.add_argument("--calibration-runs", type=int, default=3, help="local runs per variant")
     grid.add_argument("--out", type=Path, default=Path("outputs/hosts-curves"))
     grid.add_argument("--timeout-s", type=float, default=600.0, help="per run")
+    grid.add_argument("--cores-per-host", type=int, help=CORES_HELP)
     hurt = sub.add_parser(
         "faults", help="each registered fault (a machine lost mid-run) across hosts, vs loopback"
     )
@@ -58,6 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     docs.add_argument("--out", type=Path, default=Path("outputs/hosts-docs"))
     docs.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     args = parser.parse_args(argv)
+    cores = getattr(args, "cores_per_host", None)
+    if cores is not None:
+        try:
+            host_cpus(1, cores)
+        except ValueError as exc:
+            parser.error(str(exc))
     why = unavailable()
     if why is not None:
         print(f"labtools.hosts: skipped: {why}", file=sys.stderr)
@@ -89,7 +102,7 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             parser.error(f"unknown variant {unknown[0]!r}; choose from {list(known)}")
         curves(names, out=args.out.resolve(), delays_ms=args.delay_ms, rates=args.rate,
                repeats=args.repeats, calibration_runs=args.calibration_runs,
-               timeout_s=args.timeout_s)  # fmt: skip
+               timeout_s=args.timeout_s, cores_per_host=args.cores_per_host)  # fmt: skip
         return costmodel.report(args.out.resolve(), names)
     if args.command == "faults":
         chosen = [(m, f) for m, f in fault_names() if not args.only or m in args.only]
@@ -109,5 +122,6 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         tls=args.tls,
         rate=args.rate,
         timeout_s=args.timeout_s,
+        cores_per_host=args.cores_per_host,
     )
     return 0 if all(o.identical for o in outcomes) else 1

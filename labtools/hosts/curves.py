@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from lab import registry
-from labtools.hosts.network import HostsError, Network
+from labtools.hosts.network import HostsError, Network, cores_line
 from labtools.hosts.scenarios import Security, provision, run_across, run_loopback, scenarios
 
 CURVE_DELAYS_MS = (0.0, 2.0, 10.0, 50.0)
@@ -30,6 +30,7 @@ def curves(
     calibration_runs: int = 3,
     timeout_s: float = 600.0,
     log: TextIO = sys.stdout,
+    cores_per_host: int | None = None,
 ) -> None:
     """Each variant's calibration runs (`calibration_runs` of them; each predicts, the median
     prediction counts) on one host's loopback, then its runs
@@ -44,7 +45,10 @@ def curves(
     chosen = costmodel.variants()
     out.mkdir(parents=True, exist_ok=True)
     base = scenarios()
-    with Network(["desktop", "laptop", "pc"], delay_ms=0, root=out / "hosts") as network:
+    hosts = ["desktop", "laptop", "pc"]
+    with Network(hosts, delay_ms=0, root=out / "hosts", cores_per_host=cores_per_host) as network:
+        if cores_per_host is not None:
+            print(cores_line(network), file=log, flush=True)
         provision(network, log=log)
         security = Security(secret=secrets.token_hex(16))
         for name in names:

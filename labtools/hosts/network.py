@@ -99,6 +99,14 @@ class Host:
     address: str
     root: Path
     procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    cpus: tuple[int, ...] = ()
+    """The cores every process this host starts runs on (`taskset`, inherited by its children);
+    empty: the machine's."""
+
+    def _argv(self, argv: Sequence[str]) -> list[str]:
+        """`argv` in this host's namespace, on its own cores where it has them."""
+        pinned = ["taskset", "-c", ",".join(map(str, self.cpus))] if self.cpus else []
+        return ["ip", "netns", "exec", self.netns, *pinned, *argv]
 
     @property
     def home(self) -> Path:
@@ -130,7 +138,7 @@ class Host:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as out:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.netns, *argv],
+                self._argv(argv),
                 cwd=ROOT,
                 env=self.env(env),
                 stdout=out,
@@ -144,7 +152,7 @@ class Host:
     def run(self, argv: Sequence[str], *, timeout_s: float = 120.0) -> str:
         """`argv` in this host's namespace, to completion; its output (raises if it fails)."""
         result = subprocess.run(
-            ["ip", "netns", "exec", self.netns, *argv],
+            self._argv(argv),
             cwd=ROOT,
             env=self.env(),
             capture_output=True,
@@ -182,6 +190,37 @@ class Host:
         self.procs.clear()
 
 
+def host_cpus(hosts: int, cores_per_host: int | None) -> list[tuple[int, ...]]:
+    """Each host's cores: `cores_per_host` of this process's for each, in turn, wrapping round
+    when they run out; none (every core) when `cores_per_host` is None."""
+    if cores_per_host is None:
+        return [()] * hosts
+    available = sorted(os.sched_getaffinity(0))
+    if not 1 <= cores_per_host <= len(available):
+        raise ValueError(
+            f"--cores-per-host {cores_per_host}: this machine gives the harness "
+            f"{len(available)} core(s) ({','.join(map(str, available))})"
+        )
+    return [
+        tuple(available[(i * cores_per_host + k) % len(available)] for k in range(cores_per_host))
+        for i in range(hosts)
+    ]
+
+
+def cores_line(network: Network) -> str:
+    """Which cores each host got, and whether any are shared (the harness prints it)."""
+    owners: dict[int, list[str]] = {}
+    for host in network.hosts.values():
+        for cpu in host.cpus:
+            owners.setdefault(cpu, []).append(host.name)
+    shared = sorted(cpu for cpu, names in owners.items() if len(names) > 1)
+    placed = ", ".join(
+        f"{h.name} {','.join(map(str, h.cpus)) or 'all'}" for h in network.hosts.values()
+    )
+    note = f"; cores {','.join(map(str, shared))} shared: more hosts than cores" if shared else ""
+    return f"cores: {placed} (taskset; memory bandwidth and L3 still shared{note})"
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -194,6 +233,10 @@ class Network:
     packet between hosts through a TUN device where `labtools.linkdelay` holds it `delay_ms` before
     sending it on (one-way; a round trip gains twice that), whatever protocol carries it.
     `set_link` changes both while the hosts run.
+    `cores_per_host` gives each host cores of its own (`taskset` on every process it starts):
+    host i gets the i-th run of that many of this process's cores, wrapping round (and so
+    sharing, said by `cores_line`) when the hosts need more cores than there are. Memory
+    bandwidth and the last-level cache stay shared (docs/hosts.md).
     """
 
     def __init__(
@@ -204,6 +247,7 @@ class Network:
         rate: str | None = None,
         delay_ms: float | None = None,
         root: Path | None = None,
+        cores_per_host: int | None = None,
     ) -> None:
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"hosts need distinct names, got {list(names)}")
@@ -218,6 +262,7 @@ class Network:
         if delay_ms is not None and not 0.0 <= delay_ms <= 10_000.0:
             raise ValueError(f"delay_ms must be within 0..10000, got {delay_ms}")
         self.names = list(names)
+        self.cpus = host_cpus(len(names), cores_per_host)
         self.rate = rate
         self.delay_ms = delay_ms
         self.routed = delay_ms is not None
@@ -270,7 +315,7 @@ class Network:
             self._shape(netns, self.rate)
             root = self.root / name
             (root / "home").mkdir(parents=True, exist_ok=True)
-            self.hosts[name] = Host(name, netns, address, root)
+            self.hosts[name] = Host(name, netns, address, root, cpus=self.cpus[index - 1])
         if self.routed:
             self._start_forwarder()
 

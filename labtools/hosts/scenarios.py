@@ -21,7 +21,7 @@ import psutil
 
 from lab import registry
 from lab.registry import RunningRoles, Scenario
-from labtools.hosts.network import CLUSTER_NAME, HostsError, Network
+from labtools.hosts.network import CLUSTER_NAME, HostsError, Network, cores_line
 
 # --------------------------------------------------------------------------- running modules
 
@@ -287,8 +287,10 @@ def check(
     rate: str | None = None,
     timeout_s: float = 600.0,
     log: TextIO = sys.stdout,
+    cores_per_host: int | None = None,
 ) -> list[Outcome]:
-    """Run `modules` across hosts and on loopback; one line per module, then the total."""
+    """Run `modules` across hosts and on loopback; one line per module, then the total.
+    `cores_per_host`: each host its own cores (Network)."""
     chosen = scenarios()
     unknown = [m for m in modules if m not in chosen]
     if unknown:
@@ -298,10 +300,12 @@ def check(
     )
     out.mkdir(parents=True, exist_ok=True)
     outcomes = []
-    with Network(names, rate=rate, root=out / "hosts") as network:
+    with Network(names, rate=rate, root=out / "hosts", cores_per_host=cores_per_host) as network:
         addresses = ", ".join(f"{h.name} {h.address}" for h in network.hosts.values())
         shaped = f", each link capped at {rate}" if rate else ""
         print(f"hosts: {addresses} (network namespaces on one bridge{shaped})", file=log)
+        if cores_per_host is not None:
+            print(cores_line(network), file=log, flush=True)
         provision(network, log=log)
         security = Security(secret=secrets.token_hex(16), tls=tls)
         if tls:

@@ -1,0 +1,519 @@
+"""Tensor parallelism: when does a second machine make decoding faster, and over which links?
+
+1. Memory bandwidth with 1 and 2 concurrent readers (each its own process on its own core,
+   summing a 256 MiB tensor; and a cache-sized 1 MiB one beside it).
+2. Decode ms a token, three arms alternated (medians): 1 host x 1 core (the unsplit model, one
+   thread on one core), 2 hosts x 1 core (tensor_parallel: two ranks, each on its own core,
+   meeting through world.group on loopback), 1 host x 2 cores (the unsplit model, 2 threads).
+   Both TP engines (local shards + dist.all_reduce; DTensor) on the 2-rank arm.
+3. The link grid (`--grid`, root): the 2-rank run across two namespace hosts of one core each
+   (labtools.hosts, `--cores-per-host 1`), one-way delay {0, 0.2, 1, 5} ms x rate {1gbit,
+   100mbit}, inside the lab's WireGuard overlay (the security policy), each cell beside
+   the cost model's prediction.
+4. A compute-bound row: a prefill of 256 tokens, 1 host x 1 core vs 2 hosts x 1 core.
+
+The cost model uses local measurements only: compute = bytes a rank reads a token / the
+measured per-reader bandwidth (memory-bound decode); per all-reduce: steps(n) x one-way delay
++ bytes each rank sends / rate + a fixed cost, steps from gloo's ring (2(n - 1),
+tensor_parallel.manifest.allreduce_steps) and the fixed cost from the loopback arm alone
+(its measured step less its predicted compute, over its all-reduces). Nothing is fitted to the
+cells it predicts. Namespace links are emulated on the same two cores that compute, and both
+"hosts" share one memory bus: said beside the figures.
+
+Writes bench/results/tensor_parallel.json; the last line is
+`compute-bound row, 2 hosts x 1 core / 1 host x 1 core, <shape>: R`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"
+WORK = Path("outputs/bench/tensor_parallel")
+DELAYS_MS = (0.0, 0.2, 1.0, 5.0)
+RATES = ("1gbit", "100mbit")
+RATE_BPS = {"1gbit": 1e9, "100mbit": 1e8}
+SHAPES = {
+    # name: (hidden, layers, heads, kv heads, intermediate, vocab)
+    "mid-160M": (1024, 8, 16, 8, 2816, 32000),
+    "llama-1.1B": (2048, 22, 32, 4, 5632, 32000),
+}
+
+
+def uptime() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# ----------------------------------------------------------------------------- 1. bandwidth
+def _reader(core: int, nbytes: int, seconds: float, start: Any, out: Any) -> None:
+    import torch
+
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    data = torch.ones(nbytes // 4)
+    data.sum()
+    start.wait()
+    done, began = 0, time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        data.sum()
+        done += 1
+    out.put(done * nbytes / (time.perf_counter() - began) / 1e9)
+
+
+def bandwidth(readers: int, nbytes: int, seconds: float = 2.0) -> float:
+    """GB/s each of `readers` concurrent readers gets (the median of theirs)."""
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(readers), ctx.Queue()
+    cores = sorted(os.sched_getaffinity(0))
+    procs = [
+        ctx.Process(target=_reader, args=(cores[i % len(cores)], nbytes, seconds, start, out))
+        for i in range(readers)
+    ]
+    for p in procs:
+        p.start()
+    rates = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join()
+    return statistics.median(rates)
+
+
+# ----------------------------------------------------------------------------- 2. the arms
+def save_shape(name: str, tokenizer_from: Path) -> Path:
+    """A random-init Llama of `name`'s shape, saved once (safetensors) with the lab's tiny
+    tokenizer beside it; each rank then reads its own slices of it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = WORK / "shapes" / name
+    if (folder / "config.json").is_file():
+        return folder
+    hidden, layers, heads, kv, inter, vocab = SHAPES[name]
+    print(f"building {name} (random init, saved once) ...", flush=True)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for item in tokenizer_from.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(item, folder / item.name)
+    return folder
+
+
+def _arm(
+    rank: int,
+    ranks: int,
+    port: int,
+    folder: str,
+    cores: list[int],
+    engine: str,
+    task: dict[str, Any],
+    out: str,
+) -> None:
+    import torch
+
+    from lab.config import ClusterConfig, Endpoint
+    from tensor_parallel.decode import generate
+    from tensor_parallel.group import tp_group
+    from tensor_parallel.shard import load_sharded
+
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(len(cores))
+    torch.manual_seed(0)
+    batch, prompt, new = task["batch"], task["prompt"], task["new_tokens"]
+    ids = torch.randint(3, 300, (batch, prompt))
+    mask = torch.ones_like(ids)
+
+    def measure(model: torch.nn.Module, sharded: Any = None) -> dict[str, float]:
+        with torch.no_grad():
+            model(input_ids=ids[:, :8], attention_mask=mask[:, :8])  # warm-up
+            if task["kind"] == "prefill":
+                times = []
+                for _ in range(task["repeats"]):
+                    began = time.perf_counter()
+                    model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+                    times.append(time.perf_counter() - began)
+                return {"ms": 1e3 * statistics.median(times)}
+            if sharded is not None:
+                sharded.collectives.reset()
+            g = generate(
+                model,
+                ids,
+                mask,
+                max_new_tokens=new,
+                after_prefill=sharded.collectives.reset if sharded else lambda: None,
+            )
+            row = {"ms": g.median_ms}
+            if sharded is not None and sharded.collectives.count:
+                steps = len(g.token_s)
+                row |= {
+                    "allreduces": sharded.collectives.count / steps,
+                    "allreduce_bytes": sharded.collectives.nbytes / sharded.collectives.count,
+                    "collective_ms": 1e3 * sharded.collectives.seconds / steps,
+                }
+            return row
+
+    if ranks == 1:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        row = measure(model)
+        row["weight_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+        Path(out).write_text(json.dumps(row))
+        return
+    cluster = ClusterConfig(master=Endpoint("127.0.0.1", port), secret="bench-only-loopback")
+    with tp_group(cluster, rank=rank, ranks=ranks, timeout_s=300) as group:
+        sharded = load_sharded(
+            Path(folder),
+            rank=rank,
+            ranks=ranks,
+            engine=engine,
+            dtype=torch.float32,
+            device=group.device,
+            mesh=group.mesh,
+        )
+        row = measure(sharded.model, sharded)
+        row["weight_bytes"] = sharded.param_bytes
+    if rank == 0:
+        Path(out).write_text(json.dumps(row))
+
+
+def run_arm(arm: str, folder: Path, task: dict[str, Any], engine: str = "local") -> dict:
+    """One arm's measurement, in fresh processes: `1x1`, `2x1` (TP) or `1x2`."""
+    from lab.launch import free_port
+
+    cores = sorted(os.sched_getaffinity(0))
+    ctx = mp.get_context("spawn")
+    out = WORK / f"arm-{arm}-{os.getpid()}.json"
+    out.unlink(missing_ok=True)
+    port = free_port("127.0.0.1")
+    if arm == "2x1":
+        plan = [(r, 2, [cores[r % len(cores)]]) for r in range(2)]
+    else:
+        plan = [(0, 1, cores[:1] if arm == "1x1" else cores[:2])]
+    procs = [
+        ctx.Process(target=_arm, args=(r, n, port, str(folder), c, engine, task, str(out)))
+        for r, n, c in plan
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=1800)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"arm {arm} failed ({[p.exitcode for p in procs]})")
+    return json.loads(out.read_text())
+
+
+def alternate(
+    folder: Path, task: dict[str, Any], arms: list[tuple[str, str]], rounds: int
+) -> dict[str, dict]:
+    """Each arm `rounds` times, in turn (others' load spread over all of them); medians."""
+    seen: dict[str, list[dict]] = {f"{a}/{e}": [] for a, e in arms}
+    for index in range(rounds):
+        for arm, engine in arms:
+            row = run_arm(arm, folder, task, engine)
+            seen[f"{arm}/{engine}"].append(row)
+            print(
+                f"  round {index + 1} {arm:>4} {engine:<7} {row['ms']:8.2f} ms (load {uptime()})",
+                flush=True,
+            )
+    return {
+        key: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        for key, rows in seen.items()
+    }
+
+
+# ----------------------------------------------------------------------------- the model
+def predict_tp(
+    row_1x1: dict,
+    row_tp: dict,
+    bw_gbs: float,
+    *,
+    loop_ms: float | None,
+    delay_ms: float = 0.0,
+    rate_bps: float | None = None,
+) -> dict[str, float]:
+    """The cost model of a 2-rank decode step (ms): compute from bytes over bandwidth, plus per
+    all-reduce its ring steps' delays, its wire time and the fixed cost of the loopback arm."""
+    from tensor_parallel.manifest import allreduce_steps
+
+    steps = allreduce_steps(2)
+    compute = row_tp["weight_bytes"] / (bw_gbs * 1e9) * 1e3
+    count = row_tp.get("allreduces", 0.0)
+    fixed = 0.0 if loop_ms is None else max(0.0, (loop_ms - compute) / max(count, 1))
+    wire = 0.0 if rate_bps is None else steps / 2 * row_tp.get("allreduce_bytes", 0) * 8 / rate_bps
+    link = steps * delay_ms + 1e3 * wire
+    return {"compute_ms": compute, "fixed_ms": fixed, "ms": compute + count * (fixed + link)}
+
+
+# ----------------------------------------------------------------------------- 3. the grid
+def grid(
+    folder: Path, loop_ms: float, row_1x1: dict, row_tp: dict, bw2: float, repeats: int
+) -> list[dict]:
+    """The 2-rank run across two namespace hosts of one core each, cell by cell."""
+    from labtools.hosts.network import Network, cores_line
+
+    cells = []
+    secret = os.urandom(16).hex()
+    with Network(
+        ["desktop", "laptop"], delay_ms=0, root=WORK / "hosts", cores_per_host=1
+    ) as network:
+        print(cores_line(network), flush=True)
+        desktop = network["desktop"]
+        for delay in DELAYS_MS:
+            for rate in RATES:
+                network.set_link(delay_ms=delay, rate=rate)
+                measured = []
+                for attempt in range(repeats):
+                    run_dir = WORK / "grid" / f"{delay}-{rate}-{attempt}"
+                    procs = []
+                    for rank, host in enumerate(network.hosts.values()):
+                        argv = [
+                            sys.executable,
+                            "-m",
+                            "tensor_parallel",
+                            "role=rank",
+                            f"tp.rank={rank}",
+                            "tp.ranks=2",
+                            f"model.pretrained={folder.resolve()}",
+                            f"cluster.master.host={desktop.address}",
+                            "cluster.master.port=29530",
+                            "cluster.overlay.up=true",  # where the security policy puts it
+                            "tp.baseline=false",
+                            "tp.max_new_tokens=24",
+                            "tp.prompts=[import os]",
+                            "tp.repeats=1",
+                            "num_threads=1",
+                            "tracking.wandb=false",
+                            f"hydra.run.dir={run_dir}/{host.name}",
+                        ]
+                        procs.append(
+                            host.start(
+                                argv, run_dir / f"{host.name}.log", env={"LAB_SECRET": secret}
+                            )
+                        )
+                    for proc in procs:
+                        proc.wait(timeout=1800)
+                    metrics = run_dir / "desktop" / "metrics.jsonl"
+                    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+                    measured.append(
+                        float([r for r in rows if r.get("kind") == "summary"][-1]["token_ms"])
+                    )
+                ms = statistics.median(measured)
+                predicted = predict_tp(
+                    row_1x1, row_tp, bw2, loop_ms=loop_ms, delay_ms=delay, rate_bps=RATE_BPS[rate]
+                )["ms"]
+                cells.append(
+                    {
+                        "delay_ms": delay,
+                        "rate": rate,
+                        "measured_ms": ms,
+                        "predicted_ms": predicted,
+                        "ratio": ms / predicted,
+                    }
+                )
+                print(
+                    f"  {delay:4.1f} ms {rate:>8}: measured {ms:8.2f} ms, predicted "
+                    f"{predicted:8.2f} ms, ratio {ms / predicted:.2f} (load {uptime()})",
+                    flush=True,
+                )
+    return cells
+
+
+def crossover(cells: list[dict], rows: dict[str, dict]) -> dict[str, float | None]:
+    """The one-way delay (ms) beyond which 2 hosts x 1 core loses to 1 host x 1 core at 1 Gbit/s:
+    measured (linear between the grid's delays; 0 if it loses at 0 ms, None if never within the
+    grid) and predicted (the loopback arm's step plus each all-reduce's ring steps of delay)."""
+    from tensor_parallel.manifest import allreduce_steps
+
+    one, tp = rows["1x1/-"]["ms"], rows["2x1/local"]
+    predicted = (one - tp["ms"]) / (tp["allreduces"] * allreduce_steps(2))
+    line = sorted((c["delay_ms"], c["measured_ms"]) for c in cells if c["rate"] == "1gbit")
+    measured: float | None = None
+    if line[0][1] >= one:
+        measured = 0.0
+    for (d0, m0), (d1, m1) in itertools.pairwise(line):
+        if measured is None and m0 < one <= m1:
+            measured = d0 + (one - m0) / (m1 - m0) * (d1 - d0)
+    return {"measured_ms": measured, "predicted_ms": predicted, "one_host_ms": one}
+
+
+def crossover_line(c: dict[str, float | None]) -> str:
+    predicted = c["predicted_ms"]
+    said = "TP loses already at 0 ms" if predicted is not None and predicted <= 0 else ""
+    measured = "beyond the grid" if c["measured_ms"] is None else f"{c['measured_ms']:.2f} ms"
+    return (
+        f"crossover one-way delay (TP slower than one host beyond it), 1 Gbit/s: measured "
+        f"{measured}, predicted {predicted:.2f} ms {('(' + said + ')') if said else ''}"
+    )
+
+
+def report(results: dict[str, Any]) -> None:
+    """A results file's grid, crossover and compute-bound ratio, as the run printed them."""
+    print(f"load before {results['load_before']}, after {results['load_after']}")
+    last = list(results["shapes"])[-1]
+    shape = results["shapes"][last]
+    for c in shape.get("grid", []):
+        print(
+            f"  {c['delay_ms']:4.1f} ms {c['rate']:>8}: measured {c['measured_ms']:8.2f} ms, "
+            f"predicted {c['predicted_ms']:8.2f} ms, ratio {c['ratio']:.2f}"
+        )
+    if shape.get("grid"):
+        within = sum(0.85 <= c["ratio"] <= 1.15 for c in shape["grid"])
+        print(f"cells within 0.85-1.15 of the cost model: {within} of {len(shape['grid'])}")
+        print(crossover_line(crossover(shape["grid"], shape["decode"])))
+    ratio = results["compute_bound_ratio"]
+    print(f"compute-bound row, 2 hosts x 1 core / 1 host x 1 core, {last} prefill 256: {ratio:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["tiny_target", "mid-160M"],
+        help=f"tiny_target and/or {list(SHAPES)}",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the arms")
+    parser.add_argument("--grid", action="store_true", help="the link grid (root, namespaces)")
+    parser.add_argument("--grid-repeats", type=int, default=1)
+    parser.add_argument(
+        "--compute-row-only",
+        action="store_true",
+        help=f"measure the compute-bound row again into {RESULTS.name}",
+    )
+    parser.add_argument(
+        "--from-results",
+        action="store_true",
+        help=f"measure nothing: print the grid, crossover and ratio of {RESULTS.name}",
+    )
+    args = parser.parse_args()
+    if args.from_results:
+        report(json.loads(RESULTS.read_text()))
+        return
+    from lab.config import ModelConfig, default_cache_dir
+    from lab.machine import announce_machine
+    from lab.models import resolve_source
+
+    machine = announce_machine()
+    WORK.mkdir(parents=True, exist_ok=True)
+    if args.compute_row_only:  # the other rows as the results file has them
+        results = {
+            k: v
+            for k, v in json.loads(RESULTS.read_text()).items()
+            if k not in ("command", "machine")
+        }
+        tiny = Path(resolve_source(ModelConfig(), cache_dir=default_cache_dir()))
+        last = args.shapes[-1]
+        folder = tiny if last == "tiny_target" else save_shape(last, tiny)
+        compute_row(results, last, folder, args.rounds, machine)
+        return
+    print(f"load before: {uptime()}", flush=True)
+    big, small = 256 * 2**20, 2**20
+    bw = {
+        "1 reader": bandwidth(1, big),
+        "2 readers": bandwidth(2, big),
+        "1 reader, 1 MiB": bandwidth(1, small),
+        "2 readers, 1 MiB": bandwidth(2, small),
+    }
+    print("memory bandwidth (GB/s per reader): " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items()))
+    scales = bw["2 readers"] / bw["1 reader"]
+    if scales < 0.8:
+        print(
+            f"this box's memory bandwidth does not scale: two readers get {scales:.2f} of one's "
+            "each (one bus), so a memory-bound TP figure here under-states two real hosts"
+        )
+    tiny = Path(resolve_source(ModelConfig(), cache_dir=default_cache_dir()))
+    results: dict[str, Any] = {"bandwidth_gbs": bw, "load_before": uptime(), "shapes": {}}
+    decode = {"kind": "decode", "batch": 1, "prompt": 16, "new_tokens": 24, "repeats": 1}
+    for shape in args.shapes:
+        folder = tiny if shape == "tiny_target" else save_shape(shape, tiny)
+        print(f"{shape}: decode, batch 1 ({args.rounds} rounds, arms alternated)", flush=True)
+        arms = [("1x1", "-"), ("2x1", "local"), ("2x1", "dtensor"), ("1x2", "-")]
+        rows = alternate(folder, decode, arms, args.rounds)
+        one, tp, tp_dt, two = rows["1x1/-"], rows["2x1/local"], rows["2x1/dtensor"], rows["1x2/-"]
+        shared = predict_tp(one, tp, bw["2 readers"], loop_ms=tp["ms"])
+        real = predict_tp(one, tp, bw["1 reader"], loop_ms=None)
+        real["ms"] += tp["allreduces"] * shared["fixed_ms"]  # same fixed cost, a bus each
+        print(f"{'arm':<28}{'ms/token':>10}")
+        for label, row in (
+            ("1 host x 1 core", one),
+            ("2 hosts x 1 core (TP, local)", tp),
+            ("2 hosts x 1 core (TP, DTensor)", tp_dt),
+            ("1 host x 2 cores", two),
+        ):
+            print(f"{label:<30}{row['ms']:8.2f}")
+        print(
+            f"TP speedup over 1 x 1: {one['ms'] / tp['ms']:.2f}x (local), "
+            f"{one['ms'] / tp_dt['ms']:.2f}x (DTensor); {tp['allreduces']:.0f} all-reduces a "
+            f"token, {tp['collective_ms']:.2f} ms of the step in them; cost model for two real "
+            f"hosts of this CPU (a memory bus each, fixed cost from loopback): "
+            f"{real['ms']:.2f} ms ({one['ms'] / real['ms']:.2f}x)"
+        )
+        results["shapes"][shape] = {
+            "decode": rows,
+            "model_shared_bus": shared,
+            "model_two_real_hosts": real,
+        }
+    last = args.shapes[-1]
+    folder = tiny if last == "tiny_target" else save_shape(last, tiny)
+    if args.grid:
+        print(
+            f"{last}: the link grid, 2 hosts x 1 core (namespaces; links emulated on the "
+            "same cores)"
+        )
+        rows = results["shapes"][last]["decode"]
+        cells = grid(
+            folder,
+            rows["2x1/local"]["ms"],
+            rows["1x1/-"],
+            rows["2x1/local"],
+            bw["2 readers"],
+            args.grid_repeats,
+        )
+        within = sum(0.85 <= c["ratio"] <= 1.15 for c in cells)
+        results["shapes"][last]["grid"] = cells
+        print(f"cells within 0.85-1.15 of the cost model: {within} of {len(cells)}")
+        results["shapes"][last]["crossover"] = crossover(cells, rows)
+        print(crossover_line(results["shapes"][last]["crossover"]))
+    compute_row(results, last, folder, args.rounds, machine)
+
+
+def compute_row(
+    results: dict[str, Any], last: str, folder: Path, rounds: int, machine: Any
+) -> None:
+    """The compute-bound row (a prefill of 256 tokens, the last position's logits only, as
+    generation needs), 1 x 1 against 2 x 1 alternated; written into `results` and printed last."""
+    from lab.machine import write_results
+
+    prefill = {"kind": "prefill", "batch": 1, "prompt": 256, "new_tokens": 0, "repeats": 3}
+    print(f"{last}: compute-bound row (prefill of 256 tokens), load {uptime()}", flush=True)
+    rows = alternate(folder, prefill, [("1x1", "-"), ("2x1", "local")], rounds)
+    ratio = rows["1x1/-"]["ms"] / rows["2x1/local"]["ms"]
+    results["shapes"].setdefault(last, {})["prefill_256"] = rows
+    results["compute_bound_ratio"] = ratio
+    results["load_after"] = uptime()
+    write_results(RESULTS, results, machine=machine)
+    print(f"load after: {uptime()}")
+    print(f"compute-bound row, 2 hosts x 1 core / 1 host x 1 core, {last} prefill 256: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
