@@ -27,6 +27,7 @@ from lab.losses import evaluate
 from lab.models import count_4bit_layers, load_tokenizer
 from lab.tables import print_wide
 from lab.tracking import METRICS_FILE, Tracker, read_records
+from lab.waiting import Wait, speaking
 from netproto import Connection, ConnectionClosed, NetTimeout, RemoteError, TruncatedFrame
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,10 @@ def take_part(
                 address,
                 wait_s=wait_s,
                 check=None if stop is None else lambda: _stop_if(stop),
+                what="the coordinator",
+                where=f"{settings.cluster.coordinator.host}:{settings.cluster.coordinator.port}",
+                key=f"cluster.connect_timeout_s={settings.cluster.connect_timeout_s:g} + "
+                f"fed.wait_clients_s={fed.wait_clients_s:g}",
             )
         except _Stopped:
             return client.rounds  # training is over (`stop`): nothing to rejoin
@@ -357,6 +362,31 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
     passes over each example when rounds are counted in epochs.
     """
     fed = settings.fed
+    steps = {"done": 0, "total": 0}
+    started = time.monotonic()
+
+    def how_far() -> str:
+        done, total = steps["done"], steps["total"]
+        if not total:
+            return "loading the model and pooling the clients' data"
+        left = (time.monotonic() - started) / max(done, 1) * (total - done)
+        return f"step {done} of {total}, about {left:.0f} s left"
+
+    waiting = Wait(
+        f"the centralized baseline (all {fed.num_clients} clients' data pooled)",
+        key="fed.centralized_baseline=false skips it",
+        progress=how_far,
+    )
+    with speaking(waiting):
+        model, tokenizer = _pooled_training(settings, steps)
+    val = validation_blocks(tokenizer, block=block_size(model), count=fed.eval_blocks)
+    return evaluate(model, val)
+
+
+def _pooled_training(settings: FedLearnRunConfig, steps: dict[str, int]) -> tuple[Any, Any]:
+    """The centralized baseline's model, trained on every client's shard pooled; `steps`
+    follows its progress (done, total)."""
+    fed = settings.fed
     cache_dir = settings.paths.cache_path
     model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
     tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
@@ -373,6 +403,11 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
         TimeRemainingColumn(),
         transient=True,
     )
+
+    def on_step(done: int, total: int) -> None:
+        steps.update(done=done, total=total)
+        progress.update(task, completed=done, total=total)
+
     with progress:
         task = progress.add_task("baseline", total=None)
         train_local(
@@ -383,10 +418,9 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
             batch_size=fed.batch_size,
             lr=fed.lr,
             seed=settings.seed,
-            on_step=lambda done, total: progress.update(task, completed=done, total=total),
+            on_step=on_step,
         )
-    val = validation_blocks(tokenizer, block=block_size(model), count=fed.eval_blocks)
-    return evaluate(model, val)
+    return model, tokenizer
 
 
 def round_table(records: list[dict[str, Any]]) -> Table:
