@@ -282,10 +282,18 @@ def simulator_role(settings: FedLearnRunConfig) -> dict[str, float]:
 
 
 def check(settings: FedLearnRunConfig) -> None:
-    if settings.role == "local" and settings.fed.data_dir:
+    fed = settings.fed
+    if settings.role == "local" and fed.data_dir:
         raise ConfigError(
             "fed.data_dir is a real client's own data (role=client); a local run deals each "
             "client its own shard of the lab's corpus"
+        )
+    stand_in = settings.role == "simulator" or (settings.role == "client" and not fed.data_dir)
+    if stand_in and not 0 <= settings.client_index < fed.num_clients:
+        raise ConfigError(
+            f"client_index={settings.client_index} must be in 0..{fed.num_clients - 1}: "
+            f"fed.num_clients={fed.num_clients} shards of the lab's corpus (set fed.num_clients "
+            "to the federation's size, or fed.data_dir to this client's own data)"
         )
 
 
