@@ -15,6 +15,7 @@ help stays at `--hydra-help`.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -199,23 +200,40 @@ def _compose_checked(
     name: str, schema: type, overrides: list[str], config_dir: Path, command: str
 ) -> None:
     from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        with (
+            _hydra_of_our_own(),
+            initialize_config_dir(config_dir=str(config_dir), version_base="1.3"),
+        ):
             cfg = compose(config_name=name, overrides=overrides)
     except ConfigError:
         raise
     except Exception as exc:  # Hydra's and OmegaConf's: each turned into one line
         raise ConfigError(_explain(exc, name, schema, overrides, command)) from None
-    finally:
-        GlobalHydra.instance().clear()
     unknown = _unknown_keys(cfg, _defaults(schema))
     if unknown:
         key = unknown[0]
         raise ConfigError(
             f"{key} is not a setting of {name}{_did_you_mean(key, name, schema, command)}"
         )
+
+
+@contextlib.contextmanager
+def _hydra_of_our_own() -> Iterator[None]:
+    """Compose with a Hydra of our own for the block, and give back the one running (a check
+    made inside a Hydra app, as run_matrix's sweep makes one per workload)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    global_hydra = GlobalHydra.instance()
+    running = global_hydra.hydra if global_hydra.is_initialized() else None
+    global_hydra.clear()
+    try:
+        yield
+    finally:
+        global_hydra.clear()
+        if running is not None:
+            global_hydra.initialize(running)
 
 
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false",
