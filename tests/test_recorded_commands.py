@@ -78,7 +78,7 @@ def test_a_sweeps_recorded_command_keeps_its_secret_out_and_still_runs(tmp_path:
         workload="fed_learn",
         axes={"clients": "fed.num_clients"},
         grid={"clients": [2]},
-        overrides=["cluster.secret=it's \"mine\"", "model.lab_preset=debug"],
+        overrides=['cluster.secret=it\'s "mine"', "model.lab_preset=debug"],
         out_dir=str(tmp_path / "sweep"),
     )
     command = run_matrix.command_of(config)
