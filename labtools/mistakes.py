@@ -101,8 +101,9 @@ def _split_secrets_differ(folder: Path) -> list[Outcome]:
     common = ["model.lab_preset=debug", "tracking.wandb=false", "split.num_stages=1",
               f"cluster.master.port={port}", "split.join_timeout_s=20"]  # fmt: skip
     stage = subprocess.Popen(
+        # the stage waits long enough for a driver that starts slowly on a busy machine
         [sys.executable, "-m", "split_inference", "role=stage", "split.rank=1", *common,
-         f"hydra.run.dir={folder / 'stage'}"],
+         "split.join_timeout_s=120", f"hydra.run.dir={folder / 'stage'}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "LAB_SECRET": "the-stages-secret"},
     )  # fmt: skip
