@@ -13,9 +13,11 @@ Interrupted, the same command goes on with the cells not yet done (docs/run_matr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,8 +33,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from lab import commandline
 from lab.cli import EXIT_INTERRUPTED, ConfigError, reported
-from lab.config import to_settings
+from lab.config import CONF_DIR, to_settings
 from lab.machine import Machine
 from lab.redact import redact_argv, redact_config, scrub_argv
 from lab.tables import print_wide
@@ -137,13 +140,44 @@ def flagged(config: matrix.MatrixConfig, records: list[dict[str, Any]]) -> dict[
 
 
 def command_of(config: matrix.MatrixConfig) -> str:
-    """The command line that runs this sweep again (and skips what is done); a secret shows as
-    `***`, which the cells read from LAB_SECRET."""
-    parts = [f"workload={config.workload}"]
-    parts += [f"grid.{axis}=[{','.join(map(str, values))}]" for axis, values in config.grid.items()]
-    parts.append("'overrides=[" + ",".join(redact_argv(config.overrides)) + "]'")
-    parts += [f"repeats={config.repeats}", f"out_dir={config.out_dir}"]
-    return "python run_matrix.py " + " ".join(parts)
+    """The command line that runs this sweep again (and skips what is done), as a shell takes
+    it: the grid's and axes' entries that conf/matrix.yaml lacks with `+`, those it has that
+    the sweep dropped with `~`, every word quoted where the shell would read it. A secret shows
+    as `***`, which the cells read from LAB_SECRET."""
+    default = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "matrix.yaml"), resolve=False)
+    assert isinstance(default, dict)
+    words = [f"workload={config.workload}"]
+    words += _entries("axes", default.get("axes") or {}, config.axes, str)
+    words += _entries("grid", default.get("grid") or {}, config.grid, matrix._hydra_value)
+    quoted = ",".join(_hydra_quoted(o) for o in redact_argv(config.overrides))
+    words += [f"overrides=[{quoted}]", f"repeats={config.repeats}"]
+    schema = matrix.MatrixConfig.__dataclass_fields__
+    for name in ("num_threads", "timeout_s", "memory_mib", "baseline_tolerance", "retry_failed",
+                 "retry_flagged", "plot", "wandb"):  # fmt: skip
+        value = getattr(config, name)
+        if value != default.get(name, schema[name].default):
+            words.append(f"{name}={matrix._hydra_value(value)}")
+    words.append(f"out_dir={config.out_dir}")
+    return "python run_matrix.py " + shlex.join(words)
+
+
+def _entries(
+    name: str, default: Mapping[str, Any], given: Mapping[str, Any], shown: Any
+) -> list[str]:
+    """Overrides that turn mapping `default` into `given`: `name.k=v` for a key it has,
+    `+name.k=v` for a new one, `~name.k` for one dropped."""
+    words = [f"~{name}.{key}" for key in default if key not in given]
+    for key, value in given.items():
+        if key not in default:
+            words.append(f"+{name}.{key}={shown(value)}")
+        elif value != default[key]:
+            words.append(f"{name}.{key}={shown(value)}")
+    return words
+
+
+def _hydra_quoted(text: str) -> str:
+    """`text` as one quoted element of a Hydra list (its quotes and backslashes escaped)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def write_sweep_file(config: matrix.MatrixConfig, out_dir: Path) -> None:
@@ -235,6 +269,32 @@ def launcher_named() -> str | None:
     return None if target in ("", BASIC_LAUNCHER) else target
 
 
+LAUNCHER_PLUGINS = {
+    "ray": ("hydra_plugins.hydra_ray_launcher", "the Ray extra: `make ray-deps`"),
+    "submitit": ("hydra_plugins.hydra_submitit_launcher", "pip install hydra-submitit-launcher"),
+}
+"""A launcher plugin's module and how to install it, by the start of its `hydra/launcher` name."""
+
+
+def launcher_missing(argv: list[str]) -> str | None:
+    """One line when `hydra/launcher=NAME` names a plugin that is not installed (Hydra's own
+    answer lists the options and its advice), else None."""
+    for arg in argv:
+        if arg.startswith("hydra/launcher="):
+            name = arg.split("=", 1)[1]
+            for prefix, (module, install) in LAUNCHER_PLUGINS.items():
+                if name.startswith(prefix) and not _importable(module):
+                    return f"{arg} needs {install}"
+    return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing too
+        return False
+
+
 def farm(config: matrix.MatrixConfig, launcher: str, console: Console) -> int:
     """Hand the cells not yet done to `launcher`, one Hydra job a cell (`--multirun cell=...`),
     and wait for them; returns the launcher's exit status (0 when nothing was left to do).
@@ -321,6 +381,13 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # a mistaken override, a flag that is not Hydra's: one line, exit 2, before Hydra runs
+    commandline.refuse_or_exit("matrix", matrix.MatrixConfig, sys.argv[1:],
+                               command="python run_matrix.py")  # fmt: skip
+    missing = launcher_missing(sys.argv[1:])
+    if missing:
+        print(f"run_matrix: {missing}", file=sys.stderr)
+        sys.exit(2)
     try:
         main()
     except KeyboardInterrupt:  # a launcher's driver (`farm`'s child) stopped: one line

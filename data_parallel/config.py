@@ -191,7 +191,14 @@ class DPConfig:
         self._check_streaming()
         if self.outer_momentum >= 1:
             raise ValueError(f"dp.outer_momentum={self.outer_momentum} must be below 1")
-        parse_slow_worker(self.slow_worker)
+        slow = parse_slow_worker(self.slow_worker)
+        workers = self.workers * self.node_bounds[1]
+        if slow is not None and slow[0] >= workers:
+            raise ValueError(
+                f"dp.slow_worker={self.slow_worker} names worker {slow[0]}, and the job has "
+                f"{workers} (dp.workers={self.workers} x dp.nnodes={self.nnodes}: ranks "
+                f"0..{workers - 1})"
+            )
         if self.target_val_loss > 0 and not self.eval_every:
             raise ValueError(
                 f"dp.target_val_loss={self.target_val_loss} needs evaluations: set dp.eval_every"

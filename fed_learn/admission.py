@@ -37,6 +37,7 @@ import torch
 from fed_learn.config import FedConfig
 from fed_learn.protocol import ClientResult, Evaluation, FedMsg, parse_join
 from lab.cli import UserError
+from lab.waiting import Wait
 from netproto import Connection
 from netproto.server import address_key
 
@@ -307,14 +308,25 @@ class Admission:
         With `hoped` > count, first wait up to `grace_s` for that many (the expected roster).
         """
         grace_end = time.monotonic() + grace_s
+
+        def connected() -> str:  # read under the lock, as the loops below hold it
+            return f"{sum(c.alive for c in self.clients.values())} connected"
+
+        waiting = Wait(
+            f"{max(count, hoped)} clients",
+            key=f"fed.min_fit_clients={count}, fed.wait_clients_s={self.fed.wait_clients_s:g}",
+            progress=connected,
+        )
         with self.lock:
             while (
                 sum(c.alive for c in self.clients.values()) < hoped and time.monotonic() < grace_end
             ):
+                waiting.tick()
                 self._joined.wait(timeout=max(0.0, min(grace_end - time.monotonic(), 1.0)))
         deadline = time.monotonic() + self.fed.wait_clients_s
         with self.lock:
             while sum(c.alive for c in self.clients.values()) < count:
+                waiting.tick()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     alive = sum(c.alive for c in self.clients.values())

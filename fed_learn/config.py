@@ -251,6 +251,12 @@ class FedConfig:
         )
         if not 0 < self.fraction_fit <= 1:
             raise ValueError(f"fed.fraction_fit={self.fraction_fit} must be in (0, 1]")
+        if self.min_fit_clients > self.num_clients:
+            raise ValueError(
+                f"fed.min_fit_clients={self.min_fit_clients} is more than fed.num_clients="
+                f"{self.num_clients}: no round could ever close; raise fed.num_clients or lower "
+                "fed.min_fit_clients"
+            )
         if not 0 < self.join_rate_per_address < math.inf:
             raise ValueError(
                 f"fed.join_rate_per_address={self.join_rate_per_address} must be finite and > 0"

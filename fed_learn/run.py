@@ -27,6 +27,7 @@ from lab.losses import evaluate
 from lab.models import count_4bit_layers, load_tokenizer
 from lab.tables import print_wide
 from lab.tracking import METRICS_FILE, Tracker, read_records
+from lab.waiting import Wait, speaking
 from netproto import Connection, ConnectionClosed, NetTimeout, RemoteError, TruncatedFrame
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,10 @@ def take_part(
                 address,
                 wait_s=wait_s,
                 check=None if stop is None else lambda: _stop_if(stop),
+                what="the coordinator",
+                where=f"{settings.cluster.coordinator.host}:{settings.cluster.coordinator.port}",
+                key=f"cluster.connect_timeout_s={settings.cluster.connect_timeout_s:g} + "
+                f"fed.wait_clients_s={fed.wait_clients_s:g}",
             )
         except _Stopped:
             return client.rounds  # training is over (`stop`): nothing to rejoin
@@ -284,10 +289,18 @@ def simulator_role(settings: FedLearnRunConfig) -> dict[str, float]:
 
 
 def check(settings: FedLearnRunConfig) -> None:
-    if settings.role == "local" and settings.fed.data_dir:
+    fed = settings.fed
+    if settings.role == "local" and fed.data_dir:
         raise ConfigError(
             "fed.data_dir is a real client's own data (role=client); a local run deals each "
             "client its own shard of the lab's corpus"
+        )
+    stand_in = settings.role == "simulator" or (settings.role == "client" and not fed.data_dir)
+    if stand_in and not 0 <= settings.client_index < fed.num_clients:
+        raise ConfigError(
+            f"client_index={settings.client_index} must be in 0..{fed.num_clients - 1}: "
+            f"fed.num_clients={fed.num_clients} shards of the lab's corpus (set fed.num_clients "
+            "to the federation's size, or fed.data_dir to this client's own data)"
         )
 
 
@@ -364,6 +377,31 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
     passes over each example when rounds are counted in epochs.
     """
     fed = settings.fed
+    steps = {"done": 0, "total": 0}
+    started = time.monotonic()
+
+    def how_far() -> str:
+        done, total = steps["done"], steps["total"]
+        if not total:
+            return "loading the model and pooling the clients' data"
+        left = (time.monotonic() - started) / max(done, 1) * (total - done)
+        return f"step {done} of {total}, about {left:.0f} s left"
+
+    waiting = Wait(
+        f"the centralized baseline (all {fed.num_clients} clients' data pooled)",
+        key="fed.centralized_baseline=false skips it",
+        progress=how_far,
+    )
+    with speaking(waiting):
+        model, tokenizer = _pooled_training(settings, steps)
+    val = validation_blocks(tokenizer, block=block_size(model), count=fed.eval_blocks)
+    return evaluate(model, val)
+
+
+def _pooled_training(settings: FedLearnRunConfig, steps: dict[str, int]) -> tuple[Any, Any]:
+    """The centralized baseline's model, trained on every client's shard pooled; `steps`
+    follows its progress (done, total)."""
+    fed = settings.fed
     cache_dir = settings.paths.cache_path
     model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
     tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
@@ -380,6 +418,11 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
         TimeRemainingColumn(),
         transient=True,
     )
+
+    def on_step(done: int, total: int) -> None:
+        steps.update(done=done, total=total)
+        progress.update(task, completed=done, total=total)
+
     with progress:
         task = progress.add_task("baseline", total=None)
         train_local(
@@ -390,10 +433,9 @@ def centralized_baseline(settings: FedLearnRunConfig) -> float:
             batch_size=fed.batch_size,
             lr=fed.lr,
             seed=settings.seed,
-            on_step=lambda done, total: progress.update(task, completed=done, total=total),
+            on_step=on_step,
         )
-    val = validation_blocks(tokenizer, block=block_size(model), count=fed.eval_blocks)
-    return evaluate(model, val)
+    return model, tokenizer
 
 
 def round_table(records: list[dict[str, Any]]) -> Table:

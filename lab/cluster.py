@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from lab.config import ClusterConfig, Endpoint
+from lab.waiting import Wait
 from netproto.connection import Connection, client_ssl_context, server_ssl_context
 from netproto.errors import ConnectionClosed, NetTimeout
 from netproto.link import LinkEmulatorProcess
@@ -85,19 +86,29 @@ def connect_when_ready(
     wait_s: float,
     check: Callable[[], None] | None = None,
     poll_s: float = 0.2,
+    what: str = "the server",
+    where: str = "",
+    key: str = "",
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> Connection:
     """`connect`, retrying while the server is still starting (loading a model, say).
 
     Raises the last ConnectionClosed / NetTimeout once `wait_s` has passed; `check` runs
-    before every try (e.g. to report that the server's process has died).
+    before every try (e.g. to report that the server's process has died). While it waits it
+    says so (`lab.waiting`): `what` it dials, `where` (the address the user gave, when
+    `address` is an emulated link's end), and `key`, the settings that make `wait_s`.
     """
-    deadline = time.monotonic() + wait_s
+    where = where or f"{address[0]}:{address[1]}"
+    wait = Wait(what, where=where, key=key, limit_s=wait_s, clock=clock)
+    deadline = clock() + wait_s
     while True:
         if check is not None:
             check()
         try:
             return connect(cluster, address)
         except (ConnectionClosed, NetTimeout):
-            if time.monotonic() > deadline:
+            if clock() > deadline:
                 raise
-            time.sleep(poll_s)
+            wait.tick()
+            sleep(poll_s)

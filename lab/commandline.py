@@ -5,14 +5,17 @@ key no schema has (the run then ignores it). `check_or_exit` composes the config
 command line's overrides first, as Hydra will, and turns every mistake into one `error:` line
 naming the key and exit 2 (`lab.cli`): a key that is not a setting (with the closest one that
 is), a `+key` the schema does not read, a value of the wrong type, a config group option that
-does not exist, an override Hydra cannot parse. A sweep (`-m key=a,b`) has each of its values
-checked. `--help` lists every key of the experiment's schema with its default, its type and its
-docstring; Hydra's own help stays at `--hydra-help`.
+does not exist, an override Hydra cannot parse, a key and its value apart (`fed.rounds 3`), a
+list where one value goes (naming the schema's type), an option-style flag (`--rounds=3`, named
+back as `fed.rounds=3`). A sweep (`-m key=a,b`) has each of its values checked. `--help` lists
+every key of the experiment's schema with its default, its type and its docstring; Hydra's own
+help stays at `--hydra-help`.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -31,7 +34,12 @@ if TYPE_CHECKING:
     from lab.experiment import Experiment
 
 HYDRA_FLAGS_WE_CHECK = ("-m", "--multirun")
-"""Flags that leave the overrides to compose (any other `-x` / `--x`: Hydra's own business)."""
+"""Flags that leave the overrides to compose (Hydra's other flags: Hydra's own business)."""
+HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve",
+               "--package", "-p", "--run", "-r", "--multirun", "-m", "--shell-completion",
+               "-sc", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+               "--experimental-rerun", "--info", "-i"}  # fmt: skip
+"""Every flag Hydra's command line takes (hydra._internal.utils.get_args_parser)."""
 
 
 def check_or_exit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
@@ -42,11 +50,20 @@ def check_or_exit(experiment: Experiment, argv: Sequence[str] | None = None) -> 
     if "--help" in args or "-h" in args:
         print(help_text(name, schema, unread=experiment.unread_keys()))
         raise SystemExit(0)
-    if any(a.startswith("-") and a not in HYDRA_FLAGS_WE_CHECK for a in args):
-        return  # --cfg, --info, --config-name, ...: Hydra's
-    overrides = [a for a in args if not a.startswith("-")]
+    refuse_or_exit(name, schema, args)
+
+
+def refuse_or_exit(
+    name: str, schema: type, args: Sequence[str], *, command: str = "", config_dir: Path = CONF_DIR
+) -> None:
+    """The command line `args` of config `name`: a mistake prints one `error:` line and exits
+    2 (Hydra's own flags are left to Hydra). `command`: how the user runs it, for hints."""
     try:
-        check(name, schema, overrides)
+        refuse_flags(name, schema, args, command=command)
+        if any(a.startswith("-") and a not in HYDRA_FLAGS_WE_CHECK for a in args):
+            return  # --cfg, --info, --config-name, ...: Hydra's
+        overrides = [a for a in args if not a.startswith("-")]
+        check(name, schema, overrides, command=command, config_dir=config_dir)
     except ConfigError as exc:
         if full_errors():
             raise
@@ -54,13 +71,55 @@ def check_or_exit(experiment: Experiment, argv: Sequence[str] | None = None) -> 
         raise SystemExit(EXIT_USER_ERROR) from None
 
 
+def refuse_flags(name: str, schema: type, args: Sequence[str], *, command: str = "") -> None:
+    """ConfigError for a flag Hydra does not take (`--rounds=3`, `--fed.rounds 3`): settings
+    are `key=value`; the line names the key the flag meant, with its value."""
+    for index, arg in enumerate(args):
+        if not arg.startswith("-") or arg.split("=", 1)[0] in HYDRA_FLAGS or arg == "-":
+            continue
+        flag, has_value, value = arg.partition("=")
+        if not has_value:
+            following = args[index + 1] if index + 1 < len(args) else ""
+            plain = following and not following.startswith("-") and "=" not in following
+            value = following if plain else "<value>"
+        word = flag.lstrip("-").replace("-", "_")
+        key = _key_named(word, schema)
+        run = command or f"python -m {name}"
+        if key:
+            raise ConfigError(f"{arg} is not an option: settings are key=value, as {key}={value}")
+        raise ConfigError(
+            f"{arg} is not an option, nor {word} a setting of {name}: settings are key=value "
+            f"(`{run} --help` lists them)"
+        )
+
+
+def _key_named(word: str, schema: type) -> str:
+    """The setting `word` names: itself, the one key whose last part it is, or the closest."""
+    keys = [k for k, *_ in described(schema)]
+    if word in keys:
+        return word
+    leaf = [k for k in keys if k.rsplit(".", 1)[-1] == word]
+    if len(leaf) == 1:
+        return leaf[0]
+    close = difflib.get_close_matches(word, leaf or keys, n=1, cutoff=0.6)
+    return close[0] if close else ""
+
+
 def check(
-    name: str, schema: type, overrides: Sequence[str], *, config_dir: Path = CONF_DIR
+    name: str,
+    schema: type,
+    overrides: Sequence[str],
+    *,
+    command: str = "",
+    config_dir: Path = CONF_DIR,
 ) -> None:
     """ConfigError (one line) for the first mistake in `overrides`, composed into config `name`
-    with `schema` as its schema. Hydra's own settings (`hydra.*`) are left to Hydra."""
+    with `schema` as its schema. Hydra's own settings (`hydra.*`) are left to Hydra.
+    `command`: how the user runs it (`python -m <name>`), named in hints."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
+
+    _refuse_apart(overrides)
 
     # Hydra's own settings are Hydra's to check; its search path decides where groups are found
     ours = [o for o in overrides if _key(o) == "hydra.searchpath"
@@ -79,11 +138,45 @@ def check(
     if not choices:
         return
     first = [values[0] for values in choices]
-    _compose_checked(name, schema, first, config_dir)
+    run = command or f"python -m {name}"
+    _compose_checked(name, schema, first, config_dir, run)
     for index, values in enumerate(choices):
         for value in values[1:]:
             _compose_checked(name, schema, [*first[:index], value, *first[index + 1 :]],
-                             config_dir)  # fmt: skip
+                             config_dir, run)  # fmt: skip
+
+
+def _refuse_apart(overrides: Sequence[str]) -> None:
+    """ConfigError for a key and its value given apart (`fed.rounds 3`, `fed.rounds = 3`,
+    `fed.rounds= 3`), which Hydra reads as a key with no value (`missing EQUAL`)."""
+    words = list(overrides)
+    for index, word in enumerate(words):
+        following = words[index + 1 :]
+        if word.startswith("~") or word.startswith("-"):
+            continue
+        if "=" not in word:
+            if following[:1] == ["="] and len(following) > 1:
+                value = following[1]
+            elif following and following[0].startswith("=") and len(following[0]) > 1:
+                value = following[0][1:]
+            elif following and "=" not in following[0] and not following[0].startswith("-"):
+                value = following[0]
+            else:
+                raise ConfigError(
+                    f"{word} has no value: an override is key=value, as {word.lstrip('+')}=<value>"
+                    " (`~key` removes a key)"
+                )
+            given = " ".join([word, *following[: 2 if following[0] == "=" else 1]])
+            raise ConfigError(
+                f"{given!r}: the key and its value are one word, key=value with no space: "
+                f"{word}={value}"
+            )
+        apart = following and "=" not in following[0] and not following[0].startswith("-")
+        if word.endswith("=") and apart:
+            raise ConfigError(
+                f"{word + ' ' + following[0]!r}: the key and its value are one word, "
+                f"key=value with no space: {word}{following[0]}"
+            )
 
 
 def _key(override: str) -> str:
@@ -103,26 +196,57 @@ def _values(override: Any) -> list[str]:
         return []
 
 
-def _compose_checked(name: str, schema: type, overrides: list[str], config_dir: Path) -> None:
+def _compose_checked(
+    name: str, schema: type, overrides: list[str], config_dir: Path, command: str
+) -> None:
     from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        with (
+            _hydra_of_our_own(),
+            initialize_config_dir(config_dir=str(config_dir), version_base="1.3"),
+        ):
             cfg = compose(config_name=name, overrides=overrides)
     except ConfigError:
         raise
     except Exception as exc:  # Hydra's and OmegaConf's: each turned into one line
-        raise ConfigError(_explain(exc, name, schema, overrides)) from None
-    finally:
-        GlobalHydra.instance().clear()
-    unknown = _unknown_keys(cfg, schema())
+        raise ConfigError(_explain(exc, name, schema, overrides, command)) from None
+    unknown = _unknown_keys(cfg, _defaults(schema))
     if unknown:
         key = unknown[0]
-        raise ConfigError(f"{key} is not a setting of {name}{_did_you_mean(key, name, schema)}")
+        raise ConfigError(
+            f"{key} is not a setting of {name}{_did_you_mean(key, name, schema, command)}"
+        )
 
 
-def _explain(exc: BaseException, name: str, schema: type, overrides: list[str]) -> str:
+@contextlib.contextmanager
+def _hydra_of_our_own() -> Iterator[None]:
+    """Compose with a Hydra of our own for the block, and give back the one running (a check
+    made inside a Hydra app, as run_matrix's sweep makes one per workload)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    global_hydra = GlobalHydra.instance()
+    running = global_hydra.hydra if global_hydra.is_initialized() else None
+    global_hydra.clear()
+    try:
+        yield
+    finally:
+        global_hydra.clear()
+        if running is not None:
+            global_hydra.initialize(running)
+
+
+KINDS = {"int": "an integer", "float": "a number", "bool": "true or false",
+         "str": "one value (str)", "str | None": "one value (str) or null",
+         "int | None": "an integer or null", "float | None": "a number or null",
+         "list[str]": "a list (list[str]), e.g. [a,b]",
+         "list[int]": "a list of integers (list[int]), e.g. [1,2]"}  # fmt: skip
+"""The schema's field types in words, as an error names them."""
+
+
+def _explain(
+    exc: BaseException, name: str, schema: type, overrides: list[str], command: str = ""
+) -> str:
     """Hydra's several lines as one, naming the key and what is wrong with its value."""
     text = str(exc).strip()
     cause = exc.__cause__
@@ -131,18 +255,32 @@ def _explain(exc: BaseException, name: str, schema: type, overrides: list[str]) 
     key = _key(named)
     given = {_key(o): o.split("=", 1)[1] if "=" in o else "" for o in overrides}
     if text.startswith("Could not override") and key:
-        return f"{key} is not a setting of {name}{_did_you_mean(key, name, schema)}"
+        mapping = _mapping_field(key, schema)
+        if mapping:  # a new key of a mapping (run_matrix's grid, axes): added with +
+            return (
+                f"{key} is not in {mapping}'s entries (conf/{name}.yaml): a new one takes a +, "
+                f"as +{key}={given.get(key, '<value>')}"
+            )
+        return f"{key} is not a setting of {name}{_did_you_mean(key, name, schema, command)}"
     if "Could not append to config. An item is already at" in text:
         at = re.search(r"already at '([^']+)'", text)
         key = at.group(1) if at else "?"
         return f"+{key}: {key} is a setting already; set it without the +: {key}={given.get(key)}"
     if cause is not None and type(cause).__name__ == "ValidationError" and key:
-        wanted = re.search(r"converted to (\w+)|not a valid (\w+)", str(cause))
-        name = next((g for g in wanted.groups() if g), "") if wanted else ""
-        kind = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false",
-                "int": "an integer", "float": "a number", "bool": "true or false"}.get(
-            name, "of the schema's type")  # fmt: skip
-        return f"{key}={given.get(key, '?')!s} must be {kind}"
+        types = {k: kind for k, _, kind, _ in described(schema)}
+        value = given.get(key, "?")
+        kind = KINDS.get(types.get(key, ""), f"of type {types[key]}" if key in types else "")
+        if not kind:
+            wanted = re.search(r"converted to (\w+)|not a valid (\w+)", str(cause))
+            found_type = next((g for g in wanted.groups() if g), "") if wanted else ""
+            words = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
+            kind = words.get(found_type, "another kind of value")
+        if value.startswith("[") and not types.get(key, "").startswith("list"):
+            return (
+                f"{key}={value} must be {kind}, not a list; a run for each value: "
+                f"{command or f'python -m {name}'} -m {key}={value.strip('[]')}"
+            )
+        return f"{key}={value!s} must be {kind}"
     if cause is not None and type(cause).__name__ == "ConfigTypeError" and key:
         return f"~{key}: a setting of {name} cannot be removed; set it to a value instead"
     if type(exc).__name__ == "MissingConfigException":
@@ -154,6 +292,30 @@ def _explain(exc: BaseException, name: str, schema: type, overrides: list[str]) 
                 f"choose one of {options}"
             )
     return text.splitlines()[0]
+
+
+def _defaults(schema: type) -> Any:
+    """`schema`'s default instance, built without its checks (run_matrix's has no valid
+    default: its workload is set by its YAML)."""
+    instance = object.__new__(schema)
+    for f in dataclasses.fields(schema):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        object.__setattr__(instance, f.name, value)
+    return instance
+
+
+def _mapping_field(key: str, schema: type) -> str:
+    """The field of `schema` that is a mapping and holds `key` (`grid` for `grid.window`)."""
+    head = key.split(".", 1)[0]
+    if "." not in key:
+        return ""
+    kinds = {k: kind for k, _, kind, _ in described(schema)}
+    return head if kinds.get(head, "").startswith("dict") else ""
 
 
 def _unknown_keys(cfg: Any, defaults: Any, prefix: str = "") -> list[str]:
@@ -172,13 +334,14 @@ def _unknown_keys(cfg: Any, defaults: Any, prefix: str = "") -> list[str]:
     return unknown
 
 
-def _did_you_mean(key: str, name: str, schema: type) -> str:
+def _did_you_mean(key: str, name: str, schema: type, command: str = "") -> str:
     keys = [k for k, *_ in described(schema)]
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     if not close:  # the right word in the wrong section: the same last part
         close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
-    return f"; did you mean {close[0]}?" if close else f"; `python -m {name} --help` lists them"
+    run = command or f"python -m {name}"
+    return f"; did you mean {close[0]}?" if close else f"; `{run} --help` lists them"
 
 
 # ------------------------------------------------------------------ --help
@@ -209,7 +372,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def described(schema: type) -> list[tuple[str, Any, str, str]]:
     """(dotted key, default, type name, docstring) of every setting of `schema`, in order."""
-    return list(_walk(schema()))
+    return list(_walk(_defaults(schema)))
 
 
 def _walk(instance: Any, prefix: str = "") -> Iterator[tuple[str, Any, str, str]]:

@@ -208,6 +208,18 @@ def run(
     experiment: Experiment, cfg: DictConfig | Any, *, place: Placement | None = None
 ) -> Metrics:
     """Run `cfg.role` of `experiment` (every role, for `local`); returns its headline metrics."""
+    settings = validated(experiment, cfg)
+    if settings.role != "local":
+        if settings.role in experiment.servers:
+            warn_if_open(settings.role, settings.cluster, experiment.endpoints)
+        apply_num_threads(settings.num_threads)
+        return experiment.roles[settings.role](settings)
+    return run_local(experiment, settings, place=place or placement_from_env())
+
+
+def validated(experiment: Experiment, cfg: DictConfig | Any) -> Any:
+    """`cfg` as `experiment`'s settings, every check across keys done (ConfigError, one line,
+    naming the keys): what a run refuses before it starts or waits for anything."""
     settings = to_settings(cfg, experiment.schema)
     if settings.role not in experiment.role_names:
         raise ConfigError(
@@ -216,12 +228,7 @@ def run(
     experiment.refuse_unread(command_line_keys())
     experiment.check(settings)
     settings.cluster.resolved_secret()  # `cluster.secret=***` without LAB_SECRET fails here
-    if settings.role != "local":
-        if settings.role in experiment.servers:
-            warn_if_open(settings.role, settings.cluster, experiment.endpoints)
-        apply_num_threads(settings.num_threads)
-        return experiment.roles[settings.role](settings)
-    return run_local(experiment, settings, place=place or placement_from_env())
+    return settings
 
 
 def warn_if_open(role: str, cluster: ClusterConfig, endpoints: Sequence[str]) -> None:

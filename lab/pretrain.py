@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,7 @@ from lab import atomic
 from lab.config import CONF_DIR, LabConfig, check_fields_positive, register_schema, to_settings
 from lab.corpus import load_corpus, token_blocks
 from lab.losses import device_of, evaluate, next_token_loss
+from lab.waiting import EVERY_S, FIRST_S, Wait, speaking
 
 log = logging.getLogger(__name__)
 
@@ -189,13 +191,76 @@ def ensure_tiny_models(cfg: PretrainConfig, cache_dir: Path) -> Path:
     if is_built(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(folder.parent / f".{folder.name}.lock"):
+    progress = BuildProgress(folder.parent / f".{folder.name}{PROGRESS_SUFFIX}")
+    waiting = Wait(
+        "another process's build of the lab's tiny models",
+        where=str(folder),
+        key=f"model.lab_preset={cfg.preset}",
+        progress=progress.read,
+    )
+    with _file_lock(folder.parent / f".{folder.name}.lock", waiting=waiting):
         if is_built(folder):  # built by another process while we waited
             return folder
         log.info("training the lab's tiny models into %s", folder)
-        with atomic.staged_dir(folder) as staging:
-            _build(cfg, staging)
+        try:
+            with atomic.staged_dir(folder) as staging:
+                _build(cfg, staging, progress=progress)
+        finally:
+            progress.clear()
     return folder
+
+
+PROGRESS_SUFFIX = ".progress"
+"""Beside a build's lock: the builder's progress (JSON), which the processes waiting show."""
+
+
+class BuildProgress:
+    """How far a tiny-model build has come, in a small file beside its lock: the builder
+    writes it (at most once a second), a process waiting on the lock reads it into its line."""
+
+    def __init__(self, path: Path, *, clock=time.time) -> None:
+        self.path, self.clock = path, clock
+        self._written = -math.inf
+
+    def update(self, phase: str, done: int, total: int, *, started: float, then: str = "") -> None:
+        """`phase` (tiny_target) at step `done` of `total`, begun at `started` (clock time);
+        `then`: what follows it."""
+        now = self.clock()
+        if now - self._written < 1.0 and done < total:
+            return
+        self._written = now
+        left = (now - started) / done * (total - done) if done else None
+        record = {"pid": os.getpid(), "phase": phase, "done": done, "total": total,
+                  "left_s": left, "then": then, "time": now}  # fmt: skip
+        with contextlib.suppress(OSError):  # progress is a courtesy: never fails the build
+            atomic.write_text(self.path, json.dumps(record))
+
+    def read(self) -> str:
+        """The builder's progress in words ("" when it has written none)."""
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return ""
+        text = f"pid {record['pid']} is at {record['phase']}"
+        if record.get("total"):
+            text += f" step {record['done']} of {record['total']}"
+        if record.get("left_s") is not None:
+            text += f", about {_duration(record['left_s'])} left of it"
+        if record.get("then"):
+            text += f", then {record['then']}"
+        quiet = self.clock() - float(record.get("time", self.clock()))
+        if quiet > 60:
+            text += f" (its last word {_duration(quiet)} ago)"
+        return text
+
+    def clear(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds} s" if seconds < 120 else f"{seconds // 60} min {seconds % 60:02d} s"
 
 
 def ensure_random_model(name: str, cfg: PretrainConfig, cache_dir: Path) -> Path:
@@ -229,9 +294,14 @@ def ensure_random_model(name: str, cfg: PretrainConfig, cache_dir: Path) -> Path
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+def _file_lock(path: Path, *, waiting: Wait | None = None) -> Iterator[None]:
+    """Hold `path`'s lock for the block; while another process holds it, `waiting` speaks."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with speaking(waiting) if waiting else contextlib.nullcontext():
+                fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -300,17 +370,32 @@ def _progress() -> Progress:
 
 
 def train_lm(
-    model, blocks: torch.Tensor, *, cfg: PretrainConfig, steps: int, description: str, teacher=None
+    model,
+    blocks: torch.Tensor,
+    *,
+    cfg: PretrainConfig,
+    steps: int,
+    description: str,
+    teacher=None,
+    progress: BuildProgress | None = None,
+    then: str = "",
+    clock=time.monotonic,
 ) -> float:
-    """Train `model` on random blocks; distil from `teacher` when given. Returns the last loss."""
+    """Train `model` on random blocks; distil from `teacher` when given. Returns the last loss.
+
+    Shows a bar with the time left; a line with it too, within seconds and every 30 s (the bar
+    shows nothing where the output is not a terminal: a log, a role's pipe); and writes it to
+    `progress` for the processes waiting on this build."""
     generator = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1
     )
     model.train()
     loss_value = float("nan")
-    with _progress() as progress:
-        task = progress.add_task(description, total=steps, loss=float("nan"))
+    started, wall_started = clock(), time.time()
+    next_line = started + FIRST_S
+    with _progress() as bar:
+        task = bar.add_task(description, total=steps, loss=float("nan"))
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, total=steps, warmup=cfg.warmup_steps, peak=cfg.lr)
@@ -334,9 +419,16 @@ def train_lm(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             loss_value = loss.item()
-            progress.update(task, advance=1, loss=loss_value)
-            if (step + 1) % max(1, steps // 10) == 0:
-                log.info("%s step %d/%d loss %.4f", description, step + 1, steps, loss_value)
+            bar.update(task, advance=1, loss=loss_value)
+            if progress is not None:
+                progress.update(description, step + 1, steps, started=wall_started, then=then)
+            now = clock()
+            if now >= next_line or step + 1 == steps:
+                next_line = now + EVERY_S
+                left = (now - started) / (step + 1) * (steps - step - 1)
+                log.info("%s: step %d of %d, loss %.4f, %s so far, about %s left%s", description,
+                         step + 1, steps, loss_value, _duration(now - started), _duration(left),
+                         f" (then {then})" if then and step + 1 < steps else "")  # fmt: skip
     model.eval()
     return loss_value
 
@@ -357,13 +449,18 @@ def greedy_agreement(draft, target, blocks: torch.Tensor, *, batch_size: int = 1
     return same / count
 
 
-def _build(cfg: PretrainConfig, out_dir: Path) -> dict[str, Any]:
+def _build(
+    cfg: PretrainConfig, out_dir: Path, *, progress: BuildProgress | None = None
+) -> dict[str, Any]:
     threads_before = torch.get_num_threads()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     try:
         torch.manual_seed(cfg.seed)
         started = time.perf_counter()
+        if progress is not None:
+            progress.update("the tokenizer", 0, 0, started=time.time(),
+                            then=f"tiny_target ({cfg.target_steps} steps)")  # fmt: skip
         corpus = load_corpus(val_fraction=cfg.val_fraction, max_train_chars=cfg.train_chars)
         train_texts = [doc.text for doc in corpus.train]
         tokenizer = train_tokenizer(train_texts, vocab_size=cfg.vocab_size)
@@ -387,7 +484,8 @@ def _build(cfg: PretrainConfig, out_dir: Path) -> dict[str, Any]:
             "tokenizer": tokenizer,
         }
         target = build_llama(cfg.target, **common)
-        train_lm(target, train_blocks, cfg=cfg, steps=cfg.target_steps, description="tiny_target")
+        train_lm(target, train_blocks, cfg=cfg, steps=cfg.target_steps, description="tiny_target",
+                 progress=progress, then=f"tiny_draft ({cfg.draft_steps} steps)")  # fmt: skip
         draft = build_llama(cfg.draft, **common)
         train_lm(
             draft,
@@ -396,6 +494,7 @@ def _build(cfg: PretrainConfig, out_dir: Path) -> dict[str, Any]:
             steps=cfg.draft_steps,
             description="tiny_draft",
             teacher=target,
+            progress=progress,
         )
         metrics = {
             "target_val_loss": evaluate(target, val_blocks),

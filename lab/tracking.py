@@ -13,6 +13,7 @@ import logging
 import math
 import netrc
 import os
+import shlex
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, is_dataclass
@@ -135,11 +136,11 @@ class Tracker:
         from lab.machine import Machine
 
         module = Path(sys.argv[0]).parent.name if sys.argv[0].endswith("__main__.py") else None
-        program = f"python -m {module}" if module else f"python {sys.argv[0]}"
-        command = [program, *redact.redact_argv(sys.argv[1:])]
+        program = ["python", "-m", module] if module else ["python", sys.argv[0]]
+        command = [*program, *redact.redact_argv(sys.argv[1:])]
         record = {
             "job": self.job,
-            "command": " ".join(command),
+            "command": shlex.join(command),  # pasted into a shell, it runs as it ran
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._started)),
             "machine": Machine.probe().as_dict(),
         }

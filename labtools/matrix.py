@@ -38,11 +38,11 @@ from typing import Any
 
 import psutil
 
-from lab import atomic, experiment, registry
+from lab import atomic, commandline, experiment, registry
 from lab.cli import ConfigError
 from lab.config import SECRET_ENV, check_fields_positive, register_schema
 from lab.launch import die_with_parent
-from lab.redact import redact_argv, redact_config, split_secret
+from lab.redact import redact_argv, redact_config, redact_text, split_secret
 from lab.registry import Workload
 from lab.tracking import METRICS_FILE, read_records
 
@@ -168,28 +168,23 @@ def check_sweep(config: MatrixConfig) -> None:
     keys = [config.axes[axis] for axis in config.grid]
     keys += [experiment.override_key(o) for o in config.overrides]
     exp.refuse_unread(keys)
-    # a key the schema does not have (or a value of the wrong type): Hydra's own one-line error,
-    # from composing the first cell's config as the cell would
+    # a key the schema does not have, a value of the wrong type: composed as the first cell's
+    # config will be, each mistake one line (lab.commandline), never Hydra's advice
     first = cells(config)[0]
-    argv = [sys.executable, "-m", exp.name, *cell_overrides(config, first, Path("unused"))]
-    argv = [a for a in redact_argv(argv) if not a.startswith("hydra.run.dir=")] + ["--cfg", "job"]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        lines = [
-            line.strip()
-            for line in result.stderr.splitlines()
-            if line.strip() and not line.startswith((" ", "Set the environment", "See https://"))
-        ]
-        refused = re.search(r"Could not override '([^']+)'", result.stderr)
+    overrides = [o for o in cell_overrides(config, first, Path("unused"))
+                 if not o.startswith("hydra.run.dir=")]  # fmt: skip
+    try:
+        commandline.check(exp.name, exp.schema, overrides)
+    except ConfigError as exc:
+        refused = re.match(r"(\S+) is not a setting of", str(exc))
         axis = next((a for a in config.grid if refused and config.axes.get(a) == refused[1]), None)
         hint = (f" (grid.{axis} sweeps {config.axes[axis]}, which {config.workload} does not "
                 f"have: ~grid.{axis} drops that axis, conf/matrix.yaml's default grid has it)"
                 if axis else "")  # fmt: skip
         raise ConfigError(
             f"cell {first.name} of workload={config.workload} does not compose: "
-            + (" ".join(lines[:3]) if lines else f"exit {result.returncode}")
-            + hint
-        )
+            f"{redact_text(str(exc))}{hint}"
+        ) from None
 
 
 def cell_overrides(config: MatrixConfig, cell: Cell, run_dir: Path) -> list[str]:

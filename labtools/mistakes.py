@@ -1,7 +1,7 @@
-"""Replay the mistakes a new user made (issue 35's list), each as that user typed it, and check
+"""Replay the mistakes a new user made (issues 35 and 50), each as that user typed it, and check
 that each is answered in one line: `error: ...` on stderr naming what is wrong, exit 2, no
-traceback, every role stopped (or, for Ctrl-C, a message that tells the truth about what was
-kept).
+traceback, never Hydra's advice (`HYDRA_ADVICE`), every role stopped (or, for Ctrl-C, a message
+that tells the truth about what was kept).
 
     python -m labtools.mistakes              # every case
     python -m labtools.mistakes --only port  # the cases whose name says port
@@ -101,8 +101,9 @@ def _split_secrets_differ(folder: Path) -> list[Outcome]:
     common = ["model.lab_preset=debug", "tracking.wandb=false", "split.num_stages=1",
               f"cluster.master.port={port}", "split.join_timeout_s=20"]  # fmt: skip
     stage = subprocess.Popen(
+        # the stage waits long enough for a driver that starts slowly on a busy machine
         [sys.executable, "-m", "split_inference", "role=stage", "split.rank=1", *common,
-         f"hydra.run.dir={folder / 'stage'}"],
+         "split.join_timeout_s=120", f"hydra.run.dir={folder / 'stage'}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "LAB_SECRET": "the-stages-secret"},
     )  # fmt: skip
@@ -233,6 +234,27 @@ def _piped_headers_whole(folder: Path, outcomes: list[Outcome]) -> str:
     return ""
 
 
+def _sweep_pasted_again(folder: Path) -> Outcome:
+    """The piped sweep, then its recorded command (sweep.json, the report's `Command:`)
+    pasted into a shell as written: it finds every cell done."""
+    _piped_sweep(folder)
+    recorded = json.loads((folder / "sweep" / "sweep.json").read_text())["command"]
+    script = f'python() {{ "{sys.executable}" "$@"; }}\n{recorded}'
+    result = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, check=False)  # fmt: skip
+    (folder / "pasted.log").write_text(f"$ {recorded}\n{result.stdout}{result.stderr}")
+    return Outcome(result.returncode, result.stderr, result.stdout)
+
+
+def _all_done(folder: Path, outcomes: list[Outcome]) -> str:
+    out = outcomes[0].stdout
+    return "" if "0 to run" in out else f"the pasted command ran cells again: {out[-400:]!r}"
+
+
+def _closed_port() -> str:
+    return f"cluster.coordinator.port={_free_port()}"
+
+
 # fmt: off
 MISTAKES = [
     Mistake("key typo", "python -m spec_decoding spec.gama=4",
@@ -293,7 +315,46 @@ MISTAKES = [
                                     "overrides=[]", f"out_dir={folder / 'sweep'}"], folder)),
     Mistake("a sweep's table piped", "python run_matrix.py ... | cat", "cells ok: 1 of 1",
             _piped_sweep, exit_code=0, extra=_piped_headers_whole),
+    # issue 50, item 1: settings tied together, and what Hydra answered in its own words
+    Mistake("a client index beyond the clients",
+            "python -m fed_learn role=client client_index=5 (3 clients)",
+            "client_index=5 must be in 0..2",
+            lambda folder: module("fed_learn", "role=client", "client_index=5", _closed_port(),
+                                  *DEBUG)(folder)),
+    Mistake("more clients a round than the federation has",
+            "python -m fed_learn fed.min_fit_clients=5 (3 clients)",
+            "fed.min_fit_clients=5 is more than fed.num_clients=3",
+            module("fed_learn", "fed.min_fit_clients=5", *DEBUG)),
+    Mistake("a key and its value apart", "python -m fed_learn fed.rounds 3",
+            "key=value with no space: fed.rounds=3",
+            module("fed_learn", "fed.rounds", "3", *DEBUG)),
+    Mistake("a list where one value goes", "python -m spec_decoding spec.gamma=[1,2]",
+            "spec.gamma=[1,2] must be one value (str), not a list",
+            module("spec_decoding", "spec.gamma=[1,2]", *SPEC_DEBUG)),
+    Mistake("an option-style flag", "python -m fed_learn --rounds=3",
+            "settings are key=value, as fed.rounds=3",
+            lambda folder: command([sys.executable, "-m", "fed_learn", "--rounds=3"], folder)),
+    # issue 50, item 3: a sweep's command as recorded, and Hydra's override errors in run_matrix
+    Mistake("a sweep's recorded command pasted back", "python run_matrix.py ... (from the "
+            "report's Command: line)", "0 to run", _sweep_pasted_again, exit_code=0,
+            extra=_all_done),
+    Mistake("a new axis without its +", "python run_matrix.py workload=spec_decoding "
+            "grid.window=[1,4]", "a new one takes a +, as +grid.window=[1,4]",
+            lambda folder: command([sys.executable, "run_matrix.py", "workload=spec_decoding",
+                                    "grid.window=[1,4]", f"out_dir={folder / 'sweep'}"],
+                                   folder)),
+    Mistake("a typo in a sweep's overrides", "python run_matrix.py workload=spec_decoding "
+            "... overrides=[spec.gama=3]",
+            "spec.gama is not a setting of spec_decoding; did you mean spec.gamma?",
+            lambda folder: command([sys.executable, "run_matrix.py", "workload=spec_decoding",
+                                    "grid.context=[16]", "~grid.batch",
+                                    "axes.context=spec.prompt_tokens",
+                                    'overrides=["spec.gama=3"]', f"out_dir={folder / 'sweep'}"],
+                                   folder)),
 ]
+
+HYDRA_ADVICE = ("To append to your config use", "Set the environment variable HYDRA_FULL_ERROR")
+"""Hydra's own advice, wrong here (a `+` for a typo) or beside the point: no answer repeats it."""
 # fmt: on
 
 
@@ -309,6 +370,10 @@ def judge(mistake: Mistake, folder: Path) -> tuple[bool, str]:
         return False, f"exit {first.returncode}, not {mistake.exit_code}: {first.stderr[-600:]}"
     if "Traceback" in first.stderr:
         return False, f"a traceback: {first.stderr[-600:]}"
+    for outcome in outcomes:
+        advice = [a for a in HYDRA_ADVICE if a in outcome.stderr + outcome.stdout]
+        if advice:
+            return False, f"Hydra's advice ({advice[0]!r}): {outcome.stderr[-600:]}"
     if mistake.exit_code == 2:
         lines = first.error_lines()
         if len(lines) != 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             run_dir = runs / name
             where = f"out_dir={run_dir}" if name == "matrix" else f"hydra.run.dir={run_dir}"
             argv_step = [sys.executable, *command, where]
-            shown = " ".join(["python", *command, where])
+            shown = shlex.join(["python", *command, where])  # as a shell takes it
             progress.update(task, step=name, last="")
             progress.console.print(f"[bold]{name}[/]: {shown}", soft_wrap=True)
             step_started = time.monotonic()

@@ -236,6 +236,11 @@ def run_drafter(
                 dial,
                 check=check,
                 wait_s=settings.cluster.connect_timeout_s if wait_s is None else wait_s,
+                what="the verifier",
+                where=f"{address[0]}:{address[1]}",
+                key=f"cluster.connect_timeout_s={settings.cluster.connect_timeout_s:g}"
+                if wait_s is None
+                else "",
             )
         except (ConnectionClosed, NetTimeout) as exc:
             raise VerifierLostError(

@@ -35,6 +35,7 @@ import torch.distributed.rpc as rpc
 from lab.cli import UserError
 from lab.config import Endpoint
 from lab.launch import PeerLostError
+from lab.waiting import Wait
 from netproto import Connection, Limits
 from netproto.auth import NONCE_BYTES, mac
 from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
@@ -448,10 +449,18 @@ def joined(
         )
     assembled = threading.Event()
 
+    waiting = Wait(
+        "the driver and the other stages" if world.rank else f"{world.num_stages} stage(s)",
+        where=f"{world.master.host}:{world.master.port}",
+        key=f"split.join_timeout_s={world.split.join_timeout_s:g}",
+        limit_s=world.split.join_timeout_s,
+    )
+
     def watch() -> None:  # pragma: no cover - ends the process
         join_timeout_s = world.split.join_timeout_s
         deadline = time.monotonic() + join_timeout_s
         while not assembled.wait(1.0):
+            waiting.tick()  # said within seconds, then every 30 s: not a silent hang
             try:
                 check()
             except Exception as exc:

@@ -45,6 +45,20 @@ SCHEMAS = {
          r"^\+fed\.rounds: fed\.rounds is a setting already; set it without the \+: "
          r"fed\.rounds=3$"),
         ("fed_learn", ["~fed.rounds"], r"^~fed\.rounds: a setting of fed_learn cannot be removed"),
+        # a key and its value apart: Hydra's `missing EQUAL at '<EOF>'`
+        ("fed_learn", ["fed.rounds", "3"],
+         r"^'fed\.rounds 3': the key and its value are one word, key=value with no space: "
+         r"fed\.rounds=3$"),
+        ("fed_learn", ["fed.rounds", "=", "3"], r"^'fed\.rounds = 3': .* fed\.rounds=3$"),
+        ("fed_learn", ["fed.rounds=", "3"], r"^'fed\.rounds= 3': .* fed\.rounds=3$"),
+        ("fed_learn", ["fed.rounds"], r"^fed\.rounds has no value: .* fed\.rounds=<value>"),
+        # a list where the schema holds one value: its type named, and the sweep that was meant
+        ("spec_decoding", ["spec.gamma=[1,2]"],
+         r"^spec\.gamma=\[1,2\] must be one value \(str\), not a list; a run for each value: "
+         r"python -m spec_decoding -m spec\.gamma=1,2$"),
+        ("fed_learn", ["fed.rounds=[1,2]"], r"^fed\.rounds=\[1,2\] must be an integer, not a list"),
+        ("fed_learn", ["lora.target_modules=q_proj"],
+         r"^lora\.target_modules=q_proj must be a list \(list\[str\]\)"),
     ],
 )  # fmt: skip
 def test_a_mistaken_override_is_one_line_naming_the_key(
@@ -97,3 +111,30 @@ def test_help_lists_every_key_it_reads_with_its_default_and_docstring() -> None:
             assert " ".join(doc.split()[:4]) in " ".join(text.split()), key
     assert "  cluster.verifier.host=" in text and "  cluster.coordinator.host=" not in text
     assert "--hydra-help" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--rounds=3"], r"^--rounds=3 is not an option: settings are key=value, as fed\.rounds=3"),
+        (["--rounds", "3"], r"^--rounds is not an option: .* fed\.rounds=3$"),
+        (["--fed.lr=0.1"], r"^--fed\.lr=0\.1 is not an option: .* fed\.lr=0\.1$"),
+        (["--num-clients=4"], r"as fed\.num_clients=4$"),
+        (["--bogus"], r"^--bogus is not an option, nor bogus a setting of fed_learn"),
+    ],
+)  # fmt: skip
+def test_an_option_style_flag_is_one_line_naming_the_key_form(args: list[str], says: str) -> None:
+    from lab.commandline import refuse_flags
+
+    with pytest.raises(ConfigError, match=says):
+        refuse_flags("fed_learn", SCHEMAS["fed_learn"], args)
+    refuse_flags("fed_learn", SCHEMAS["fed_learn"], ["-m", "--cfg", "job", "fed.rounds=3"])
+
+
+def test_a_flag_mistake_from_the_command_line_is_one_line_and_exit_2() -> None:
+    result = subprocess.run([sys.executable, "-m", "fed_learn", "--rounds=3"],
+                            capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: --rounds=3 is not an option: settings are key=value, as fed.rounds=3"
+    ]
