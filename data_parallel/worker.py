@@ -271,6 +271,9 @@ class Trainer:
         self.round_steps = 0
         self.round_blocks = 0
         """DiLoCo: the blocks every worker trained on together in the last round."""
+        self.round_step_s: list[float] = []
+        """DiLoCo: each worker's measured seconds an inner step in the last round (what
+        dp.balance=tokens cut the next round's inner steps by)."""
         if self.dp.sync == "diloco":
             for param in self.parameters:  # one start for every replica, as DDP's broadcast
                 dist.broadcast(param.data, src=0)
@@ -505,6 +508,7 @@ class Trainer:
         summed = torch.stack(landed).sum(0)
         loss = float(summed[0] / summed[1]) if summed[1] > 0 else float("nan")
         self.round_blocks = int(summed[2])
+        self.round_step_s = summed[3:].tolist()
         if dp.balance == "tokens":
             self.inner_steps = balanced_inner_steps(summed[3:].tolist(), dp.inner_steps,
                                                     world.rank)  # fmt: skip
@@ -694,6 +698,8 @@ class Trainer:
         if "loss" in record:
             record["inner_steps"] = self.round_steps
             record["round_blocks"] = self.round_blocks
+            if self.dp.balance == "tokens":  # what cut the next round's inner steps
+                record.update({f"worker{r}_step_s": s for r, s in enumerate(self.round_step_s)})
         return record
 
     def _step_record(self, result: StepResult) -> dict[str, Any]:
