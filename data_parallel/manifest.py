@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from lab.benchfigures import figure, machine
 from lab.linkmodel import Link, run_steps
 from lab.plots import pyplot, rising_validation, save, smoothed
 from lab.records import METRICS_FILE, read_records, same_losses
@@ -227,8 +228,12 @@ MANIFEST = Manifest(
         predict_step_ms,
         means="one optimizer step of every worker together, their gradients summed: lower is "
         "faster; comm_share says how much of it was communication",
-        benchmark="61 ms a step (44 compute, 17 with a collective in flight), 2 workers, "
-        "`python -m data_parallel` alone on a 2-core AMD EPYC (README)",
+        benchmark=lambda: (
+            f"{figure('data_parallel_bench', 'local > 1 > step_ms'):.1f} ms a step for 2 DDP "
+            f"workers, {figure('data_parallel_bench', 'local > 1 > comm_ms'):.1f} ms of it the "
+            f"all-reduce (against a no-op hook), `python bench/data_parallel_bench.py`, "
+            f"loopback, {machine('data_parallel_bench')}"
+        ),
     ),
     workload=Workload(
         (

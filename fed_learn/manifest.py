@@ -13,6 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
+from lab.benchfigures import curve
 from lab.linkmodel import Link, run_steps
 from lab.plots import pyplot, rising_validation, save, step_rows
 from lab.records import LOSS_RTOL, METRICS_FILE, read_records, same_losses, step_metrics
@@ -179,8 +180,12 @@ MANIFEST = Manifest(
         predict_round_s,
         means="one federated round: clients train on their own data, send their adapters, "
         "the coordinator averages them; lower is faster, final_val_loss says what it bought",
-        benchmark="0.3-0.4 s a round on a fast link, 0.67 s at 50 ms one-way (three namespace "
-        "hosts, debug-sized models, `python -m labtools.hosts curves`, a 2-core AMD EPYC)",
+        benchmark=lambda: (
+            f"{curve('fed_none', delay_ms=0, rate='1gbit'):.2f} s a round at 1 Gbit/s, "
+            f"{curve('fed_none', delay_ms=50, rate='1gbit'):.2f} s at 50 ms one-way (three "
+            "namespace hosts, debug-sized models, `python -m labtools.hosts curves`, "
+            "docs/curves/fed_none.csv)"
+        ),
     ),
     workload=Workload(
         (

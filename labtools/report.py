@@ -125,7 +125,7 @@ def headline_of(run_dir: Path, info: dict[str, Any], summary: dict[str, Any]) ->
         figure=label,
         value=value,
         means=head.means,
-        benchmark=head.benchmark,
+        benchmark=head.benchmark_text(),
         comparable=comparable,
         differs="; ".join(parts),
     )

@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lab.benchfigures import figure, machine
 from lab.linkmodel import Link, run_config, run_summary
 from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
@@ -162,6 +163,15 @@ def speedup(run_dir: Path) -> float:
 
 CURVE = [*DEBUG, "spec.num_prompts=2", "spec.max_new_tokens=32", "num_threads=1"]
 
+
+AT_DELAY = "figures > realistic > per_delay"
+
+
+def bench(keys: str) -> float:
+    """A figure of bench/results/spec_decoding_bench.json (lab.benchfigures)."""
+    return figure("spec_decoding_bench", keys)
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="a small draft model proposes tokens, a large target verifies them over TCP",
@@ -172,8 +182,14 @@ MANIFEST = Manifest(
         predict_speedup,
         means="speculative decoding's tokens/s over the target model decoding alone on the "
         "same prompts, both measured in this run: above 1x speculation pays",
-        benchmark="1.47x with the tiny pair, 1.35x with a pair whose draft costs 0.09 of its "
-        "target (`python bench/spec_decoding_bench.py`, loopback, a 2-core AMD EPYC)",
+        benchmark=lambda: (
+            f"{bench(f'{AT_DELAY} > 0 > speedup_vs_target_best'):.2f}x on loopback and "
+            f"{bench(f'{AT_DELAY} > 10 > speedup_vs_target_best'):.2f}x "
+            f"at 10 ms one-way with the realistic pair, whose draft costs "
+            f"{bench('figures > realistic > c'):.3f} of its target a step; the tiny pair's draft "
+            f"costs {bench('figures > tiny > c'):.3f}, too much to gain much "
+            f"(`python bench/spec_decoding_bench.py`, {machine('spec_decoding_bench')})"
+        ),
     ),
     workload=Workload(
         (

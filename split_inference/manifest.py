@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lab.benchfigures import figure, machine
 from lab.linkmodel import Link, run_config, run_summary
 from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
@@ -77,6 +78,11 @@ def repeat(cell: Mapping[str, Any], repeats: int) -> list[str]:
     return [f"generate.num_prompts={int(cell.get('generate.batch_size', 2)) * repeats}"]
 
 
+def bench(keys: str) -> float:
+    """A figure of bench/results/split_bench.json (lab.benchfigures)."""
+    return figure("split_bench", keys)
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="a model cut at layer boundaries across hosts (torch.distributed.rpc), decoding",
@@ -87,8 +93,12 @@ MANIFEST = Manifest(
         predict_token_ms,
         means="one generated token through every stage; latency_ratio sets it against the "
         "unsplit model in one process: splitting buys memory per host, not speed",
-        benchmark="split / unsplit per-token latency 1.25x (16.1 against 12.8 ms, random-init "
-        "Llamas, `python bench/split_bench.py`, loopback, a 2-core AMD EPYC)",
+        benchmark=lambda: (
+            f"split / unsplit per-token latency {bench('rows > decode latency > ratio'):.2f}x "
+            f"({bench('rows > decode latency > ours'):.1f} against "
+            f"{bench('rows > decode latency > baseline'):.1f} ms, random-init Llamas, "
+            f"`python bench/split_bench.py`, loopback, {machine('split_bench')})"
+        ),
         benchmark_key="latency_ratio",
     ),
     workload=Workload(

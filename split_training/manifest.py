@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lab.benchfigures import figure, machine
 from lab.linkmodel import Link, run_config, run_steps
 from lab.plots import pyplot, rising_validation, save, smoothed, step_rows
 from lab.records import METRICS_FILE, read_records, same_losses
@@ -119,6 +120,11 @@ def predict_step_ms(run_dir: Path, link: Link) -> float:
     return step_ms(run_dir) + 1e3 * (count * link.one_way_s + wire)
 
 
+def bench(keys: str) -> float:
+    """A figure of bench/results/split_bench.json (lab.benchfigures)."""
+    return figure("split_bench", keys)
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="backprop across the cut: the stages pipeline each step among themselves over RPC",
@@ -129,8 +135,11 @@ MANIFEST = Manifest(
         predict_step_ms,
         means="one optimizer step, forward and backward across the stages; tokens_per_s is the "
         "same in tokens, idle_share the time a stage waited",
-        benchmark="610 tokens/s with 4 micro-batches, 1.69x one micro-batch (random-init "
-        "Llamas, `python bench/split_bench.py`, loopback, a 2-core AMD EPYC)",
+        benchmark=lambda: (
+            f"{bench('rows > training, m=4 vs m=1 > ours'):.0f} tokens/s with 4 micro-batches, "
+            f"{bench('rows > training, m=4 vs m=1 > ratio'):.2f}x one micro-batch (random-init "
+            f"Llamas, `python bench/split_bench.py`, loopback, {machine('split_bench')})"
+        ),
         benchmark_key="tokens_per_s",
     ),
     workload=Workload(
