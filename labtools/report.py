@@ -186,7 +186,7 @@ def experiment_section(run_dir: Path, label: str = "") -> Section:
 
 def matrix_section(out_dir: Path) -> Section:
     from lab import registry
-    from labtools.matrix import MatrixConfig, Results, busy_baselines
+    from labtools.matrix import MatrixConfig, Results, busy_baselines, unsteady_baselines
 
     sweep = (
         json.loads((out_dir / SWEEP_FILE).read_text()) if (out_dir / SWEEP_FILE).is_file() else {}
@@ -199,10 +199,12 @@ def matrix_section(out_dir: Path) -> Section:
     metric_keys = sweep.get("metrics", [])[:4]
     manifest = registry.find(str(sweep.get("workload", "")))
     units = {m.key: m.unit for m in manifest.workload.metrics} if manifest else {}
-    flags = {} if manifest is None else busy_baselines(
-        cells, manifest.workload, sweep.get("axes", {}),
-        float(sweep.get("baseline_tolerance", MatrixConfig.baseline_tolerance)),
-    )  # fmt: skip
+    flags: dict[str, str] = {}
+    unsteady: list[str] = []
+    if manifest is not None:
+        tolerance = float(sweep.get("baseline_tolerance", MatrixConfig.baseline_tolerance))
+        judged = (cells, manifest.workload, sweep.get("axes", {}), tolerance)
+        flags, unsteady = busy_baselines(*judged), unsteady_baselines(*judged)
     rows = []
     for record in cells:
         values = record.get("metrics", {})
@@ -225,7 +227,7 @@ def matrix_section(out_dir: Path) -> Section:
         rows=rows,
         images=sorted((out_dir / "heatmaps").glob("*.png")),
         note=f"cells ok: {ok} of {len(cells)}",
-        remarks=list(flags.values()),
+        remarks=[*flags.values(), *unsteady],
     )
 
 
