@@ -84,6 +84,10 @@ class Headline:
     written in one place only."""
     benchmark_key: str = ""
     """The run's metric that is comparable with `benchmark` (default: `key`)."""
+    verdict: Callable[[Mapping[str, Any]], list[str]] | None = None
+    """What a run's figures mean, in words, from its final metrics: the headline against its
+    baseline, faster or slower and why, and what to run for the realistic case. Printed as
+    the run's last lines, before the W&B line (`verdict_lines`)."""
 
     def benchmark_text(self) -> str:
         """`benchmark` as text, its figures read now (or why they cannot be)."""
@@ -243,6 +247,18 @@ def manifest(name: str) -> Manifest:
     if name not in known:
         raise ConfigError(f"no experiment {name!r}; registered: {', '.join(known)}")
     return known[name]
+
+
+def verdict_lines(job: str, summary: Mapping[str, Any]) -> list[str]:
+    """The lines that say what `job`'s final metrics mean ([] for a job without a verdict, or
+    a summary without the figures it reads: a role's own table)."""
+    manifest = find(job)
+    if manifest is None or manifest.headline.verdict is None:
+        return []
+    try:
+        return manifest.headline.verdict(summary)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return []
 
 
 def find(name: str) -> Manifest | None:
