@@ -230,6 +230,22 @@ def test_auto_picks_ddp_on_a_fast_link_and_diloco_on_a_slow_one() -> None:
     assert choose(slow, streaming=False)[0] in ("diloco:25", "diloco:50")
 
 
+def test_auto_reads_a_links_rate_from_the_bytes_time_and_never_an_impossible_one() -> None:
+    """Timed all-reduces (injected: one element, a quarter of the probe, the probe) to the
+    figures `auto` prints: on a 10 ms, 10 Mbit/s link its delay and rate; on loopback, where
+    the bytes' time is lost in each call's fixed cost, at least what the probe moved (it
+    printed 8,388,608 Mbit/s: a rate cut down to 1 microsecond of wire time)."""
+    from data_parallel.autosync import PROBE_BYTES, link_from_times
+
+    bits = 8 * PROBE_BYTES  # what a worker of two sends of the probe (2(N-1)/N of it)
+    wire = lambda nbits: nbits / 10e6  # noqa: E731
+    one_way, rate = link_from_times(0.02, 0.04 + wire(bits / 4), 0.04 + wire(bits), workers=2)
+    assert one_way == pytest.approx(0.010) and rate == pytest.approx(10e6)
+    one_way, rate = link_from_times(0.0002, 0.0009, 0.0010, workers=2)  # loopback
+    assert one_way == pytest.approx(0.0001)
+    assert rate == pytest.approx(bits / 0.0010) and rate / 1e6 < 10_000  # 8,389 Mbit/s
+
+
 def test_auto_measures_chooses_says_why_and_trains(
     dp_run: Run, capfd: pytest.CaptureFixture[str]
 ) -> None:
