@@ -721,7 +721,19 @@ class Trainer:
             "workers": self.world.world_size,
         }
 
-    def _summary(self, results: list[StepResult], val_loss: float) -> dict[str, float]:
+    def sync_label(self) -> str:
+        """The sync method that ran (dp.sync=auto: the one it chose), with its settings."""
+        dp = self.dp
+        if dp.sync == "diloco":
+            fragments = f", {dp.fragments} fragments" if dp.fragments > 1 else ""
+            return f"diloco (H={dp.inner_steps}{fragments})"
+        if dp.sync == "powersgd":
+            return f"powersgd (rank {dp.powersgd_rank})"
+        if dp.sync == "topk":
+            return f"topk ({dp.topk_fraction:g})"
+        return f"{dp.sync} ({dp.engine})" if dp.sync == "ddp" else dp.sync
+
+    def _summary(self, results: list[StepResult], val_loss: float) -> dict[str, Any]:
         """The final table: losses, then the step's time and traffic (the first step, a
         warm-up, left out when there are others)."""
         timed = results[1:] or results
@@ -740,6 +752,7 @@ class Trainer:
                      "comm_bytes": sum(r.comm_bytes for r in timed) / len(timed),
                      "wire_bytes": sum(r.wire_bytes for r in timed) / len(timed)}  # fmt: skip
         return {
+            "sync": self.sync_label(),
             "final_loss": synced[-1].loss if synced else float("nan"),
             "first_loss": synced[0].loss if synced else float("nan"),
             **({"val_loss": val_loss} if self.dp.eval_every else {}),

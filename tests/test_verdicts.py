@@ -20,7 +20,8 @@ SUMMARIES = {
     "fed_learn": {"initial_val_loss": 4.2, "final_val_loss": 3.9, "rounds": 3.0,
                   "federated_over_centralized": 1.02, "centralized_val_loss": 3.82},
     "data_parallel": {"step_ms": 60.0, "tokens_per_s": 4000.0, "final_loss": 3.3, "workers": 2.0,
-                      "sync": 0.0, "baseline_tokens_per_s": 3000.0, "baseline_final_loss": 3.3},
+                      "comm_share": 0.3, "sync": "ddp (ddp)", "one_process_tokens_per_s": 3000.0,
+                      "one_process_final_loss": 3.3, "tokens_per_s_over_one_process": 1.333},
 }  # fmt: skip
 """A final table of each experiment, as its run prints it."""
 
