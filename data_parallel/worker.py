@@ -268,6 +268,9 @@ class Trainer:
         sleeps FACTOR - 1 times it before the next)."""
         self.shares: list[int] = []
         """dp.balance=tokens with DDP: each worker's blocks in the current step."""
+        self.cut_seconds: list[float] = []
+        """dp.balance=tokens with DDP: each worker's seconds a block that cut the current step
+        (0: not measured yet)."""
         self.round_steps = 0
         self.round_blocks = 0
         """DiLoCo: the blocks every worker trained on together in the last round."""
@@ -359,7 +362,8 @@ class Trainer:
         dp, world = self.dp, self.world
         if dp.balance == "tokens":
             total = global_batch(world.world_size, dp.batch_size, dp.grad_accum_steps)
-            self.shares = balanced_shares(self.block_seconds, total)
+            self.cut_seconds = list(self.block_seconds)  # what this step's cut follows
+            self.shares = balanced_shares(self.cut_seconds, total)
             return rank_share_micro_batches(self.stream, self.position.blocks,
                                             shares=self.shares, rank=world.rank,
                                             batch_size=dp.batch_size)  # fmt: skip
@@ -703,9 +707,11 @@ class Trainer:
         return record
 
     def _step_record(self, result: StepResult) -> dict[str, Any]:
-        shares = {}
+        shares: dict[str, float] = {}
         if self.outer is None and self.shares:  # dp.balance=tokens: who trained what
-            shares = {"own_blocks": self.shares[self.world.rank], "fewest_blocks": min(self.shares)}
+            shares["own_blocks"] = self.shares[self.world.rank]
+            shares["fewest_blocks"] = min(self.shares)
+            shares |= {f"worker{r}_block_s": s for r, s in enumerate(self.cut_seconds)}
         return {
             **shares,
             "loss": result.loss,
