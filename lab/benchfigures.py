@@ -38,6 +38,16 @@ FIGURE = re.compile(r"(?P<number>-?\d[\d,]*(?:\.\d+)?)(?P<unit>[^\d<>]{0,12})$")
 (`1.43x**`, `495`, `26%`, ` ms`)."""
 
 
+CODE = re.compile(r"```.*?^```|`[^`]*`", re.DOTALL | re.MULTILINE)
+"""A fenced code block, or an inline code span (which may run over lines)."""
+
+
+def without_examples(text: str) -> str:
+    """`text` with every tag inside code blanked out: a tag shown as an example of one (in
+    `code`) is not a figure's; the lines keep their numbers and lengths."""
+    return CODE.sub(lambda span: TAG.sub(lambda tag: " " * len(tag[0]), span[0]), text)
+
+
 class BenchFigureError(ValueError):
     """A figure that is not in bench/results: names the file, the key and what to run."""
 
@@ -143,7 +153,7 @@ def check_tags(
     total, wrong = 0, []
     for path in files:
         shown = path.relative_to(root) if path.is_relative_to(root) else path
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        for number, line in enumerate(without_examples(path.read_text()).splitlines(), start=1):
             found, bad = check_line(line, where=f"{shown}:{number}", results=results)
             total += found
             wrong += bad

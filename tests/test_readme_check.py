@@ -172,3 +172,13 @@ def test_a_manifests_benchmark_text_reads_bench_results(
     assert head.benchmark_text().startswith("not available (") and "split_bench.py" in (
         head.benchmark_text()
     )
+
+
+def test_a_tag_shown_in_code_is_an_example_not_a_figure(tmp_path: Path) -> None:
+    from lab.benchfigures import check_tags
+
+    page = tmp_path / "page.md"
+    tag = TAGGED[5:]
+    page.write_text(f"the tag: `9.99x{tag}`, and a figure {TAGGED}\n"
+                    f"```bash\n9.99x{tag}\n```\nlast: `ends on 1.43x`{tag}\n")  # fmt: skip
+    assert check_tags([page], root=tmp_path) == (2, [])  # the two outside code, both right
