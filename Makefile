@@ -67,7 +67,7 @@ format: $(STAMP) ## Rewrite code in the project's style (ruff format + autofixes
 bench: $(STAMP) ## Run every benchmark in bench/ (tables to stdout, JSON to bench/results/)
 	@set -e; for script in bench/*_bench.py; do echo "== $$script"; $(PY) $$script; done
 
-readme-check: $(STAMP) ## Replay every command of README.md and docs/*.md (quick settings); last line: README commands ok: N of M
+readme-check: $(STAMP) ## Check every tagged bench figure against bench/results, then replay every command of README.md and docs/*.md (quick settings)
 	$(PY) -m labtools.readme_check
 
 lock: ## Rewrite constraints.txt from what .venv has now (after a deliberate upgrade)

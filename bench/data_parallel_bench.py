@@ -43,6 +43,7 @@ def run_local(name: str, workers: int, sync: str, settings: list[str]) -> dict[s
     run_dir = (RUNS / name).resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = [sys.executable, "-m", "data_parallel", f"dp.workers={workers}", f"dp.sync={sync}",
+            "dp.baseline=false",
             *settings, "tracking.wandb=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, check=False)

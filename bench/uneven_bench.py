@@ -47,7 +47,7 @@ def throughput(name: str, settings: list[str]) -> dict[str, float]:
     """One run: the tokens trained over the training seconds, from its last step record."""
     run_dir = (RUNS / name.replace(", ", "-").replace(" ", "_")).resolve()
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = [sys.executable, "-m", "data_parallel", "dp.workers=2", *settings,
+    argv = [sys.executable, "-m", "data_parallel", "dp.workers=2", "dp.baseline=false", *settings,
             "tracking.wandb=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, check=False)

@@ -83,15 +83,25 @@ def measure_link(workers: int, repeats: int = 5) -> tuple[float, float]:
             times.append(time.perf_counter() - started)
         return min(times)
 
-    small = fastest(1)
-    large = fastest(PROBE_BYTES // 4)
-    # one element: 2(N-1) one-way delays; the large one adds its bytes' time on the wire
-    one_way = small / (2 * (workers - 1))
-    # a large all-reduce on a slow link: 2 delays a ring step plus its bytes' time
-    # (data_parallel.manifest.allreduce_on_link_ms)
-    wire_s = max(large - 2 * 2 * (workers - 1) * one_way, 1e-6)
-    sent_bits = 8 * PROBE_BYTES * 2 * (workers - 1) / workers
-    return one_way, sent_bits / wire_s
+    return link_from_times(fastest(1), fastest(PROBE_BYTES // 16), fastest(PROBE_BYTES // 4),
+                           workers=workers)  # fmt: skip
+
+
+def link_from_times(small_s: float, medium_s: float, large_s: float, *, workers: int
+                    ) -> tuple[float, float]:  # fmt: skip
+    """(one-way delay s, rate bits/s) from the fastest all-reduce of one element, of a quarter
+    of PROBE_BYTES and of PROBE_BYTES. One element: 2(N-1) one-way delays (and each call's
+    fixed cost, which counts as delay). The rate is what the extra bytes of the large one over
+    the medium one took, so delays and fixed costs cancel; where that extra time is lost in
+    them (loopback: the bytes take no time a call can see), the large call's own rate, which
+    the link carries at least: never a rate no link has (it printed 8,388,608 Mbit/s)."""
+    one_way = small_s / (2 * (workers - 1))
+    share = 2 * (workers - 1) / workers  # of its bytes each worker sends in a ring all-reduce
+    large_bits, medium_bits = 8 * PROBE_BYTES * share, 8 * PROBE_BYTES / 4 * share
+    extra_s = large_s - medium_s
+    if extra_s > 0.25 * large_s:  # the bytes' own time stands out from the per-call costs
+        return one_way, (large_bits - medium_bits) / extra_s
+    return one_way, large_bits / max(large_s, 1e-9)
 
 
 def predict_step_s(method: str, measured: Measured, *, topk_fraction: float = 0.01,

@@ -148,6 +148,11 @@ class DPConfig:
     """Validation loss (held-out stdlib text) every this many steps and at the end; 0 = never."""
     eval_blocks: int = 16
     """Validation sequences of block_size tokens."""
+    baseline: bool = True
+    """A local run with several workers then trains one process on the same global batch
+    for the same steps (so the same tokens), and sets its tokens/s and losses beside the run's:
+    what the workers bought, and (DiLoCo, top-k, PowerSGD) where the loss stands against
+    DDP's, which one process equals. false: skip it (half the time)."""
     target_val_loss: float = 0.0
     """End the run at the first evaluation whose validation loss is at or below this (a
     checkpoint is written there); 0 = train all dp.steps (bench/low_comm_bench.py times it)."""

@@ -10,11 +10,13 @@ import contextlib
 import signal
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from lab.benchfigures import figure, machine
 from lab.linkmodel import Link, run_steps
 from lab.plots import pyplot, rising_validation, save, smoothed
 from lab.records import METRICS_FILE, read_records, same_losses
@@ -219,6 +221,43 @@ def same_steps(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
     )
 
 
+def verdict(summary: Mapping[str, Any]) -> list[str]:
+    """Data parallelism's answer: the workers' tokens/s against one process on the same
+    tokens, and where the loss stands against it (DDP equals it; the others trade loss for
+    fewer bytes)."""
+    workers, sync = int(summary["workers"]), str(summary.get("sync", "ddp"))
+    ours = float(summary["tokens_per_s"])
+    lines = [f"data_parallel: {workers} workers, sync {sync}: {ours:,.0f} tokens/s, "
+             f"{float(summary['step_ms']):.1f} ms a step, "
+             f"{float(summary['comm_share']):.0%} of it communication."]  # fmt: skip
+    if "one_process_tokens_per_s" not in summary:
+        lines.append("No one-process baseline ran (dp.baseline=true, with dp.workers above 1).")
+        return lines
+    ratio = float(summary["tokens_per_s_over_one_process"])
+    lines.append(
+        f"One process on the same global batch and steps: "
+        f"{float(summary['one_process_tokens_per_s']):,.0f} tokens/s; the workers ran {ratio:.2f}x "
+        + ("its rate." if ratio >= 1 else "its rate, slower: on one machine the workers share "
+           "its cores and add communication; workers pay on machines of their own.")
+    )  # fmt: skip
+    key = "val_loss" if "one_process_val_loss" in summary else "final_loss"
+    mine, theirs = float(summary[key]), float(summary[f"one_process_{key}"])
+    what = "validation" if key == "val_loss" else "training"
+    if sync.startswith("ddp"):
+        lines.append(f"Its {what} loss {mine:.4f} against one process's {theirs:.4f}: DDP trains "
+                     "exactly as one process with the whole batch, so they match.")  # fmt: skip
+    else:
+        lines.append(
+            f"Its {what} loss {mine:.4f} against {theirs:.4f} for one process, which DDP "
+            f"equals, at the same tokens: {mine / theirs:.3f}x"
+            + (": as good." if mine <= theirs * 1.005 else ", higher: its workers drift apart "
+               "between syncs; more steps, or syncing more often, close the gap.")
+            + " It pays on a slow link, where DDP waits on every step: "
+            "`python bench/low_comm_bench.py`."
+        )  # fmt: skip
+    return lines
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="one model, every worker a replica: torch's elastic agent, DDP or FSDP2, exact",
@@ -229,8 +268,13 @@ MANIFEST = Manifest(
         predict_step_ms,
         means="one optimizer step of every worker together, their gradients summed: lower is "
         "faster; comm_share says how much of it was communication",
-        benchmark="61 ms a step (44 compute, 17 with a collective in flight), 2 workers, "
-        "`python -m data_parallel` alone on a 2-core AMD EPYC (README)",
+        verdict=verdict,
+        benchmark=lambda: (
+            f"{figure('data_parallel_bench', 'local > 1 > step_ms'):.1f} ms a step for 2 DDP "
+            f"workers, {figure('data_parallel_bench', 'local > 1 > comm_ms'):.1f} ms of it the "
+            f"all-reduce (against a no-op hook), `python bench/data_parallel_bench.py`, "
+            f"loopback, {machine('data_parallel_bench')}"
+        ),
     ),
     workload=Workload(
         (

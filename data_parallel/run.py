@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -151,12 +152,12 @@ def local_plan(settings: DataParallelRunConfig) -> LocalPlan:
     return LocalPlan(processes=[agent], finish=lambda local: finish_local(local, skip_records=skip))
 
 
-def finish_local(local: DataParallelRunConfig, *, skip_records: int = 0) -> dict[str, float]:
+def finish_local(local: DataParallelRunConfig, *, skip_records: int = 0) -> dict[str, Any]:
     """A local run's metrics: the agent's records (this execution's, each step once: a step
     trained again after a restart replaces the lost one) into this run's tracker."""
     records = read_records(local.paths.run_path / AGENT / METRICS_FILE)[skip_records:]
     kept: dict[tuple, dict] = {}
-    summary: dict[str, float] = {}
+    summary: dict[str, Any] = {}
     for record in records:
         values = {k: v for k, v in record.items() if k not in ("kind", "time_s", "step")}
         if record.get("kind") == "summary":
@@ -165,12 +166,52 @@ def finish_local(local: DataParallelRunConfig, *, skip_records: int = 0) -> dict
         key = (record.get("step"), tuple(sorted(values)))
         kept.pop(key, None)  # the last record of a step and kind wins, in its place
         kept[key] = values | ({"step": record["step"]} if "step" in record else {})
+    if summary and local.dp.baseline and local.dp.workers > 1:
+        summary |= one_process_baseline(local, summary)
     with Tracker.from_settings(local, job=JOB) as tracker:
         for values in kept.values():
             step = values.pop("step", None)
             tracker.log(values, step=step)
         tracker.summary(summary)
     return summary
+
+
+BASELINE = "baseline"
+"""The one-process baseline's run folder, under this run's."""
+
+
+def baseline_settings(local: DataParallelRunConfig) -> DataParallelRunConfig:
+    """One process on the run's global batch (dp.workers times dp.batch_size), the same steps
+    and data, synchronised by nothing: what N DDP workers equal exactly."""
+    from dataclasses import replace
+
+    dp = replace(local.dp, workers=1, batch_size=local.dp.batch_size * local.dp.workers,
+                 sync="ddp", balance="none", slow_worker="", fragments=1, overlap_steps=0,
+                 checkpoint_every=0, checkpoint_dir=None, resume=False, nnodes="1",
+                 baseline=False)  # fmt: skip
+    return replace(
+        local, role="worker", dp=dp,
+        paths=replace(local.paths, run_dir=str(local.paths.run_path.resolve() / BASELINE)),
+        tracking=replace(local.tracking, wandb=False, console=False),
+    )  # fmt: skip
+
+
+def one_process_baseline(local: DataParallelRunConfig, ours: dict[str, Any]) -> dict[str, float]:
+    """The run's baseline, trained here after it (behind the same fence, on its ports): one
+    process, the same tokens; its figures and ours over them."""
+    settings = baseline_settings(local)
+    print(f"data_parallel: the one-process baseline: 1 worker, batch {settings.dp.batch_size}, "
+          f"the same {local.dp.steps} steps (dp.baseline=false skips it)", flush=True)  # fmt: skip
+    theirs = run_agent(settings)
+    figures = {"one_process_tokens_per_s": float(theirs["tokens_per_s"]),
+               "one_process_final_loss": float(theirs["final_loss"])}  # fmt: skip
+    figures["tokens_per_s_over_one_process"] = float(ours["tokens_per_s"]) / float(
+        theirs["tokens_per_s"]
+    )
+    if "val_loss" in theirs and "val_loss" in ours:
+        figures["one_process_val_loss"] = float(theirs["val_loss"])
+        figures["val_loss_over_one_process"] = float(ours["val_loss"]) / float(theirs["val_loss"])
+    return figures
 
 
 EXPERIMENT = Experiment(

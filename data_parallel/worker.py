@@ -261,9 +261,15 @@ class Trainer:
         sleeps FACTOR - 1 times it before the next)."""
         self.shares: list[int] = []
         """dp.balance=tokens with DDP: each worker's blocks in the current step."""
+        self.cut_seconds: list[float] = []
+        """dp.balance=tokens with DDP: each worker's seconds a block that cut the current step
+        (0: not measured yet)."""
         self.round_steps = 0
         self.round_blocks = 0
         """DiLoCo: the blocks every worker trained on together in the last round."""
+        self.round_step_s: list[float] = []
+        """DiLoCo: each worker's measured seconds an inner step in the last round (what
+        dp.balance=tokens cut the next round's inner steps by)."""
         if self.dp.sync == "diloco":
             for param in self.parameters:  # one start for every replica, as DDP's broadcast
                 dist.broadcast(param.data, src=0)
@@ -349,7 +355,8 @@ class Trainer:
         dp, world = self.dp, self.world
         if dp.balance == "tokens":
             total = global_batch(world.world_size, dp.batch_size, dp.grad_accum_steps)
-            self.shares = balanced_shares(self.block_seconds, total)
+            self.cut_seconds = list(self.block_seconds)  # what this step's cut follows
+            self.shares = balanced_shares(self.cut_seconds, total)
             return rank_share_micro_batches(self.stream, self.position.blocks,
                                             shares=self.shares, rank=world.rank,
                                             batch_size=dp.batch_size)  # fmt: skip
@@ -498,6 +505,7 @@ class Trainer:
         summed = torch.stack(landed).sum(0)
         loss = float(summed[0] / summed[1]) if summed[1] > 0 else float("nan")
         self.round_blocks = int(summed[2])
+        self.round_step_s = summed[3:].tolist()
         if dp.balance == "tokens":
             self.inner_steps = balanced_inner_steps(summed[3:].tolist(), dp.inner_steps,
                                                     world.rank)  # fmt: skip
@@ -687,12 +695,16 @@ class Trainer:
         if "loss" in record:
             record["inner_steps"] = self.round_steps
             record["round_blocks"] = self.round_blocks
+            if self.dp.balance == "tokens":  # what cut the next round's inner steps
+                record.update({f"worker{r}_step_s": s for r, s in enumerate(self.round_step_s)})
         return record
 
     def _step_record(self, result: StepResult) -> dict[str, Any]:
-        shares = {}
+        shares: dict[str, float] = {}
         if self.outer is None and self.shares:  # dp.balance=tokens: who trained what
-            shares = {"own_blocks": self.shares[self.world.rank], "fewest_blocks": min(self.shares)}
+            shares["own_blocks"] = self.shares[self.world.rank]
+            shares["fewest_blocks"] = min(self.shares)
+            shares |= {f"worker{r}_block_s": s for r, s in enumerate(self.cut_seconds)}
         return {
             **shares,
             "loss": result.loss,
@@ -708,7 +720,19 @@ class Trainer:
             "workers": self.world.world_size,
         }
 
-    def _summary(self, results: list[StepResult], val_loss: float) -> dict[str, float]:
+    def sync_label(self) -> str:
+        """The sync method that ran (dp.sync=auto: the one it chose), with its settings."""
+        dp = self.dp
+        if dp.sync == "diloco":
+            fragments = f", {dp.fragments} fragments" if dp.fragments > 1 else ""
+            return f"diloco (H={dp.inner_steps}{fragments})"
+        if dp.sync == "powersgd":
+            return f"powersgd (rank {dp.powersgd_rank})"
+        if dp.sync == "topk":
+            return f"topk ({dp.topk_fraction:g})"
+        return f"{dp.sync} ({dp.engine})" if dp.sync == "ddp" else dp.sync
+
+    def _summary(self, results: list[StepResult], val_loss: float) -> dict[str, Any]:
         """The final table: losses, then the step's time and traffic (the first step, a
         warm-up, left out when there are others)."""
         timed = results[1:] or results
@@ -727,6 +751,7 @@ class Trainer:
                      "comm_bytes": sum(r.comm_bytes for r in timed) / len(timed),
                      "wire_bytes": sum(r.wire_bytes for r in timed) / len(timed)}  # fmt: skip
         return {
+            "sync": self.sync_label(),
             "final_loss": synced[-1].loss if synced else float("nan"),
             "first_loss": synced[0].loss if synced else float("nan"),
             **({"val_loss": val_loss} if self.dp.eval_every else {}),

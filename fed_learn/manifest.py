@@ -11,8 +11,11 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from lab.benchfigures import curve, text
 from lab.linkmodel import Link, run_steps
 from lab.plots import pyplot, rising_validation, save, step_rows
 from lab.records import LOSS_RTOL, METRICS_FILE, read_records, same_losses, step_metrics
@@ -211,6 +214,34 @@ def same_rounds(hosts_dir: Path, local_dir: Path) -> tuple[bool, str]:
     )
 
 
+def verdict(summary: Mapping[str, Any]) -> list[str]:
+    """Federated learning's answer: what the rounds did to the validation loss, and where it
+    stands against training on all the data pooled (the centralized baseline)."""
+    first, last = float(summary["initial_val_loss"]), float(summary["final_val_loss"])
+    lines = [
+        f"federated: validation loss {first:.3f} -> {last:.3f} over "
+        f"{float(summary['rounds']):.0f} rounds"
+        + (f", {float(summary['round_s']):.2f} s a round." if "round_s" in summary else ".")
+    ]
+    if "federated_over_centralized" in summary:
+        ratio = float(summary["federated_over_centralized"])
+        lines.append(
+            f"Against centralized training on all the clients' data pooled, the same steps "
+            f"({float(summary['centralized_val_loss']):.3f}): {ratio:.3f}x its loss, "
+            + ("as good or better" if ratio <= 1 else f"{ratio - 1:.1%} worse")
+            + ": what keeping each client's data on its own machine cost here."
+        )
+    else:
+        lines.append("No centralized baseline ran (fed.centralized_baseline=true runs one).")
+    lines.append(
+        "Across real hosts a round also pays two link crossings: "
+        + text(lambda: f"{curve('fed_none', delay_ms=50, rate='1gbit'):.2f} s a round at 50 ms "
+               "one-way (docs/curves/fed_none.csv)")
+        + "; bytes per round and compression: `python bench/fed_learn_bench.py`."
+    )  # fmt: skip
+    return lines
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="federated averaging of LoRA adapters: private data stays on each client",
@@ -221,8 +252,13 @@ MANIFEST = Manifest(
         predict_round_s,
         means="one federated round: clients train on their own data, send their adapters, "
         "the coordinator averages them; lower is faster, final_val_loss says what it bought",
-        benchmark="0.3-0.4 s a round on a fast link, 0.67 s at 50 ms one-way (three namespace "
-        "hosts, debug-sized models, `python -m labtools.hosts curves`, a 2-core AMD EPYC)",
+        verdict=verdict,
+        benchmark=lambda: (
+            f"{curve('fed_none', delay_ms=0, rate='1gbit'):.2f} s a round at 1 Gbit/s, "
+            f"{curve('fed_none', delay_ms=50, rate='1gbit'):.2f} s at 50 ms one-way (three "
+            "namespace hosts, debug-sized models, `python -m labtools.hosts curves`, "
+            "docs/curves/fed_none.csv)"
+        ),
     ),
     workload=Workload(
         (

@@ -63,6 +63,11 @@ def sweep_keys(arguments: Sequence[str]) -> list[str]:
     return [o.key_or_group for o in overrides if o.is_sweep_override()]
 
 
+def is_comparison(metric: str) -> bool:
+    """A metric that sets the run against its baseline: `x_over_y`, a ratio, a speedup."""
+    return "_over_" in metric or metric.endswith("ratio") or metric.startswith("speedup")
+
+
 def summary_rows(
     jobs: Sequence[tuple[Mapping[str, str], Mapping[str, Any] | None]],
     first: Sequence[str] = (),
@@ -71,8 +76,9 @@ def summary_rows(
 ) -> tuple[list[str], list[str], list[list[str]]]:
     """(swept keys, metric names, rows) of the summary: each job's swept values, then its
     metrics, those named in `first` (the experiment's headline and workload figures) ahead of the
-    rest; a job that returned none: `failed`. `readable`: numbers in their unit's fixed precision
-    (lab.tables), for people; else as Python writes them, for a CSV."""
+    comparisons with a baseline (`is_comparison`), ahead of the rest; a job that returned none:
+    `failed`. `readable`: numbers in their unit's fixed precision (lab.tables), for people; else
+    as Python writes them, for a CSV."""
     settings = [values for values, _ in jobs]
     keys = swept_keys(settings) or ["job"]
     reported: list[str] = []
@@ -81,6 +87,9 @@ def summary_rows(
             if name not in reported and isinstance(value, int | float):
                 reported.append(name)
     metrics = [m for m in dict.fromkeys(first) if m in reported]
+    # then each run's answer against its baseline (federated_over_centralized, latency_ratio),
+    # which the cut to MAX_METRICS must not drop, then the rest in the jobs' order
+    metrics += [m for m in reported if m not in metrics and is_comparison(m)]
     metrics = (metrics + [m for m in reported if m not in metrics])[:MAX_METRICS]
     rows = []
     for number, (values, returned) in enumerate(jobs):

@@ -158,14 +158,16 @@ def rising_validation(
     share: float = 0.005,
     step: str = "step",
 ) -> str:
-    """A remark when validation loss rises: its last point more than `share` above its lowest,
-    which came earlier (while the training loss, where given, fell): "" when it does not.
-    `validation`: (step, loss) pairs in step order."""
-    if len(validation) < 2:
+    """A remark when validation loss rises over the run: its last two points each more than
+    `share` above its lowest, which came before them, and the last the higher (a rise that
+    lasts, not one noisy evaluation of a short run); "" when it does not. Called overfitting
+    only while the training loss, where given, fell. `validation`: (step, loss) pairs in step
+    order."""
+    if len(validation) < 3:
         return ""
     best_step, best = min(validation, key=lambda point: point[1])
-    last_step, last = validation[-1]
-    if best_step == last_step or last <= best * (1 + share):
+    (before_step, before), (last_step, last) = validation[-2], validation[-1]
+    if best_step >= before_step or before <= best * (1 + share) or last < before:
         return ""
     falling = training is not None and len(training) >= 2 and (
         smoothed(training)[-1] < smoothed(training)[0])  # fmt: skip

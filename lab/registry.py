@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from lab.benchfigures import text
 from lab.cli import ConfigError
 from lab.linkmodel import Link
 
@@ -76,11 +77,21 @@ class Headline:
     """The figure the local run in a folder predicts on a link (lab.linkmodel)."""
     means: str = ""
     """What the figure tells a user, in a sentence (the report's summary says it beside it)."""
-    benchmark: str = ""
+    benchmark: str | Callable[[], str] = ""
     """The benchmark figure the docs give for the same question: the figure, its settings, the
-    machine and the command that measures it (the report's summary sets a run beside it)."""
+    machine and the command that measures it (the report's summary sets a run beside it). A
+    function builds it from bench/results when read (lab.benchfigures), so the figure is
+    written in one place only."""
     benchmark_key: str = ""
     """The run's metric that is comparable with `benchmark` (default: `key`)."""
+    verdict: Callable[[Mapping[str, Any]], list[str]] | None = None
+    """What a run's figures mean, in words, from its final metrics: the headline against its
+    baseline, faster or slower and why, and what to run for the realistic case. Printed as
+    the run's last lines, before the W&B line (`verdict_lines`)."""
+
+    def benchmark_text(self) -> str:
+        """`benchmark` as text, its figures read now (or why they cannot be)."""
+        return self.benchmark if isinstance(self.benchmark, str) else text(self.benchmark)
 
 
 Compare = Callable[[Path, Path], tuple[bool, str]]
@@ -236,6 +247,18 @@ def manifest(name: str) -> Manifest:
     if name not in known:
         raise ConfigError(f"no experiment {name!r}; registered: {', '.join(known)}")
     return known[name]
+
+
+def verdict_lines(job: str, summary: Mapping[str, Any]) -> list[str]:
+    """The lines that say what `job`'s final metrics mean ([] for a job without a verdict, or
+    a summary without the figures it reads: a role's own table)."""
+    manifest = find(job)
+    if manifest is None or manifest.headline.verdict is None:
+        return []
+    try:
+        return manifest.headline.verdict(summary)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return []
 
 
 def find(name: str) -> Manifest | None:

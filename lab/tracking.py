@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from lab import redact
+from lab import redact, registry
 from lab.config import LabConfig, TrackingConfig
 from lab.multirun import JOB_LABEL_ENV
 from lab.plots import draw_run
@@ -206,6 +206,9 @@ class Tracker:
         if self.tracking.console and not failed:
             for path in plots:
                 print(f"plot: {path}")
+            if self._final:  # what the figures mean, in words, last before the W&B line
+                for line in registry.verdict_lines(self.job, self._final):
+                    print(line)
             if offline is not None:
                 print(f"W&B (offline): wandb sync {offline}")
 

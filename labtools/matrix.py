@@ -433,20 +433,17 @@ def summarize_cell(run_dir: Path) -> dict[str, float]:
     return metrics
 
 
-def busy_baselines(
+def _baseline_groups(
     records: Sequence[Mapping[str, Any]],
     workload: Workload,
     axes: Mapping[str, str],
     tolerance: float,
-) -> dict[str, str]:
-    """The cells whose baseline looks measured on a busy machine, each with why: its baseline
-    metric differs by more than `tolerance` (a share) from the median of the cells of its
-    group (cells whose settings differ only in axes the baseline does not depend on,
-    `Workload.baseline_free`), in groups of at least 3 ok cells. {} when the workload has no
-    baseline."""
+) -> list[tuple[float, list[Mapping[str, Any]], list[Mapping[str, Any]]]]:
+    """(median, members, those off the median by more than `tolerance`) for each group of at
+    least 3 ok cells that should measure the same baseline."""
     key = workload.baseline
     if not key:
-        return {}
+        return []
 
     def free(axis: str) -> bool:
         config_key = axes.get(axis, axis)
@@ -460,23 +457,71 @@ def busy_baselines(
         settings = record.get("settings", {})
         group = tuple(f"{a}={settings[a]}" for a in sorted(settings) if not free(a))
         groups.setdefault(group, []).append(record)
-    flags = {}
+    found = []
     for members in groups.values():
         if len(members) < 3:
             continue
         median = statistics.median(float(m["metrics"][key]) for m in members)
-        for record in members:
+        off = [
+            m for m in members
+            if median > 0 and abs(float(m["metrics"][key]) - median) / median > tolerance
+        ]  # fmt: skip
+        found.append((median, members, off))
+    return found
+
+
+def busy_baselines(
+    records: Sequence[Mapping[str, Any]],
+    workload: Workload,
+    axes: Mapping[str, str],
+    tolerance: float,
+) -> dict[str, str]:
+    """The cells whose baseline looks measured on a busy machine, each with why: its baseline
+    metric differs by more than `tolerance` (a share) from the median of the cells of its
+    group (cells whose settings differ only in axes the baseline does not depend on,
+    `Workload.baseline_free`), in groups of at least 3 ok cells, and it is one of a few: where
+    half the group or more is off its median there is no steady baseline to be off from, and
+    no cell is singled out (`unsteady_baselines` says so instead). {} when the workload has no
+    baseline."""
+    key = workload.baseline
+    flags = {}
+    for median, members, off in _baseline_groups(records, workload, axes, tolerance):
+        if 2 * len(off) >= len(members):
+            continue
+        for record in off:
             value = float(record["metrics"][key])
-            off = abs(value - median) / median if median > 0 else 0.0
-            if off > tolerance:
-                flags[str(record["cell"])] = (
-                    f"{record['cell']}: baseline {key} {value:,.4g} against a median of "
-                    f"{median:,.4g} over the {len(members)} cells that should measure the same "
-                    f"({off:.0%} off): the "
-                    "machine was likely busy, so its ratios are not comparable "
-                    "(retry_flagged=true runs it again)"
-                )
+            flags[str(record["cell"])] = (
+                f"{record['cell']}: baseline {key} {value:,.4g} against a median of "
+                f"{median:,.4g} over the {len(members)} cells that should measure the same "
+                f"({abs(value - median) / median:.0%} off): the "
+                "machine was likely busy, so its ratios are not comparable "
+                "(retry_flagged=true runs it again)"
+            )
     return flags
+
+
+def unsteady_baselines(
+    records: Sequence[Mapping[str, Any]],
+    workload: Workload,
+    axes: Mapping[str, str],
+    tolerance: float,
+) -> list[str]:
+    """A remark for each group of cells that should measure the same baseline where half or
+    more are off their median by more than `tolerance`: the machine's speed moved during the
+    sweep, and no one cell can be blamed."""
+    key, remarks = workload.baseline, []
+    for _median, members, off in _baseline_groups(records, workload, axes, tolerance):
+        if 2 * len(off) < len(members):
+            continue
+        values = sorted(float(m["metrics"][key]) for m in members)
+        remarks.append(
+            f"baseline {key} ranges {values[0]:,.4g} to {values[-1]:,.4g} over "
+            f"{', '.join(str(m['cell']) for m in members)}, which should measure the same "
+            f"({len(off)} of {len(members)} more than {tolerance:.0%} off their median): the "
+            "machine's speed moved during the sweep, so compare its ratios, not its tokens/s "
+            "or ms, and rerun it on a quiet machine for those"
+        )
+    return remarks
 
 
 def _num(value: Any) -> bool:

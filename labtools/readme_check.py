@@ -11,6 +11,11 @@ shutdown lines, an RRef leak, a C++ warning). Lines that need what this machine 
 hub model, a placeholder to fill in) are listed as skipped, with their file:line and why; a
 command written in several places runs once. Each file's count is printed, then the last line,
 over all of them: `README commands ok: N of M`.
+
+First, before any command runs, every figure tagged as a bench figure
+(`<!-- bench NAME: KEY > KEY -->`, lab.benchfigures) is compared with bench/results/NAME.json at
+the precision it is printed with; one that differs is named with the file's figure and stops
+the check (exit 1). `--figures` does only this (a second).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from lab import experiment, registry
+from lab import benchfigures, experiment, registry
 from lab.cli import EXIT_INTERRUPTED
 from lab.experiment import override_key
 from lab.launch import free_port
@@ -301,6 +306,20 @@ def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool,
     return True, ""
 
 
+def check_figures(files: Sequence[Path], *, results: Path | None = None) -> bool:
+    """Every tagged bench figure of `files` against bench/results; prints each that differs
+    and the count; False when one does."""
+    total, wrong = benchfigures.check_tags(files, root=ROOT, results=results)
+    for bad in wrong:
+        shown_as = f"{bad.printed} where bench/results has" if bad.printed else "no figure:"
+        print(f"{bad.where}: {shown_as} {bad.expected}")
+    print(f"bench figures agree with bench/results: {total - len(wrong)} of {total}")
+    if wrong:
+        print("rerun the bench that moved, then write its figures as bench/results has them")
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m labtools.readme_check", description=__doc__)
     parser.add_argument(
@@ -312,11 +331,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="default: a temporary folder")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per command")
     parser.add_argument("--only", default="", help="run only commands containing this text")
+    parser.add_argument("--figures", action="store_true", help="only check the bench figures")
     args = parser.parse_args(argv)
     files = list(dict.fromkeys([*args.files, *args.readme])) or documented_files()
     missing = [str(path) for path in files if not path.is_file()]
     if missing:
         parser.error(f"no such file: {', '.join(missing)}")
+    if not check_figures(files):
+        raise SystemExit(1)
+    if args.figures:
+        return
     out = args.out or Path(tempfile.mkdtemp(prefix="readme_check_"))
     console = Console(highlight=False)
     commands: list[Command] = []

@@ -101,7 +101,11 @@ def headline_of(run_dir: Path, info: dict[str, Any], summary: dict[str, Any]) ->
     label, _, unit = head.label.rpartition(" (")
     unit = unit.rstrip(")").split(",")[0].strip()
     try:
-        value = with_unit(head.read(run_dir), unit)
+        # the figure the run's own final table printed, where it has it: one figure, one value
+        # (a headline read again from the steps can differ from the run's own reckoning)
+        shown = summary.get(head.key)
+        figure = float(shown) if isinstance(shown, int | float) else head.read(run_dir)
+        value = with_unit(figure, unit)
     except (OSError, KeyError, ValueError) as exc:
         value = f"not measured ({exc})"
     comparable = ""
@@ -125,7 +129,7 @@ def headline_of(run_dir: Path, info: dict[str, Any], summary: dict[str, Any]) ->
         figure=label,
         value=value,
         means=head.means,
-        benchmark=head.benchmark,
+        benchmark=head.benchmark_text(),
         comparable=comparable,
         differs="; ".join(parts),
     )
@@ -186,7 +190,7 @@ def experiment_section(run_dir: Path, label: str = "") -> Section:
 
 def matrix_section(out_dir: Path) -> Section:
     from lab import registry
-    from labtools.matrix import MatrixConfig, Results, busy_baselines
+    from labtools.matrix import MatrixConfig, Results, busy_baselines, unsteady_baselines
 
     sweep = (
         json.loads((out_dir / SWEEP_FILE).read_text()) if (out_dir / SWEEP_FILE).is_file() else {}
@@ -199,10 +203,12 @@ def matrix_section(out_dir: Path) -> Section:
     metric_keys = sweep.get("metrics", [])[:4]
     manifest = registry.find(str(sweep.get("workload", "")))
     units = {m.key: m.unit for m in manifest.workload.metrics} if manifest else {}
-    flags = {} if manifest is None else busy_baselines(
-        cells, manifest.workload, sweep.get("axes", {}),
-        float(sweep.get("baseline_tolerance", MatrixConfig.baseline_tolerance)),
-    )  # fmt: skip
+    flags: dict[str, str] = {}
+    unsteady: list[str] = []
+    if manifest is not None:
+        tolerance = float(sweep.get("baseline_tolerance", MatrixConfig.baseline_tolerance))
+        judged = (cells, manifest.workload, sweep.get("axes", {}), tolerance)
+        flags, unsteady = busy_baselines(*judged), unsteady_baselines(*judged)
     rows = []
     for record in cells:
         values = record.get("metrics", {})
@@ -225,7 +231,7 @@ def matrix_section(out_dir: Path) -> Section:
         rows=rows,
         images=sorted((out_dir / "heatmaps").glob("*.png")),
         note=f"cells ok: {ok} of {len(cells)}",
-        remarks=list(flags.values()),
+        remarks=[*flags.values(), *unsteady],
     )
 
 
@@ -379,8 +385,27 @@ def write_report(run_dirs: list[Path], out_dir: Path, *, preface: str = "") -> P
     created = time.strftime("%Y-%m-%d %H:%M:%S")
     (out_dir / "index.md").write_text(_markdown(sections, created, preface))
     page = out_dir / "index.html"
-    page.write_text(_html(sections, created, preface))
+    page.write_text(_html(sections, created, preface, full_row=_full_row(sections, out_dir)))
     return page
+
+
+HALF_ROW_PX = 580
+"""The width a plot gets beside another on the report's page (1200 px less margins, halved)."""
+LEGIBLE_SCALE = 0.65
+"""The least a plot may be shrunk: its 10-point text, 15 px at lab.plots' 110 dpi, stays at
+10 px or more. A plot that would shrink more beside another takes a row of its own."""
+
+
+def _full_row(sections: list[Section], out_dir: Path) -> set[Path]:
+    """The plots too wide to be shown half a row wide and still be read."""
+    from PIL import Image
+
+    wide = set()
+    for image in (i for section in sections for i in section.images):
+        with Image.open(out_dir / image) as png:
+            if png.width * LEGIBLE_SCALE > HALF_ROW_PX:
+                wide.add(image)
+    return wide
 
 
 def _experiments(heads: list[Headline]) -> list[Headline]:
@@ -433,7 +458,9 @@ td,th{border:1px solid #ddd;padding:.25em .6em;text-align:right;vertical-align:t
 td:first-child,th:first-child{text-align:left}td.text,th.text{text-align:left}
 table.summary td{font-size:.92em}table.summary td.value{font-weight:bold;white-space:nowrap}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(520px,1fr));gap:.6em}
-.plots img{width:100%;border:1px solid #eee}.machine,.note{color:#555}
+.plots img{width:100%;border:1px solid #eee}
+.plots img.full{grid-column:1/-1;width:auto;max-width:100%;justify-self:start}
+.machine,.note{color:#555}
 .remark{color:#8b0000}.wide{overflow-x:auto}dd{margin:0 0 .5em 1.5em;color:#333}
 details{margin:.4em 0}summary{cursor:pointer;color:#555}"""
 
@@ -443,7 +470,9 @@ def _rows_html(rows: list[tuple[str, ...]]) -> str:
     return "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows)
 
 
-def _html(sections: list[Section], created: str, preface: str = "") -> str:
+def _html(
+    sections: list[Section], created: str, preface: str = "", *, full_row: set[Path] | None = None
+) -> str:
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
@@ -489,7 +518,9 @@ def _html(sections: list[Section], created: str, preface: str = "") -> str:
             )
         if section.images:
             parts.append("<div class='plots'>" + "".join(
-                f"<img src='{esc(str(i))}' alt='{esc(i.stem)}'>" for i in section.images
+                f"<img src='{esc(str(i))}' alt='{esc(i.stem)}'"
+                + (" class='full'>" if i in (full_row or set()) else ">")
+                for i in section.images
             ) + "</div>")  # fmt: skip
         parts.append("</section>")
     parts.append("</body></html>")

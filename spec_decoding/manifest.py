@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lab.benchfigures import figure, machine, text
 from lab.linkmodel import Link, run_config, run_summary
 from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
@@ -162,6 +164,50 @@ def speedup(run_dir: Path) -> float:
 
 CURVE = [*DEBUG, "spec.num_prompts=2", "spec.max_new_tokens=32", "num_threads=1"]
 
+
+AT_DELAY = "figures > realistic > per_delay"
+
+REALISTIC = "python -m spec_decoding target.lab_preset=bench draft.lab_preset=bench"
+"""The realistic pair (its draft 0.06 of its target a step; built once: docs/tiny_models.md)."""
+
+
+def verdict(summary: Mapping[str, Any]) -> list[str]:
+    """Speculative decoding's answer: faster or slower than the target alone, and why."""
+    speedup, ours = float(summary["speedup"]), float(summary["tokens_per_s"])
+    target, accepted = float(summary["target_tokens_per_s"]), summary.get("acceptance_rate")
+    lines = [
+        f"speculative decoding ran at {ours:.1f} tokens/s, the target alone at {target:.1f} on "
+        f"the same prompts: {speedup:.2f}x, "
+        + ("faster than the target alone." if speedup >= 1 else "slower than the target alone.")
+    ]
+    why = []
+    if "draft_ms_per_token" in summary and target > 0:  # a draft step over a target step
+        why.append(f"a draft step cost {float(summary['draft_ms_per_token']) * target / 1e3:.2f} "
+                   "of a target step")  # fmt: skip
+    if accepted is not None:
+        why.append(f"{float(accepted):.2f} of the drafted tokens were accepted")
+    realistic = text(
+        lambda: (
+            f"the realistic pair (a draft step {bench('figures > realistic > c'):.3f} of "
+            f"its target's) ran {bench(f'{AT_DELAY} > 0 > speedup_vs_target_best'):.2f}x on "
+            f"loopback in `python bench/spec_decoding_bench.py`"
+        )
+    )
+    lines.append(
+        (f"Why: {' and '.join(why)}. " if why else "")
+        + "Speculation pays when the draft is cheap next to its target and agrees with it "
+        f"often; the lab's tiny pair (its draft a third of its target) is for trying the parts, "
+        f"not for speed: {realistic}."
+    )
+    lines.append(f"For the realistic case: {REALISTIC}")
+    return lines
+
+
+def bench(keys: str) -> float:
+    """A figure of bench/results/spec_decoding_bench.json (lab.benchfigures)."""
+    return figure("spec_decoding_bench", keys)
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="a small draft model proposes tokens, a large target verifies them over TCP",
@@ -172,8 +218,15 @@ MANIFEST = Manifest(
         predict_speedup,
         means="speculative decoding's tokens/s over the target model decoding alone on the "
         "same prompts, both measured in this run: above 1x speculation pays",
-        benchmark="1.47x with the tiny pair, 1.35x with a pair whose draft costs 0.09 of its "
-        "target (`python bench/spec_decoding_bench.py`, loopback, a 2-core AMD EPYC)",
+        verdict=verdict,
+        benchmark=lambda: (
+            f"{bench(f'{AT_DELAY} > 0 > speedup_vs_target_best'):.2f}x on loopback and "
+            f"{bench(f'{AT_DELAY} > 10 > speedup_vs_target_best'):.2f}x "
+            f"at 10 ms one-way with the realistic pair, whose draft costs "
+            f"{bench('figures > realistic > c'):.3f} of its target a step; the tiny pair's draft "
+            f"costs {bench('figures > tiny > c'):.3f}, too much to gain much "
+            f"(`python bench/spec_decoding_bench.py`, {machine('spec_decoding_bench')})"
+        ),
     ),
     workload=Workload(
         (

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lab.benchfigures import figure, machine, text
 from lab.linkmodel import Link, run_config, run_summary
 from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
@@ -77,6 +78,33 @@ def repeat(cell: Mapping[str, Any], repeats: int) -> list[str]:
     return [f"generate.num_prompts={int(cell.get('generate.batch_size', 2)) * repeats}"]
 
 
+def verdict(summary: Mapping[str, Any]) -> list[str]:
+    """Split inference's answer: what a split token costs against the unsplit model, and
+    what it buys (memory per host)."""
+    ratio, memory = float(summary["latency_ratio"]), summary.get("memory_ratio")
+    lines = [
+        f"split decoding: {float(summary['token_ms_p50']):.1f} ms a token, the unsplit model in "
+        f"one process {float(summary['unsplit_token_ms_p50']):.1f} ms: {ratio:.2f}x, "
+        + ("slower than unsplit." if ratio > 1 else "no slower than unsplit.")
+    ]
+    lines.append(
+        "Why: each token crosses every stage boundary (an RPC call and its fixed cost each way); "
+        "splitting buys memory per host, not speed"
+        + (f": the largest stage held {float(memory):.2f} of the unsplit process's memory."
+           if memory is not None else ".")
+        + " Across real hosts each token also pays the link's delay at every boundary "
+        "(docs/split.md); the benchmark: "
+        + text(lambda: f"{bench('rows > decode latency > ratio'):.2f}x with random-init Llamas "
+               "(`python bench/split_bench.py`).")
+    )  # fmt: skip
+    return lines
+
+
+def bench(keys: str) -> float:
+    """A figure of bench/results/split_bench.json (lab.benchfigures)."""
+    return figure("split_bench", keys)
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="a model cut at layer boundaries across hosts (torch.distributed.rpc), decoding",
@@ -87,9 +115,14 @@ MANIFEST = Manifest(
         predict_token_ms,
         means="one generated token through every stage; latency_ratio sets it against the "
         "unsplit model in one process: splitting buys memory per host, not speed",
-        benchmark="split / unsplit per-token latency 1.25x (16.1 against 12.8 ms, random-init "
-        "Llamas, `python bench/split_bench.py`, loopback, a 2-core AMD EPYC)",
+        benchmark=lambda: (
+            f"split / unsplit per-token latency {bench('rows > decode latency > ratio'):.2f}x "
+            f"({bench('rows > decode latency > ours'):.1f} against "
+            f"{bench('rows > decode latency > baseline'):.1f} ms, random-init Llamas, "
+            f"`python bench/split_bench.py`, loopback, {machine('split_bench')})"
+        ),
         benchmark_key="latency_ratio",
+        verdict=verdict,
     ),
     workload=Workload(
         (

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lab.benchfigures import figure, machine, text
 from lab.linkmodel import Link, run_config, run_steps
 from lab.plots import pyplot, rising_validation, save, smoothed, step_rows
 from lab.records import METRICS_FILE, read_records, same_losses
@@ -119,6 +121,28 @@ def predict_step_ms(run_dir: Path, link: Link) -> float:
     return step_ms(run_dir) + 1e3 * (count * link.one_way_s + wire)
 
 
+def verdict(summary: Mapping[str, Any]) -> list[str]:
+    """Split training's answer: its throughput, how much of it the stages spent waiting, and
+    whether the loss fell."""
+    idle, bubble = float(summary["idle_share"]), float(summary["idle_share_gpipe"])
+    first, last = float(summary["first_loss"]), float(summary["final_loss"])
+    return [
+        f"split training: {float(summary['tokens_per_s']):.0f} tokens/s over "
+        f"{float(summary['steps']):.0f} steps; training loss {first:.3f} -> {last:.3f} "
+        + ("(it learned)." if last < first else "(it did not fall: more steps, or a higher lr)."),
+        f"Each stage sat idle {idle:.0%} of the time (GPipe's bubble at these settings: "
+        f"{bubble:.0%}): more micro-batches (split.microbatches) fill the pipeline; the "
+        "benchmark, 4 micro-batches against 1: "
+        + text(lambda: f"{bench('rows > training, m=4 vs m=1 > ratio'):.2f}x the tokens/s "
+               "(`python bench/split_bench.py`)."),
+    ]  # fmt: skip
+
+
+def bench(keys: str) -> float:
+    """A figure of bench/results/split_bench.json (lab.benchfigures)."""
+    return figure("split_bench", keys)
+
+
 MANIFEST = Manifest(
     name=NAME,
     summary="backprop across the cut: the stages pipeline each step among themselves over RPC",
@@ -129,9 +153,13 @@ MANIFEST = Manifest(
         predict_step_ms,
         means="one optimizer step, forward and backward across the stages; tokens_per_s is the "
         "same in tokens, idle_share the time a stage waited",
-        benchmark="610 tokens/s with 4 micro-batches, 1.69x one micro-batch (random-init "
-        "Llamas, `python bench/split_bench.py`, loopback, a 2-core AMD EPYC)",
+        benchmark=lambda: (
+            f"{bench('rows > training, m=4 vs m=1 > ours'):.0f} tokens/s with 4 micro-batches, "
+            f"{bench('rows > training, m=4 vs m=1 > ratio'):.2f}x one micro-batch (random-init "
+            f"Llamas, `python bench/split_bench.py`, loopback, {machine('split_bench')})"
+        ),
         benchmark_key="tokens_per_s",
+        verdict=verdict,
     ),
     workload=Workload(
         (

@@ -259,6 +259,11 @@ def test_a_multirun_summary_has_a_column_per_swept_key_and_a_row_per_job() -> No
     raw = summary_rows(jobs, readable=False)[2]  # summary.csv's: as Python writes them
     assert raw[1] == ["ffa", "3.1234567", "3.0"]
     assert summary_rows(jobs, first=["rounds"])[1] == ["rounds", "final_val_loss"]
+    # fed_learn's answer against its centralized baseline is kept, however many metrics come
+    # first (it was cut off the table as the ninth)
+    many = {f"m{i}": float(i) for i in range(12)} | {"federated_over_centralized": 0.97}
+    shown = summary_rows([({"seed": "0"}, many), ({"seed": "1"}, many)], first=["m0"])[1]
+    assert shown[:2] == ["m0", "federated_over_centralized"] and len(shown) == 8
     job = ["fed.strategy=ffa", "hydra.run.dir=x", "seed=1"]
     assert job_label(job) == "fed.strategy=ffa seed=1"
     assert job_label(job, sweep_keys(["fed.strategy=fedavg,ffa", "seed=1", "a=range(2)"])) == (

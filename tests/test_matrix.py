@@ -273,6 +273,23 @@ def test_busy_baselines_compares_only_cells_that_should_measure_the_same() -> No
     assert matrix.busy_baselines(sweep[:2] + sweep[4:], workload, axes, 0.25) == {}  # < 3 alike
     fed = registry.manifest("fed_learn").workload  # no baseline: nothing to flag
     assert matrix.busy_baselines(sweep, fed, axes, 0.25) == {}
+    assert matrix.unsteady_baselines(sweep, workload, axes, 0.25) == []  # c stood out alone
+
+
+def test_a_sweep_whose_every_baseline_moved_flags_no_cell_but_says_the_machine_moved() -> None:
+    """A 2x2 sweep on a busy machine: every cell's baseline is off the median of the four, so
+    none is the busy one; the report says the machine's speed moved instead."""
+    workload = registry.manifest("spec_decoding").workload
+    axes = {"window": "spec.gamma", "temperature": "spec.temperature"}
+
+    def record(cell: str, window: int, baseline: float) -> dict[str, Any]:
+        return {"cell": cell, "status": "ok", "settings": {"window": window, "temperature": 0},
+                "metrics": {"target_tokens_per_s": baseline}}  # fmt: skip
+
+    sweep = [record("a", 2, 500), record("b", 4, 800), record("c", 8, 1300), record("d", 16, 2000)]
+    assert matrix.busy_baselines(sweep, workload, axes, 0.25) == {}
+    (remark,) = matrix.unsteady_baselines(sweep, workload, axes, 0.25)
+    assert "ranges 500 to 2,000 over a, b, c, d" in remark and "2 of 4" in remark
 
 
 def test_a_piped_table_keeps_its_headers_whole() -> None:

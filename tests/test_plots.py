@@ -50,8 +50,12 @@ def test_rising_validation_loss_is_remarked_only_when_it_rises() -> None:
     falling = [4.0, 3.5, 3.0, 2.6, 2.3, 2.0]
     assert rising_validation([(0, 3.9), (5, 3.4), (10, 3.2)], falling) == ""
     assert rising_validation([(0, 3.9), (5, 3.4), (10, 3.41)], falling) == ""  # within 0.5%
-    remark = rising_validation([(0, 3.9), (5, 3.4), (10, 3.6)], falling)
-    assert remark.startswith("validation loss rose from 3.400 (step 5) to 3.600 (step 10)")
+    # one evaluation above the lowest, or a rise that fell back: a short run's noise
+    assert rising_validation([(0, 3.9), (5, 3.4), (10, 3.6)], falling) == ""
+    assert rising_validation([(0, 3.9), (5, 3.4), (10, 3.6), (15, 3.5)], falling) == ""
+    remark = rising_validation([(0, 3.9), (5, 3.4), (10, 3.5), (15, 3.6)], falling)
+    assert remark.startswith("validation loss rose from 3.400 (step 5) to 3.600 (step 15)")
     assert "overfitting" in remark
-    assert "overfitting" not in rising_validation([(0, 3.4), (1, 3.6)], None, step="round")
+    rounds = rising_validation([(0, 3.4), (1, 3.5), (2, 3.6)], None, step="round")
+    assert rounds and "overfitting" not in rounds
     assert rising_validation([(0, 3.4)], falling) == ""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from lab import registry
 from labtools import readme_check
 from labtools.readme_check import ROOT, documented_files, readme_commands
 
@@ -84,3 +85,100 @@ def test_a_page_with_nothing_to_run_builds_nothing_and_says_so(
         f"{page}: 0 of 0 ok; 0 run above, 1 skipped",
         "README commands ok: 0 of 0",
     ]
+
+
+TAGGED = "1.43x<!-- bench split_bench: rows > decode latency > ratio -->"
+
+
+def test_every_tagged_bench_figure_agrees_with_bench_results() -> None:
+    from lab.benchfigures import check_tags
+
+    total, wrong = check_tags(documented_files(), root=ROOT)
+    assert total >= 60  # the README's bench tables, its module table, its prose
+    assert wrong == []
+
+
+def test_readme_check_fails_on_a_figure_that_differs_from_bench_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text()
+    assert TAGGED in text
+    readme.write_text(text)
+    readme_check.main([str(readme), "--figures"])  # as written: it agrees
+    readme.write_text(text.replace(TAGGED, TAGGED.replace("1.43x", "1.44x")))
+    with pytest.raises(SystemExit) as exited:
+        readme_check.main([str(readme), "--figures"])
+    assert exited.value.code == 1
+    line = 1 + text[: text.index(TAGGED)].count("\n")
+    out = capsys.readouterr().out
+    assert f"{readme}:{line}: 1.44 where bench/results has 1.43" in out
+
+
+def test_a_rerun_bench_that_moves_a_figure_fails_it_at_the_printed_precision(
+    tmp_path: Path,
+) -> None:
+    import json
+    import os
+
+    from lab.benchfigures import check_line
+
+    results = tmp_path / "results"
+    results.mkdir()
+    data = json.loads((ROOT / "bench" / "results" / "split_bench.json").read_text())
+    for second, (value, agrees) in enumerate(((1.4306, True), (1.4249, False), (1.4351, False))):
+        data["rows"]["decode latency"]["ratio"] = value
+        (results / "split_bench.json").write_text(json.dumps(data))
+        os.utime(results / "split_bench.json", (0, second))  # a rewritten file: a new mtime
+        found, wrong = check_line(f"| **{TAGGED}** |", where="x", results=results)
+        assert found == 1 and (wrong == []) == agrees, (value, wrong)
+    found, wrong = check_line("no figure <!-- bench split_bench: rows > nope -->", where="x",
+                              results=results)  # fmt: skip
+    assert found == 1 and "no figure right before" in wrong[0].expected
+
+
+def test_the_readme_module_tables_figures_are_the_bench_tables() -> None:
+    """Every ratio in the README's module table is tagged, so it reads the same bench result
+    as the bench table below it and the two cannot disagree."""
+    import re
+
+    from lab.benchfigures import TAG
+
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines()
+            if line.startswith("| `")]  # fmt: skip
+    assert len(rows) >= 8
+    ratios = 0
+    for row in rows:
+        for figure in re.finditer(r"\d+\.\d+x(?!\d)", row):
+            ratios += 1
+            assert TAG.match(row, figure.end()), f"untagged {figure[0]} in: {row[:60]}"
+    assert ratios >= 5
+
+
+def test_a_manifests_benchmark_text_reads_bench_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from lab import benchfigures
+
+    data = json.loads((ROOT / "bench" / "results" / "split_bench.json").read_text())
+    data["rows"]["decode latency"].update(ratio=1.234, ours=20.0, baseline=16.2)
+    (tmp_path / "split_bench.json").write_text(json.dumps(data))
+    monkeypatch.setattr(benchfigures, "RESULTS", tmp_path)
+    head = registry.manifests()["split_inference"].headline
+    assert "1.23x (20.0 against 16.2 ms" in head.benchmark_text()
+    (tmp_path / "split_bench.json").unlink()
+    assert head.benchmark_text().startswith("not available (") and "split_bench.py" in (
+        head.benchmark_text()
+    )
+
+
+def test_a_tag_shown_in_code_is_an_example_not_a_figure(tmp_path: Path) -> None:
+    from lab.benchfigures import check_tags
+
+    page = tmp_path / "page.md"
+    tag = TAGGED[5:]
+    page.write_text(f"the tag: `9.99x{tag}`, and a figure {TAGGED}\n"
+                    f"```bash\n9.99x{tag}\n```\nlast: `ends on 1.43x`{tag}\n")  # fmt: skip
+    assert check_tags([page], root=tmp_path) == (2, [])  # the two outside code, both right

@@ -181,6 +181,9 @@ window.addEventListener('load', () => {
   d.first = document.querySelector('h2').textContent;
   d.height = root.scrollHeight;
   d.wide = root.scrollWidth > root.clientWidth ? 1 : 0;
+  // legible: no plot shrunk below report.LEGIBLE_SCALE of its own pixels
+  d.small = imgs.filter(i => i.clientWidth < 0.65 * i.naturalWidth)
+    .map(i => i.alt + ':' + i.clientWidth + '/' + i.naturalWidth).join(' ');
 });</script></body>""",
         )
     )
@@ -192,13 +195,49 @@ window.addEventListener('load', () => {
     ).stdout  # fmt: skip
     found = re.search(
         r'data-images="(\d+)" data-broken="(\d+)" data-empty="(\d+)" data-first="([^"]*)" '
-        r'data-height="(\d+)" data-wide="(\d)"', dom
+        r'data-height="(\d+)" data-wide="(\d)" data-small="([^"]*)"', dom
     )  # fmt: skip
     assert found, dom[:2000]
-    images, broken, empty, first, height, wide = found.groups()
+    images, broken, empty, first, height, wide, small = found.groups()
     assert (images, broken, empty, first, wide) == ("3", "0", "0", "Summary", "0")
+    assert report.LEGIBLE_SCALE == 0.65 and small == "", small  # every plot legible
     assert int(height) < 1400 * (len(runs) + 1), height  # it was 8,460 px for the tour's six
     shot = tmp_path / "report.png"
     subprocess.run([browser, *window, "--hide-scrollbars", f"--screenshot={shot}", page.as_uri()],
                    capture_output=True, timeout=120, check=True)  # fmt: skip
     assert shot.stat().st_size > 20_000
+
+
+def test_a_plot_too_wide_to_read_at_half_the_page_takes_a_row_of_its_own(tmp_path: Path) -> None:
+    """data_parallel's two panels (10 inches, 1,100 px) shown half a row wide were shrunk to
+    about half: their text was 8 px. A plot that would shrink below report.LEGIBLE_SCALE
+    spans the row; one that stays legible sits beside another."""
+    from PIL import Image
+
+    out = tmp_path / "report"
+    (out / "images").mkdir(parents=True)
+    wide, narrow = Path("images/wide.png"), Path("images/narrow.png")
+    Image.new("RGB", (1100, 385)).save(out / wide)
+    Image.new("RGB", (660, 385)).save(out / narrow)
+    section = report.Section("dp", "python -m data_parallel", "", [("a", "1", "")],
+                             ("metric", "value", "unit"), images=[wide, narrow])  # fmt: skip
+    full = report._full_row([section], out)
+    assert full == {wide}
+    page = report._html([section], "now", full_row=full)
+    assert "<img src='images/wide.png' alt='wide' class='full'>" in page
+    assert "<img src='images/narrow.png' alt='narrow'>" in page
+    assert 660 * report.LEGIBLE_SCALE <= report.HALF_ROW_PX < 1100 * report.LEGIBLE_SCALE
+
+
+def test_the_summary_shows_the_figure_the_runs_own_table_printed(tmp_path: Path) -> None:
+    """One figure, one value: the headline read again from the steps (their median, 84.32 ms)
+    differed from the run's own final table (82.00 ms); the summary now shows the table's."""
+    import json
+
+    steps = [{"kind": "metrics", "step": s, "step_ms": ms, "loss": 4.0}
+             for s, ms in enumerate((120.0, 84.32, 84.32, 80.0), start=1)]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    head = report.headline_of(tmp_path, {"job": "data_parallel"}, {"step_ms": 82.0})
+    assert head is not None and head.value.startswith("82.00 ms"), head
+    head = report.headline_of(tmp_path, {"job": "data_parallel"}, {})  # no table: the steps'
+    assert head is not None and head.value.startswith("84.32 ms"), head

@@ -15,10 +15,12 @@ from data_parallel.run import EXPERIMENT
 from lab import experiment
 from lab.config import CONF_DIR
 
-SHORT = ("dp.steps=10", "dp.max_train_blocks=256", "dp.eval_blocks=4", "dp.checkpoint_every=5")
+SHORT = ("dp.steps=10", "dp.max_train_blocks=256", "dp.eval_blocks=4", "dp.checkpoint_every=5",
+         "dp.baseline=false")  # fmt: skip
 """Ten steps of the debug model, a checkpoint at 5 and 10; its gradient norms are above
 dp.grad_clip=1, so the exactness tests also see the gradients' scale, not only their
-direction (AdamW alone hides a gradient scaled by a constant)."""
+direction (AdamW alone hides a gradient scaled by a constant). The one-process baseline
+(dp.baseline) is off but where a test asks for it."""
 
 Run = Callable[..., Path]
 

@@ -531,3 +531,29 @@ def test_the_cost_model_reads_a_local_runs_trace(dp_run: Run) -> None:
     assert predict_step_ms(run_dir, Link(0.0, None)) == pytest.approx(step_ms(run_dir))
     delayed = predict_step_ms(run_dir, Link(0.005, 1e8))
     assert delayed >= step_ms(run_dir) + 4 * 5  # a bucket's 2 ring steps, the loss's 2 at least
+
+
+def test_a_local_run_sets_one_process_on_the_same_tokens_beside_it_and_says_what_it_means(
+    dp_run: Run, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """dp.baseline=true: after 2 DDP workers, one process on their global batch for the same
+    steps; DDP equals it (so its losses match), and the run's last lines say so (tests/
+    test_verdicts.py: printed last), the sync method that ran named in the table."""
+    run = dp_run(*PAIR, "dp.baseline=true", fresh=True)
+    out = capfd.readouterr().out
+    summary = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["sync"] == "ddp (ddp)"
+    assert summary["one_process_final_loss"] == pytest.approx(summary["final_loss"], rel=1e-5)
+    assert summary["one_process_val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    assert summary["tokens_per_s_over_one_process"] == pytest.approx(
+        summary["tokens_per_s"] / summary["one_process_tokens_per_s"]
+    )
+    baseline = json.loads((run / "baseline" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert baseline["workers"] == 1 and baseline["steps"] == 10  # the same steps, one process
+    assert "the one-process baseline: 1 worker, batch 4, the same 10 steps" in out
+    from lab.registry import verdict_lines  # (what it prints last, with tracking.console)
+
+    last = verdict_lines("data_parallel", summary)
+    assert last[0].startswith("data_parallel: 2 workers, sync ddp (ddp): ")
+    assert last[1].startswith("One process on the same global batch and steps: ")
+    assert "DDP trains exactly as one process with the whole batch, so they match" in last[2]

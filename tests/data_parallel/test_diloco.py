@@ -94,18 +94,24 @@ def test_a_checkpoint_of_another_sync_is_refused_before_anything_starts(
 
 
 def test_a_slow_worker_takes_fewer_inner_steps_and_weighs_by_its_tokens(dp_run: Run) -> None:
-    """dp.slow_worker=1:3 (worker 1 sleeps twice its compute): after the first round, which
-    measures, worker 1 takes about a third of the fast worker's inner steps."""
+    """dp.slow_worker=1:3 (worker 1 sleeps twice its compute): the first round measures (both
+    take H = 5 steps), then each round gives worker 1 the inner steps its measured speed earns
+    (balanced_inner_steps of the seconds the round recorded), and the sync weighs by them. The
+    counts follow from the seconds the run measured, not from how busy the machine was."""
     run = dp_run(*PAIR, "dp.sync=diloco", "dp.inner_steps=5", "dp.balance=tokens",
                  "dp.slow_worker=1:3", "dp.steps=15")  # fmt: skip
     rounds = {int(r["step"]): r for r in step_records(run, "inner_steps")}
     assert sorted(rounds) == [5, 10, 15]
-    assert rounds[5]["inner_steps"] == 5  # rank 0's own count (the fast one's): always H
-    assert rounds[15]["inner_steps"] == 5
-    # the first round measures (both take 5 steps of 2 blocks); then worker 1 takes about a
-    # third of them: 5 + 2 steps, 14 blocks a round
+    assert rounds[5]["inner_steps"] == 5  # measuring: every worker 5 steps of 2 blocks
     assert rounds[5]["round_blocks"] == 20
-    assert rounds[10]["round_blocks"] <= 16 and rounds[15]["round_blocks"] <= 16
+    for before, after in ((5, 10), (10, 15)):
+        measured = [rounds[before]["worker0_step_s"], rounds[before]["worker1_step_s"]]
+        assert all(s > 0 for s in measured)
+        steps = [balanced_inner_steps(measured, 5, rank) for rank in (0, 1)]
+        assert max(steps) == 5  # the faster one (rank 0 but on a very busy machine) takes H
+        assert rounds[after]["inner_steps"] == steps[0]  # (rank 0's own count)
+        # each trained its share, 2 blocks a step: the blocks the sync weighed by
+        assert rounds[after]["round_blocks"] == 2 * sum(steps)
     assert summary(run)["syncs"] == 3
 
 
@@ -222,6 +228,22 @@ def test_auto_picks_ddp_on_a_fast_link_and_diloco_on_a_slow_one() -> None:
     assert "10.0 ms one-way, 10 Mbit/s" in reason
     # dp.balance=tokens cannot stream: the best of the others
     assert choose(slow, streaming=False)[0] in ("diloco:25", "diloco:50")
+
+
+def test_auto_reads_a_links_rate_from_the_bytes_time_and_never_an_impossible_one() -> None:
+    """Timed all-reduces (injected: one element, a quarter of the probe, the probe) to the
+    figures `auto` prints: on a 10 ms, 10 Mbit/s link its delay and rate; on loopback, where
+    the bytes' time is lost in each call's fixed cost, at least what the probe moved (it
+    printed 8,388,608 Mbit/s: a rate cut down to 1 microsecond of wire time)."""
+    from data_parallel.autosync import PROBE_BYTES, link_from_times
+
+    bits = 8 * PROBE_BYTES  # what a worker of two sends of the probe (2(N-1)/N of it)
+    wire = lambda nbits: nbits / 10e6  # noqa: E731
+    one_way, rate = link_from_times(0.02, 0.04 + wire(bits / 4), 0.04 + wire(bits), workers=2)
+    assert one_way == pytest.approx(0.010) and rate == pytest.approx(10e6)
+    one_way, rate = link_from_times(0.0002, 0.0009, 0.0010, workers=2)  # loopback
+    assert one_way == pytest.approx(0.0001)
+    assert rate == pytest.approx(bits / 0.0010) and rate / 1e6 < 10_000  # 8,389 Mbit/s
 
 
 def test_auto_measures_chooses_says_why_and_trains(
