@@ -17,6 +17,7 @@ import contextlib
 import csv
 import fcntl
 import hashlib
+import importlib.util
 import io
 import itertools
 import json
@@ -40,7 +41,7 @@ import psutil
 
 from lab import atomic, commandline, experiment, registry
 from lab.cli import ConfigError
-from lab.config import SECRET_ENV, check_fields_positive, register_schema
+from lab.config import CONF_DIR, SECRET_ENV, check_fields_positive, register_schema
 from lab.launch import die_with_parent
 from lab.redact import redact_argv, redact_config, redact_text, split_secret
 from lab.registry import Workload
@@ -174,7 +175,7 @@ def check_sweep(config: MatrixConfig) -> None:
     overrides = [o for o in cell_overrides(config, first, Path("unused"))
                  if not o.startswith("hydra.run.dir=")]  # fmt: skip
     try:
-        commandline.check(exp.name, exp.schema, overrides)
+        commandline.check(exp.name, exp.schema, overrides, config_dir=_config_dir(exp.name))
     except ConfigError as exc:
         refused = re.match(r"(\S+) is not a setting of", str(exc))
         axis = next((a for a in config.grid if refused and config.axes.get(a) == refused[1]), None)
@@ -185,6 +186,19 @@ def check_sweep(config: MatrixConfig) -> None:
             f"cell {first.name} of workload={config.workload} does not compose: "
             f"{redact_text(str(exc))}{hint}"
         ) from None
+
+
+def _config_dir(name: str) -> Path:
+    """Where experiment `name`'s primary config lives: the lab's conf/, or for an experiment
+    installed from elsewhere (a plug-in) its package's own conf/ beside its `__main__`."""
+    if (CONF_DIR / f"{name}.yaml").exists():
+        return CONF_DIR
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.origin:
+        own = Path(spec.origin).parent / "conf"
+        if (own / f"{name}.yaml").exists():
+            return own
+    return CONF_DIR  # composing it there says, in one line, that it is missing
 
 
 def cell_overrides(config: MatrixConfig, cell: Cell, run_dir: Path) -> list[str]:
