@@ -182,3 +182,9 @@ def test_a_tag_shown_in_code_is_an_example_not_a_figure(tmp_path: Path) -> None:
     page.write_text(f"the tag: `9.99x{tag}`, and a figure {TAGGED}\n"
                     f"```bash\n9.99x{tag}\n```\nlast: `ends on 1.43x`{tag}\n")  # fmt: skip
     assert check_tags([page], root=tmp_path) == (2, [])  # the two outside code, both right
+
+
+def test_the_readme_stays_a_front_page() -> None:
+    """README.md is the front page (docs/architecture.md): at most 300 lines, detail in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move detail to a docs/ page"
