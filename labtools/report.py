@@ -402,9 +402,13 @@ def _full_row(sections: list[Section], out_dir: Path) -> set[Path]:
 
     wide = set()
     for image in (i for section in sections for i in section.images):
-        with Image.open(out_dir / image) as png:
-            if png.width * LEGIBLE_SCALE > HALF_ROW_PX:
-                wide.add(image)
+        try:
+            with Image.open(out_dir / image) as png:
+                width = png.width
+        except (OSError, ValueError):  # a truncated or foreign file: shown as it is, half a row
+            continue
+        if width * LEGIBLE_SCALE > HALF_ROW_PX:
+            wide.add(image)
     return wide
 
 
