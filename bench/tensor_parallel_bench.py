@@ -414,6 +414,7 @@ def main() -> None:
 
     machine = announce_machine()
     WORK.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any]
     if args.compute_row_only:  # the other rows as the results file has them
         results = {
             k: v
@@ -441,7 +442,7 @@ def main() -> None:
             "each (one bus), so a memory-bound TP figure here under-states two real hosts"
         )
     tiny = Path(resolve_source(ModelConfig(), cache_dir=default_cache_dir()))
-    results: dict[str, Any] = {"bandwidth_gbs": bw, "load_before": uptime(), "shapes": {}}
+    results = {"bandwidth_gbs": bw, "load_before": uptime(), "shapes": {}}
     decode = {"kind": "decode", "batch": 1, "prompt": 16, "new_tokens": 24, "repeats": 1}
     for shape in args.shapes:
         folder = tiny if shape == "tiny_target" else save_shape(shape, tiny)

@@ -297,7 +297,7 @@ def _explain(
 def _defaults(schema: type) -> Any:
     """`schema`'s default instance, built without its checks (run_matrix's has no valid
     default: its workload is set by its YAML)."""
-    instance = object.__new__(schema)
+    instance: Any = object.__new__(schema)
     for f in dataclasses.fields(schema):
         if f.default is not dataclasses.MISSING:
             value = f.default

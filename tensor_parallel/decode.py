@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,7 @@ def generate(
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)  # type: ignore[arg-type]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
     step_input, out, times, kept = ids, [], [], []
     prefill_s = 0.0
@@ -113,7 +114,7 @@ def generate(
     return Generation(torch.cat(out, dim=-1).cpu(), times, prefill_s, kept)
 
 
-def same_on_every_rank(tokens: torch.Tensor, group: object = None) -> bool:
+def same_on_every_rank(tokens: torch.Tensor, group: Any = None) -> bool:
     """Whether every rank generated `tokens` (one all-gather, after the run)."""
     gathered = [torch.empty_like(tokens) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, tokens.contiguous(), group=group)

@@ -168,7 +168,7 @@ def _measure(settings: Any, group: Group, folder: Path, cores: list[int]) -> dic
 def _unsplit(folder: Path, dtype: torch.dtype, group: Group) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(group.device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(group.device)  # type: ignore[arg-type]
     return model.eval()
 
 

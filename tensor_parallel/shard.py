@@ -201,7 +201,7 @@ def load_sharded(
                     local.copy_(value.to(local.dtype))
                     loaded.add(key)
         if getattr(model.config, "tie_word_embeddings", False):
-            model.tie_weights()
+            model.tie_weights()  # type: ignore[operator]
             loaded |= {k for k in params if k.endswith("lm_head.weight")}
     missing = sorted(set(params) - loaded)
     if missing:
@@ -267,7 +267,7 @@ def _hook_all_reduces(
             linear = model.get_submodule(name)
             if linear.bias is not None and rank != 0:
                 with torch.no_grad():
-                    linear.bias.zero_()  # the sum holds rank 0's bias once
+                    linear.bias.zero_()  # type: ignore[operator]  # the sum holds rank 0's bias once
             linear.register_forward_hook(reduce)
 
 

@@ -5,12 +5,13 @@ printed after the final table and the plots, before the W&B line."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lab import registry
 
-SUMMARIES = {
+SUMMARIES: dict[str, dict[str, Any]] = {
     "spec_decoding": {"speedup": 0.62, "tokens_per_s": 60.0, "target_tokens_per_s": 96.8,
                       "acceptance_rate": 0.55, "draft_ms_per_token": 3.9},
     "split_inference": {"latency_ratio": 1.3, "token_ms_p50": 13.0, "unsplit_token_ms_p50": 10.0,

@@ -32,7 +32,7 @@ class Clock:
 
 
 def test_a_wait_says_what_where_and_its_limit_first_within_5_s_then_every_30_s() -> None:
-    clock, said = Clock(), []
+    clock, said = Clock(), list[str]()
     wait = Wait("the coordinator", where="127.0.0.1:29510", key="fed.wait_clients_s=120",
                 limit_s=130, clock=clock, say=said.append)  # fmt: skip
     assert FIRST_S <= 5 and EVERY_S == 30
@@ -49,14 +49,14 @@ def test_a_wait_says_what_where_and_its_limit_first_within_5_s_then_every_30_s()
 
 
 def test_a_short_wait_says_nothing() -> None:
-    clock, said = Clock(), []
+    clock, said = Clock(), list[str]()
     wait = Wait("the verifier", clock=clock, say=said.append)
     clock.sleep(FIRST_S - 0.1)
     assert not wait.tick() and not said
 
 
 def test_a_wait_on_work_shows_how_the_work_goes() -> None:
-    clock, said = Clock(), []
+    clock, said = Clock(), list[str]()
     wait = Wait("a build", clock=clock, say=said.append, progress=lambda: "step 3 of 9")
     clock.sleep(FIRST_S)
     wait.tick()

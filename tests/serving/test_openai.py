@@ -112,7 +112,9 @@ def endpoint(request, random_models: Path, lab_cache: Path, tmp_path_factory) ->
             }
 
 
-def client(endpoint: dict, key: str = SECRET) -> openai.OpenAI:
+def client(endpoint: dict, key: str = SECRET) -> Any:
+    """The official client (typed Any: its TypedDict overloads fight the plain dicts the tests
+    send, the bad ones on purpose)."""
     return openai.OpenAI(base_url=endpoint["url"], api_key=key, max_retries=0, timeout=120)
 
 
@@ -271,7 +273,8 @@ def test_openai_bad_requests_get_a_4xx_in_openais_shape(endpoint: dict) -> None:
     for error, arguments in cases:
         with pytest.raises(error) as caught:
             api.completions.create(**arguments)
-        message = caught.value.body["message"]  # OpenAI's {"error": {"message": ...}}
+        raised: Any = caught.value  # an openai.APIStatusError subclass, each case's own
+        message = raised.body["message"]  # OpenAI's {"error": {"message": ...}}
         assert message and "Traceback" not in message, arguments
     with pytest.raises(openai.AuthenticationError):
         client(endpoint, key="wrong").completions.create(model=model, prompt=PROMPT)
@@ -302,7 +305,8 @@ class _Unused:
 
 def test_openai_queue_is_bounded_and_a_wait_says_so(caplog: pytest.LogCaptureFixture) -> None:
     config = ServeConfig(max_queue=1, queue_timeout_s=0.3)
-    server = Server(_Unused(), SimpleNamespace(chat_template=None), model_id="m", config=config,
+    server = Server(_Unused(),  # type: ignore[arg-type]
+                    SimpleNamespace(chat_template=None), model_id="m", config=config,
                     secret=None)  # fmt: skip
 
     async def stays() -> bool:

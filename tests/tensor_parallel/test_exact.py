@@ -40,8 +40,8 @@ def shapes() -> dict[str, object]:
         max_position_embeddings=64,
     )
     return {
-        "llama_gqa": LlamaConfig(**common, tie_word_embeddings=False),
-        "qwen2_tied_bias": Qwen2Config(**common, tie_word_embeddings=True),
+        "llama_gqa": LlamaConfig(**common, tie_word_embeddings=False),  # type: ignore[arg-type]
+        "qwen2_tied_bias": Qwen2Config(**common, tie_word_embeddings=True),  # type: ignore[arg-type]
     }
 
 
