@@ -15,7 +15,7 @@ from lab.cli import UserError
 from lab.sampling import probs_from_logits
 from netproto import Connection, ConnectionClosed, NetTimeout, PeerProtocolError
 from spec_decoding.cache import CachedDecoder
-from spec_decoding.config import MAX_BRANCH_DEPTH, MAX_GAMMA
+from spec_decoding.config import MAX_BRANCH_DEPTH, MAX_GAMMA, SpecConfig
 from spec_decoding.draft_q import as_probabilities, encode_q, quantize
 from spec_decoding.gamma import GammaController
 from spec_decoding.protocol import SpecMsg
@@ -668,3 +668,23 @@ def _add_q(payload: dict[str, torch.Tensor], weights: torch.Tensor) -> int:
     entries = encode_q(weights)
     payload.update(entries)
     return sum(t.numel() * t.element_size() for t in entries.values())
+
+
+def drafter_for(
+    model: Any, tokenizer: Any, conn: Connection, spec: SpecConfig, **sampling: Any
+) -> Drafter:
+    """The drafter `spec.*` describes, on `conn`: the run's drafter role and the serve role
+    build it here alike (`sampling`: temperature and top_p, the role's or the request's)."""
+    return Drafter(
+        model,
+        tokenizer,
+        conn,
+        draft_top_k=spec.draft_top_k,
+        pipeline=spec.pipeline,
+        decode_alone=spec.decode_alone,
+        branch_depth=spec.branch_depth,
+        branch_width=spec.branch_width,
+        branch_flatness=spec.branch_flatness,
+        gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
+        **sampling,
+    )

@@ -23,9 +23,8 @@ from lab.models import load_model, load_tokenizer, resolve_source
 from lab.tracking import Tracker
 from netproto import ConnectionClosed, NetTimeout
 from spec_decoding.config import SpecDecodingRunConfig
-from spec_decoding.drafter import CheckStats, Drafter, Generation, VerifierLostError
+from spec_decoding.drafter import CheckStats, Generation, VerifierLostError, drafter_for
 from spec_decoding.gamma import (
-    GammaController,
     PipelineModel,
     expected_tokens,
     fit_verify_costs,
@@ -247,19 +246,8 @@ def run_drafter(
                 f"no verifier answering at {address[0]}:{address[1]} ({exc})"
             ) from None
         try:
-            drafter = Drafter(
-                model,
-                tokenizer,
-                conn,
-                temperature=spec.temperature,
-                top_p=spec.top_p,
-                draft_top_k=spec.draft_top_k,
-                pipeline=spec.pipeline,
-                decode_alone=spec.decode_alone,
-                branch_depth=spec.branch_depth,
-                branch_width=spec.branch_width,
-                branch_flatness=spec.branch_flatness,
-                gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
+            drafter = drafter_for(
+                model, tokenizer, conn, spec, temperature=spec.temperature, top_p=spec.top_p
             )
             generations, baselines = [], []
             for index, prompt in enumerate(prompts):

@@ -22,8 +22,7 @@ from lab.openai_http import serve
 from lab.serving import Cancelled, Params
 from netproto import Connection, ConnectionClosed, NetTimeout
 from spec_decoding.config import SpecDecodingRunConfig
-from spec_decoding.drafter import Drafter, VerifierLostError
-from spec_decoding.gamma import GammaController
+from spec_decoding.drafter import Drafter, VerifierLostError, drafter_for
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +83,7 @@ def serve_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
                     f"no verifier answering at {verifier.host}:{verifier.port} ({exc})"
                 ) from None
 
-        drafter = Drafter(
-            model,
-            tokenizer,
-            dial(),
-            draft_top_k=spec.draft_top_k,
-            pipeline=spec.pipeline,
-            decode_alone=spec.decode_alone,
-            branch_depth=spec.branch_depth,
-            branch_width=spec.branch_width,
-            branch_flatness=spec.branch_flatness,
-            gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
-        )
+        drafter = drafter_for(model, tokenizer, dial(), spec)
         engine = SpecEngine(drafter, dial)
         try:
             serve(
