@@ -680,6 +680,28 @@ class Connection:
         with contextlib.suppress(OSError):
             self._sock.close()
 
+    def linger(self, seconds: float, *, max_bytes: int = 1 << 20) -> None:
+        """After a refusal: say goodbye, stop sending, and read (and drop) what the peer still
+        sends until it closes, `seconds` pass or `max_bytes` arrive; then close. A peer that
+        kept sending after its refused frame (a drafter's drafts follow its OPEN unanswered)
+        reads the ERROR we sent, not a reset: closing with its bytes unread here would answer
+        them with a TCP reset, and the peer's next send would fail before it read why."""
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):
+            self.send(MsgType.BYE)
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self._sock, socket.SHUT_WR)  # our FIN after the ERROR
+            while max_bytes > 0 and (left := deadline - time.monotonic()) > 0:
+                self._sock.settimeout(left)
+                # the raw bytes, TLS records included: dropped, never decoded
+                dropped = socket.socket.recv(self._sock, min(max_bytes, 1 << 16))
+                if not dropped:
+                    break  # the peer has closed: nothing left to reset
+                max_bytes -= len(dropped)
+        self._abort()
+
     def close(self) -> None:
         """Say goodbye (best effort) and close; safe to call twice."""
         if self._closed:

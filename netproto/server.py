@@ -42,6 +42,7 @@ from netproto.errors import (
     ConnectionClosed,
     NetprotoError,
     NetTimeout,
+    PeerProtocolError,
     peer_text,
 )
 from netproto.listener import POLL_S, Acceptor, listen
@@ -105,9 +106,13 @@ class Server:
         max_connections_per_address: int = 64,
         registry: Registry = REGISTRY,
         name: str = "netproto",
+        refusal_linger_s: float = 5.0,
     ) -> None:
         """`max_connections_per_address`: sessions one remote address may hold at once (64: a
-        quarter of the default `max_connections`)."""
+        quarter of the default `max_connections`). `refusal_linger_s`: how long a session
+        the handler refused (an authenticated peer breaking the protocol: it was sent an ERROR
+        saying why) stays to read and drop what the peer still sends, so the peer reads the
+        ERROR rather than a reset (`Connection.linger`); the session keeps its slot meanwhile."""
         if max_connections < 1:
             raise ValueError(f"max_connections={max_connections} must be >= 1")
         if max_connections_per_address < 1:
@@ -129,6 +134,7 @@ class Server:
         self.max_connections_per_address = max_connections_per_address
         self.registry = registry
         self.name = name
+        self.refusal_linger_s = refusal_linger_s
         self._bind = (host, port)
         self._listener: socket.socket | None = None
         self._stopping = threading.Event()
@@ -399,6 +405,7 @@ class Server:
 
     def _session(self, session: _Session) -> None:
         conn: Connection | None = None
+        authenticated = False  # only an authenticated peer is lingered for after a refusal
         try:
             conn = Connection.accepted(
                 session.sock,
@@ -416,6 +423,7 @@ class Server:
                 if not session.evicted:
                     del self._unauthenticated[session]
                     self.sessions_authenticated += 1
+                    authenticated = True
             if not session.evicted:
                 self.handler(conn)
         except ConnectionClosed:
@@ -431,6 +439,8 @@ class Server:
                     peer_text(exc),
                 )
                 self._count_failure(handshake=isinstance(exc, AuthenticationError))
+                if conn is not None and authenticated and isinstance(exc, PeerProtocolError):
+                    conn.linger(self.refusal_linger_s)  # still counted: stop() interrupts it
         except Exception as exc:
             log.exception("%s: session handler failed", self.name)
             self._count_failure()
