@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -124,10 +123,9 @@ def test_a_client_dying_mid_round_leaves_the_round_to_the_others(
 def test_too_few_clients_is_a_clear_error_not_a_hang(federation, tmp_path, lab_cache) -> None:
     settings = settings_for(tmp_path, lab_cache, wait_clients_s=1.0)
     coordinator = federation(settings, clients=1)
-    started = time.monotonic()
-    with pytest.raises(NotEnoughClientsError, match="only 1 of the 2 clients needed"):
+    # the wait's own deadline (fed.wait_clients_s=1) ends it: no other path says this
+    with pytest.raises(NotEnoughClientsError, match=r"only 1 of the 2 clients needed .* after 1s"):
         run_rounds(coordinator, tmp_path)
-    assert time.monotonic() - started < 10
 
 
 def test_restarted_coordinator_resumes_at_the_next_round(federation, tmp_path, lab_cache) -> None:
@@ -167,10 +165,9 @@ def test_a_client_without_a_coordinator_gives_up_with_a_clear_error(tmp_path, la
     settings = replace(settings, cluster=replace(settings.cluster, connect_timeout_s=0.5))
     client = LoRAClient(None, torch.zeros(4, 8), torch.zeros(1, 8), name="lonely")
     port = free_port("127.0.0.1")  # nobody listens there
-    started = time.monotonic()
-    with pytest.raises(CoordinatorLostError, match=f"no coordinator at 127.0.0.1:{port}"):
+    # given up after connect_timeout_s + wait_clients_s (the message says 1s), not retried on
+    with pytest.raises(CoordinatorLostError, match=f"no coordinator at 127.0.0.1:{port} for 1s"):
         take_part(client, settings=settings, address=("127.0.0.1", port))
-    assert time.monotonic() - started < 10
 
 
 def test_ffa_sends_only_b_both_ways_once_a_client_holds_the_frozen_a(

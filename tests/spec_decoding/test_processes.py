@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -101,7 +100,8 @@ def test_killed_verifier_gives_the_drafter_a_clear_error(
         drafter = Drafter(
             model, tokenizer, conn, gamma=KillAfter(proc, rounds=3), pipeline=pipeline
         )
-        started = time.monotonic()
-        with pytest.raises(VerifierLostError, match=f"lost the verifier at 127.0.0.1:{port}"):
+        with pytest.raises(VerifierLostError, match=f"lost the verifier at 127.0.0.1:{port}") as e:
             drafter.generate([5, 6, 7, 8], max_new_tokens=56)  # 3 rounds of 3: never done
-        assert time.monotonic() - started < 10  # an error, not a hang until the timeout
+        # found from the closed connection, not waited out to the read timeout's end (which
+        # would say "did not answer within the timeout"): the message says which
+        assert "within the timeout" not in str(e.value), e.value

@@ -75,16 +75,19 @@ def test_openeds_prefill_counts_the_first_prediction(verifier, tokenizer, monkey
     from spec_decoding.verifier import _Session
 
     step = _Session.step
+    steps: list[bool] = []
 
     def slow_step(self, *args, **kwargs):
+        steps.append(True)
         time.sleep(0.5)  # a forward that takes at least this long
         return step(self, *args, **kwargs)
 
     monkeypatch.setattr(_Session, "step", slow_step)
     pipelined = _Session.open(verifier, open_body(tokenizer, pipeline=True, max_new_tokens=4))
-    assert pipelined.prefill_ms >= 500
-    rounds = _Session.open(verifier, open_body(tokenizer, pipeline=False, max_new_tokens=4))
-    assert rounds.prefill_ms < 500  # rounds hold no prediction: the prompt's prefill alone
+    assert steps and pipelined.prefill_ms >= 500  # the prediction's forward, counted in
+    steps.clear()
+    _Session.open(verifier, open_body(tokenizer, pipeline=False, max_new_tokens=4))
+    assert not steps  # rounds hold no prediction: OPEN's time is the prompt's prefill alone
 
 
 def test_draft_before_open_closes_that_session_only(verifier_server, tokenizer) -> None:

@@ -20,6 +20,7 @@ from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
 from split_engine.workers import StageLostError
 from split_inference.run import run as run_inference
 from split_training.run import run as run_training
+from tests.clocks import HANG_GUARD_S
 
 from .conftest import rpc_world
 
@@ -208,13 +209,10 @@ def test_a_killed_stage_ends_the_run_with_a_clear_error(llama_folder: Path, tmp_
         if "role=stage" in " ".join(p.cmdline())
     ]
     victim = next(p for p in stages if "split.rank=2" in p.cmdline())
-    killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
-    rest, _ = proc.communicate(timeout=60)
-    elapsed = time.monotonic() - killed_at
+    rest, _ = proc.communicate(timeout=HANG_GUARD_S)  # an end, found or at split.rpc_timeout_s
     text = "".join(output) + rest
     assert proc.returncode != 0
-    assert elapsed < 10 + 15  # within the RPC timeout, plus shutting down
     assert "stage2" in text and (
         "failed or stopped answering" in text or "exited" in text or "killed" in text
     )
