@@ -85,7 +85,7 @@ MANIFEST = Manifest(
         baseline="unsplit_token_ms",
         baseline_free=("cluster.",),
     ),
-    quick=("tp.max_new_tokens=8", "tp.repeats=1"),
+    quick=("model.lab_preset=debug", "tp.max_new_tokens=8", "tp.repeats=1"),
     documented=("num_threads=1",),
     scenario=Scenario(
         NAME,
