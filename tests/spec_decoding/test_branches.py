@@ -259,18 +259,21 @@ def test_only_tokens_the_draft_is_unsure_of_are_branched(
     """`branch_flatness`: a drafted token is branched only where its next-best is at least
     that likely next to it. Stricter settings branch fewer tokens; the output is the same.
     Which tokens a pipelined run drafts depends on when verdicts arrive (timing), so the
-    choice is checked token by token along the output's own path, where it is fixed."""
+    choice is checked token by token along the output's own path, where it is fixed. The
+    verifier waits for drafts (decode_alone=false): decoding alone, a verifier that outran a
+    busy drafter decoded 22 of 24 tokens itself and left 2 drafted, none branched."""
     prompt = tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
     results, drafters = {}, {}
     for flatness in (0.0, 0.9, 1.0):
         drafters[flatness] = make_drafter(
             drafts["noisy"], gamma=4, pipeline=True, branch_depth=3, branch_flatness=flatness,
-            temperature=temperature,
+            temperature=temperature, decode_alone=False,
         )  # fmt: skip
         results[flatness] = drafters[flatness].generate(prompt, max_new_tokens=24, seed=3)
         assert results[flatness].roots
     every, some, none = results[0.0], results[0.9], results[1.0]
-    assert every.flat == every.drafted > 0 and every.branches > 0
+    # (whether a flat token's branch is sent depends on timing: only while no verdict waits)
+    assert every.flat == every.drafted > 0
     assert some.flat <= some.drafted
     assert none.flat == none.branches == 0  # p2 / p1 < 1 but for exact ties
     assert every.tokens == some.tokens == none.tokens
