@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,12 @@ MAX_PADDING_SHARE = 0.5
 """A batch takes waiting requests, shortest first, while at most this share of its token slots
 is padding (a 31-token prefill next to three 2-token checks would pay 4 x 31): the rest wait
 for the next forward, the leader's own always in the first."""
+GATHER_SHARE = 0.25
+MAX_GATHER_S = 0.005
+"""A leader with fewer requests than its last forward served waits for the others at most this
+share of that forward's time (and at most this long): they are usually a moment behind, doing
+their sessions' bookkeeping, and without the wait one of them started a forward alone each
+time while the rest queued behind it (batches of 1 and 3 in turn for 4 sessions)."""
 
 
 @dataclass
@@ -70,6 +77,10 @@ class BatchedTarget:
         self.stats = BatchStats()
         self._queue: list[_Request] = []
         self._leading = False
+        self._last_rows = 0
+        self.sessions = 0
+        """Sessions open on the verifier (it counts them): a leader waits for no more."""
+        self._last_forward_s = 0.0
         self._cond = threading.Condition()
 
     def run(self, decoder: CachedDecoder, feed: list[int]) -> torch.Tensor:
@@ -79,11 +90,13 @@ class BatchedTarget:
         request = _Request(decoder, list(feed))
         with self._cond:
             self._queue.append(request)
+            self._cond.notify_all()  # a leader gathering a batch counts it
             while not request.done.is_set():
                 if self._leading:
                     self._cond.wait()
                     continue
                 self._leading = True
+                self._gather()
                 batch = self._take(request)
                 self._cond.release()
                 try:
@@ -96,6 +109,16 @@ class BatchedTarget:
             raise request.error
         assert request.logits is not None
         return request.logits
+
+    def _gather(self) -> None:
+        """(The lock held, leading.) Wait a moment for the last forward's other sessions."""
+        expected = min(self._last_rows, self.sessions, self.max_batch)
+        deadline = time.monotonic() + min(GATHER_SHARE * self._last_forward_s, MAX_GATHER_S)
+        while len(self._queue) < expected:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
 
     def _take(self, own: _Request) -> list[_Request]:
         """The next batch (the lock held): `own` first if still waiting, then the shortest
@@ -118,8 +141,10 @@ class BatchedTarget:
     def _serve(self, batch: list[_Request]) -> None:
         """Run one batch; a batch that fails is run again row by row, so a row that fails
         alone fails only its own session."""
+        started = time.perf_counter()
         try:
             outputs = self.forward([(r.decoder, r.feed) for r in batch])
+            self._last_rows, self._last_forward_s = len(batch), time.perf_counter() - started
         except Exception as exc:
             if len(batch) == 1:
                 batch[0].error = exc

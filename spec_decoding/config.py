@@ -63,6 +63,9 @@ class SpecConfig:
     """The verifier: most sessions (drafters) one target forward serves. Their forwards that are
     ready at the same moment run as one padded batch, each with its own KV cache and positions
     (1: every forward serves one session)."""
+    serve_sessions: int = 4
+    """`role=serve`: generations the endpoint runs at once, each its own session on the
+    verifier (which batches their forwards, up to `max_batch`); more requests queue."""
 
     def __post_init__(self) -> None:
         if self.gamma != "auto":
@@ -95,7 +98,9 @@ class SpecConfig:
         if self.draft_top_k < 0:
             raise ValueError(f"spec.draft_top_k={self.draft_top_k} must be >= 0 (0: off)")
         check_fields_positive(
-            "spec", self, ("max_new_tokens", "num_prompts", "prompt_tokens", "max_batch")
+            "spec",
+            self,
+            ("max_new_tokens", "num_prompts", "prompt_tokens", "max_batch", "serve_sessions"),
         )
 
     @property

@@ -135,6 +135,7 @@ class Verifier:
         with self._lock:
             self.sessions_opened += 1
             self.active_sessions += 1
+            self.batched.sessions = self.active_sessions
         session: _Session | None = None
         try:
             while True:
@@ -163,6 +164,7 @@ class Verifier:
             session = None  # the cache goes with the session
             with self._lock:
                 self.active_sessions -= 1
+                self.batched.sessions = self.active_sessions
 
     def _dispatch(
         self, conn: Connection, session: _Session | None, *, waited: bool

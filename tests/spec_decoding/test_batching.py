@@ -295,3 +295,55 @@ def test_a_target_alone_session_decodes_every_token_itself(
         pytest.raises(RemoteError, match="drafting=false"),
     ):
         conn.request(SpecMsg.OPEN, open_body(tokenizer, drafting=False), expect=SpecMsg.OPENED)
+
+
+def test_the_endpoints_engine_puts_several_requests_through_one_verifier(
+    drafts, target, tokenizer, verifier_server
+) -> None:
+    """`role=serve`'s engine runs `spec.serve_sessions` generations at once, each a drafter and
+    a session of its own on the verifier, which batches them: each request gets the target's
+    greedy text, and the endpoint's slot admits that many at once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lab.serving import Params, ServeConfig, Server
+    from spec_decoding.config import SpecConfig
+    from spec_decoding.drafter import drafter_for
+    from spec_decoding.serve import SpecEngine
+
+    verifier = verifier_server.verifier
+    conns: list[Connection] = []
+
+    def dial() -> Connection:
+        conns.append(Connection.connect(*verifier_server.address))
+        return conns[-1]
+
+    spec = SpecConfig(gamma="3")
+    engine = SpecEngine(
+        lambda conn: drafter_for(drafts["noisy"], tokenizer, conn, spec), dial, slots=4
+    )
+    try:
+        ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in [*PROMPTS, "x = 1\n"]]
+        hold_first_forward(verifier, others=3)
+        params = Params(max_new_tokens=16, temperature=0.0, top_p=1.0, seed=0)
+        outputs = run_together(
+            [lambda i=i: engine.generate(i, params, lambda tokens: None) for i in ids]
+        )
+        assert outputs == [target_greedy(target, tokenizer, i, 16) for i in ids]
+        assert verifier.batched.stats.most_rows >= 3
+        assert verifier.sessions_opened == 4 and engine.health()["sessions"]["idle"] == 4
+        server = Server(engine, SimpleNamespace(chat_template=None), model_id="m",
+                        config=ServeConfig(), secret=None)  # fmt: skip
+
+        async def admitted() -> int:
+            async def stays() -> bool:
+                return False
+
+            taken = [await server.take_slot(f"r{n}", stays) for n in range(4)]
+            return sum(taken) if server.slot.locked() else -1
+
+        assert asyncio.run(admitted()) == 4  # four at once, the fifth would wait
+    finally:
+        engine.close()
+        for conn in conns:
+            conn.close()
