@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 MAX_PADDING_SHARE = 0.5
 """A batch takes waiting requests, shortest first, while at most this share of its token slots
-is padding (a 31-token prefill next to three 2-token checks would pay 4 x 31): the rest wait
-for the next forward, the leader's own always in the first."""
+is padding (a 33-token check next to three 2-token ones would pay 4 x 33): the rest wait for
+the next forward, the leader's own always in the first. (A prompt's prefill runs alone, in its
+session's thread: `CachedDecoder.prefill`.)"""
 GATHER_SHARE = 0.25
 MAX_GATHER_S = 0.005
 """A leader with fewer requests than its last forward served waits for the others at most this

@@ -49,11 +49,12 @@ class CachedDecoder:
     def prefill(self) -> None:
         """Cache the prompt, all but its last token (which the first step feeds)."""
         if len(self.tokens) > 1 and not self.cached:
-            self._run(self.tokens[:-1])
+            # alone, in the caller's thread: a long prompt holds up no other session's check
+            self._run(self.tokens[:-1], alone=True)
 
     @torch.inference_mode()  # cheaper than no_grad per call: decoding never needs autograd
-    def _run(self, feed: list[int]) -> torch.Tensor:
-        if self.batched is not None:
+    def _run(self, feed: list[int], *, alone: bool = False) -> torch.Tensor:
+        if self.batched is not None and not alone:
             logits = self.batched.run(self, feed)  # (fed, V); our cache has grown by `feed`
             self.cached.extend(feed)
             return logits
