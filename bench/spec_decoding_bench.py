@@ -1,6 +1,7 @@
 """Speculative decoding vs target-only vs HF assisted generation, on two pairs.
 
-Run: `python bench/spec_decoding_bench.py [--quick]`.
+Run: `python bench/spec_decoding_bench.py [--quick]`; `--capacity`: one verifier serving four
+drafters against the target alone serving four clients (bench/spec_capacity.py).
 
 The realistic pair (`lab.pretrain` preset `bench`, built once and cached, about 13 minutes on 2
 cores) has a target whose forward step costs about ten times its draft's, as real pairs do;
@@ -630,6 +631,11 @@ def main() -> None:
         action="store_true",
         help="only c, verify costs, greedy acceptance and the model's prediction per pair",
     )
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="one verifier, 4 drafters vs the target alone batching 4 (bench/spec_capacity.py)",
+    )
     args = parser.parse_args()
     machine = announce_machine()
     torch.set_num_threads(1)
@@ -639,6 +645,12 @@ def main() -> None:
     gammas = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
 
     print("loading (the realistic pair is built on first use: ~13 min)", file=sys.stderr)
+    if args.capacity:
+        from spec_capacity import capacity_bench  # (bench/, beside this script)
+
+        realistic = Pair("realistic", args.target, args.draft, args.preset, args.cache_dir)
+        capacity_bench(realistic, args.cache_dir, RESULTS.parent, machine, quick=args.quick)
+        return
     pairs = {
         "realistic": Pair("realistic", args.target, args.draft, args.preset, args.cache_dir),
         "tiny": Pair("tiny", "lab:tiny_target", "lab:tiny_draft", "default", args.cache_dir),

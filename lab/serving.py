@@ -96,7 +96,8 @@ class Params:
 class Engine(Protocol):
     """One generation at a time: `generate` returns the new token ids of `prompt` (ids), calling
     `on_tokens(tokens_so_far)` as they are confirmed (it may raise `Cancelled`: the engine then
-    frees what the request held and lets it propagate)."""
+    frees what the request held and lets it propagate). An engine with an int `slots` runs up
+    to that many generations at once, each `generate` in its own worker thread."""
 
     context_tokens: int | None
     """Most tokens a request may span, prompt and new ones (the model's context), if known."""
@@ -175,12 +176,13 @@ class Server:
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
         self.config, self.secret = config, secret
         self.chat_template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
-        self.slot = asyncio.Lock()
+        self.slots = max(1, int(getattr(engine, "slots", 1)))  # an engine may run several
+        self.slot = asyncio.Semaphore(self.slots)
         self.waiting = 0
         self.generating = 0
         self.ids = itertools.count(1)
-        self.worker = threading.Lock()  # asserts one generation at a time
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="generation")
+        self.worker = threading.BoundedSemaphore(self.slots)  # asserts at most that many
+        self.executor = ThreadPoolExecutor(self.slots, thread_name_prefix="generation")
         self.running: set[threading.Event] = set()
         self.served = 0
         self.cancelled = 0

@@ -6,17 +6,27 @@ of recomputing the prefix, the cache is cropped to the longest prefix that is st
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import DynamicCache
+
+if TYPE_CHECKING:
+    from spec_decoding.batching import BatchedTarget
 
 
 class CachedDecoder:
     """Feeds a model only what its cache lacks; `commit` rolls the cache back past rejections."""
 
-    def __init__(self, model: torch.nn.Module, prompt: list[int]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, prompt: list[int], *, batched: BatchedTarget | None = None
+    ) -> None:
+        """`batched`: run forwards through it, in one batch with other sessions' (the
+        verifier's); None: alone (the drafter's)."""
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         self.model = model
+        self.batched = batched
         self.device = next(model.parameters()).device
         self.tokens: list[int] = list(prompt)
         """The committed sequence: prompt + generated tokens."""
@@ -39,10 +49,15 @@ class CachedDecoder:
     def prefill(self) -> None:
         """Cache the prompt, all but its last token (which the first step feeds)."""
         if len(self.tokens) > 1 and not self.cached:
-            self._run(self.tokens[:-1])
+            # alone, in the caller's thread: a long prompt holds up no other session's check
+            self._run(self.tokens[:-1], alone=True)
 
     @torch.inference_mode()  # cheaper than no_grad per call: decoding never needs autograd
-    def _run(self, feed: list[int]) -> torch.Tensor:
+    def _run(self, feed: list[int], *, alone: bool = False) -> torch.Tensor:
+        if self.batched is not None and not alone:
+            logits = self.batched.run(self, feed)  # (fed, V); our cache has grown by `feed`
+            self.cached.extend(feed)
+            return logits
         input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)  # (1, fed)
         out = self.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values

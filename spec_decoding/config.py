@@ -59,6 +59,13 @@ class SpecConfig:
     baseline: bool = True
     """Also time target-only generation on the verifier, on the same prompts, in the same run."""
     seed: int = 0
+    max_batch: int = 8
+    """The verifier: most sessions (drafters) one target forward serves. Their forwards that are
+    ready at the same moment run as one padded batch, each with its own KV cache and positions
+    (1: every forward serves one session)."""
+    serve_sessions: int = 4
+    """`role=serve`: generations the endpoint runs at once, each its own session on the
+    verifier (which batches their forwards, up to `max_batch`); more requests queue."""
 
     def __post_init__(self) -> None:
         if self.gamma != "auto":
@@ -90,7 +97,11 @@ class SpecConfig:
             )
         if self.draft_top_k < 0:
             raise ValueError(f"spec.draft_top_k={self.draft_top_k} must be >= 0 (0: off)")
-        check_fields_positive("spec", self, ("max_new_tokens", "num_prompts", "prompt_tokens"))
+        check_fields_positive(
+            "spec",
+            self,
+            ("max_new_tokens", "num_prompts", "prompt_tokens", "max_batch", "serve_sessions"),
+        )
 
     @property
     def fixed_gamma(self) -> int | None:

@@ -499,6 +499,7 @@ def simulate_pipeline(
     tokens: int = 400,
     seed: int = 0,
     patience_s: float | None = None,
+    forwards: list[int] | None = None,
 ) -> float:
     """Tokens per second of a pipelined generation, followed event by event along the code
     path: the drafter streams up to `window` unconfirmed tokens, each reaching the verifier
@@ -516,8 +517,10 @@ def simulate_pipeline(
     tokens fed again cost one), and the branch reaches the verifier one way later; where the
     stream dies at a position whose branch is rooted at the verifier's token (chance
     `branch_hit`), the verifier checks the branch's other tokens in its next forward, once the
-    branch is there."""
+    branch is there. `forwards`, if given, gets the tokens of each forward pass the verifier
+    ran, in order."""
     h, d = model.one_way_s, model.draft_s
+    fed_log = forwards if forwards is not None else []
     if patience_s is None:
         patience_s = min(model._verify_s(1) / 2, 0.005)
     rng = np.random.default_rng(seed)
@@ -582,6 +585,7 @@ def simulate_pipeline(
         if held and not right[places[0]]:
             return 0, True  # the free check failed: no forward pass
         t_v += model._verify_s(len(places) + (0 if held else 1))
+        fed_log.append(len(places) + (0 if held else 1))
         accepted = 0
         while accepted < len(places) and right[places[accepted]]:
             accepted += 1
@@ -634,6 +638,7 @@ def simulate_pipeline(
             continue
         if not held:
             t_v += model._verify_s(1)  # the prediction after the committed tokens
+            fed_log.append(1)
             held = True
             continue
         next_draft = drafts[0][0] if drafts else math.inf

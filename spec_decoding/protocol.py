@@ -1,7 +1,8 @@
 """spec_decoding's netproto messages (range 0x0200-0x02FF).
 
     drafter -> verifier  OPEN      JSON  {"prompt": [ids], "temperature", "top_p", "seed",
-                                          "vocab_hash", ["pipeline"]}
+                                          "vocab_hash", ["pipeline"], ["decode_alone"],
+                                          ["drafting"], ["max_new_tokens"]}
                                                              -> OPENED {"vocab_size", "prefill_ms"}
                          (prefill_ms: the target's whole time on OPEN; pipelined, the first
                          prediction's forward too: the rest of the round trip is the link's)
@@ -52,6 +53,11 @@ tokens in its next forward pass; a branch that arrives just after that is still 
 tokens compared with what the verifier decoded meanwhile. Its verdict is a PROGRESS with
 `"branch": j` (j of `tokens` were the branch's drafts, the rest at most one correction) and
 `accepted` 0: to the drafter they are the verifier's own tokens, compared with its new stream.
+
+A pipelined OPEN with `"drafting": false` is the target alone served: no drafts will come, and
+the verifier decodes every token itself without waiting for one (the capacity bench's baseline).
+Whatever the mode, the verifier runs the forwards of its sessions that are ready at the same
+moment as one batch (spec_decoding/batching.py): what a session is sent does not change.
 
 One session per connection: the verifier's KV cache for it lives and dies with the connection.
 In rounds, q, the draft's probabilities for its tokens, is sent only when sampling:

@@ -49,7 +49,8 @@ def serve_verifier(settings: SpecDecodingRunConfig) -> None:
             "float32: 4 of 4). target.dtype=float32 keeps it token for token.",
             model.dtype,
         )
-    verifier = Verifier(model, load_tokenizer(settings.target, cache_dir=cache_dir, key="target"))
+    tokenizer = load_tokenizer(settings.target, cache_dir=cache_dir, key="target")
+    verifier = Verifier(model, tokenizer, max_batch=settings.spec.max_batch)
     server = serve(verifier.handle, settings.cluster, settings.cluster.verifier, name="verifier")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

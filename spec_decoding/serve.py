@@ -2,15 +2,17 @@
 
 Runs on the drafter's host: it loads the draft, connects to a running verifier
 (`role=verifier`, at cluster.verifier) and answers `/v1/completions` and `/v1/chat/completions`
-(`lab.serving`) one generation at a time, each a `Drafter.generate` session against the
-verifier, its confirmed tokens streamed as they come. A generation cut short (its client gone,
-or a stop string) closes the connection, which ends the session on the verifier; the next
-request dials again.
+(`lab.serving`), up to `spec.serve_sessions` generations at once, each a `Drafter.generate`
+session of its own against the verifier (which batches their forwards), its confirmed tokens
+streamed as they come. A generation cut short (its client gone, or a stop string) closes its
+connection, which ends the session on the verifier; the next request on that drafter dials
+again.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -28,36 +30,76 @@ log = logging.getLogger(__name__)
 
 
 class SpecEngine:
-    """`lab.serving.Engine` over a drafter and its verifier."""
+    """`lab.serving.Engine` over drafters and their verifier: `slots` generations at once, each
+    on a drafter of its own (its own connection, session and window; the draft model shared,
+    read-only)."""
 
-    def __init__(self, drafter: Drafter, dial: Callable[[], Connection]) -> None:
-        self.drafter, self.dial = drafter, dial
-        self.connected = True
-        context = getattr(drafter.model.config, "max_position_embeddings", None)
+    def __init__(
+        self, make: Callable[[Connection], Drafter], dial: Callable[[], Connection], *, slots: int
+    ) -> None:
+        """`make`: a drafter on a connection; `dial`: a new connection to the verifier."""
+        self.make, self.dial, self.slots = make, dial, slots
+        first = make(dial())  # the verifier answers, or the role ends before serving
+        self.idle: list[Drafter] = [first]
+        self.busy = 0
+        self.lost = 0
+        """Sessions ended by a failure (the verifier lost, or the generation cut short)."""
+        self.peer = str(first.conn.peer)
+        self._lock = threading.Lock()
+        context = getattr(first.model.config, "max_position_embeddings", None)
         self.context_tokens = context if isinstance(context, int) and context > 0 else None
+
+    def _take(self) -> Drafter:
+        with self._lock:
+            self.busy += 1
+            if self.idle:
+                return self.idle.pop()
+        try:
+            return self.make(self.dial())
+        except BaseException:
+            with self._lock:
+                self.busy -= 1
+            raise
 
     def generate(
         self, prompt: list[int], params: Params, on_tokens: Callable[[list[int]], None]
     ) -> list[int]:
-        if not self.connected:
-            self.drafter.conn = self.dial()
-            self.connected = True
-        self.drafter.temperature, self.drafter.top_p = params.temperature, params.top_p
+        drafter = self._take()
+        healthy = False
         try:
-            generation = self.drafter.generate(
+            drafter.temperature, drafter.top_p = params.temperature, params.top_p
+            generation = drafter.generate(
                 prompt, max_new_tokens=params.max_new_tokens, seed=params.seed,
                 on_tokens=on_tokens,
             )  # fmt: skip
+            healthy = True
         except BaseException as exc:  # cut short, or the verifier lost: this session is over
-            self.drafter.conn.close()
-            self.connected = False
+            drafter.conn.close()
+            self.lost += 1
             if isinstance(exc, Cancelled | VerifierLostError):
                 raise
             raise VerifierLostError(f"the session with the verifier failed: {exc}") from exc
+        finally:
+            with self._lock:
+                self.busy -= 1
+                if healthy:
+                    self.idle.append(drafter)
         return list(generation.tokens)
 
     def health(self) -> dict[str, Any]:
-        return {"verifier_connected": self.connected, "verifier": str(self.drafter.conn.peer)}
+        with self._lock:
+            connected = len(self.idle) + self.busy
+        return {
+            "verifier_connected": connected > 0,
+            "verifier": self.peer,
+            "sessions": {"generating": self.busy, "idle": len(self.idle), "slots": self.slots},
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            for drafter in self.idle:
+                drafter.conn.close()
+            self.idle = []
 
 
 def serve_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
@@ -83,8 +125,10 @@ def serve_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
                     f"no verifier answering at {verifier.host}:{verifier.port} ({exc})"
                 ) from None
 
-        drafter = drafter_for(model, tokenizer, dial(), spec)
-        engine = SpecEngine(drafter, dial)
+        engine = SpecEngine(
+            lambda conn: drafter_for(model, tokenizer, conn, spec), dial,
+            slots=spec.serve_sessions,
+        )  # fmt: skip
         try:
             serve(
                 engine,
@@ -94,5 +138,5 @@ def serve_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
                 secret=cluster.resolved_secret(),
             )
         finally:
-            drafter.conn.close()
+            engine.close()
     return {}

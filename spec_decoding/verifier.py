@@ -2,7 +2,9 @@
 
 One netproto session per drafter connection, each with its own KV cache (freed when the
 connection ends, whatever the reason). A malformed or out-of-session request gets an ERROR and
-closes that session only.
+closes that session only. The sessions' forwards that are ready at the same moment run as one
+batch (`spec_decoding/batching.py`, at most `spec.max_batch` sessions): each session's tokens are
+still its own, and a forward that fails for one session fails that session only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from lab.sampling import probs_from_logits
 from netproto import Connection, PeerProtocolError
+from spec_decoding.batching import BatchedTarget
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.config import MAX_BRANCH_DEPTH, MAX_BRANCH_WIDTH, MAX_GAMMA
 from spec_decoding.draft_q import BadDraftQ, decode_q
@@ -109,9 +112,13 @@ def _sampling_params(body: dict[str, Any]) -> tuple[float, float, int]:
 class Verifier:
     """The target model and what every session shares (model weights are read-only)."""
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
-        """`model`: a Hugging Face causal LM (has `.config` and `.generate`)."""
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 8) -> None:
+        """`model`: a Hugging Face causal LM (has `.config` and `.generate`). `max_batch`: most
+        sessions one forward serves (`spec.max_batch`; 1: each session's forwards alone)."""
         self.model = model
+        self.batched = BatchedTarget(
+            model, max_batch=max_batch, pad_token_id=tokenizer.pad_token_id
+        )
         self.vocab_size = int(model.config.vocab_size)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
@@ -128,6 +135,7 @@ class Verifier:
         with self._lock:
             self.sessions_opened += 1
             self.active_sessions += 1
+            self.batched.sessions = self.active_sessions
         session: _Session | None = None
         try:
             while True:
@@ -156,6 +164,7 @@ class Verifier:
             session = None  # the cache goes with the session
             with self._lock:
                 self.active_sessions -= 1
+                self.batched.sessions = self.active_sessions
 
     def _dispatch(
         self, conn: Connection, session: _Session | None, *, waited: bool
@@ -269,7 +278,7 @@ class _Session:
         alone: bool = True,
     ) -> None:
         self.verifier = verifier
-        self.decoder = CachedDecoder(verifier.model, prompt)
+        self.decoder = CachedDecoder(verifier.model, prompt, batched=verifier.batched)
         self.temperature = temperature
         self.top_p = top_p
         self.seed = seed
@@ -323,10 +332,14 @@ class _Session:
             raise BadRequest(f"max_new_tokens must be an int in 1..{verifier.max_tokens}")
         prompt = _prompt(body, verifier, room=planned)
         pipeline, alone = body.get("pipeline", False), body.get("decode_alone", True)
-        if not isinstance(pipeline, bool) or not isinstance(alone, bool):
-            raise BadRequest("pipeline and decode_alone must be true or false")
+        drafting = body.get("drafting", True)  # false: the target alone, decoding every token
+        if not all(isinstance(flag, bool) for flag in (pipeline, alone, drafting)):
+            raise BadRequest("pipeline, decode_alone and drafting must be true or false")
+        if not drafting and not (pipeline and alone):
+            raise BadRequest("drafting=false needs pipeline and decode_alone: who else decodes?")
         started = time.perf_counter()
         session = cls(verifier, prompt, *_sampling_params(body), planned=planned, alone=alone)
+        session._more = int(drafting)  # no draft coming: decode alone without waiting for one
         if pipeline:  # the prediction after the prompt is held before OPENED goes out, so
             session._set_mode(pipelined=True)  # the first token is always checked for free
             session.step()

@@ -1,0 +1,429 @@
+"""`python bench/spec_decoding_bench.py --capacity`: one verifier serving four drafters.
+
+Capacity: tokens delivered per second of the target host's CPU (psutil: user + system of the
+verifier process and its threads, children included). Four closed-loop clients, each its own
+process (one thread), go through the lab's link emulator (netproto.LinkEmulatorProcess, the
+link every other delay row of the bench uses) at 0 and 50 ms one-way, to one verifier process
+started as `python -m spec_decoding` starts it (one thread), in two arms alternated:
+  - speculative: each client a pipelined drafter, `gamma=auto`, the verifier waiting for its
+    drafts (`spec.decode_alone=false`: `DECODE_ALONE`);
+  - the target alone: each client a session that sends no drafts (`drafting: false`), the
+    verifier decoding every token itself: the lab's own batched loop, the same batcher
+    (spec_decoding/batching.py) batching the four clients' one-token forwards.
+Both greedy: the texts must be the same (checked). Before them, on the same link, one client
+of each kind alone (the single-session costs), and the batched forward's cost over n tokens
+in all (4 sessions, measured here in thread CPU time): spec_decoding/capacity.py predicts both
+arms from those. Writes bench/results/spec_decoding_capacity.json; the last line is the ratio
+at 50 ms with measured / predicted.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from lab import experiment
+from lab.config import ModelConfig
+from lab.corpus import held_out_prompts
+from lab.machine import write_results
+from lab.models import load_model, load_tokenizer
+from netproto import Connection, LinkEmulatorProcess
+from spec_decoding.batching import BatchedTarget
+from spec_decoding.cache import CachedDecoder
+from spec_decoding.capacity import (
+    BatchCosts,
+    predict_speculative,
+    predict_target_alone,
+    single_session_overhead,
+)
+from spec_decoding.config import SpecConfig
+from spec_decoding.drafter import Drafter
+from spec_decoding.gamma import GammaController
+from spec_decoding.protocol import SpecMsg
+from spec_decoding.run import EXPERIMENT, summarize
+from spec_decoding.verifier import vocab_hash
+
+CLIENTS = 4
+DELAYS_MS = (0, 50)
+REPEATS = 2
+PROMPTS_PER_CLIENT = 4
+RESULTS_NAME = "spec_decoding_capacity.json"
+POLICIES = {"spec": True, "spec, verifier waits": False}
+"""The speculative arms: `spec.decode_alone` as configured by default (the verifier decodes
+by itself whenever it holds no draft: a token that costs what the target alone's does), and
+`false` (it waits for drafts, idle, its CPU spent on checking them only). The headline is the
+default's."""
+
+
+# -- the clients: one process each ---------------------------------------------------------
+
+
+def _client(index: int, sources: dict[str, str], commands: Any, results: Any, go: Any) -> None:
+    """A client process: loads the draft, then runs what it is told, starting on `go`."""
+    torch.set_num_threads(1)
+    draft_cfg = ModelConfig(name="draft", pretrained=sources["draft"], lab_preset=sources["preset"])
+    cache_dir = Path(sources["cache_dir"])
+    model = load_model(draft_cfg, cache_dir=cache_dir)
+    tokenizer = load_tokenizer(draft_cfg, cache_dir=cache_dir)
+    results.put(("ready", index, None))
+    while True:
+        command = commands.get()
+        if command is None:
+            return
+        kind, address, prompts, max_new = command
+        go.wait()
+        try:
+            with Connection.connect(*address, read_timeout_s=300) as conn:
+                if kind in POLICIES:
+                    outcome = _speculative(
+                        model, tokenizer, conn, prompts, max_new, decode_alone=POLICIES[kind]
+                    )
+                else:
+                    outcome = _target_alone(tokenizer, conn, prompts, max_new)
+            results.put((kind, index, outcome))
+        except Exception as exc:  # reported by the parent, which stops
+            results.put(("error", index, f"{type(exc).__name__}: {exc}"))
+
+
+def _speculative(
+    model: Any, tokenizer: Any, conn: Connection, prompts: list[list[int]], max_new: int,
+    *, decode_alone: bool,
+) -> dict[str, Any]:  # fmt: skip
+    spec = SpecConfig()
+    drafter = Drafter(
+        model, tokenizer, conn, gamma=GammaController(fixed=None, max_gamma=spec.max_gamma),
+        pipeline=True, decode_alone=decode_alone,
+    )  # fmt: skip
+    generations = [drafter.generate(p, max_new_tokens=max_new, seed=0) for p in prompts]
+    metrics = summarize(generations, [], greedy=True)
+    forwards = [c.fed for g in generations for c in g.checks if c.fed]
+    forwards += [c.forward_before[0] for g in generations for c in g.checks if c.forward_before]
+    return {
+        "outputs": [g.tokens for g in generations],
+        "seconds": sum(g.seconds for g in generations),
+        "forwards": forwards,
+        "prefill_ms": statistics.mean(g.prefill_ms for g in generations),
+        "acceptance": metrics["acceptance_rate"],
+        "acceptance_after_wrong": metrics.get("acceptance_after_wrong"),
+        "draft_s": metrics["draft_ms_per_token"] / 1e3,
+        "rtt_s": metrics["rtt_ms"] / 1e3,
+        "window": metrics["mean_gamma"],
+        "alone_share": metrics["alone_share"],
+    }
+
+
+def _target_alone(
+    tokenizer: Any, conn: Connection, prompts: list[list[int]], max_new: int
+) -> dict[str, Any]:
+    """The target alone served: sessions that send no drafts; the verifier decodes each token."""
+    outputs, started, opened = [], time.perf_counter(), []
+    eos = tokenizer.eos_token_id
+    for prompt in prompts:
+        body = {
+            "prompt": prompt, "vocab_hash": vocab_hash(tokenizer), "pipeline": True,
+            "max_new_tokens": max_new, "drafting": False, "temperature": 0.0, "seed": 0,
+        }  # fmt: skip
+        conn.send_msg(SpecMsg.OPEN, body)
+        tokens: list[int] = []
+        while len(tokens) < max_new and (eos is None or eos not in tokens):
+            message = conn.recv(expect={SpecMsg.OPENED, SpecMsg.PROGRESS})
+            if message.type == SpecMsg.OPENED:
+                opened.append(float(message.payload["prefill_ms"]))
+            else:
+                tokens.extend(message.payload["tokens"])
+        conn.send(SpecMsg.CLOSE)
+        if eos is not None and eos in tokens:
+            tokens = tokens[: tokens.index(eos) + 1]
+        outputs.append(tokens[:max_new])
+    return {
+        "outputs": outputs,
+        "seconds": time.perf_counter() - started,
+        "forwards": [1] * sum(len(o) for o in outputs),
+        "prefill_ms": statistics.mean(opened),
+    }
+
+
+class Clients:
+    """CLIENTS client processes, their models loaded once; `run` starts them together."""
+
+    def __init__(self, sources: dict[str, str]) -> None:
+        context = mp.get_context("spawn")
+        self.go = context.Event()
+        self.results = context.Queue()
+        self.commands = [context.Queue() for _ in range(CLIENTS)]
+        self.procs = [
+            context.Process(
+                target=_client,
+                args=(i, sources, self.commands[i], self.results, self.go),
+                daemon=True,
+            )
+            for i in range(CLIENTS)
+        ]
+        for proc in self.procs:
+            proc.start()
+        for _ in range(CLIENTS):
+            self._next(600)
+
+    def _next(self, timeout_s: float) -> tuple[str, int, Any]:
+        kind, index, outcome = self.results.get(timeout=timeout_s)
+        if kind == "error":
+            raise RuntimeError(f"client {index} failed: {outcome}")
+        return kind, index, outcome
+
+    def run(
+        self, kind: str, address: tuple[str, int], work: list[list[list[int]]], max_new: int,
+        verifier: psutil.Process,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Each of len(work) clients runs its prompts; the verifier's CPU seconds meanwhile."""
+        self.go.clear()
+        for index, prompts in enumerate(work):
+            self.commands[index].put((kind, address, prompts, max_new))
+        before, started = cpu_seconds(verifier), time.perf_counter()
+        self.go.set()
+        outcomes: list[Any] = [None] * len(work)
+        for _ in work:
+            _, index, outcome = self._next(900)
+            outcomes[index] = outcome
+        cpu, wall = cpu_seconds(verifier) - before, time.perf_counter() - started
+        tokens = sum(len(o) for outcome in outcomes for o in outcome["outputs"])
+        return {
+            "clients": outcomes,
+            "tokens": tokens,
+            "verifier_cpu_s": cpu,
+            "wall_s": wall,
+            "tokens_per_cpu_s": tokens / cpu,
+            "per_client_tokens_per_s": statistics.mean(
+                sum(len(o) for o in c["outputs"]) / c["seconds"] for c in outcomes
+            ),
+            "load": os.getloadavg(),
+        }
+
+    def close(self) -> None:
+        for queue in self.commands:
+            queue.put(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU seconds of `process` (all its threads) and its live children."""
+    total = 0.0
+    for proc in [process, *process.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+# -- the batched forward's cost, measured here ---------------------------------------------
+
+
+def batch_costs(target: Any, prompts: list[list[int]]) -> tuple[BatchCosts, BatchCosts, dict]:
+    """Thread CPU seconds of one forward: over CLIENTS sessions with k tokens each (a batch of
+    4k tokens in all), and of one session alone over n tokens; fitted over the tokens."""
+    batched = BatchedTarget(target)
+    decoders = []
+    for prompt in prompts[:CLIENTS]:  # mid-generation: the prompt and 32 tokens cached
+        decoder = CachedDecoder(target, [*prompt, *prompt[:32]], batched=batched)
+        decoder.prefill()
+        decoders.append(decoder)
+
+    def timed(jobs: list[tuple[CachedDecoder, list[int]]]) -> float:
+        times = []
+        for _ in range(7):
+            for decoder, _ in jobs:
+                decoder.rewind(decoder.tokens)  # drop what the last forward cached
+            fed = [(d, d.tokens[len(d.cached) :] + extra) for d, extra in jobs]
+            started = time.thread_time()
+            batched.forward(fed)
+            times.append(time.thread_time() - started)
+            for decoder, feed in fed:
+                decoder.cached.extend(feed)
+        return statistics.median(times[2:])
+
+    together, alone = {}, {}
+    for k in (1, 2, 3, 4, 6, 8, 12):  # drafted tokens per session, the committed one before
+        together[CLIENTS * k] = timed([(d, d.tokens[-k:][1:]) for d in decoders])
+    for n in (1, 2, 4, 8, 16, 32):
+        alone[n] = timed([(decoders[0], decoders[0].tokens[-n:][1:])])
+    fitted = BatchCosts.fit(together.items())
+    single = BatchCosts.fit(alone.items())
+    return fitted, single, {"batched_ms": _ms(together), "alone_ms": _ms(alone)}
+
+
+def _ms(table: dict[int, float]) -> dict[int, float]:
+    return {n: round(s * 1e3, 3) for n, s in table.items()}
+
+
+# -- the bench -------------------------------------------------------------------------------
+
+
+def capacity_bench(
+    pair: Any, cache_dir: Path, results_dir: Path, machine: Any, *, quick: bool
+) -> None:
+    max_new = 32 if quick else 64
+    per_client = 2 if quick else PROMPTS_PER_CLIENT
+    repeats = 1 if quick else REPEATS
+    prompts = held_out_prompts(pair.tokenizer, count=CLIENTS * per_client, tokens=32)
+    work = [prompts[i::CLIENTS] for i in range(CLIENTS)]
+    torch.set_num_threads(1)
+    print("== capacity: the batched forward's cost (thread CPU time, here)", file=sys.stderr)
+    costs, single, curve = batch_costs(pair.target, prompts)
+    print(f"batched forward over n tokens of {CLIENTS} sessions (ms): {curve['batched_ms']}; "
+          f"one session alone: {curve['alone_ms']}")  # fmt: skip
+    load_before = os.getloadavg()
+    sources = {"draft": pair.draft_source, "preset": pair.preset, "cache_dir": str(cache_dir)}
+    clients = Clients(sources)
+    figures: dict[str, Any] = {"batch_cost_ms": curve, "max_new_tokens": max_new}
+    try:
+        cfg = pair.compose(cache_dir)
+        with experiment.serving(EXPERIMENT, cfg, out=sys.stderr) as (local, group):
+            address = (local.cluster.verifier.host, local.cluster.verifier.port)
+            verifier = psutil.Process(group.process("verifier").pid)
+            clients.run("spec", address, [w[:1] for w in work], 8, verifier)  # warm-up
+            for delay in DELAYS_MS:
+                link = LinkEmulatorProcess(address, delay_ms=delay) if delay else nullcontext()
+                with link as emulator:
+                    where = emulator.address if emulator else address
+                    figures[str(delay)] = at_delay(
+                        clients, where, work, max_new, verifier, costs, single, repeats, delay
+                    )
+    finally:
+        clients.close()
+    figures["load"] = {"before": load_before, "after": os.getloadavg()}
+    write_results(results_dir / RESULTS_NAME, {"figures": figures}, machine=machine)
+    for delay, label in [(d, policy) for d in DELAYS_MS for policy in ("default", "waits")]:
+        f = figures[str(delay)] if label == "default" else figures[str(delay)]["waits"]
+        p = f["predicted"]
+        policy = "decodes alone when it has no draft" if label == "default" else "waits for drafts"
+        print(
+            f"[verifier {policy}] {delay} ms one-way, {CLIENTS} clients: speculative "
+            f"{f['spec_tokens_per_cpu_s']:.1f} tokens per verifier CPU-second "
+            f"({f['spec_per_client_tokens_per_s']:.1f} tokens/s "
+            f"a client), the target alone batching {CLIENTS} "
+            f"{f['target_tokens_per_cpu_s']:.1f} ({f['target_per_client_tokens_per_s']:.1f} a "
+            f"client): {f['capacity_ratio']:.2f}x (runs: "
+            + "/".join(f"{r:.2f}" for r in f["ratios"])
+            + f"); predicted {f['predicted_ratio']:.2f}x (speculative "
+            f"{p['spec_tokens_per_cpu_s']:.1f}, {p['spec_per_client_tokens_per_s']:.1f} a "
+            f"client; alone {p['target_tokens_per_cpu_s']:.1f}, "
+            f"{p['target_per_client_tokens_per_s']:.1f} a client); one client alone: "
+            f"speculative {f['single']['spec_tokens_per_cpu_s']:.1f}, target "
+            f"{f['single']['target_tokens_per_cpu_s']:.1f} tokens per CPU-second; same text "
+            f"{f['same']}; load {f['load'][0]:.2f}"
+        )
+    f = figures["50"]
+    print(
+        f"verifier capacity at 50 ms, {CLIENTS} drafters / target alone batching {CLIENTS}: "
+        f"{f['capacity_ratio']:.2f} (measured / predicted: {f['measured_over_predicted']:.2f})"
+    )
+
+
+def at_delay(
+    clients: Clients, address: tuple[str, int], work: list[list[list[int]]], max_new: int,
+    verifier: psutil.Process, costs: BatchCosts, single: BatchCosts, repeats: int, delay: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Both arms at one delay, alternated, and the model's prediction of each; the default
+    speculative arm's figures at the top, the waiting verifier's under `waits`."""
+    print(f"== capacity at {delay} ms one-way", file=sys.stderr)
+    one = [[p for w in work for p in w]]  # single-session costs: one client, all the prompts
+    alone = {kind: clients.run(kind, address, one, max_new, verifier) for kind in POLICIES}
+    alone["target"] = clients.run("target", address, one, max_new, verifier)
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in alone}
+    for _ in range(repeats):
+        for kind in ("target", *POLICIES):
+            runs[kind].append(clients.run(kind, address, work, max_new, verifier))
+        base = runs["target"][-1]["tokens_per_cpu_s"]
+        each = [f"{kind} {runs[kind][-1]['tokens_per_cpu_s'] / base:.2f}x" for kind in POLICIES]
+        print(f"  run: {', '.join(each)} the target alone (load {os.getloadavg()[0]:.2f})",
+              file=sys.stderr)  # fmt: skip
+    t1 = alone["target"]["clients"][0]
+    target_over = single_session_overhead(
+        cpu_s=alone["target"]["verifier_cpu_s"], tokens=alone["target"]["tokens"],
+        forwards=t1["forwards"], batch=single,
+    )  # fmt: skip
+    figures: dict[str, Any] = {}
+    for kind, decode_alone in POLICIES.items():
+        s1 = alone[kind]["clients"][0]
+        spec_over = single_session_overhead(
+            cpu_s=alone[kind]["verifier_cpu_s"], tokens=alone[kind]["tokens"],
+            forwards=s1["forwards"], batch=single,
+        )  # fmt: skip
+        one_way_s = max(s1["rtt_s"] / 2, delay / 1e3)
+        spec_predicted = predict_speculative(
+            sessions=CLIENTS, alpha=s1["acceptance"], draft_s=s1["draft_s"], one_way_s=one_way_s,
+            batch=costs, overhead_s_per_token=spec_over, max_window=SpecConfig().max_gamma,
+            max_new_tokens=max_new, alone=decode_alone,
+            alpha_after_wrong=s1["acceptance_after_wrong"], open_s=s1["prefill_ms"] / 1e3,
+        )  # fmt: skip
+        target_predicted = predict_target_alone(
+            sessions=CLIENTS, batch=costs, overhead_s_per_token=target_over, one_way_s=one_way_s,
+            max_new_tokens=max_new, open_s=t1["prefill_ms"] / 1e3,
+        )  # fmt: skip
+        spec_runs, target_runs = runs[kind], runs["target"]
+        ratios = [
+            s["tokens_per_cpu_s"] / t["tokens_per_cpu_s"]
+            for s, t in zip(spec_runs, target_runs, strict=True)
+        ]
+        median = statistics.median(ratios)
+        predicted_ratio = spec_predicted.tokens_per_cpu_s / target_predicted.tokens_per_cpu_s
+        pick = min(range(repeats), key=lambda i: abs(ratios[i] - median))  # the median run
+        spec, target = spec_runs[pick], target_runs[pick]
+        figures[kind] = {
+            "capacity_ratio": median,
+            "ratios": ratios,
+            "predicted_ratio": predicted_ratio,
+            "measured_over_predicted": median / predicted_ratio,
+            "spec_tokens_per_cpu_s": spec["tokens_per_cpu_s"],
+            "target_tokens_per_cpu_s": target["tokens_per_cpu_s"],
+            "spec_per_client_tokens_per_s": spec["per_client_tokens_per_s"],
+            "target_per_client_tokens_per_s": target["per_client_tokens_per_s"],
+            "per_client_ratio": spec["per_client_tokens_per_s"] / target["per_client_tokens_per_s"],
+            "acceptance": statistics.mean(c["acceptance"] for c in spec["clients"]),
+            "window": statistics.mean(c["window"] for c in spec["clients"]),
+            "alone_share": statistics.mean(c["alone_share"] for c in spec["clients"]),
+            "same": all(
+                s["outputs"] == t["outputs"]
+                for run_s, run_t in zip(spec_runs, target_runs, strict=True)
+                for s, t in zip(run_s["clients"], run_t["clients"], strict=True)
+            ),
+            "predicted": {
+                "spec_tokens_per_cpu_s": spec_predicted.tokens_per_cpu_s,
+                "spec_per_client_tokens_per_s": spec_predicted.per_client_tokens_per_s,
+                "target_tokens_per_cpu_s": target_predicted.tokens_per_cpu_s,
+                "target_per_client_tokens_per_s": target_predicted.per_client_tokens_per_s,
+                "window": spec_predicted.window,
+                "tokens_per_forward": spec_predicted.tokens_per_forward,
+                "overhead_ms_per_token": {"spec": spec_over * 1e3, "target": target_over * 1e3},
+            },
+            "single": {
+                "spec_tokens_per_cpu_s": alone[kind]["tokens_per_cpu_s"],
+                "target_tokens_per_cpu_s": alone["target"]["tokens_per_cpu_s"],
+                "spec_per_client_tokens_per_s": alone[kind]["per_client_tokens_per_s"],
+                "target_per_client_tokens_per_s": alone["target"]["per_client_tokens_per_s"],
+                "acceptance": s1["acceptance"],
+                "draft_ms": s1["draft_s"] * 1e3,
+                "rtt_ms": s1["rtt_s"] * 1e3,
+            },
+            "load": os.getloadavg(),
+            "runs": [{k: v for k, v in run.items() if k != "clients"} for run in spec_runs],
+        }
+    result = figures["spec"]
+    result["waits"] = figures["spec, verifier waits"]
+    result["target_runs"] = [
+        {k: v for k, v in run.items() if k != "clients"} for run in runs["target"]
+    ]
+    return result
