@@ -6,20 +6,24 @@ of recomputing the prefix, the cache is cropped to the longest prefix that is st
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
-if TYPE_CHECKING:
-    from spec_decoding.batching import BatchedTarget
+
+class BatchedForwards(Protocol):
+    """Runs a decoder's forward in one batch with other sessions' (spec_decoding.batching's
+    BatchedTarget; named here as a protocol so this module imports nothing above it)."""
+
+    def run(self, decoder: CachedDecoder, feed: list[int]) -> torch.Tensor: ...
 
 
 class CachedDecoder:
     """Feeds a model only what its cache lacks; `commit` rolls the cache back past rejections."""
 
     def __init__(
-        self, model: torch.nn.Module, prompt: list[int], *, batched: BatchedTarget | None = None
+        self, model: torch.nn.Module, prompt: list[int], *, batched: BatchedForwards | None = None
     ) -> None:
         """`batched`: run forwards through it, in one batch with other sessions' (the
         verifier's); None: alone (the drafter's)."""
