@@ -41,10 +41,33 @@ class GenerateConfig:
 
 
 @dataclass
+class ServingSplitConfig(SplitConfig):
+    """The split engine's config, and how `role=serve` keeps several requests in flight."""
+
+    max_concurrent: int = 8
+    """role=serve: requests generating at once, each with its own KV-cache slot on every stage;
+    a request over the bound waits (and says so) for serve.queue_timeout_s."""
+    micro_batches: int = 0
+    """role=serve: micro-batches moving down the stages at once (each stage computes one while
+    the next computes another); the calls in flight per stage are bounded by it. 0: one per
+    stage (num_stages); 1: one micro-batch of every active request at a time (batching only)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fields_positive("split", self, ("max_concurrent",))
+        if self.micro_batches < 0:
+            raise ValueError(f"split.micro_batches={self.micro_batches} must be >= 0 (0: auto)")
+
+    @property
+    def in_flight(self) -> int:
+        return self.micro_batches or self.num_stages
+
+
+@dataclass
 class SplitInferenceRunConfig(LabConfig):
     """Schema of `conf/split_inference.yaml`."""
 
-    split: SplitConfig = field(default_factory=SplitConfig)
+    split: ServingSplitConfig = field(default_factory=ServingSplitConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     """`role=serve`: the OpenAI-compatible endpoint (docs/serving.md)."""

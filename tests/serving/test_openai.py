@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import logging
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -198,6 +199,37 @@ def test_openai_streamed_equals_whole_equals_the_labs_own_greedy(endpoint: dict)
         for _ in range(2)
     ]  # fmt: skip
     assert sampled[0] == sampled[1]
+
+
+CONCURRENT_PROMPTS = [PROMPT, "import os\n", "class Tree:\n    def", "for i in range(", "x = {",
+                      "while True:\n"]  # fmt: skip
+
+
+def test_openai_concurrent_clients_each_get_the_text_they_get_alone(endpoint: dict) -> None:
+    """Requests in flight together (the split: batched through its stages; spec decoding:
+    queued for its one slot), streamed or not: each text is the lab's own greedy generation."""
+    expected = [own_generation(endpoint, p, MAX_TOKENS) for p in CONCURRENT_PROMPTS]
+    start = threading.Barrier(len(CONCURRENT_PROMPTS))
+
+    def ask(index: int) -> str:
+        api = client(endpoint)
+        start.wait()
+        reply = api.completions.create(
+            model=model_id(endpoint), prompt=CONCURRENT_PROMPTS[index], max_tokens=MAX_TOKENS,
+            temperature=0, stream=index % 2 == 1,
+        )  # fmt: skip
+        if index % 2 == 1:
+            return "".join(chunk.choices[0].text for chunk in reply)
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(len(CONCURRENT_PROMPTS)) as pool:
+        texts = list(pool.map(ask, range(len(CONCURRENT_PROMPTS))))
+    assert texts == expected
+    state = health(endpoint)
+    assert state["generating"] == 0 and state["waiting"] == 0
+    if endpoint["name"] == "split_inference":
+        assert state["engine"]["open_requests"] == [0, 0]
+        assert state["engine"]["pipeline"]["steps"] > 0
 
 
 def _leave_mid_stream(endpoint: dict) -> int:
