@@ -29,11 +29,17 @@ class GenerateConfig:
     baseline: bool = True
     """Also run the unsplit model in the driver on the same prompts (needs it to fit there)."""
     seed: int = 0
+    clients: int = 0
+    """After the timed runs, serve 1, 2, 4, ... up to this many concurrent greedy requests
+    through the stages (`split.micro_batches` in flight; split_inference/load.py) and log their
+    throughput and latency per client count (`serve_*`); 0: off."""
 
     def __post_init__(self) -> None:
         check_fields_positive(
             "generate", self, ("num_prompts", "prompt_tokens", "batch_size", "max_new_tokens")
         )
+        if not 0 <= self.clients <= 64:
+            raise ValueError(f"generate.clients={self.clients} must be in 0..64 (0: off)")
         if self.temperature < 0:
             raise ValueError(f"generate.temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:

@@ -383,3 +383,51 @@ def test_openai_streamed_pieces_hold_back_a_stop_string_and_half_a_character() -
     halves = Text(tokenizer, [], eos=None)
     assert halves.delta([0, 4]) == "ab"  # a character whose bytes have not all come
     assert halves.delta([0, 5]) == "é"
+
+
+def test_openai_server_summary_counts_each_period_once() -> None:
+    """The periodic summary line: what was served since the last one (an injected clock)."""
+    from lab.serving import Summary
+
+    now = [100.0]
+    summary = Summary(clock=lambda: now[0])
+    assert summary.line(generating=0, waiting=0) is None  # nothing served, nothing running
+    for tokens, seconds in ((10, 0.5), (30, 1.5), (20, 1.0)):
+        summary.add(tokens, seconds)
+    now[0] += 60.0
+    line = summary.line(generating=2, waiting=1)
+    assert line == (
+        "last 60 s: 3 requests served, 60 tokens (1.0 tokens/s), request ms p50 1000 p95 1500; "
+        "2 generating, 1 waiting"
+    )
+    now[0] += 60.0
+    assert summary.line(generating=1, waiting=0) == (
+        "last 60 s: 0 requests served, 0 tokens (0.0 tokens/s), request ms p50 0 p95 0; "
+        "1 generating, 0 waiting"
+    )
+
+
+def test_openai_server_takes_the_engines_slots_and_names_them_when_full(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = SimpleNamespace(max_concurrent=2, slots_key="split.max_concurrent=2",
+                             context_tokens=None)  # fmt: skip
+    config = ServeConfig(max_queue=4, queue_timeout_s=0.3)
+
+    async def scenario() -> None:
+        server = Server(engine, None, model_id="m", config=config, secret=None)  # type: ignore[arg-type]
+
+        async def stays() -> bool:
+            return False
+
+        assert await server.take_slot("cmpl-a", stays) is True
+        assert await server.take_slot("cmpl-b", stays) is True  # two slots: both at once
+        with pytest.raises(ApiError) as late:
+            await server.take_slot("cmpl-c", stays)
+        assert late.value.status == 503
+        server.executor.shutdown()
+
+    with caplog.at_level(logging.INFO, logger="lab.serving"):
+        asyncio.run(scenario())
+    assert any("cmpl-c waits for the generation slot (split.max_concurrent=2" in line
+               for line in caplog.messages)  # fmt: skip
