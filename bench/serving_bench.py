@@ -53,7 +53,8 @@ from labtools.hosts.network import host_cpus  # noqa: E402
 RESULTS = REPO / "bench" / "results" / "serving_bench.json"
 RUNS = REPO / "outputs" / "bench" / "serving"
 SECRET = "serving-bench-secret"
-SHAPE = {"name": "serve-512x8", "hidden": 512, "layers": 8, "heads": 8, "intermediate": 1376}
+SHAPE_NAME = "serve-512x8"
+SHAPE = {"hidden": 512, "layers": 8, "heads": 8, "intermediate": 1376}
 """The named random-init shape: a Llama of 8 layers of width 512 with the lab's tokenizer (4
 layers a stage)."""
 PROMPTS = [
@@ -197,7 +198,7 @@ class TransformersCB:
         self.manager.start()
         self.max_concurrent = max_concurrent
         self.slots_key = f"--max-concurrent {max_concurrent}"
-        self.context_tokens = 512
+        self.context_tokens: int | None = 512
         self.ids = iter(range(1 << 62))
 
     def generate(self, prompt: list[int], params: Any, on_tokens: Any) -> list[int]:
@@ -493,7 +494,7 @@ def main() -> None:
     write_results(
         RESULTS,
         {
-            "shape": SHAPE,
+            "shape": {"name": SHAPE_NAME, **SHAPE},
             "quick": args.quick,
             "max_tokens": max_tokens,
             "requests_per_client": requests,

@@ -415,7 +415,7 @@ def test_openai_server_takes_the_engines_slots_and_names_them_when_full(
     config = ServeConfig(max_queue=4, queue_timeout_s=0.3)
 
     async def scenario() -> None:
-        server = Server(engine, None, model_id="m", config=config, secret=None)  # type: ignore[arg-type]
+        server = Server(engine, None, model_id="m", config=config, secret=None)
 
         async def stays() -> bool:
             return False
