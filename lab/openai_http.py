@@ -5,6 +5,7 @@ roles only: a run that does not serve never loads the web stack."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -18,7 +19,16 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from lab.config import is_loopback
-from lab.serving import DISCONNECT_POLL_S, ApiError, Engine, Params, ServeConfig, Server, Text
+from lab.serving import (
+    DISCONNECT_POLL_S,
+    SUMMARY_S,
+    ApiError,
+    Engine,
+    Params,
+    ServeConfig,
+    Server,
+    Text,
+)
 
 log = logging.getLogger("lab.serving")
 
@@ -32,7 +42,26 @@ def finish_reason(tokens: list[int], text: Text, params: Params) -> str:
 
 def build_app(server: Server) -> Any:
     """The FastAPI application over `server` (no OpenAPI pages: the OpenAI reference is)."""
-    app = FastAPI(title="distributed-llm-lab", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        async def summaries() -> None:  # the periodic summary beside the per-request lines
+            while True:
+                await asyncio.sleep(SUMMARY_S)
+                line = server.summary.line(generating=server.generating, waiting=server.waiting)
+                if line is not None:
+                    log.info("%s", line)
+
+        task = asyncio.create_task(summaries())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(
+        title="distributed-llm-lab", docs_url=None, redoc_url=None, openapi_url=None,
+        lifespan=lifespan,
+    )  # fmt: skip
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:

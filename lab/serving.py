@@ -57,7 +57,7 @@ class ServeConfig:
     max_prompt_tokens: int = 2048
     """Longest prompt, in tokens, after the chat template (longer is refused with a 400)."""
     max_queue: int = 32
-    """Requests that may wait for the one generation slot; more are refused with a 429."""
+    """Requests that may wait for a generation slot; more are refused with a 429."""
     queue_timeout_s: float = 120.0
     """Longest a request waits for the slot; then it is answered 503 (and the log says so)."""
     max_body_kib: int = 1024
@@ -96,8 +96,9 @@ class Params:
 class Engine(Protocol):
     """One generation at a time: `generate` returns the new token ids of `prompt` (ids), calling
     `on_tokens(tokens_so_far)` as they are confirmed (it may raise `Cancelled`: the engine then
-    frees what the request held and lets it propagate). An engine with an int `slots` runs up
-    to that many generations at once, each `generate` in its own worker thread."""
+    frees what the request held and lets it propagate). An engine with an int `max_concurrent`
+    runs up to that many generations at once, each `generate` in its own worker thread, and
+    names the key that sets it in `slots_key` (said to a request that waits)."""
 
     context_tokens: int | None
     """Most tokens a request may span, prompt and new ones (the model's context), if known."""
@@ -176,16 +177,18 @@ class Server:
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
         self.config, self.secret = config, secret
         self.chat_template = getattr(tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
-        self.slots = max(1, int(getattr(engine, "slots", 1)))  # an engine may run several
-        self.slot = asyncio.Semaphore(self.slots)
+        slots = self.slots = max(1, int(getattr(engine, "max_concurrent", 1)))
+        self.slots_key = str(getattr(engine, "slots_key", "one generation at a time"))
+        self.slot = asyncio.Semaphore(slots)
         self.waiting = 0
         self.generating = 0
         self.ids = itertools.count(1)
-        self.worker = threading.BoundedSemaphore(self.slots)  # asserts at most that many
-        self.executor = ThreadPoolExecutor(self.slots, thread_name_prefix="generation")
+        self.worker = threading.BoundedSemaphore(slots)  # asserts the engine's bound
+        self.executor = ThreadPoolExecutor(slots, thread_name_prefix="generation")
         self.running: set[threading.Event] = set()
         self.served = 0
         self.cancelled = 0
+        self.summary = Summary()
 
     # ------------------------------------------------------------------ requests
 
@@ -302,9 +305,10 @@ class Server:
                 if self.slot.locked() and waited - said >= WAIT_LOG_S:
                     said = waited
                     log.info(
-                        "request %s waits for the generation slot (%d waiting, %.0f s of "
+                        "request %s waits for the generation slot (%s; %d waiting, %.0f s of "
                         "serve.queue_timeout_s=%g)",
-                        request_id, self.waiting, waited, self.config.queue_timeout_s,
+                        request_id, self.slots_key, self.waiting, waited,
+                        self.config.queue_timeout_s,
                     )  # fmt: skip
                 left = self.config.queue_timeout_s - waited
                 if left <= 0:
@@ -366,6 +370,7 @@ class Server:
                         self.cancelled += 1
                 finally:
                     self.generating -= 1
+                    self.summary.add(len(seen), time.perf_counter() - begun)
                     log.info(
                         "request %s: %d prompt tokens, %d new, %s in %.0f ms",
                         request_id, len(prompt), len(seen),
@@ -389,6 +394,46 @@ class Server:
         for cancel in list(self.running):
             cancel.set()
         self.executor.shutdown(wait=True)
+
+
+SUMMARY_S = 60.0
+"""The server logs a summary of the requests it served this often (while it serves any)."""
+
+
+class Summary:
+    """Requests served, tokens and throughput since the last summary line."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.since = clock()
+        self.requests = self.tokens = 0
+        self.request_s: list[float] = []
+        self.lock = threading.Lock()
+
+    def add(self, tokens: int, seconds: float) -> None:
+        with self.lock:
+            self.requests += 1
+            self.tokens += tokens
+            self.request_s.append(seconds)
+
+    def line(self, *, generating: int, waiting: int) -> str | None:
+        """The summary since the last one (None when nothing was served or is waiting), and a
+        new period begins."""
+        with self.lock:
+            now = self.clock()
+            elapsed, self.since = max(now - self.since, 1e-9), now
+            requests, tokens, times = self.requests, self.tokens, sorted(self.request_s)
+            self.requests = self.tokens = 0
+            self.request_s = []
+        if not requests and not generating and not waiting:
+            return None
+        p50 = times[len(times) // 2] * 1e3 if times else 0.0
+        p95 = times[min(len(times) - 1, int(len(times) * 0.95))] * 1e3 if times else 0.0
+        return (
+            f"last {elapsed:.0f} s: {requests} requests served, {tokens} tokens "
+            f"({tokens / elapsed:.1f} tokens/s), request ms p50 {p50:.0f} p95 {p95:.0f}; "
+            f"{generating} generating, {waiting} waiting"
+        )
 
 
 def _number(body: dict[str, Any], key: str, default: float, *, low: float, high: float) -> float:

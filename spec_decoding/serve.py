@@ -39,6 +39,7 @@ class SpecEngine:
     ) -> None:
         """`make`: a drafter on a connection; `dial`: a new connection to the verifier."""
         self.make, self.dial, self.slots = make, dial, slots
+        self.max_concurrent, self.slots_key = slots, f"spec.serve_sessions={slots}"  # lab.serving
         first = make(dial())  # the verifier answers, or the role ends before serving
         self.idle: list[Drafter] = [first]
         self.busy = 0

@@ -27,6 +27,7 @@ from lab.config import ModelConfig, PathsConfig
 from lab.device import detect_device, resolve_dtype, supports_bf16
 from lab.losses import next_token_loss
 from lab.models import hub_offline, resolve_source
+from split_engine.batching import stage_step
 from split_engine.generation import Sampling, TokenPicker, decode
 from split_engine.layout import build_stage_model, full_model_name, stage_costs
 from split_engine.rpc_guard import never_sent
@@ -205,6 +206,8 @@ class Stage:
         self.compute_s: collections.deque[float] = collections.deque(maxlen=COMPUTE_SAMPLES)
         """Seconds of each recent `forward` inside this stage (its layers, the copy to the CPU
         included: on a GPU that is where the stage waits for its kernels), without the hops."""
+        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=COMPUTE_SAMPLES)
+        """Requests in each recent `step` (a micro-batch of several requests in flight)."""
         log.info(
             "stage layers [%d, %d) of %s on %s as %s (%.1f M params, %.1fs)%s",
             start,
@@ -275,6 +278,15 @@ class Stage:
                 pick=pick,
             )
         return result
+
+    def step(
+        self, x: torch.Tensor, requests: list[int], opening: list[dict[str, Any] | None]
+    ) -> torch.Tensor:
+        """One micro-batch of several requests, each with its own KV-cache slot
+        (`split_engine.batching.stage_step`)."""
+        if not isinstance(requests, list) or not all(type(r) is int for r in requests):
+            raise TypeError("a step's requests are a list of ints")
+        return stage_step(self, x, requests, opening)
 
     def _extend_mask(
         self, request: int | None, cache: Any, attention_mask: torch.Tensor, x: torch.Tensor
@@ -456,6 +468,7 @@ class Stage:
             compute_ms_p50=statistics.median(self.compute_s) * 1e3 if self.compute_s else 0.0,
             params=float(sum(p.numel() for p in self.model.parameters())),
             open_requests=float(len(self.caches) + len(self.pickers) + len(self.masks)),
+            mean_batch=statistics.mean(self.batch_sizes) if self.batch_sizes else 0.0,
         )
         return stats
 
@@ -463,6 +476,7 @@ class Stage:
         """Start counting bytes and forward times afresh (after a warm-up)."""
         self.bytes_received = self.bytes_sent = 0
         self.compute_s.clear()
+        self.batch_sizes.clear()
 
     # ------------------------------------------------------------------ tied embeddings
 

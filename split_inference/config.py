@@ -29,11 +29,17 @@ class GenerateConfig:
     baseline: bool = True
     """Also run the unsplit model in the driver on the same prompts (needs it to fit there)."""
     seed: int = 0
+    clients: int = 0
+    """After the timed runs, serve 1, 2, 4, ... up to this many concurrent greedy requests
+    through the stages (`split.micro_batches` in flight; split_inference/load.py) and log their
+    throughput and latency per client count (`serve_*`); 0: off."""
 
     def __post_init__(self) -> None:
         check_fields_positive(
             "generate", self, ("num_prompts", "prompt_tokens", "batch_size", "max_new_tokens")
         )
+        if not 0 <= self.clients <= 64:
+            raise ValueError(f"generate.clients={self.clients} must be in 0..64 (0: off)")
         if self.temperature < 0:
             raise ValueError(f"generate.temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -41,10 +47,33 @@ class GenerateConfig:
 
 
 @dataclass
+class ServingSplitConfig(SplitConfig):
+    """The split engine's config, and how `role=serve` keeps several requests in flight."""
+
+    max_concurrent: int = 8
+    """role=serve: requests generating at once, each with its own KV-cache slot on every stage;
+    a request over the bound waits (and says so) for serve.queue_timeout_s."""
+    micro_batches: int = 0
+    """role=serve: micro-batches moving down the stages at once (each stage computes one while
+    the next computes another); the calls in flight per stage are bounded by it. 0: one per
+    stage (num_stages); 1: one micro-batch of every active request at a time (batching only)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_fields_positive("split", self, ("max_concurrent",))
+        if self.micro_batches < 0:
+            raise ValueError(f"split.micro_batches={self.micro_batches} must be >= 0 (0: auto)")
+
+    @property
+    def in_flight(self) -> int:
+        return self.micro_batches or self.num_stages
+
+
+@dataclass
 class SplitInferenceRunConfig(LabConfig):
     """Schema of `conf/split_inference.yaml`."""
 
-    split: SplitConfig = field(default_factory=SplitConfig)
+    split: ServingSplitConfig = field(default_factory=ServingSplitConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     """`role=serve`: the OpenAI-compatible endpoint (docs/serving.md)."""

@@ -21,8 +21,43 @@ NAME = "split_inference"
 
 
 def plots(run_dir: Path) -> list[Path]:
-    """Per-token latency (p50 and p95) per batch, split across stages vs the unsplit model."""
+    """Per-token latency (p50 and p95) per batch, split across stages vs the unsplit model;
+    with `generate.clients`, throughput and latency against concurrent clients."""
     records = read_records(run_dir / METRICS_FILE)
+    return latency_plot(records, run_dir) + serving_plot(records, run_dir)
+
+
+def serving_plot(records: list[dict[str, Any]], run_dir: Path) -> list[Path]:
+    """Throughput over all clients, and per-token latency p50/p95 and time to first token,
+    against the number of concurrent clients (`generate.clients`)."""
+    rows = sorted(step_rows(records, "serve_clients", "serve_tokens_per_s"),
+                  key=lambda r: r["serve_clients"])  # fmt: skip
+    if not rows:
+        return []
+    clients = [r["serve_clients"] for r in rows]
+    plt = pyplot()
+    fig, (rate, latency) = plt.subplots(1, 2, figsize=(9, 3.5))
+    rate.plot(clients, [r["serve_tokens_per_s"] for r in rows], "o-")
+    rate.set_xlabel("concurrent clients")
+    rate.set_ylabel("tokens/s, all clients")
+    rate.set_title("throughput")
+    for key, label in (("serve_token_ms_p50", "per token p50"),
+                       ("serve_token_ms_p95", "per token p95"),
+                       ("serve_ttft_ms_p50", "first token p50")):  # fmt: skip
+        latency.plot(clients, [r[key] for r in rows], "o-", label=label)
+    latency.set_xlabel("concurrent clients")
+    latency.set_ylabel("ms")
+    latency.set_title("latency")
+    latency.legend(fontsize=8)
+    for ax in (rate, latency):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients, [f"{c:g}" for c in clients])
+        ax.grid(alpha=0.3)
+    fig.suptitle("several requests in flight through the stages")
+    return [save(fig, plt, run_dir / "split_serving.png")]
+
+
+def latency_plot(records: list[dict[str, Any]], run_dir: Path) -> list[Path]:
     split = {r["step"]: r for r in step_rows(records, "token_ms_p50")}
     unsplit = {r["step"]: r for r in step_rows(records, "unsplit_token_ms_p50")}
     if not split:
@@ -129,6 +164,10 @@ MANIFEST = Manifest(
             Metric("token_ms_p50", "split: per-token latency p50", "ms"),
             Metric("token_ms_p95", "split: per-token latency p95", "ms"),
             Metric("tokens_per_s", "split: throughput", "tokens/s"),
+            Metric(
+                "serve_tokens_per_s", "split: throughput, generate.clients in flight", "tokens/s"
+            ),
+            Metric("serve_token_ms_p95", "split: per-token latency p95, clients in flight", "ms"),
             Metric("unsplit_token_ms_p50", "unsplit: per-token latency p50", "ms"),
             Metric("max_stage_peak_rss_mib", "split: peak RSS of the largest stage", "MiB"),
             Metric("unsplit_peak_rss_mib", "unsplit: peak RSS", "MiB"),

@@ -20,6 +20,7 @@ from split_engine.generation import Generation, Sampling, StepModel, UnsplitMode
 from split_engine.roles import driving, split_experiment
 from split_engine.sharded import ShardedModel
 from split_inference.config import SplitInferenceRunConfig
+from split_inference.load import client_counts, serve_load
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,13 @@ def run_driver(
             )
             stage_stats = sharded.stats()
             traffic = sharded.bytes_between_stages(stage_stats)
+            served: dict[str, float] = {}
+            for step, clients in enumerate(client_counts(gen.clients) if gen.clients else []):
+                served = serve_load(sharded, prompts, clients=clients, in_flight=split.in_flight,
+                                    max_new_tokens=gen.max_new_tokens)  # fmt: skip
+                tracker.log(served, step=len(work) + step)
         metrics = latency_metrics(split_runs)
+        metrics.update(served)  # at generate.clients (the last count)
         new_tokens = sum(g.tokens.numel() for g in split_runs)
         metrics["bytes_between_stages_per_token"] = traffic / new_tokens
         # where a token's time goes: each stage's own forward, and the rest (the hops between

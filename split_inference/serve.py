@@ -2,12 +2,14 @@
 
 This process is the driver (rank 0: the stages join it as they do a `role=driver` run); it
 cuts the model across the stages, then answers `/v1/completions` and `/v1/chat/completions`
-(`lab.serving`) one generation at a time, each through every stage with the run's own decode
-loop (`split_engine.generation.decode`), driven from here so that tokens stream as they come.
+(`lab.serving`) with up to `split.max_concurrent` requests in flight through the stages
+(`split_engine.batching.Pipeline`: continuous batching, `split.micro_batches` micro-batches
+moving at once), each token handed to its request's stream as it comes.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -15,23 +17,50 @@ import torch
 from lab.models import load_tokenizer, resolve_source
 from lab.openai_http import serve
 from lab.serving import Params
+from split_engine.batching import Pipeline
 from split_engine.generation import Sampling, decode
 from split_engine.roles import driving
 from split_engine.sharded import DriverChain, ShardedModel
 from split_inference.config import SplitInferenceRunConfig
 
+log = logging.getLogger(__name__)
+
 
 class SplitEngine:
-    """`lab.serving.Engine` over the split model: one request's tokens, stage by stage."""
+    """`lab.serving.Engine` over the split model: several requests in flight through the stages
+    (a `Pipeline`), or with `kv_cache=False` one at a time, each recomputing its prefix."""
 
-    def __init__(self, sharded: ShardedModel, tokenizer: Any, *, kv_cache: bool) -> None:
+    def __init__(
+        self, sharded: ShardedModel, tokenizer: Any, *, kv_cache: bool,
+        max_concurrent: int = 1, in_flight: int = 1,
+    ) -> None:  # fmt: skip
         self.sharded, self.chain = sharded, DriverChain(sharded)
         self.eos, self.pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
         self.kv_cache = kv_cache
         self.context_tokens: int | None = None
+        self.pipeline: Pipeline | None = None
+        self.max_concurrent = 1
+        self.slots_key = "split.max_concurrent=1"
+        if kv_cache:
+            self.pipeline = Pipeline(
+                sharded, max_concurrent=max_concurrent, in_flight=in_flight,
+                eos_token_id=self.eos,
+            )  # fmt: skip
+            self.max_concurrent = max_concurrent
+            self.slots_key = f"split.max_concurrent={max_concurrent}"
 
     def generate(self, prompt: list[int], params: Params, on_tokens: Any) -> list[int]:
         tokens: list[int] = []
+        sampling = Sampling(params.temperature, params.top_p, seed=params.seed)
+        if self.pipeline is not None:
+
+            def on_one(token: int) -> None:
+                tokens.append(token)
+                on_tokens(tokens)
+
+            return self.pipeline.generate(
+                prompt, sampling, max_new_tokens=params.max_new_tokens, on_token=on_one
+            )
 
         def on_token(step: torch.Tensor) -> None:  # (1,)
             tokens.append(int(step[0]))
@@ -43,7 +72,7 @@ class SplitEngine:
             ids,
             torch.ones_like(ids),
             max_new_tokens=params.max_new_tokens,
-            sampling=Sampling(params.temperature, params.top_p, seed=params.seed),
+            sampling=sampling,
             eos_token_id=self.eos,
             pad_token_id=self.pad,
             kv_cache=self.kv_cache,
@@ -54,7 +83,14 @@ class SplitEngine:
     def health(self) -> dict[str, Any]:
         """Requests each stage holds state for (KV cache, picker): 0 between requests."""
         stats = self.sharded.call_all("stats")
-        return {"open_requests": [int(s["open_requests"]) for s in stats]}
+        health: dict[str, Any] = {"open_requests": [int(s["open_requests"]) for s in stats]}
+        if self.pipeline is not None:
+            health["pipeline"] = self.pipeline.stats()
+        return health
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
 
 
 def context_tokens(settings: SplitInferenceRunConfig) -> int | None:
@@ -72,13 +108,26 @@ def serve_role(settings: SplitInferenceRunConfig) -> dict[str, float]:
     tokenizer = load_tokenizer(settings.model, cache_dir=settings.paths.cache_path)
     with driving(settings, settings.split):
         sharded = ShardedModel.build(settings.model, settings.split)
-        engine = SplitEngine(sharded, tokenizer, kv_cache=settings.generate.kv_cache)
+        split = settings.split
+        if not settings.generate.kv_cache and split.max_concurrent > 1:
+            log.warning(
+                "generate.kv_cache=false: requests are served one at a time (each recomputes "
+                "its prefix), not split.max_concurrent=%d at once",
+                split.max_concurrent,
+            )
+        engine = SplitEngine(
+            sharded, tokenizer, kv_cache=settings.generate.kv_cache,
+            max_concurrent=split.max_concurrent, in_flight=split.in_flight,
+        )  # fmt: skip
         engine.context_tokens = context_tokens(settings)
-        serve(
-            engine,
-            tokenizer,
-            model_id=settings.serve.model_id or settings.model.name,
-            config=settings.serve,
-            secret=settings.cluster.resolved_secret(),
-        )
+        try:
+            serve(
+                engine,
+                tokenizer,
+                model_id=settings.serve.model_id or settings.model.name,
+                config=settings.serve,
+                secret=settings.cluster.resolved_secret(),
+            )
+        finally:
+            engine.close()
     return {}

@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import logging
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -200,6 +201,37 @@ def test_openai_streamed_equals_whole_equals_the_labs_own_greedy(endpoint: dict)
     assert sampled[0] == sampled[1]
 
 
+CONCURRENT_PROMPTS = [PROMPT, "import os\n", "class Tree:\n    def", "for i in range(", "x = {",
+                      "while True:\n"]  # fmt: skip
+
+
+def test_openai_concurrent_clients_each_get_the_text_they_get_alone(endpoint: dict) -> None:
+    """Requests in flight together (the split: batched through its stages; spec decoding:
+    queued for its one slot), streamed or not: each text is the lab's own greedy generation."""
+    expected = [own_generation(endpoint, p, MAX_TOKENS) for p in CONCURRENT_PROMPTS]
+    start = threading.Barrier(len(CONCURRENT_PROMPTS))
+
+    def ask(index: int) -> str:
+        api = client(endpoint)
+        start.wait()
+        reply = api.completions.create(
+            model=model_id(endpoint), prompt=CONCURRENT_PROMPTS[index], max_tokens=MAX_TOKENS,
+            temperature=0, stream=index % 2 == 1,
+        )  # fmt: skip
+        if index % 2 == 1:
+            return "".join(chunk.choices[0].text for chunk in reply)
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(len(CONCURRENT_PROMPTS)) as pool:
+        texts = list(pool.map(ask, range(len(CONCURRENT_PROMPTS))))
+    assert texts == expected
+    state = health(endpoint)
+    assert state["generating"] == 0 and state["waiting"] == 0
+    if endpoint["name"] == "split_inference":
+        assert state["engine"]["open_requests"] == [0, 0]
+        assert state["engine"]["pipeline"]["steps"] > 0
+
+
 def _leave_mid_stream(endpoint: dict) -> int:
     """A client that reads the first piece of a long stream and goes away; the pieces read."""
     api = client(endpoint)
@@ -351,3 +383,51 @@ def test_openai_streamed_pieces_hold_back_a_stop_string_and_half_a_character() -
     halves = Text(tokenizer, [], eos=None)
     assert halves.delta([0, 4]) == "ab"  # a character whose bytes have not all come
     assert halves.delta([0, 5]) == "é"
+
+
+def test_openai_server_summary_counts_each_period_once() -> None:
+    """The periodic summary line: what was served since the last one (an injected clock)."""
+    from lab.serving import Summary
+
+    now = [100.0]
+    summary = Summary(clock=lambda: now[0])
+    assert summary.line(generating=0, waiting=0) is None  # nothing served, nothing running
+    for tokens, seconds in ((10, 0.5), (30, 1.5), (20, 1.0)):
+        summary.add(tokens, seconds)
+    now[0] += 60.0
+    line = summary.line(generating=2, waiting=1)
+    assert line == (
+        "last 60 s: 3 requests served, 60 tokens (1.0 tokens/s), request ms p50 1000 p95 1500; "
+        "2 generating, 1 waiting"
+    )
+    now[0] += 60.0
+    assert summary.line(generating=1, waiting=0) == (
+        "last 60 s: 0 requests served, 0 tokens (0.0 tokens/s), request ms p50 0 p95 0; "
+        "1 generating, 0 waiting"
+    )
+
+
+def test_openai_server_takes_the_engines_slots_and_names_them_when_full(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = SimpleNamespace(max_concurrent=2, slots_key="split.max_concurrent=2",
+                             context_tokens=None)  # fmt: skip
+    config = ServeConfig(max_queue=4, queue_timeout_s=0.3)
+
+    async def scenario() -> None:
+        server = Server(engine, None, model_id="m", config=config, secret=None)
+
+        async def stays() -> bool:
+            return False
+
+        assert await server.take_slot("cmpl-a", stays) is True
+        assert await server.take_slot("cmpl-b", stays) is True  # two slots: both at once
+        with pytest.raises(ApiError) as late:
+            await server.take_slot("cmpl-c", stays)
+        assert late.value.status == 503
+        server.executor.shutdown()
+
+    with caplog.at_level(logging.INFO, logger="lab.serving"):
+        asyncio.run(scenario())
+    assert any("cmpl-c waits for the generation slot (split.max_concurrent=2" in line
+               for line in caplog.messages)  # fmt: skip
