@@ -267,7 +267,7 @@ def honest_echo(address: tuple[str, int], ca: str | None = None) -> None:
 
 
 def _frame(msg_type: int, kind: int, payload: bytes) -> bytes:
-    from netproto.wire import Header, PayloadKind, pack_header
+    from netproto.header import Header, PayloadKind, pack_header
 
     return pack_header(Header(msg_type, PayloadKind(kind), 0, 0, len(payload))) + payload
 
@@ -275,7 +275,7 @@ def _frame(msg_type: int, kind: int, payload: bytes) -> bytes:
 def crafted_frames() -> dict[str, bytes]:
     """Malformed frames of every decoding class the review found, by name."""
     from netproto import MsgType, PayloadKind
-    from netproto.wire import DTYPE_CODES
+    from netproto.header import DTYPE_CODES
 
     def tensor(dims: list[int]) -> bytes:
         meta = struct.pack("!BB", DTYPE_CODES[torch.float32], len(dims))

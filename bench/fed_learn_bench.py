@@ -98,7 +98,8 @@ def frame_bytes(tensors: dict[str, Any]) -> int:
     """Size of the netproto UPDATE frame that would carry `tensors` (encoded, not sent)."""
     from fed_learn.protocol import FedMsg
     from netproto import REGISTRY
-    from netproto.wire import Limits, Message, encode
+    from netproto.codecs import encode
+    from netproto.header import Limits, Message
 
     buffers = encode(
         Message(FedMsg.UPDATE, tensors, 0, 0),

@@ -4,8 +4,7 @@ wherever it stands (a cycle hidden inside a function is still a cycle):
     netproto  ->  lab  ->  world  ->  split_engine  ->  experiments  ->  labtools
 
 Each floor imports only floors below it; no experiment imports a sibling; no module cycle; no
-file outside tests/ and bench/ over 800 lines. lab/'s one-release forwarders of the tools' old
-commands (`python -m lab.hosts`) import nothing: they run the tool by name.
+file outside tests/ and bench/ over 800 lines.
 """
 
 from __future__ import annotations
