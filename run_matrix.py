@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shlex
 import signal
 import subprocess
@@ -36,6 +35,7 @@ from rich.table import Table
 from lab import commandline
 from lab.cli import EXIT_INTERRUPTED, ConfigError, reported
 from lab.config import CONF_DIR, to_settings
+from lab.launch import stop_groups
 from lab.machine import Machine
 from lab.redact import redact_argv, redact_config, scrub_argv
 from lab.tables import print_wide
@@ -344,12 +344,7 @@ def farm(config: matrix.MatrixConfig, launcher: str, console: Console) -> int:
         try:
             proc.wait(timeout=FARM_GRACE_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_groups([proc], grace_s=10)
         raise
 
 

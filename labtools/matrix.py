@@ -42,7 +42,7 @@ import psutil
 from lab import atomic, commandline, experiment, registry
 from lab.cli import ConfigError
 from lab.config import CONF_DIR, SECRET_ENV, check_fields_positive, register_schema
-from lab.launch import die_with_parent
+from lab.launch import die_with_parent, stop_groups
 from lab.redact import redact_argv, redact_config, redact_text, split_secret
 from lab.registry import Workload
 from lab.tracking import METRICS_FILE, read_records
@@ -378,9 +378,7 @@ def run_cell_process(
                 time.sleep(poll_s)
         finally:
             _kill_tree([*_tree(root), *seen])
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_groups([proc], grace_s=0, first=signal.SIGKILL)
     if status == "ok" and proc.returncode != 0:
         status, reason = "error", _failure_reason(log_path, proc.returncode)
     return CellOutcome(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import shutil
 import signal
@@ -20,6 +19,7 @@ from typing import TextIO
 import psutil
 
 from lab import registry
+from lab.launch import stop_groups
 from lab.registry import RunningRoles, Scenario
 from labtools.hosts.network import CLUSTER_NAME, HostsError, Network, cores_line
 
@@ -195,10 +195,7 @@ class Roles:
 
     def kill(self, role: str) -> None:
         """SIGKILL `role`'s processes, as a machine's power going off would (no goodbye)."""
-        proc = self.procs.pop(role)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_groups([self.procs.pop(role)], grace_s=0, first=signal.SIGKILL)
 
 
 Inject = Callable[[RunningRoles, float], None]
