@@ -359,10 +359,6 @@ def start_signing() -> None:
         _calls.signing = True
 
 
-def refused_count() -> int:
-    return _calls.refused
-
-
 def _tensor_meta(tensors: list[Any]) -> bytes:
     """What the MAC covers of the tensors travelling beside the pickle: dtype and shape."""
     return "|".join(f"{t.dtype}{tuple(t.shape)}" for t in tensors).encode()
