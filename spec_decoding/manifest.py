@@ -19,6 +19,7 @@ from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
 from spec_decoding.gamma import (
+    FIRST_GAMMA,
     PIPELINE_PRIOR,
     CostModel,
     PipelineModel,
@@ -56,10 +57,6 @@ def plots(run_dir: Path) -> list[Path]:
         ax.set_xticks(numbers)
         ax.grid(alpha=0.3, axis="y")
     return [save(fig, plt, run_dir / "spec_prompts.png")]
-
-
-FIRST_GAMMA = 4
-"""What `gamma=auto` drafts before it has measured anything (spec_decoding.gamma)."""
 
 
 def _rounds_seconds(model: Any, *, tokens: int, prompts: int, max_gamma: int) -> float:
