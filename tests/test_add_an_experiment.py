@@ -189,10 +189,9 @@ def test_the_toy_joins_every_tool_and_no_file_of_the_repository_changes(
         timeout_s=240.0, plot=False,
     )  # fmt: skip
     assert matrix.workload_of(config) is toy.workload
-    sys.path.insert(0, str(ROOT))
-    import run_matrix
+    from labtools import sweep
 
-    run_matrix.sweep(config)
+    sweep.sweep(config)
     rows = [json.loads(line) for line in (out / matrix.RESULTS_JSONL).read_text().splitlines()]
     assert {r["status"] for r in rows} == {"ok"}, rows
     assert sorted(r["metrics"]["value"] for r in rows) == [4.0, 9.0]
