@@ -11,7 +11,6 @@ from lab.config import (
     check_choice,
     check_fields_positive,
     check_positive,
-    register_schema,
 )
 
 ENGINES = ("ddp", "fsdp")
@@ -276,6 +275,3 @@ class DataParallelRunConfig(LabConfig):
 
     dp: DPConfig = field(default_factory=DPConfig)
     lora: LoRASettings = field(default_factory=LoRASettings)
-
-
-register_schema("data_parallel_schema", DataParallelRunConfig)

@@ -207,6 +207,10 @@ def bench(keys: str) -> float:
 
 MANIFEST = Manifest(
     name=NAME,
+    schema="spec_decoding.config:SpecDecodingRunConfig",
+    endpoints=("cluster.verifier",),
+    unread={"model": "its two models are target.* and draft.* (e.g. target.pretrained=...)"},
+    serving=("verifier",),
     summary="a small draft model proposes tokens, a large target verifies them over TCP",
     headline=Headline(
         "speedup",
@@ -240,7 +244,7 @@ MANIFEST = Manifest(
     plots=plots,
     scenario=Scenario(
         NAME,
-        "verifier",
+        "cluster.verifier",
         [
             ("desktop", "verifier", ["role=verifier"]),
             ("laptop", "drafter", ["role=drafter"]),
@@ -248,6 +252,7 @@ MANIFEST = Manifest(
         [*DEBUG, *SHORT, "num_threads=1"],
         same_outputs,
         result_role="drafter",
+        port=29520,
     ),
     variants=(
         Variant("spec_rounds", NAME, [*CURVE, "spec.pipeline=false"]),

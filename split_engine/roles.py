@@ -38,13 +38,6 @@ log = logging.getLogger(__name__)
 PING_S = 2.0
 """How often an idle stage checks that its driver is still there."""
 
-UNREAD = {
-    "cluster.link": "netproto's link emulator shapes netproto traffic only, and TensorPipe's "
-    "traffic between stages does not cross it",
-    "cluster.tls": "TensorPipe does not use netproto's TLS (see docs/security.md)",
-}
-"""Keys of a split module's schema that it does not read."""
-
 
 def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
     """`role=stage split.rank=K`: join the RPC world and serve until the driver is done."""
@@ -178,13 +171,11 @@ def split_experiment(
         schema=schema,
         roles={"driver": run_driver, "stage": stage_role, **more},
         plan=plan,
-        endpoints=("master",),
         servers=(
             "driver",
             "stage",
             *more,
         ),  # the driver hosts the rendezvous; every rank, TensorPipe
-        unread=UNREAD,
         check=check_split,
         prepare=prepare,
         local_threads=local_threads,
