@@ -27,7 +27,7 @@ Why not torch's distributed autograd (which split training used until this modul
 answers a second gradient message for a context whose backward is already running at once,
 before that part of the backward has run (`DistEngine::executeSendFunctionAsync`), so the
 driver's `dist_autograd.backward` could return while a stage was still adding micro-batch
-gradients, and the norm, clip and step read them early (see docs/split_training.md).
+gradients, and the norm, clip and step read them early (see docs/split.md).
 """
 
 from __future__ import annotations

@@ -198,6 +198,16 @@ def test_unpacking_deletes_every_directive() -> None:
     assert unpacked(packed).splitlines()[0] == "x = [1,2]"
 
 
+def test_the_architecture_page_names_every_registered_experiment() -> None:
+    from lab import registry
+
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    line = re.search(r"The experiments there are \(.*?\):\s*(.*?)\.\n", page, re.S)
+    assert line, "docs/architecture.md lost its line naming the experiments"
+    named = {word.strip() for word in line[1].replace("\n", " ").split(",")}
+    assert named == set(registry.manifests()) == experiments()
+
+
 def test_the_graph_sees_function_level_imports(tmp_path: Path) -> None:
     """The reader counts an import inside a function as an import (else it hides cycles)."""
     source = tmp_path / "m.py"
