@@ -45,10 +45,11 @@ import torch
 from torch.distributed.rpc import RRef
 
 from split_engine import rpc_guard
+from split_engine.handshake import require_driver
 from split_engine.liveness import PING_TIMEOUT_S, WATCH_S, PeerGoneError, PeerWatch
 from split_engine.rpc_guard import never_sent
 from split_engine.stage import Stage
-from split_engine.workers import DRIVER, require_driver, stage_name
+from split_engine.workers import DRIVER, stage_name
 from split_training.config import SCHEDULES
 
 ACTIVATION, GRADIENT, NORM, TIED, ABORT = "activation", "gradient", "norm", "tied", "abort"
