@@ -864,7 +864,7 @@ def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
         "restart the handshake": (handshake.stage_prove, (b"n" * 32,)),
         "send a proof": (handshake.stage_accept_driver, (b"p" * 32, b"w" * 32)),
     }
-    from tests.split.rogue_stage import admit_to_store
+    from tests.split_engine.rogue_stage import admit_to_store
 
     # The store (the lab's, behind the secret) refuses a rank without it: counted here, then
     # the rank is let in with the store's secret alone, so the RPC guard behind is attacked too.

@@ -24,7 +24,7 @@ PRIMARY_CONFIGS = sorted(
     p.stem for p in CONF_DIR.glob("*.yaml") if p.stem not in ("config", "matrix")
 )
 """Entry-point configs of runs (`conf/<name>.yaml`); `config.yaml` is the base they all include.
-`matrix.yaml` is run_matrix's, a sweep of runs (tests/test_matrix.py)."""
+`matrix.yaml` is run_matrix's, a sweep of runs (tests/labtools/test_matrix.py)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

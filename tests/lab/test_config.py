@@ -17,8 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lab.config import CONF_DIR, ClusterConfig, LabConfig, ModelConfig, PathsConfig, to_settings
 from lab.pretrain import PretrainConfig, PretrainRunConfig, load_preset
-
-from .conftest import PRIMARY_CONFIGS, import_schemas
+from tests.conftest import PRIMARY_CONFIGS, import_schemas
 
 GROUP_OPTIONS = [
     (group.name, path.stem)

@@ -18,7 +18,7 @@ from lab.config import CONF_DIR, TrackingConfig, to_settings
 from lab.tracking import RUN_FILE, Tracker
 from labtools import matrix, sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pasted(command: str, *, prelude: str = "", extra: str = "") -> subprocess.CompletedProcess:

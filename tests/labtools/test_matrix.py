@@ -17,7 +17,7 @@ from lab import registry
 from lab.registry import Metric
 from labtools import matrix, sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(tmp_path: Path, lab_cache: Path, **changes: Any) -> matrix.MatrixConfig:

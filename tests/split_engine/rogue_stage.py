@@ -1,5 +1,5 @@
-"""A rogue rank without the shared secret, for tests: `python -m tests.split.rogue_stage PORT OUT
-STORE_SECRET`.
+"""A rogue rank without the shared secret, for tests: `python -m tests.split_engine.rogue_stage
+PORT OUT STORE_SECRET`.
 
 It joins a split world as stage2 with no secret. The rendezvous store (the lab's, behind the
 secret) would refuse it, so it is given the store's secret alone, as if the store had let it in:
