@@ -267,7 +267,7 @@ def honest_echo(address: tuple[str, int], ca: str | None = None) -> None:
 
 
 def _frame(msg_type: int, kind: int, payload: bytes) -> bytes:
-    from netproto.wire import Header, PayloadKind, pack_header
+    from netproto.header import Header, PayloadKind, pack_header
 
     return pack_header(Header(msg_type, PayloadKind(kind), 0, 0, len(payload))) + payload
 
@@ -275,7 +275,7 @@ def _frame(msg_type: int, kind: int, payload: bytes) -> bytes:
 def crafted_frames() -> dict[str, bytes]:
     """Malformed frames of every decoding class the review found, by name."""
     from netproto import MsgType, PayloadKind
-    from netproto.wire import DTYPE_CODES
+    from netproto.header import DTYPE_CODES
 
     def tensor(dims: list[int]) -> bytes:
         meta = struct.pack("!BB", DTYPE_CODES[torch.float32], len(dims))
@@ -817,7 +817,7 @@ def rpc_driver(port: int, out: str, samples: int, go: str) -> None:
     import torch.distributed.rpc as rpc
 
     from lab.config import Endpoint
-    from split_engine import rpc_guard, workers
+    from split_engine import handshake, memory_probes, rpc_guard, workers
     from split_engine.config import SplitConfig
 
     world = workers.World(
@@ -825,8 +825,8 @@ def rpc_driver(port: int, out: str, samples: int, go: str) -> None:
     )
     times: dict[str, list[float]] = {"without": [], "under": []}
     with workers.joined(world, secret=SECRET.encode()):
-        workers.authenticate_stage(
-            "stage1", SECRET.encode(), workers._auth.world_nonce, timeout_s=20
+        handshake.authenticate_stage(
+            "stage1", SECRET.encode(), handshake._auth.world_nonce, timeout_s=20
         )
         rpc_guard.start_signing()
         for phase in ("without", "under"):
@@ -835,7 +835,7 @@ def rpc_driver(port: int, out: str, samples: int, go: str) -> None:
                 time.sleep(1.0)
             for _ in range(samples):
                 started = time.perf_counter()
-                rpc.rpc_sync("stage1", workers.free_memory_bytes, timeout=20)
+                rpc.rpc_sync("stage1", memory_probes.free_memory_bytes, timeout=20)
                 times[phase].append(time.perf_counter() - started)
                 time.sleep(0.01)
         while not Path(go + ".done").exists():
@@ -850,7 +850,7 @@ def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
     import torch.distributed.rpc as rpc
 
     from lab.config import Endpoint
-    from split_engine import stage, workers
+    from split_engine import handshake, memory_probes, stage, workers
     from split_engine.config import SplitConfig
 
     world = workers.World(
@@ -859,12 +859,12 @@ def rpc_rogue(port: int, out: str, seconds: float, go: str) -> None:
     outcomes: Outcomes = {}
     python_calls = {
         "release the stage": (workers.release_stage, ()),
-        "read its free memory": (workers.free_memory_bytes, ()),
+        "read its free memory": (memory_probes.free_memory_bytes, ()),
         "describe a model": (stage.describe_model, ({},)),
-        "restart the handshake": (workers.stage_prove, (b"n" * 32,)),
-        "send a proof": (workers.stage_accept_driver, (b"p" * 32, b"w" * 32)),
+        "restart the handshake": (handshake.stage_prove, (b"n" * 32,)),
+        "send a proof": (handshake.stage_accept_driver, (b"p" * 32, b"w" * 32)),
     }
-    from tests.split.rogue_stage import admit_to_store
+    from tests.split_engine.rogue_stage import admit_to_store
 
     # The store (the lab's, behind the secret) refuses a rank without it: counted here, then
     # the rank is let in with the store's secret alone, so the RPC guard behind is attacked too.

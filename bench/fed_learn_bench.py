@@ -65,9 +65,10 @@ TINYLLAMA: dict[str, Any] = {  # TinyLlama/TinyLlama-1.1B-Chat-v1.0's config.jso
 
 def settings(name: str, overrides: list[str], runs: Path = RUNS) -> Any:
     """`conf/fed_learn.yaml` with `overrides`, as Hydra composes it, run in runs/name."""
-    from fed_learn.config import FedLearnRunConfig
+    from lab import registry
     from lab.config import to_settings
 
+    schema = registry.manifest("fed_learn").load_schema()  # registered for `compose`
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
             config_name="fed_learn",
@@ -78,7 +79,7 @@ def settings(name: str, overrides: list[str], runs: Path = RUNS) -> Any:
                 *overrides,
             ],
         )
-    return to_settings(cfg, FedLearnRunConfig)
+    return to_settings(cfg, schema)
 
 
 def federate(name: str, overrides: list[str], runs: Path = RUNS) -> dict[str, float]:
@@ -98,7 +99,8 @@ def frame_bytes(tensors: dict[str, Any]) -> int:
     """Size of the netproto UPDATE frame that would carry `tensors` (encoded, not sent)."""
     from fed_learn.protocol import FedMsg
     from netproto import REGISTRY
-    from netproto.wire import Limits, Message, encode
+    from netproto.codecs import encode
+    from netproto.header import Limits, Message
 
     buffers = encode(
         Message(FedMsg.UPDATE, tensors, 0, 0),

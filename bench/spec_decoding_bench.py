@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from hydra import compose, initialize_config_dir
 
-from lab import experiment
+from lab import experiment, registry
 from lab.config import CONF_DIR, ModelConfig, default_cache_dir
 from lab.corpus import held_out_prompts
 from lab.machine import announce_machine, write_results
@@ -52,7 +52,7 @@ from lab.models import load_model, load_tokenizer
 from lab.sampling import probs_from_logits
 from netproto import Connection, LinkEmulatorProcess
 from spec_decoding.cache import CachedDecoder
-from spec_decoding.config import SpecConfig  # also registers the schema `compose` needs
+from spec_decoding.config import SpecConfig
 from spec_decoding.draft_q import encode_q, quantize
 from spec_decoding.drafter import Drafter
 from spec_decoding.gamma import GammaController, PipelineModel, fit_verify_costs
@@ -365,6 +365,7 @@ class Pair:
         return {"target_step_ms": target_ms, "draft_step_ms": draft_ms, "c": draft_ms / target_ms}
 
     def compose(self, cache_dir: Path) -> Any:
+        registry.manifest("spec_decoding").load_schema()  # what `compose` composes over
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(
                 config_name="spec_decoding",

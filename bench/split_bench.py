@@ -145,12 +145,12 @@ class InProcessChain:
     Same `StepModel` interface as the split and unsplit models, for `decode`."""
 
     def __init__(self, folder: Path, boundaries: list[int], num_layers: int) -> None:
-        from split_engine import workers
+        from split_engine import handshake
         from split_engine.stage import Stage
 
         # a stage refuses work before a driver proved itself over RPC; here this process is
         # the driver and both stages, so the proof is given (this process serves no one)
-        workers._auth.driver_proved = True
+        handshake._auth.driver_proved = True
         fields = {"name": "profiled", "pretrained": str(folder)}
         edges = [0, *boundaries, num_layers]
         self.stages = [Stage(fields, start=a, end=b) for a, b in itertools.pairwise(edges)]

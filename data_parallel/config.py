@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from data_parallel.sync_methods import SyncMethod, sync_method
 from lab.config import (
     LabConfig,
     LoRASettings,
     check_choice,
     check_fields_positive,
     check_positive,
-    register_schema,
 )
 
 ENGINES = ("ddp", "fsdp")
-SYNCS = ("ddp", "none", "fp16", "bf16", "topk", "powersgd", "diloco", "auto")
 OPTIMIZERS = ("adamw", "sgd")
 PSEUDO_GRAD_DTYPES = ("fp32", "fp16", "int8")
 BALANCES = ("none", "tokens")
@@ -71,7 +70,7 @@ class DPConfig:
     sums that dtype wrong); powersgd, torch's PowerSGD hook (low-rank factors, the powersgd_*
     settings); none, a no-op hook (each worker keeps its own gradients: not data-parallel
     training, the baseline bench/data_parallel_bench.py subtracts to find what communication
-    costs). data_parallel/sync.py."""
+    costs); topk; diloco; auto. Each is registered in data_parallel/sync_methods.py."""
     inner_steps: int = 50
     """dp.sync=diloco: H, the steps each worker takes on its own between two syncs of the
     model (data_parallel/diloco.py)."""
@@ -187,7 +186,7 @@ class DPConfig:
         )
         check_fields_positive("dp", self, ("max_train_blocks", "join_timeout_s", "last_call_s"))
         check_choice("dp.engine", self.engine, ENGINES)
-        check_choice("dp.sync", self.sync, SYNCS)
+        check_choice("dp.sync", self.sync, tuple(SyncMethod.registry))
         check_choice("dp.optimizer", self.optimizer, OPTIMIZERS)
         check_choice("dp.pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
         check_choice("dp.balance", self.balance, BALANCES)
@@ -218,7 +217,7 @@ class DPConfig:
                 f"dp.powersgd_start_step={self.powersgd_start_step} must be >= 2 with error "
                 "feedback or warm start (DDP rebuilds its buckets after the first step)"
             )
-        if self.sync != "ddp" and self.engine != "ddp":
+        if self.engine not in sync_method(self.sync).engines:
             raise ValueError(
                 f"dp.sync={self.sync} is for dp.engine=ddp (DDP's communication hooks; DiLoCo "
                 "keeps a whole replica on every worker)"
@@ -243,7 +242,7 @@ class DPConfig:
         if not 0 <= self.overlap_mix <= 1:
             raise ValueError(f"dp.overlap_mix={self.overlap_mix} must be in [0, 1]")
         streaming = self.fragments > 1 or self.overlap_steps > 0
-        if streaming and self.sync != "diloco":
+        if streaming and not sync_method(self.sync).apart:
             raise ValueError(
                 "dp.fragments and dp.overlap_steps are for dp.sync=diloco "
                 f"(got dp.sync={self.sync})"
@@ -276,6 +275,3 @@ class DataParallelRunConfig(LabConfig):
 
     dp: DPConfig = field(default_factory=DPConfig)
     lora: LoRASettings = field(default_factory=LoRASettings)
-
-
-register_schema("data_parallel_schema", DataParallelRunConfig)

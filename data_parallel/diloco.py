@@ -300,13 +300,3 @@ class DiLoCo:
                                              saved[f"{key}/extras"].double().clone(),
                                              summed=saved[f"{key}/summed"].float().clone(),
                                              mix=bool(mix)))  # fmt: skip
-
-    def wire_bytes_per_sync(self) -> float:
-        """What one sync of the whole model puts on each worker's link (ring algorithms), the
-        pseudo-gradient only."""
-        numel = sum(p.numel() for p in self.parameters)
-        world = self.world_size
-        if self.wire == "int8":
-            return (world - 1) * (numel + 4.0)
-        size = 2.0 if self.wire == "fp16" else 4.0
-        return 2 * (world - 1) / world * numel * size

@@ -26,7 +26,7 @@ what communication costs a step and `compute_ms = step_ms - comm_ms` a lower bou
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,13 +220,13 @@ def wrap(
     engine: str,
     device: torch.device,
     timer: CommTimer,
-    sync: str = "ddp",
     dp: Any = None,
+    hook: Callable[..., Any] | None = None,
 ) -> torch.nn.Module:
     """`model` under DDP or FSDP2 (each decoder layer its own unit, then the root), gradients
-    summed across workers and every collective timed."""
-    if engine == "ddp" and sync == "diloco":  # every worker trains its own replica, apart
-        return model
+    summed across workers and every collective timed. Under DDP, `hook(ddp, names=...)`
+    registers the communication hook (a dp.sync method's `attach`; None: the plain SUM
+    all-reduce) and returns its state, kept for the checkpoints."""
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -238,21 +238,15 @@ def wrap(
         cap = 25.0 if dp is None else dp.bucket_cap_mb
         ddp = DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False,
                                       bucket_cap_mb=cap)  # fmt: skip
-        if sync in ("ddp", "none"):
-            ddp.register_comm_hook(timer, noop_hook if sync == "none" else summed_allreduce_hook)
+        if hook is None:
+            ddp.register_comm_hook(timer, summed_allreduce_hook)
         else:
-            from data_parallel import sync as syncs
-
             names = {id(p): name for name, p in model.named_parameters()}
-            if sync == "topk":
-                state: Any = syncs.TopK(dp.topk_fraction, timer, names)
-                ddp.register_comm_hook(state, syncs.topk_hook)
-            else:  # torch's own hooks (data_parallel.sync)
-                state = syncs.make_hook(dp, timer, names)
-                ddp.register_comm_hook(state, syncs.timed_torch_hook)
-            # its state (top-k's residuals, PowerSGD's) goes into the checkpoints
-            # (nn.Module.__setattr__ would not keep a plain object)
-            object.__setattr__(ddp, "lab_hook_state", state)
+            state = hook(ddp, names=names)
+            if state is not None:
+                # its state (top-k's residuals, PowerSGD's) goes into the checkpoints
+                # (nn.Module.__setattr__ would not keep a plain object)
+                object.__setattr__(ddp, "lab_hook_state", state)
         return ddp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard

@@ -258,8 +258,26 @@ def verdict(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+UNREAD = {
+    "cluster.link": "netproto's link emulator shapes netproto traffic; gloo's does not cross it",
+    "cluster.tls": "gloo does not use netproto's TLS: across hosts it runs inside the overlay "
+    "(cluster.overlay), whose WireGuard encrypts it",
+    "cluster.connect_timeout_s": "the rendezvous waits dp.join_timeout_s",
+    "cluster.read_timeout_s": "the rendezvous waits dp.join_timeout_s",
+    "cluster.max_frame_mib": "only its rendezvous store speaks netproto, its frames capped by "
+    "the store's own limits (world.store)",
+    "cluster.min_frame_rate_kbps": "only its rendezvous store speaks netproto, with limits of its "
+    "own (world.store)",
+    "cluster.max_connections_per_address": "its rendezvous store takes at most 64 connections "
+    "(world.store)",
+}
+
+
 MANIFEST = Manifest(
     name=NAME,
+    schema="data_parallel.config:DataParallelRunConfig",
+    endpoints=("cluster.master",),
+    unread=UNREAD,
     summary="one model, every worker a replica: torch's elastic agent, DDP or FSDP2, exact",
     headline=Headline(
         "step_ms",
@@ -290,13 +308,14 @@ MANIFEST = Manifest(
     plots=plots,
     scenario=Scenario(
         NAME,
-        "master",
+        "cluster.master",
         WORKERS,
         ACROSS,
         same_losses("loss", rtol=EXACT_RTOL),
         result_role="worker0",
         netproto=False,
         shared=("dp.checkpoint_dir",),
+        port=29530,
     ),
     variants=(Variant(NAME, NAME, ACROSS),),
     faults={

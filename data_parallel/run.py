@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from data_parallel.config import DataParallelRunConfig
 from data_parallel.launch import run_agent
+from data_parallel.sync_methods import Auto, sync_method
 from data_parallel.worker import JOB, checkpoint_dir
 from lab import experiment
 from lab.cli import ConfigError
@@ -29,20 +30,6 @@ log = logging.getLogger(__name__)
 
 AGENT = "agent"
 """The local run's agent process, and its run folder under this run's."""
-
-UNREAD = {
-    "cluster.link": "netproto's link emulator shapes netproto traffic; gloo's does not cross it",
-    "cluster.tls": "gloo does not use netproto's TLS: across hosts it runs inside the overlay "
-    "(cluster.overlay), whose WireGuard encrypts it",
-    "cluster.connect_timeout_s": "the rendezvous waits dp.join_timeout_s",
-    "cluster.read_timeout_s": "the rendezvous waits dp.join_timeout_s",
-    "cluster.max_frame_mib": "only its rendezvous store speaks netproto, its frames capped by "
-    "the store's own limits (world.store)",
-    "cluster.min_frame_rate_kbps": "only its rendezvous store speaks netproto, with limits of its "
-    "own (world.store)",
-    "cluster.max_connections_per_address": "its rendezvous store takes at most 64 connections "
-    "(world.store)",
-}
 
 
 def check(settings: DataParallelRunConfig) -> None:
@@ -100,7 +87,8 @@ def check_resume(settings: DataParallelRunConfig) -> None:
             "hydra.run.dir (or dp.checkpoint_dir) at the run to resume"
         )
     written = checkpoint_sync(folder)
-    if (written == "diloco") != (settings.dp.sync == "diloco") and settings.dp.sync != "auto":
+    chosen = sync_method(settings.dp.sync)
+    if sync_method(written).apart != chosen.apart and chosen is not Auto:
         raise ConfigError(
             f"the checkpoint in {folder} was written with dp.sync={written}, whose optimizer "
             f"state dp.sync={settings.dp.sync} does not keep (DiLoCo's outer and per-worker "
@@ -219,8 +207,6 @@ EXPERIMENT = Experiment(
     schema=DataParallelRunConfig,
     roles={"worker": run_agent},
     plan=local_plan,
-    endpoints=("master",),
-    unread=UNREAD,
     check=check,
     prepare=prepare,
     local_threads=0,  # the agent computes nothing; each worker takes its share of the cores

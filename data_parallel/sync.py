@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
-from data_parallel.config import DPConfig
 from lab.cli import ConfigError
 from lab.sparse import sparse_with_feedback
 
@@ -123,7 +122,7 @@ def timed_torch_hook(
         return fut.value()
 
     chained = future.then(done)
-    if wrapped.sync == "powersgd":
+    if wrapped.by_parameter is not None:  # PowerSGD
         wrapped.pending = chained
     return chained
 
@@ -300,21 +299,24 @@ def topk_hook(state: TopK, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return gathered.then(summed)
 
 
-def make_hook(dp: DPConfig, timer: Any, names: dict[int, str]) -> TimedTorchHook:
-    """The state and hook of `dp.sync` (fp16, bf16, powersgd) for DDP.register_comm_hook;
-    `names`: each parameter's name by id (PowerSGD's state is kept by name)."""
-    if dp.sync == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=dp.powersgd_rank,
-            start_powerSGD_iter=dp.powersgd_start_step,
-            use_error_feedback=dp.powersgd_error_feedback,
-            warm_start=dp.powersgd_warm_start,
-        )
-        return TimedTorchHook(dp.sync, timer, state, powerSGD_hook.powerSGD_hook,
-                              by_parameter=PowerSGDByParameter(state, names))  # fmt: skip
-    check_dtype(dp.sync)
-    return TimedTorchHook(dp.sync, timer, None, TORCH_HOOKS[dp.sync])
+def powersgd_hook(dp: Any, timer: Any, names: dict[int, str]) -> TimedTorchHook:
+    """dp.sync=powersgd's state and hook for DDP.register_comm_hook (`dp`: the DPConfig;
+    `names`: each parameter's name by id, as PowerSGD's state is kept by name)."""
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=dp.powersgd_rank,
+        start_powerSGD_iter=dp.powersgd_start_step,
+        use_error_feedback=dp.powersgd_error_feedback,
+        warm_start=dp.powersgd_warm_start,
+    )
+    return TimedTorchHook(dp.sync, timer, state, powerSGD_hook.powerSGD_hook,
+                          by_parameter=PowerSGDByParameter(state, names))  # fmt: skip
+
+
+def dtype_hook(sync: str, timer: Any) -> TimedTorchHook:
+    """dp.sync=fp16 / bf16: torch's compress hook, once this gloo is seen to sum the dtype."""
+    check_dtype(sync)
+    return TimedTorchHook(sync, timer, None, TORCH_HOOKS[sync])
 
 
 def check_dtype(sync: str, all_reduce: Callable[[torch.Tensor], object] = dist.all_reduce) -> None:

@@ -12,13 +12,13 @@ losses are global (summed over every worker), the timings that worker's own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import statistics
-import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,8 @@ from data_parallel.data import (
 )
 from data_parallel.diloco import DiLoCo
 from data_parallel.manifest import TRACE_FILE
+from data_parallel.steps import StepResult, TrainsApart, Window
+from data_parallel.sync_methods import Auto, sync_method
 from lab import redact
 from lab.cli import ConfigError
 from lab.corpus import train_and_validation_blocks
@@ -156,61 +158,6 @@ def train_worker(
         return Trainer(settings, data, world=world, device=device).run()
 
 
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    step_ms: float
-    comm_ms: float
-    comm_bytes: int
-    wire_bytes: float
-    collectives: int
-    synced_ms: float = 0.0
-    """When the step's synchronising backward returned (DDP: every bucket reduced), ms after
-    the step began."""
-    trace: list[list[float]] = field(default_factory=list)
-    """Its collectives: [launched, completed] ms after the step began, and bytes."""
-    worker_loss: float = float("nan")
-    """DiLoCo: this worker's own loss on its last inner step (`loss` is the global one, at
-    syncs only)."""
-
-
-@dataclass
-class Window:
-    """What one worker trained since DiLoCo's last sync."""
-
-    steps: int = 0
-    loss_sum: float = 0.0
-    tokens: int = 0
-    """Predicted tokens (block_size - 1 a block), the loss's divisor and the sync's weight."""
-    blocks: int = 0
-    seconds: float = 0.0
-    last_loss: float = float("nan")
-
-    def add(self, loss_sum: float, tokens: int, blocks: int, seconds: float) -> None:
-        self.steps += 1
-        self.loss_sum += loss_sum
-        self.tokens += tokens
-        self.blocks += blocks
-        self.seconds += seconds
-        self.last_loss = loss_sum / tokens
-
-    @property
-    def seconds_per_step(self) -> float:
-        return self.seconds / self.steps if self.steps else 0.0
-
-
-def balanced_inner_steps(seconds_per_step: list[float], inner_steps: int, rank: int) -> int:
-    """dp.balance=tokens: `rank`'s inner steps for the next round, so that every worker reaches
-    the sync when the fastest has taken `inner_steps`: its share is the fastest worker's step
-    time over its own (at least one step)."""
-    measured = [s for s in seconds_per_step if s > 0]
-    own = seconds_per_step[rank]
-    if not measured or own <= 0:
-        return inner_steps
-    return max(1, min(inner_steps, round(inner_steps * min(measured) / own)))
-
-
 def due(every: int, since: int, step: int, total: int) -> bool:
     """Whether something done every `every` steps (0: never; and at the last step) fell due
     in the steps after `since` up to `step`."""
@@ -224,7 +171,7 @@ def make_optimizer(dp: DPConfig, parameters: list[torch.nn.Parameter]) -> torch.
     return torch.optim.AdamW(parameters, lr=dp.lr, weight_decay=dp.weight_decay)
 
 
-class Trainer:
+class Trainer(TrainsApart):
     """One replica: the wrapped model, its optimizer, the data stream, its checkpoints."""
 
     def __init__(
@@ -241,10 +188,15 @@ class Trainer:
         self.timer = engine.CommTimer(world.world_size)
         model = self._load_model()
         self.stream = Stream(len(data.train), seed=settings.seed)
-        if self.dp.sync == "auto":
+        if sync_method(self.dp.sync) is Auto:
             self._choose_sync(model)
-        self.model = engine.wrap(model, engine=self.dp.engine, device=device,
-                                 timer=self.timer, sync=self.dp.sync, dp=self.dp)  # fmt: skip
+        self.method = sync_method(self.dp.sync)
+        if self.method.apart:  # every worker trains its own replica, apart
+            self.model = model
+        else:
+            hook = functools.partial(self.method.attach, dp=self.dp, timer=self.timer)
+            self.model = engine.wrap(model, engine=self.dp.engine, device=device,
+                                     timer=self.timer, dp=self.dp, hook=hook)  # fmt: skip
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.dp, self.parameters)
         self.outer: DiLoCo | None = None
@@ -270,7 +222,7 @@ class Trainer:
         self.round_step_s: list[float] = []
         """DiLoCo: each worker's measured seconds an inner step in the last round (what
         dp.balance=tokens cut the next round's inner steps by)."""
-        if self.dp.sync == "diloco":
+        if self.method.apart:
             for param in self.parameters:  # one start for every replica, as DDP's broadcast
                 dist.broadcast(param.data, src=0)
             dp = self.dp
@@ -422,94 +374,6 @@ class Trainer:
                           self.timer.wire_bytes, self.timer.collectives,
                           synced_ms=(synced - started) * 1e3,
                           trace=self.timer.trace(started))  # fmt: skip
-
-    def sync_due(self, step: int) -> bool:
-        """DiLoCo syncs every dp.inner_steps steps, and at the last."""
-        return step % self.dp.inner_steps == 0 or step == self.dp.steps
-
-    def step_apart(self) -> StepResult:
-        """One DiLoCo inner step on this worker's own slice of the step's global batch (no
-        communication), then whatever syncs fall at this step (data_parallel.diloco)."""
-        dp, world, outer = self.dp, self.world, self.outer
-        assert outer is not None
-        micro = rank_micro_batches(self.stream, self.position.blocks, rank=world.rank,
-                                   world_size=world.world_size, batch_size=dp.batch_size,
-                                   accum=dp.grad_accum_steps)  # fmt: skip
-        local_tokens = dp.batch_size * dp.grad_accum_steps * (dp.block_size - 1)
-        self.timer.reset()
-        started = time.perf_counter()
-        grad_norm = float("nan")
-        if self.window.steps < self.inner_steps:  # dp.balance=tokens: its share done, it waits
-            local_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for indices in micro:
-                ids = gather_blocks(self.data.train, indices).to(self.device)  # (b, T)
-                computing = time.perf_counter()
-                token_sum = self._token_sum(self.model, ids)
-                (token_sum / local_tokens).backward()
-                local_sum += token_sum.detach().double()
-                self._slow_down(time.perf_counter() - computing)
-            grad_norm = engine.clip_gradients(self.parameters, dp.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.window.add(float(local_sum), local_tokens, len(micro) * dp.batch_size,
-                            time.perf_counter() - started)  # fmt: skip
-            self.fragment_tokens = [t + local_tokens for t in self.fragment_tokens]
-        blocks = global_batch(world.world_size, dp.batch_size, dp.grad_accum_steps)
-        step = self.position.step + 1
-        loss, worker_loss = float("nan"), self.window.last_loss
-        tokens = self.position.tokens
-        synced = time.perf_counter()
-        landed = self._sync(step)
-        if landed is not None:
-            loss, trained_blocks = landed
-            tokens += trained_blocks * dp.block_size
-            synced = time.perf_counter()
-        step_ms = (time.perf_counter() - started) * 1e3
-        self.position = Position(step=step, blocks=self.position.blocks + blocks, tokens=tokens,
-                                 wall_s=self.position.wall_s + step_ms / 1e3)  # fmt: skip
-        result = StepResult(loss, grad_norm, step_ms, min(self.timer.in_flight_s() * 1e3, step_ms),
-                            self.timer.collective_bytes, self.timer.wire_bytes,
-                            self.timer.collectives, synced_ms=(synced - started) * 1e3,
-                            trace=self.timer.trace(started))  # fmt: skip
-        result.worker_loss = worker_loss
-        return result
-
-    def _sync(self, step: int) -> tuple[float, int] | None:
-        """The syncs at the end of `step`: those due land (the outer step on each one's averaged
-        pseudo-gradient, weighted by each worker's tokens), those whose turn it is start (at
-        the last step: every sync in flight lands, then every fragment syncs at once). The
-        first started carries the window's loss and counts, and (dp.balance=tokens) each
-        worker's speed, which sets its inner steps for the next round. Returns (the landed
-        windows' mean loss over every worker's tokens, the blocks every worker trained on
-        together in them), or None when nothing landed."""
-        dp, world, window, outer = self.dp, self.world, self.window, self.outer
-        assert outer is not None
-        last = step == dp.steps
-        landed = outer.land_due(sys.maxsize if last else step)
-        starting = list(range(dp.fragments)) if last else outer.due_fragments(step, dp.inner_steps)
-        for number, fragment in enumerate(starting):
-            extras = torch.zeros(3 + world.world_size, dtype=torch.float64)
-            if number == 0:
-                extras[:3] = torch.tensor([window.loss_sum, window.tokens, window.blocks])
-                extras[3 + world.rank] = window.seconds_per_step
-                self.round_steps = window.steps
-                self.window = Window()
-            due = step if last else step + dp.overlap_steps
-            flight = outer.launch(fragment, self.fragment_tokens[fragment], extras, step=step,
-                                  due=due)  # fmt: skip
-            self.fragment_tokens[fragment] = 0.0
-            if due == step:
-                landed.append(outer.land(flight))
-        if not landed:
-            return None
-        summed = torch.stack(landed).sum(0)
-        loss = float(summed[0] / summed[1]) if summed[1] > 0 else float("nan")
-        self.round_blocks = int(summed[2])
-        self.round_step_s = summed[3:].tolist()
-        if dp.balance == "tokens":
-            self.inner_steps = balanced_inner_steps(summed[3:].tolist(), dp.inner_steps,
-                                                    world.rank)  # fmt: skip
-        return loss, int(summed[2])
 
     def evaluate(self) -> float:
         """Mean next-token loss on the held-out blocks; every worker computes it on the same
@@ -722,15 +586,7 @@ class Trainer:
 
     def sync_label(self) -> str:
         """The sync method that ran (dp.sync=auto: the one it chose), with its settings."""
-        dp = self.dp
-        if dp.sync == "diloco":
-            fragments = f", {dp.fragments} fragments" if dp.fragments > 1 else ""
-            return f"diloco (H={dp.inner_steps}{fragments})"
-        if dp.sync == "powersgd":
-            return f"powersgd (rank {dp.powersgd_rank})"
-        if dp.sync == "topk":
-            return f"topk ({dp.topk_fraction:g})"
-        return f"{dp.sync} ({dp.engine})" if dp.sync == "ddp" else dp.sync
+        return self.method.label(self.dp)
 
     def _summary(self, results: list[StepResult], val_loss: float) -> dict[str, Any]:
         """The final table: losses, then the step's time and traffic (the first step, a

@@ -13,7 +13,6 @@ from lab.config import (
     LoRASettings,
     check_choice,
     check_fields_positive,
-    register_schema,
 )
 
 STRATEGIES = ("fedavg", "fedprox", "ffa", "svd")
@@ -371,6 +370,3 @@ class FedLearnRunConfig(LabConfig):
     client_index: int = 0
     """role=client: which shard of the corpus this client holds (a real client: its own data)."""
     client_name: str = ""
-
-
-register_schema("fed_learn_schema", FedLearnRunConfig)

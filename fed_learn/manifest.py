@@ -244,6 +244,9 @@ def verdict(summary: Mapping[str, Any]) -> list[str]:
 
 MANIFEST = Manifest(
     name=NAME,
+    schema="fed_learn.config:FedLearnRunConfig",
+    endpoints=("cluster.coordinator",),
+    serving=("coordinator",),
     summary="federated averaging of LoRA adapters: private data stays on each client",
     headline=Headline(
         "round_s",
@@ -271,7 +274,7 @@ MANIFEST = Manifest(
     plots=plots,
     scenario=Scenario(
         NAME,
-        "coordinator",
+        "cluster.coordinator",
         [
             ("desktop", "coordinator", ["role=coordinator"]),
             ("laptop", "client0", ["role=client", "client_index=0"]),
@@ -280,6 +283,7 @@ MANIFEST = Manifest(
         [*DEBUG, *TWO_CLIENTS, *SHORT, "num_threads=1"],
         same_losses("val_loss"),
         result_role="coordinator",
+        port=29510,
     ),
     variants=(
         Variant("fed_none", NAME, [*DEBUG, *TWO_CLIENTS, *SHORT, "num_threads=1"]),

@@ -357,7 +357,6 @@ EXPERIMENT = Experiment(
     schema=FedLearnRunConfig,
     roles={"coordinator": run_coordinator, "client": client_role, "simulator": simulator_role},
     plan=local_plan,
-    endpoints=("coordinator",),
     servers=("coordinator",),
     check=check,
     prepare=prepare,

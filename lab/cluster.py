@@ -15,9 +15,9 @@ from lab.config import ClusterConfig, Endpoint
 from lab.waiting import Wait
 from netproto.connection import Connection, client_ssl_context, server_ssl_context
 from netproto.errors import ConnectionClosed, NetTimeout
+from netproto.header import Limits
 from netproto.link import LinkEmulatorProcess
 from netproto.server import Handler, Server
-from netproto.wire import Limits
 
 
 def limits_for(cluster: ClusterConfig) -> Limits:

@@ -18,6 +18,8 @@ import ast
 import contextlib
 import dataclasses
 import difflib
+import importlib
+import importlib.util
 import inspect
 import itertools
 import re
@@ -42,7 +44,44 @@ HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--re
 """Every flag Hydra's command line takes (hydra._internal.utils.get_args_parser)."""
 
 
-def check_or_exit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
+def run_module(name: str) -> Any:
+    """`python -m <name>`, the whole of every experiment's `__main__.py`: from its manifest
+    (lab.registry) its schema (registered for Hydra) and its runner; the command line checked
+    (`check_or_exit`); then Hydra composes `<name>.yaml` and `lab.experiment.main` runs it."""
+    import hydra
+
+    from lab import experiment, registry
+
+    if registry.find(name) is None:  # a plug-in: its manifest registers itself as imported
+        importlib.import_module(f"{name}.manifest")
+    manifest = registry.manifest(name)
+    manifest.load_schema()
+    runner = manifest.load_runner()
+    folder = config_dir_of(name)
+    check_or_exit(runner, config_dir=folder)
+
+    def main(cfg: Any) -> Any:
+        return experiment.main(runner, cfg)
+
+    return hydra.main(version_base="1.3", config_path=str(folder), config_name=name)(main)()
+
+
+def config_dir_of(name: str) -> Path:
+    """Where experiment `name`'s primary config lives: the lab's conf/, or for an experiment
+    installed from elsewhere (a plug-in) its package's own conf/ beside its `__main__`."""
+    if (CONF_DIR / f"{name}.yaml").exists():
+        return CONF_DIR
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.origin:
+        own = Path(spec.origin).parent / "conf"
+        if (own / f"{name}.yaml").exists():
+            return own
+    return CONF_DIR  # composing it there says, in one line, that it is missing
+
+
+def check_or_exit(
+    experiment: Experiment, argv: Sequence[str] | None = None, *, config_dir: Path = CONF_DIR
+) -> None:
     """`python -m <experiment>`'s first act: `--help` prints the keys and exits 0; a mistaken
     override prints one line and exits 2; otherwise nothing happens and Hydra goes on."""
     name, schema = experiment.name, experiment.schema
@@ -50,7 +89,7 @@ def check_or_exit(experiment: Experiment, argv: Sequence[str] | None = None) -> 
     if "--help" in args or "-h" in args:
         print(help_text(name, schema, unread=experiment.unread_keys()))
         raise SystemExit(0)
-    refuse_or_exit(name, schema, args)
+    refuse_or_exit(name, schema, args, config_dir=config_dir)
 
 
 def refuse_or_exit(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -196,15 +196,13 @@ class ClusterConfig:
             )
         check_positive("cluster.max_connections_per_address", self.max_connections_per_address)
 
-    def open_to_the_network(self, endpoints: Iterable[str]) -> list[str]:
-        """Of `endpoints`, the `cluster.<name>.host=...` settings that are not loopback, when no
-        secret is set: whoever reaches them joins the run (empty with a secret)."""
+    def open_to_the_network(self, hosts: Mapping[str, str]) -> list[str]:
+        """Of `hosts` (each endpoint's dotted key -> its host), the `<key>.host=...` settings
+        that are not loopback, when no secret is set: whoever reaches them joins the run (empty
+        with a secret)."""
         if self.resolved_secret() is not None:
             return []
-        hosts = {name: getattr(self, name).host for name in endpoints}
-        return [
-            f"cluster.{name}.host={host}" for name, host in hosts.items() if not is_loopback(host)
-        ]
+        return [f"{key}.host={host}" for key, host in hosts.items() if not is_loopback(host)]
 
     def resolved_secret(self) -> bytes | None:
         """The shared secret from `secret`, else `secret_file`, else $LAB_SECRET, else None (no

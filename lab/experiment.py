@@ -1,12 +1,14 @@
 """The experiment dispatcher: what each module runs as, and the one function that runs it.
 
 Each experiment module declares, in its `run.py`, one `Experiment`: its config schema, the
-function behind each of its roles, the `cluster.*` endpoints its roles listen on, the config
-keys it does not read, and its local plan (which roles a `role=local` run starts as their own
-processes, and what this process does meanwhile). `run(experiment, cfg)` does the rest, the same
-way for every module: validates the config, refuses keys the experiment would ignore, picks the
-role, gives local roles free ports and their share of the cores, starts them as process groups,
-waits for servers to be ready before anything dials them, and stops everything on the way out.
+function behind each of its roles and its local plan (which roles a `role=local` run starts as
+their own processes, and what this process does meanwhile). What the tools read too (the
+endpoints its roles listen on, the config keys it does not read) is in its manifest
+(lab.registry), the one record of the experiment; the Experiment reads it from there.
+`run(experiment, cfg)` does the rest, the same way for every module: validates the config,
+refuses keys the experiment would ignore, picks the role, gives local roles free ports and their
+share of the cores, starts them as process groups, waits for servers to be ready before
+anything dials them, and stops everything on the way out.
 
 `python -m <module>`, the tests, the benches and `run_matrix.py` all go through it. A placement
 hook (`place`, or `LAB_PLACEMENT=module:function` in the environment) sees every role before it
@@ -24,7 +26,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -115,12 +117,6 @@ class Experiment:
     roles: Mapping[str, Callable[[Any], Metrics]]
     """Every role but `local`, by name, with the function that plays it."""
     plan: Callable[[Any], LocalPlan]
-    endpoints: tuple[str, ...] = ()
-    """`cluster.<endpoint>` fields its servers listen on: a local run gives each a free port."""
-    unread: Mapping[str, str] = field(default_factory=dict)
-    """Config keys (prefixes) in its schema that it does not read, each with the reason: set on
-    the command line, or swept by run_matrix, they are refused rather than silently ignored.
-    The `cluster.*` endpoints not in `endpoints` need not be listed (see `unread_keys`)."""
     check: Callable[[Any], None] = lambda settings: None
     """Validation across sections, run before anything starts (ValueError naming the keys)."""
     prepare: Callable[[Any], None] = lambda settings: None
@@ -152,29 +148,63 @@ class Experiment:
     def role_names(self) -> tuple[str, ...]:
         return ("local", *self.roles)
 
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Its manifest's endpoints (dotted keys)."""
+        return registry.manifest(self.name).endpoints
+
     def unread_keys(self) -> dict[str, str]:
-        """`unread`, plus every `cluster.*` endpoint but its own: its roles never dial them."""
-        own = ", ".join(f"cluster.{name}" for name in self.endpoints)
-        others = {
-            f"cluster.{f.name}": f"its roles meet at {own} only"
-            for f in fields(ClusterConfig)
-            if f.type in (Endpoint, "Endpoint") and f.name not in self.endpoints
-        }
-        return {**others, **self.unread}
+        return unread_keys(registry.manifest(self.name))
 
     def refuse_unread(self, keys: Sequence[str]) -> None:
-        """ValueError for the first key (dotted, as on the command line) it does not read."""
-        unread = self.unread_keys()
-        for key in keys:
-            for prefix, why in unread.items():
-                if key == prefix or key.startswith(prefix + "."):
-                    raise ConfigError(f"{self.name} does not read {key}: {why}")
+        refuse_unread(registry.manifest(self.name), keys)
+
+
+def unread_keys(manifest: registry.Manifest) -> dict[str, str]:
+    """`manifest.unread`, plus every `cluster.*` endpoint but its own: its roles never dial them."""
+    own = ", ".join(manifest.endpoints)
+    others = {
+        f"cluster.{f.name}": f"its roles meet at {own} only"
+        for f in fields(ClusterConfig)
+        if f.type in (Endpoint, "Endpoint") and f"cluster.{f.name}" not in manifest.endpoints
+    }
+    return {**others, **manifest.unread}
+
+
+def refuse_unread(manifest: registry.Manifest, keys: Sequence[str]) -> None:
+    """ConfigError for the first key (dotted, as on the command line) `manifest`'s experiment
+    does not read."""
+    unread = unread_keys(manifest)
+    for key in keys:
+        for prefix, why in unread.items():
+            if key == prefix or key.startswith(prefix + "."):
+                raise ConfigError(f"{manifest.name} does not read {key}: {why}")
+
+
+def endpoint_at(settings: Any, key: str) -> Endpoint:
+    """The endpoint at dotted `key` of `settings` (`cluster.master`, `fed.coordinator`)."""
+    value = settings
+    for part in key.split("."):
+        value = getattr(value, part)
+    assert isinstance(value, Endpoint), f"{key} is not an endpoint"
+    return value
+
+
+def with_endpoints(settings: Any, moved: Mapping[str, Endpoint]) -> Any:
+    """`settings` with the endpoint at each dotted key of `moved` replaced (frozen or not, the
+    sections along the way are copied, never changed in place)."""
+    for key, endpoint in moved.items():
+        head, _, rest = key.partition(".")
+        inner = endpoint if not rest else with_endpoints(getattr(settings, head), {rest: endpoint})
+        settings = replace(settings, **{head: inner})
+    return settings
 
 
 def get(name: str) -> Experiment:
     """The registered experiment `name` (lab.registry; imports its `run.py`)."""
-    registry.manifest(name)  # ConfigError naming the registered ones
-    experiment = importlib.import_module(f"{name}.run").EXPERIMENT
+    manifest = registry.manifest(name)  # ConfigError naming the registered ones
+    manifest.load_schema()  # Hydra composes its YAML over it
+    experiment = manifest.load_runner()
     assert isinstance(experiment, Experiment) and experiment.name == name
     return experiment
 
@@ -211,7 +241,7 @@ def run(
     settings = validated(experiment, cfg)
     if settings.role != "local":
         if settings.role in experiment.servers:
-            warn_if_open(settings.role, settings.cluster, experiment.endpoints)
+            warn_if_open(settings.role, settings, experiment.endpoints)
         apply_num_threads(settings.num_threads)
         return experiment.roles[settings.role](settings)
     return run_local(experiment, settings, place=place or placement_from_env())
@@ -231,9 +261,11 @@ def validated(experiment: Experiment, cfg: DictConfig | Any) -> Any:
     return settings
 
 
-def warn_if_open(role: str, cluster: ClusterConfig, endpoints: Sequence[str]) -> None:
-    """Say so when `role` will listen beyond loopback with no secret set."""
-    exposed = cluster.open_to_the_network(endpoints)
+def warn_if_open(role: str, settings: Any, endpoints: Sequence[str]) -> None:
+    """Say so when `role` will listen beyond loopback (at `endpoints` of `settings`) with no
+    secret set."""
+    hosts = {key: endpoint_at(settings, key).host for key in endpoints}
+    exposed = settings.cluster.open_to_the_network(hosts)
     if exposed:
         log.warning(
             "role=%s listens on the network (%s) without a secret: anyone who reaches its ports "
@@ -247,16 +279,16 @@ def warn_if_open(role: str, cluster: ClusterConfig, endpoints: Sequence[str]) ->
 def fenced(experiment: Experiment, settings: Any) -> Iterator[tuple[Any, FencedAddress | None]]:
     """A local run's settings with its endpoints on the fence's address, for the block (the
     fence up): unchanged for an experiment whose listeners all authenticate."""
-    hosts = [getattr(settings.cluster, name).host for name in experiment.endpoints]
+    hosts = [endpoint_at(settings, key).host for key in experiment.endpoints]
     if experiment.fence is None or not all(is_loopback(host) for host in hosts):
         yield settings, None
         return
     with experiment.fence.loopback() as fence:
         moved = {
-            name: Endpoint(fence.address, getattr(settings.cluster, name).port)
-            for name in experiment.endpoints
+            key: Endpoint(fence.address, endpoint_at(settings, key).port)
+            for key in experiment.endpoints
         }
-        yield replace(settings, cluster=replace(settings.cluster, **moved)), fence
+        yield with_endpoints(settings, moved), fence
 
 
 def _local_roles(
@@ -264,12 +296,11 @@ def _local_roles(
 ) -> tuple[Any, LocalPlan, list[Role]]:
     """A `role=local` run's settings (free ports, thread share), its plan and its processes."""
     experiment.prepare(settings)
-    cluster = settings.cluster
-    ports = {
-        name: Endpoint(getattr(cluster, name).host, free_port(getattr(cluster, name).host))
-        for name in experiment.endpoints
-    }
-    local = replace(settings, cluster=replace(cluster, **ports))
+    ports = {}
+    for key in experiment.endpoints:
+        host = endpoint_at(settings, key).host
+        ports[key] = Endpoint(host, free_port(host))
+    local = with_endpoints(settings, ports)
     plan = experiment.plan(local)  # its processes get `local` (threads included) when they start
     if local.num_threads == 0 and experiment.local_threads != 0:
         threads = experiment.local_threads or share_of_cores(

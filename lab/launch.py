@@ -141,8 +141,7 @@ class _Running:
                 out.flush()
 
     def signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, sig)
+        _signal_group(self.process.pid, sig)
 
     def finish_output(self) -> None:
         self._reader.join(timeout=2.0)
@@ -216,19 +215,35 @@ def launch(
         _stop(running, grace_s=grace_s)
 
 
+def stop_groups(
+    procs: Sequence[subprocess.Popen], *, grace_s: float, first: int = signal.SIGTERM
+) -> None:
+    """End the process groups `procs` lead (started with `start_new_session=True`): `first`
+    (SIGTERM) to each live one, SIGKILL to what is still running `grace_s` later (one deadline
+    for all), every one reaped. The one way the project ends a process tree it started."""
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc.pid, first)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
 def _stop(running: Sequence[_Running], *, grace_s: float) -> None:
     """SIGTERM every live process group, SIGKILL what is left after `grace_s`, reap all."""
     alive = [p for p in running if p.process.poll() is None]
     for proc in alive:
         proc.stopped_by_us = True
-        proc.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in alive:
-        try:
-            proc.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.signal_group(signal.SIGKILL)
-            proc.process.wait()
+    stop_groups([p.process for p in alive], grace_s=grace_s)
     for proc in running:
         proc.signal_group(signal.SIGKILL)  # grandchildren left in the group, if any
         proc.finish_output()

@@ -1,10 +1,12 @@
 """The experiment registry: what each experiment declares for the lab's tools.
 
-Every experiment package has one `manifest.py` whose `MANIFEST` (a `Manifest`) says what the
-tools need from it: its run_matrix workload, its plots, its headline figure and the cost model's
-predictor of it on a link, its multi-host scenario, curve variants and faults, its quick settings
-and its tour step. The package's roles live in its `run.py` (`lab.experiment.Experiment`); the
-manifest imports no model code, so a tool loads every manifest in well under a second.
+Every experiment package has one `manifest.py` whose `MANIFEST` (a `Manifest`) is its record:
+the endpoints its servers listen on (in its own config section), the keys it does not read, its
+serving roles, its run_matrix workload, its plots, its headline figure and the cost model's
+predictor of it on a link, its multi-host scenario (with the harness's port), curve variants and
+faults, its quick settings, its tour step, and a lazy reference to its runner (the
+`lab.experiment.Experiment` in its `run.py`, imported only to run it). The manifest imports no
+model code, so a tool loads every manifest in well under a second and never imports a run.py.
 
 Experiments register by entry point, in pyproject.toml:
 
@@ -17,6 +19,7 @@ The tools iterate `manifests()` and name no experiment; `lab.experiment.get(name
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +29,7 @@ from typing import Any, Protocol
 
 from lab.benchfigures import text
 from lab.cli import ConfigError
+from lab.config import register_schema
 from lab.linkmodel import Link
 
 ENTRY_POINTS = "distributed_llm_lab.experiments"
@@ -104,7 +108,8 @@ class Scenario:
 
     module: str
     endpoint: str
-    """The `cluster.*` endpoint its serving role (the first) listens on."""
+    """The dotted key of the endpoint its serving role (the first) listens on (one of its
+    manifest's `endpoints`: `cluster.master`, `fed.coordinator`)."""
     roles: list[tuple[str, str, list[str]]]
     """(host, role name, overrides) in start order; the first is the serving role."""
     common: list[str]
@@ -116,6 +121,8 @@ class Scenario:
     shared: tuple[str, ...] = ()
     """Settings naming a folder every host must see (`dp.checkpoint_dir`): the harness points
     each at one folder of its own for the run, as a user would at an NFS mount."""
+    port: int = field(kw_only=True)
+    """The port the host harness gives `endpoint` (docs/two_machines.md's, for this one)."""
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -173,6 +180,22 @@ class Manifest:
     """One line: what it measures."""
     headline: Headline
     workload: Workload
+    endpoints: tuple[str, ...] = ()
+    """The dotted keys of the endpoints its servers listen on, in its own config section
+    (`fed.coordinator`) or the shared rendezvous (`cluster.master`): a local run gives each a
+    free port, the README replay puts each on loopback."""
+    unread: Mapping[str, str] = field(default_factory=dict)
+    """Config keys (prefixes) in its schema that it does not read, each with the reason: set on
+    the command line, or swept by run_matrix, they are refused rather than silently ignored."""
+    serving: tuple[str, ...] = ()
+    """Roles that serve until stopped (`verifier`); its other roles finish by themselves."""
+    schema: str = ""
+    """`module:Class` of its run config (`fed_learn.config:FedLearnRunConfig`: a dataclass
+    over lab.config.LabConfig, no model code), registered as Hydra's `<name>_schema` when
+    loaded (`load_schema`)."""
+    runner: str = ""
+    """`module:attribute` of its `lab.experiment.Experiment` (default `<name>.run:EXPERIMENT`):
+    imported only when it runs."""
     quick: tuple[str, ...] = ()
     """Overrides that make a short run of it on the default models (the README replay adds
     each one a documented command does not set itself)."""
@@ -192,6 +215,25 @@ class Manifest:
     docs), over its quick ones, for each key the command does not set."""
     tour: tuple[str, ...] | None = ()
     """The tour's overrides for it (`python -m <name> *tour`); None: not in the tour."""
+
+    def load_runner(self) -> Any:
+        """Its `lab.experiment.Experiment` (imports its run.py, model code and all)."""
+        return _load(self.runner or f"{self.name}.run:EXPERIMENT")
+
+    def load_schema(self) -> type:
+        """Its run config's dataclass, registered as Hydra's `<name>_schema` (its YAML's
+        `defaults` names it)."""
+        if not self.schema:
+            raise TypeError(f"the manifest of {self.name} names no schema (module:Class)")
+        schema = _load(self.schema)
+        register_schema(f"{self.name}_schema", schema)
+        return schema
+
+
+def _load(reference: str) -> Any:
+    """The object `module:attribute` names (the module imported)."""
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 _lock = threading.Lock()

@@ -40,14 +40,14 @@ class Check:
 
 
 CUDA_TESTS: tuple[str, ...] = ("-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider")
-CUDA_TESTS += ("tests/test_cuda.py",)
+CUDA_TESTS += ("tests/lab/test_cuda.py",)
 """That file alone: collecting the whole suite would import every module's dependencies."""
 CHECKS = (
     Check("cuda tests: device, netproto", (*CUDA_TESTS, "-k", "picks_the_gpu or netproto")),
     Check("cuda tests: speculative decoding", (*CUDA_TESTS, "-k", "speculative")),
     Check("cuda tests: split", (*CUDA_TESTS, "-k", "split")),
     Check("cuda tests: federated QLoRA", (*CUDA_TESTS, "-k", "federated")),
-    Check("cuda tests: static decode", (*CUDA_TESTS[:-1], "tests/test_static_decode.py")),
+    Check("cuda tests: static decode", (*CUDA_TESTS[:-1], "tests/lab/test_static_decode.py")),
     Check(
         "decode on a static cache in a CUDA graph, 1B shape",
         ("bench/decode_graph_bench.py", "--shape", "1b"),

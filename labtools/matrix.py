@@ -17,7 +17,6 @@ import contextlib
 import csv
 import fcntl
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -41,8 +40,8 @@ import psutil
 
 from lab import atomic, commandline, experiment, registry
 from lab.cli import ConfigError
-from lab.config import CONF_DIR, SECRET_ENV, check_fields_positive, register_schema
-from lab.launch import die_with_parent
+from lab.config import SECRET_ENV, check_fields_positive, register_schema
+from lab.launch import die_with_parent, stop_groups
 from lab.redact import redact_argv, redact_config, redact_text, split_secret
 from lab.registry import Workload
 from lab.tracking import METRICS_FILE, read_records
@@ -165,17 +164,18 @@ def sweep_fingerprint(config: MatrixConfig) -> str:
 
 def check_sweep(config: MatrixConfig) -> None:
     """Refuse, before any cell runs, a key the workload's experiment does not read."""
-    exp = experiment.get(config.workload)
+    manifest = registry.manifest(config.workload)  # its record: no run.py imported
     keys = [config.axes[axis] for axis in config.grid]
     keys += [experiment.override_key(o) for o in config.overrides]
-    exp.refuse_unread(keys)
+    experiment.refuse_unread(manifest, keys)
     # a key the schema does not have, a value of the wrong type: composed as the first cell's
     # config will be, each mistake one line (lab.commandline), never Hydra's advice
     first = cells(config)[0]
     overrides = [o for o in cell_overrides(config, first, Path("unused"))
                  if not o.startswith("hydra.run.dir=")]  # fmt: skip
     try:
-        commandline.check(exp.name, exp.schema, overrides, config_dir=_config_dir(exp.name))
+        commandline.check(manifest.name, manifest.load_schema(), overrides,
+                          config_dir=commandline.config_dir_of(manifest.name))  # fmt: skip
     except ConfigError as exc:
         refused = re.match(r"(\S+) is not a setting of", str(exc))
         axis = next((a for a in config.grid if refused and config.axes.get(a) == refused[1]), None)
@@ -186,19 +186,6 @@ def check_sweep(config: MatrixConfig) -> None:
             f"cell {first.name} of workload={config.workload} does not compose: "
             f"{redact_text(str(exc))}{hint}"
         ) from None
-
-
-def _config_dir(name: str) -> Path:
-    """Where experiment `name`'s primary config lives: the lab's conf/, or for an experiment
-    installed from elsewhere (a plug-in) its package's own conf/ beside its `__main__`."""
-    if (CONF_DIR / f"{name}.yaml").exists():
-        return CONF_DIR
-    spec = importlib.util.find_spec(name)
-    if spec is not None and spec.origin:
-        own = Path(spec.origin).parent / "conf"
-        if (own / f"{name}.yaml").exists():
-            return own
-    return CONF_DIR  # composing it there says, in one line, that it is missing
 
 
 def cell_overrides(config: MatrixConfig, cell: Cell, run_dir: Path) -> list[str]:
@@ -378,9 +365,7 @@ def run_cell_process(
                 time.sleep(poll_s)
         finally:
             _kill_tree([*_tree(root), *seen])
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_groups([proc], grace_s=0, first=signal.SIGKILL)
     if status == "ok" and proc.returncode != 0:
         status, reason = "error", _failure_reason(log_path, proc.returncode)
     return CellOutcome(

@@ -39,7 +39,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from lab import benchfigures, experiment, registry
+from lab import benchfigures, registry
 from lab.cli import EXIT_INTERRUPTED
 from lab.experiment import override_key
 from lab.launch import free_port
@@ -214,11 +214,11 @@ def with_shared(argv: list[str], out: Path) -> list[str]:
 
 
 def loopback_hosts(ports: dict[str, int]) -> list[str]:
-    """Every `cluster.*` endpoint on loopback, at `ports`: a multi-machine example on one host."""
+    """Every endpoint (its dotted key) on loopback, at `ports`: a multi-machine example on one
+    host."""
     return [
-        o for name, port in ports.items()
-        for o in (f"cluster.{name}.host=127.0.0.1", f"cluster.{name}.port={port}")
-    ]  # fmt: skip
+        o for key, port in ports.items() for o in (f"{key}.host=127.0.0.1", f"{key}.port={port}")
+    ]
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -242,8 +242,8 @@ def run_command(command: Command, *, out: Path, timeout_s: float) -> tuple[bool,
     extra: list[str] = []
     if len(command.argvs) > 1 or any("role=" in " ".join(a) for a in command.argvs):
         env["LAB_SECRET"] = secrets.token_hex(16)
-        endpoints = experiment.get(target_of(command.argvs[0])).endpoints  # it reads no other
-        ports = {name: free_port("127.0.0.1") for name in endpoints}
+        endpoints = registry.manifest(target_of(command.argvs[0])).endpoints  # no other read
+        ports = {key: free_port("127.0.0.1") for key in endpoints}
         extra = [*loopback_hosts(ports), "num_threads=1"]
     argvs = [
         with_shared(with_quick(argv, out=out / f"p{i}", extra=extra), out)

@@ -339,11 +339,6 @@ def _runs_below(path: Path) -> str:
     return f"; runs further down: {shown}"
 
 
-def section_for(run_dir: Path) -> Section:
-    """The first section of `run_dir` (`discover` gives them all)."""
-    return discover(run_dir)[0]
-
-
 def redacted(section: Section) -> Section:
     """`section` with `***` for any secret its command, rows, notes or summary line quote."""
     head = section.headline

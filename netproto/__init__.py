@@ -6,6 +6,7 @@ with Server(handler, secret=b"s3cret").start() as server:
         conn.send_tensors(MsgType.DATA_TENSORS, {"w": torch.zeros(4)})
 """
 
+from netproto.codecs import decode_payload, encode, encode_bytes
 from netproto.connection import Connection, client_ssl_context, server_ssl_context
 from netproto.errors import (
     AuthenticationError,
@@ -18,21 +19,10 @@ from netproto.errors import (
     RemoteError,
     TruncatedFrame,
 )
+from netproto.header import REGISTRY, Limits, Message, MsgType, PayloadKind, Registry, parse_header
 from netproto.link import LinkEmulator, LinkEmulatorProcess
 from netproto.server import Server
-from netproto.wire import (
-    REGISTRY,
-    FrameDecoder,
-    Limits,
-    Message,
-    MsgType,
-    PayloadKind,
-    Registry,
-    decode_payload,
-    encode,
-    encode_bytes,
-    parse_header,
-)
+from netproto.wire import FrameDecoder
 
 __all__ = [
     "REGISTRY",

@@ -20,7 +20,7 @@ import secrets
 from typing import Any, Protocol
 
 from netproto.errors import AuthenticationError, ConnectionClosed, PeerProtocolError, RemoteError
-from netproto.wire import MsgType
+from netproto.header import MsgType
 
 
 class Connection(Protocol):

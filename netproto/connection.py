@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from netproto import auth
+from netproto.codecs import Buffer, encode_frame, new_payload_buffer
 from netproto.errors import (
     ConnectionClosed,
     LocalProtocolError,
@@ -37,20 +38,17 @@ from netproto.errors import (
     TruncatedFrame,
     peer_text,
 )
-from netproto.wire import (
+from netproto.header import (
     AUTH_LIMITS,
     REGISTRY,
-    Buffer,
-    FrameDecoder,
     Limits,
     Message,
     MessageSpec,
     MsgType,
     PayloadKind,
     Registry,
-    encode_frame,
-    new_payload_buffer,
 )
+from netproto.wire import FrameDecoder
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from netproto.errors import (
     PeerProtocolError,
     peer_text,
 )
+from netproto.header import REGISTRY, Limits, Registry
 from netproto.listener import POLL_S, Acceptor, listen
-from netproto.wire import REGISTRY, Limits, Registry
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The sans-IO core of netproto: frames <-> typed messages. No sockets here.
 
 The frame's header and vocabulary live in `netproto.header`, the payload codecs in
-`netproto.codecs`; this module reads frames from a stream (`FrameDecoder`) and hands on the
-names of both, so `from netproto.wire import ...` keeps working.
+`netproto.codecs`; this module reads frames from a stream (`FrameDecoder`). Each name has one
+import path: the module that defines it.
 """
 
 from __future__ import annotations
@@ -13,39 +13,25 @@ from typing import Any
 import torch
 
 from netproto.codecs import (
-    MIN_ENTRY_BYTES,
     Buffer,
     decode_payload,
-    encode,
     encode_bytes,
-    encode_frame,
-    encode_payload,
     new_payload_buffer,
-    registered,
 )
 from netproto.errors import PeerProtocolError
 from netproto.header import (
     _INT32,
-    AUTH_LIMITS,
-    CODE_DTYPES,
-    DTYPE_CODES,
     HEADER,
     HEADER_BYTES,
     MAGIC,
-    MAX_REQUEST_ID,
-    MAX_TYPE,
     PROTOCOL_VERSION,
     REGISTRY,
-    TENSOR_ALIGN,
     Header,
     Limits,
     Message,
-    MessageSpec,
-    MsgType,
     PayloadKind,
     Registry,
     _new_message,
-    pack_header,
     parse_header,
 )
 
@@ -317,40 +303,3 @@ class FrameDecoder:
 def frames(messages: Sequence[Message], **kwargs: Any) -> bytes:
     """Several messages as one byte string (tests, fuzzing)."""
     return b"".join(encode_bytes(m, **kwargs) for m in messages)
-
-
-__all__ = [
-    "AUTH_LIMITS",
-    "CODE_DTYPES",
-    "DTYPE_CODES",
-    "HEADER",
-    "HEADER_BYTES",
-    "MAGIC",
-    "MAX_REQUEST_ID",
-    "MAX_TYPE",
-    "MIN_ENTRY_BYTES",
-    "PROTOCOL_VERSION",
-    "READ_CHUNK_BYTES",
-    "REGISTRY",
-    "TENSOR_ALIGN",
-    "Buffer",
-    "FrameDecoder",
-    "Header",
-    "Limits",
-    "Message",
-    "MessageSpec",
-    "MsgType",
-    "PayloadAllocator",
-    "PayloadKind",
-    "Registry",
-    "decode_payload",
-    "encode",
-    "encode_bytes",
-    "encode_frame",
-    "encode_payload",
-    "frames",
-    "new_payload_buffer",
-    "pack_header",
-    "parse_header",
-    "registered",
-]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from lab.config import LabConfig, ModelConfig, check_fields_positive, register_schema
+from lab.config import LabConfig, ModelConfig, check_fields_positive
 from lab.serving import ServeConfig
 
 MAX_GAMMA = 32
@@ -134,6 +134,3 @@ class SpecDecodingRunConfig(LabConfig):
                 f"would be ignored; set target.{key} (the verifier's model) or draft.{key} "
                 "(the drafter's) instead"
             )
-
-
-register_schema("spec_decoding_schema", SpecDecodingRunConfig)

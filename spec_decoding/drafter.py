@@ -685,6 +685,12 @@ def drafter_for(
         branch_depth=spec.branch_depth,
         branch_width=spec.branch_width,
         branch_flatness=spec.branch_flatness,
-        gamma=GammaController(fixed=spec.fixed_gamma, max_gamma=spec.max_gamma),
+        gamma=GammaController(
+            fixed=spec.fixed_gamma,
+            max_gamma=spec.max_gamma,
+            pipelined=spec.pipeline,
+            alone=spec.pipeline and spec.decode_alone,
+            branch_depth=spec.branch_depth,
+        ),
         **sampling,
     )

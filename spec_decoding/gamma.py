@@ -245,6 +245,8 @@ class PipelineModel:
         return max(window for window, rate in rates.items() if rate >= (1 - tolerance) * best)
 
 
+FIRST_GAMMA = 4
+"""Rounds: what `gamma=auto` drafts before it has measured a verify and a round trip."""
 PIPELINE_PRIOR = 16
 """Pipelined `auto`'s window before anything is measured: past the width a link needs the rate
 is flat (the extra drafts are made while the drafter would wait), and on a near link a window
@@ -263,8 +265,11 @@ class GammaController:
         window: int = 32,
         pipelined: bool = False,
         alone: bool = False,
+        branch_depth: int = 0,
     ) -> None:
-        """`window`: how many recent measurements the estimates follow."""
+        """`window`: how many recent measurements the estimates follow; `pipelined`, `alone`
+        and `branch_depth` as the Drafter it serves runs (spec.pipeline, spec.decode_alone,
+        spec.branch_depth)."""
         self.fixed = fixed
         self.max_gamma = max_gamma
         self.pipelined = pipelined
@@ -282,8 +287,8 @@ class GammaController:
         """What the model was fed when the window was last chosen."""
         self._depth: int | None = None
         self._choosing = False
-        self.branch_depth = 0
-        """spec.branch_depth (set by a pipelined Drafter that branches; 0: no branches)."""
+        self.branch_depth = branch_depth if pipelined else 0
+        """spec.branch_depth of a pipelined Drafter that branches (0: no branches)."""
         self._roots = [0, 0]  # wrong tokens in flight with branch roots, and roots hit
         self._flat = [0, 0]  # drafted tokens, and those unsure enough to branch
         self._covered = [0, 0]  # wrong drafted tokens, and those that had been branched
@@ -302,7 +307,7 @@ class GammaController:
         if self.pipelined:
             return self._choice if self._choice is not None else min(PIPELINE_PRIOR, self.max_gamma)
         if not self._verify or not self._rtt:
-            return min(4, self.max_gamma)
+            return min(FIRST_GAMMA, self.max_gamma)
         return self.model().best_gamma(self.max_gamma)
 
     def rechoose(self) -> None:

@@ -19,6 +19,7 @@ from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
 from spec_decoding.gamma import (
+    FIRST_GAMMA,
     PIPELINE_PRIOR,
     CostModel,
     PipelineModel,
@@ -56,10 +57,6 @@ def plots(run_dir: Path) -> list[Path]:
         ax.set_xticks(numbers)
         ax.grid(alpha=0.3, axis="y")
     return [save(fig, plt, run_dir / "spec_prompts.png")]
-
-
-FIRST_GAMMA = 4
-"""What `gamma=auto` drafts before it has measured anything (spec_decoding.gamma)."""
 
 
 def _rounds_seconds(model: Any, *, tokens: int, prompts: int, max_gamma: int) -> float:
@@ -210,6 +207,10 @@ def bench(keys: str) -> float:
 
 MANIFEST = Manifest(
     name=NAME,
+    schema="spec_decoding.config:SpecDecodingRunConfig",
+    endpoints=("cluster.verifier",),
+    unread={"model": "its two models are target.* and draft.* (e.g. target.pretrained=...)"},
+    serving=("verifier",),
     summary="a small draft model proposes tokens, a large target verifies them over TCP",
     headline=Headline(
         "speedup",
@@ -243,7 +244,7 @@ MANIFEST = Manifest(
     plots=plots,
     scenario=Scenario(
         NAME,
-        "verifier",
+        "cluster.verifier",
         [
             ("desktop", "verifier", ["role=verifier"]),
             ("laptop", "drafter", ["role=drafter"]),
@@ -251,6 +252,7 @@ MANIFEST = Manifest(
         [*DEBUG, *SHORT, "num_threads=1"],
         same_outputs,
         result_role="drafter",
+        port=29520,
     ),
     variants=(
         Variant("spec_rounds", NAME, [*CURVE, "spec.pipeline=false"]),

@@ -329,11 +329,7 @@ EXPERIMENT = Experiment(
     schema=SpecDecodingRunConfig,
     roles={"verifier": verifier_role, "drafter": drafter_role, "serve": serve_role},
     plan=local_plan,
-    endpoints=("verifier",),
     servers=("verifier",),
-    unread={
-        "model": "its two models are target.* and draft.* (e.g. target.pretrained=...)",
-    },
     prepare=prepare,
 )
 

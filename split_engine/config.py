@@ -82,3 +82,11 @@ class SplitConfig:
                 "calls into it need others: with one, a training step waits out "
                 "split.rpc_timeout_s and fails)"
             )
+
+
+UNREAD = {
+    "cluster.link": "netproto's link emulator shapes netproto traffic only, and TensorPipe's "
+    "traffic between stages does not cross it",
+    "cluster.tls": "TensorPipe does not use netproto's TLS (see docs/security.md)",
+}
+"""Keys of a split module's schema that it does not read (both split manifests say so)."""

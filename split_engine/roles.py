@@ -18,13 +18,13 @@ from lab.experiment import Experiment, LocalPlan, Metrics, Process
 from lab.launch import PeerLostError, ServiceGroup
 from lab.models import resolve_source
 from split_engine.config import SplitConfig
+from split_engine.handshake import authenticate_stages
 from split_engine.layout import stage_ranges
 from split_engine.liveness import PeerWatch, heartbeat_timeout_s
 from split_engine.stage import StageHost, set_stage_host
 from split_engine.workers import (
     DRIVER,
     World,
-    authenticate_stages,
     joined,
     release_all,
     serve_until_released,
@@ -37,13 +37,6 @@ log = logging.getLogger(__name__)
 
 PING_S = 2.0
 """How often an idle stage checks that its driver is still there."""
-
-UNREAD = {
-    "cluster.link": "netproto's link emulator shapes netproto traffic only, and TensorPipe's "
-    "traffic between stages does not cross it",
-    "cluster.tls": "TensorPipe does not use netproto's TLS (see docs/security.md)",
-}
-"""Keys of a split module's schema that it does not read."""
 
 
 def serve_stage(settings: LabConfig, split: SplitConfig) -> None:
@@ -94,9 +87,10 @@ def driving(
     ):
         reason, gone = "", None
         try:
-            authenticate_stages(secret, split.num_stages, timeout_s=split.rpc_timeout_s)
+            names = [stage_name(rank) for rank in range(1, split.num_stages + 1)]
+            authenticate_stages(secret, names, timeout_s=split.rpc_timeout_s)
             yield PeerWatch(
-                [stage_name(rank) for rank in range(1, split.num_stages + 1)],
+                names,
                 ping_timeout_s=heartbeat_timeout_s(split),
                 local=stages,
             )
@@ -178,13 +172,11 @@ def split_experiment(
         schema=schema,
         roles={"driver": run_driver, "stage": stage_role, **more},
         plan=plan,
-        endpoints=("master",),
         servers=(
             "driver",
             "stage",
             *more,
         ),  # the driver hosts the rendezvous; every rank, TensorPipe
-        unread=UNREAD,
         check=check_split,
         prepare=prepare,
         local_threads=local_threads,

@@ -8,7 +8,7 @@ authentication of its own. Every process of a split run installs two guards (`in
   is called while unpickling and no state is set on what the message did not build.
 - **Signed calls** (`EnvelopePickler` / `RpcUnpickler`): every pickle this process sends goes
   out in an envelope naming its sender and a sequence number. With a shared secret, once the
-  driver has proved it (see `workers.authenticate_stages`), every envelope carries an
+  driver has proved it (see `handshake.authenticate_stages`), every envelope carries an
   HMAC-SHA256 over the envelope, the pickle and each tensor's dtype and shape, under a key only
   holders of the secret can derive from that run's fresh world nonce. A receiver checks the MAC
   and the sequence number (no replay) before it unpickles anything. Before the handshake only
@@ -55,12 +55,12 @@ _REFERENCES = {
     # calling: none of these runs while a message is unpickled.
     ("split_engine.stage", "Stage"),
     ("split_engine.stage", "describe_model"),
+    ("split_engine.handshake", "stage_accept_driver"),
+    ("split_engine.handshake", "stage_prove"),
+    ("split_engine.memory_probes", "free_memory_bytes"),
     ("split_engine.workers", "driver_alive"),
-    ("split_engine.workers", "free_memory_bytes"),
     ("split_engine.workers", "release_stage"),
-    ("split_engine.workers", "stage_accept_driver"),
     ("split_engine.workers", "stage_alive"),
-    ("split_engine.workers", "stage_prove"),
     # torch's RPC internals: RRef method calls and the start-up / shutdown all-gather.
     ("torch.distributed.rpc.rref_proxy", "_local_invoke"),
     ("torch.distributed.rpc.api", "_rref_typeof_on_owner"),
@@ -244,8 +244,8 @@ START_CALLS = frozenset(
         ("torch.distributed.rpc.api", "_gather_to_leader"),
         ("torch.distributed.rpc.api", "_broadcast_to_followers"),
         # the handshake, and the liveness ping a stage starts as soon as it has joined
-        ("split_engine.workers", "stage_prove"),
-        ("split_engine.workers", "stage_accept_driver"),
+        ("split_engine.handshake", "stage_prove"),
+        ("split_engine.handshake", "stage_accept_driver"),
         ("split_engine.workers", "driver_alive"),
     }
 )
@@ -357,10 +357,6 @@ def start_signing() -> None:
         if _calls.key is None:
             raise RuntimeError("start_signing before the world key is set")
         _calls.signing = True
-
-
-def refused_count() -> int:
-    return _calls.refused
 
 
 def _tensor_meta(tensors: list[Any]) -> bytes:

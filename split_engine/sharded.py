@@ -23,8 +23,9 @@ from split_engine.config import SplitConfig
 from split_engine.generation import Generation, Sampling, positions_from_mask
 from split_engine.layout import StageCosts, balance_boundaries, stage_ranges
 from split_engine.liveness import PeerWatch, wait_watching
+from split_engine.memory_probes import free_memory_bytes
 from split_engine.stage import Stage, describe_model
-from split_engine.workers import StageLostError, free_memory_bytes, stage_alive, stage_name
+from split_engine.workers import StageLostError, stage_alive, stage_name
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,10 @@ from lab.losses import next_token_loss
 from lab.models import hub_offline, resolve_source
 from split_engine.batching import stage_step
 from split_engine.generation import Sampling, TokenPicker, decode
+from split_engine.handshake import require_driver
 from split_engine.layout import build_stage_model, full_model_name, stage_costs
+from split_engine.memory_probes import peak_memory
 from split_engine.rpc_guard import never_sent
-from split_engine.workers import peak_memory, require_driver
 
 log = logging.getLogger(__name__)
 

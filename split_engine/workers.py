@@ -1,4 +1,4 @@
-"""The RPC world of a split run: start, authenticate, serve, stop.
+"""The RPC world of a split run: start, serve, stop (the handshake: split_engine.handshake).
 
 Ranks: the driver is rank 0 (`driver`), stage k is rank k (`stage1` ... `stageN`); the driver's
 host runs the rendezvous store on `cluster.master`. torch.distributed.rpc (TensorPipe) has no
@@ -13,7 +13,6 @@ the driver has proved itself, and the driver aborts the run if a stage cannot.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 import re
@@ -23,146 +22,31 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from lab.cli import UserError
 from lab.config import Endpoint
 from lab.launch import PeerLostError
 from lab.waiting import Wait
 from netproto import Connection, Limits
-from netproto.auth import NONCE_BYTES, mac
+from netproto.auth import NONCE_BYTES
 from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
 from split_engine import rpc_guard
 from split_engine.config import SplitConfig
+from split_engine.handshake import _auth
 from world.network import listening_towards
 from world.store import MAX_FRAME_BYTES, SPLIT_KEYS, NetprotoStoreClient, StoreServer
 
 log = logging.getLogger(__name__)
 
 
-class SecretMismatchError(UserError, PermissionError):
-    """A stage and the driver could not prove the same shared secret to each other: said in
-    one line, naming the role whose secret differs."""
-
-
 class StageLostError(PeerLostError):
     """A stage did not answer (it died, hung, or the network between went away)."""
-
-
-# ---------------------------------------------------------------------------- authentication
-
-
-@dataclass
-class _AuthState:
-    secret: bytes | None = None
-    driver_proved: bool = False
-    nonces: list[bytes] = field(default_factory=list)  # ours, awaiting a proof (newest last)
-    world_nonce: bytes = b""  # the driver's: fresh per world, the seed of the call-signing key
-    name: str = ""  # this process's worker name
-
-
-MAX_PENDING_NONCES = 8
-_auth = _AuthState()
-_auth_lock = threading.Lock()
-
-
-def stage_prove(driver_nonce: bytes) -> tuple[bytes, bytes]:
-    """Stage side, step 1: our MAC over the driver's nonce, and a nonce for the driver to sign."""
-    if not isinstance(driver_nonce, bytes) or len(driver_nonce) != NONCE_BYTES:
-        raise ValueError("stage_prove takes a 32-byte nonce")
-    with _auth_lock:
-        secret = _auth.secret
-        if secret is None or _auth.driver_proved:  # one handshake per world
-            return b"", b""
-        # a few outstanding at once: a stranger asking too cannot spoil the driver's handshake
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        _auth.nonces = [*_auth.nonces, nonce][-MAX_PENDING_NONCES:]
-        return mac(secret, b"stage", _auth.name.encode(), driver_nonce, nonce), nonce
-
-
-def stage_accept_driver(proof: bytes, world_nonce: bytes) -> bool:
-    """Stage side, step 2: check the driver's MAC over our nonce and the world nonce; serve only
-    if it holds, and from then on sign and require signed calls under the world's key."""
-    if not isinstance(proof, bytes) or not isinstance(world_nonce, bytes):
-        raise ValueError("stage_accept_driver takes bytes")
-    with _auth_lock:
-        secret = _auth.secret
-        if secret is None:
-            _auth.driver_proved = True
-            return True
-        if _auth.driver_proved:
-            return False  # one handshake per world
-        ok = len(world_nonce) == NONCE_BYTES and any(
-            hmac.compare_digest(proof, mac(secret, b"driver", nonce, world_nonce))
-            for nonce in _auth.nonces
-        )
-        if ok:
-            rpc_guard.set_world_key(world_nonce)
-            rpc_guard.start_signing()  # this call's own reply is the first signed message
-            _auth.driver_proved, _auth.nonces = True, []
-        return ok
-
-
-def require_driver() -> None:
-    """Called first by every stage-side entry point: refuse work before the driver proved itself."""
-    if not _auth.driver_proved:
-        raise PermissionError("this stage serves only a driver that has proved the shared secret")
-
-
-def authenticate_stages(secret: bytes | None, num_stages: int, *, timeout_s: float) -> None:
-    """Driver side: mutual challenge-response with every stage, one after the other; raises if
-    one fails. A stage that accepted signs and requires signed calls from then on, so the
-    driver signs everything once any stage has (the release at the end of a failed start
-    included; a stage not yet accepted then leaves when the driver does)."""
-    accepted = 0
-    try:
-        for rank in range(1, num_stages + 1):
-            authenticate_stage(stage_name(rank), secret, _auth.world_nonce, timeout_s=timeout_s)
-            accepted += 1
-    finally:
-        if secret is not None and accepted:
-            rpc_guard.start_signing()
-
-
-def authenticate_stage(
-    name: str, secret: bytes | None, world_nonce: bytes, *, timeout_s: float
-) -> None:
-    """Driver side, one stage: check its proof of the secret, then prove ours and hand it the
-    world nonce (bound into our proof)."""
-    nonce = secrets.token_bytes(NONCE_BYTES)
-    reply = rpc.rpc_sync(name, stage_prove, args=(nonce,), timeout=timeout_s)
-    if not (
-        isinstance(reply, tuple)
-        and len(reply) == 2
-        and all(isinstance(part, bytes) and len(part) <= 64 for part in reply)
-    ):
-        raise SecretMismatchError(f"{name} answered the handshake with something else than 2 MACs")
-    stage_mac, stage_nonce = reply
-    if secret is not None:
-        expected = mac(secret, b"stage", name.encode(), nonce, stage_nonce)
-        if not stage_mac or not hmac.compare_digest(stage_mac, expected):
-            raise SecretMismatchError(
-                f"{name} could not prove the shared secret: its cluster.secret / LAB_SECRET "
-                "differs from this driver's, or it has none; the run is stopped"
-            )
-        proof = mac(secret, b"driver", stage_nonce, world_nonce)
-    else:
-        if stage_mac:
-            raise SecretMismatchError(
-                f"{name} expects a shared secret and this driver has none: set cluster.secret "
-                "(or LAB_SECRET) to the stages' secret"
-            )
-        proof = b""
-    accepted = rpc.rpc_sync(name, stage_accept_driver, args=(proof, world_nonce), timeout=timeout_s)
-    if accepted is not True:
-        raise SecretMismatchError(f"{name} refused this driver's proof of the shared secret")
 
 
 # ---------------------------------------------------------------------------- the world
@@ -678,33 +562,3 @@ def release_all(num_stages: int, *, reason: str = "", gone: str | None = None) -
         word = ABRUPT
     _end.word = word if _end.store is not None else ABRUPT
     return _end.word != ABRUPT
-
-
-def peak_memory() -> dict[str, float]:
-    """This process's peak and current resident memory (and CUDA peak where CUDA is used)."""
-    import resource
-
-    import psutil
-
-    stats = {
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss_mib": psutil.Process().memory_info().rss / 2**20,
-        "cpu_s": time.process_time(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        stats["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    return stats
-
-
-def free_memory_bytes() -> float:
-    """Memory a stage could still fill: free CUDA memory on a GPU host, available RAM otherwise."""
-    require_driver()
-    from lab.device import detect_device
-
-    device = detect_device()
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return float(free)
-    import psutil
-
-    return float(psutil.virtual_memory().available)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lab.config import LabConfig, check_fields_positive, register_schema
+from lab.config import LabConfig, check_fields_positive
 from lab.serving import ServeConfig
 from split_engine.config import SplitConfig
 
@@ -77,6 +77,3 @@ class SplitInferenceRunConfig(LabConfig):
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     """`role=serve`: the OpenAI-compatible endpoint (docs/serving.md)."""
-
-
-register_schema("split_inference_schema", SplitInferenceRunConfig)

@@ -15,6 +15,7 @@ from lab.linkmodel import Link, run_config, run_summary
 from lab.plots import pyplot, save, step_rows
 from lab.records import METRICS_FILE, read_records, same_outputs
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
+from split_engine.config import UNREAD
 from split_engine.placement import ACROSS, DOCUMENTED, SPLIT_ROLES
 
 NAME = "split_inference"
@@ -142,6 +143,9 @@ def bench(keys: str) -> float:
 
 MANIFEST = Manifest(
     name=NAME,
+    schema="split_inference.config:SplitInferenceRunConfig",
+    endpoints=("cluster.master",),
+    unread=UNREAD,
     summary="a model cut at layer boundaries across hosts (torch.distributed.rpc), decoding",
     headline=Headline(
         "token_ms",
@@ -185,7 +189,7 @@ MANIFEST = Manifest(
     documented=DOCUMENTED,
     scenario=Scenario(
         NAME,
-        "master",
+        "cluster.master",
         SPLIT_ROLES,
         [
             *ACROSS,
@@ -199,6 +203,7 @@ MANIFEST = Manifest(
         same_outputs,
         result_role="driver",
         netproto=False,
+        port=29530,
     ),
     variants=(
         Variant(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lab.config import LabConfig, LoRASettings, check_choice, check_fields_positive, register_schema
+from lab.config import LabConfig, LoRASettings, check_choice, check_fields_positive
 from split_engine.config import SplitConfig
 
 MIXED_PRECISIONS = ("auto", "bf16", "none")
@@ -95,6 +95,3 @@ class SplitTrainingRunConfig(LabConfig):
 
     split: SplitTrainConfig = field(default_factory=SplitTrainConfig)
     lora: LoRASettings = field(default_factory=LoRASettings)
-
-
-register_schema("split_training_schema", SplitTrainingRunConfig)

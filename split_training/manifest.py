@@ -19,6 +19,7 @@ from lab.linkmodel import Link, run_config, run_steps
 from lab.plots import pyplot, rising_validation, save, smoothed, step_rows
 from lab.records import METRICS_FILE, read_records, same_losses
 from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
+from split_engine.config import UNREAD
 from split_engine.placement import ACROSS, DOCUMENTED, SPLIT_ROLES
 
 NAME = "split_training"
@@ -145,6 +146,9 @@ def bench(keys: str) -> float:
 
 MANIFEST = Manifest(
     name=NAME,
+    schema="split_training.config:SplitTrainingRunConfig",
+    endpoints=("cluster.master",),
+    unread=UNREAD,
     summary="backprop across the cut: the stages pipeline each step among themselves over RPC",
     headline=Headline(
         "step_ms",
@@ -174,13 +178,14 @@ MANIFEST = Manifest(
     documented=DOCUMENTED,
     scenario=Scenario(
         NAME,
-        "master",
+        "cluster.master",
         SPLIT_ROLES,
         ACROSS,
         # each stage adds its micro-batches in a fixed order: any link, the same numbers
         same_losses("loss", rtol=1e-6),
         result_role="driver",
         netproto=False,
+        port=29530,
     ),
     variants=(Variant(NAME, NAME, [*ACROSS, "split.steps=8"]),),
     # long enough for the stranger's tries to find the run listening

@@ -27,7 +27,7 @@ Why not torch's distributed autograd (which split training used until this modul
 answers a second gradient message for a context whose backward is already running at once,
 before that part of the backward has run (`DistEngine::executeSendFunctionAsync`), so the
 driver's `dist_autograd.backward` could return while a stage was still adding micro-batch
-gradients, and the norm, clip and step read them early (see docs/split_training.md).
+gradients, and the norm, clip and step read them early (see docs/split.md).
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ import torch
 from torch.distributed.rpc import RRef
 
 from split_engine import rpc_guard
+from split_engine.handshake import require_driver
 from split_engine.liveness import PING_TIMEOUT_S, WATCH_S, PeerGoneError, PeerWatch
 from split_engine.rpc_guard import never_sent
 from split_engine.stage import Stage
-from split_engine.workers import DRIVER, require_driver, stage_name
+from split_engine.workers import DRIVER, stage_name
 from split_training.config import SCHEDULES
 
 ACTIVATION, GRADIENT, NORM, TIED, ABORT = "activation", "gradient", "norm", "tied", "abort"

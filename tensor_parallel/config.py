@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lab.config import LabConfig, check_choice, check_fields_positive, register_schema
+from lab.config import LabConfig, check_choice, check_fields_positive
 
 ENGINES = ("local", "dtensor")
 DEFAULT_PROMPTS = [
@@ -79,6 +79,3 @@ class TensorParallelRunConfig(LabConfig):
     """Schema of `conf/tensor_parallel.yaml`."""
 
     tp: TPConfig = field(default_factory=TPConfig)
-
-
-register_schema("tensor_parallel_schema", TensorParallelRunConfig)

@@ -63,8 +63,23 @@ def predict_token_ms(run_dir: Path, link: Link) -> float:
     return float(m["token_ms"]) + per_token * allreduce_on_link_ms(each, ranks, link)
 
 
+UNREAD = {
+    "cluster.link": "netproto's link emulator shapes netproto traffic; gloo's does not cross it",
+    "cluster.tls": "gloo does not use TLS (the overlay or the fence keeps strangers out)",
+    "cluster.connect_timeout_s": "the ranks wait tp.join_timeout_s",
+    "cluster.read_timeout_s": "the ranks wait tp.join_timeout_s",
+    "cluster.max_frame_mib": "no netproto frames cross between its ranks",
+    "cluster.min_frame_rate_kbps": "no netproto frames cross between its ranks",
+    "cluster.max_connections_per_address": "no netproto server runs in it",
+    "model.quantization": "tensor_parallel shards full-precision linears",
+}
+
+
 MANIFEST = Manifest(
     name=NAME,
+    schema="tensor_parallel.config:TensorParallelRunConfig",
+    endpoints=("cluster.master",),
+    unread=UNREAD,
     summary="each layer's matrices split across ranks (torch's DTensor plan): faster decoding?",
     headline=Headline(
         "token_ms",
@@ -89,12 +104,13 @@ MANIFEST = Manifest(
     documented=("num_threads=1",),
     scenario=Scenario(
         NAME,
-        "master",
+        "cluster.master",
         RANKS,
         ACROSS,
         same_outputs,
         result_role="rank0",
         netproto=False,
+        port=29530,
     ),
     variants=(Variant(NAME, NAME, ACROSS),),
     tour=(),

@@ -26,17 +26,6 @@ from world.fence import LOCAL_FENCE
 
 log = logging.getLogger(__name__)
 
-UNREAD = {
-    "cluster.link": "netproto's link emulator shapes netproto traffic; gloo's does not cross it",
-    "cluster.tls": "gloo does not use TLS (the overlay or the fence keeps strangers out)",
-    "cluster.connect_timeout_s": "the ranks wait tp.join_timeout_s",
-    "cluster.read_timeout_s": "the ranks wait tp.join_timeout_s",
-    "cluster.max_frame_mib": "no netproto frames cross between its ranks",
-    "cluster.min_frame_rate_kbps": "no netproto frames cross between its ranks",
-    "cluster.max_connections_per_address": "no netproto server runs in it",
-    "model.quantization": "tensor_parallel shards full-precision linears",
-}
-
 
 def rank_name(rank: int) -> str:
     return f"rank{rank}"
@@ -166,8 +155,6 @@ EXPERIMENT = Experiment(
     schema=TensorParallelRunConfig,
     roles={"rank": run_rank},
     plan=local_plan,
-    endpoints=("master",),
-    unread=UNREAD,
     check=check,
     local_threads=0,  # each rank sets its own (num_threads above)
     fence=LOCAL_FENCE,  # gloo takes any connection: see world.fence

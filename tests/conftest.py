@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+from lab import registry
 from lab.config import CONF_DIR
 
 # Never touch the user's model cache, W&B account or the hub from a test.
@@ -23,7 +24,7 @@ PRIMARY_CONFIGS = sorted(
     p.stem for p in CONF_DIR.glob("*.yaml") if p.stem not in ("config", "matrix")
 )
 """Entry-point configs of runs (`conf/<name>.yaml`); `config.yaml` is the base they all include.
-`matrix.yaml` is run_matrix's, a sweep of runs (tests/test_matrix.py)."""
+`matrix.yaml` is run_matrix's, a sweep of runs (tests/labtools/test_matrix.py)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -44,9 +45,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def import_schemas() -> None:
-    """Register every entry point's schema (each lives beside its module)."""
-    for name in PRIMARY_CONFIGS:
-        importlib.import_module("lab.pretrain" if name == "pretrain" else f"{name}.config")
+    """Register every schema: each experiment's through its manifest, and the tools' own."""
+    for manifest in registry.manifests().values():
+        manifest.load_schema()
+    importlib.import_module("lab.pretrain")
     importlib.import_module("labtools.matrix")
 
 

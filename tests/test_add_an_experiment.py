@@ -28,7 +28,7 @@ from pathlib import Path
 from lab.linkmodel import Link, run_summary
 from lab.plots import pyplot, save
 from lab.records import same_losses
-from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload
+from lab.registry import Headline, Manifest, Metric, Scenario, Variant, Workload, register
 
 
 def value(run_dir: Path) -> float:
@@ -48,6 +48,10 @@ def plots(run_dir: Path) -> list[Path]:
 
 MANIFEST = Manifest(
     name="{name}",
+    schema="{name}.run:ToyRunConfig",
+    endpoints=("toy.server",),  # its own endpoint, in its own section
+    unread={{"model": "the toy loads no model"}},
+    serving=("server",),
     summary="a toy experiment that lives in a temporary folder",
     headline=Headline("value", "the value (ms)", value, predict),
     workload=Workload(
@@ -57,12 +61,13 @@ MANIFEST = Manifest(
     quick=("toy.x=2",),
     plots=plots,
     scenario=Scenario(
-        "{name}", "coordinator",
+        "{name}", "toy.server",
         [("desktop", "server", ["role=server"]), ("laptop", "client", ["role=client"])],
-        ["toy.x=2"], same_losses("value"), result_role="client",
+        ["toy.x=2"], same_losses("value"), result_role="client", port=29540,
     ),
     variants=(Variant("{name}_plain", "{name}", ["toy.x=3"]),),
 )
+register(MANIFEST)  # a plug-in outside the installed distribution registers itself
 '''
 
 RUN = '''
@@ -70,19 +75,16 @@ RUN = '''
 
 from dataclasses import dataclass, field
 
-from lab.config import LabConfig, register_schema
+from lab.config import Endpoint, LabConfig
 from lab.experiment import Experiment, LocalPlan
-from lab.registry import register
 from lab.tracking import Tracker
-from {name}.manifest import MANIFEST
-
-register(MANIFEST)  # a plug-in outside the installed distribution registers itself
 
 
 @dataclass
 class ToyConfig:
     x: float = 1.0
     repeats: int = 1
+    server: Endpoint = field(default_factory=Endpoint)
 
 
 @dataclass
@@ -90,14 +92,11 @@ class ToyRunConfig(LabConfig):
     toy: ToyConfig = field(default_factory=ToyConfig)
 
 
-register_schema("{name}_schema", ToyRunConfig)
-
-
 def measure(settings, group=None):
     tracker = Tracker.from_settings(settings, job="{name}")
     for step in range(settings.toy.repeats):
         tracker.log({{"value": settings.toy.x ** 2}}, step=step)
-    metrics = {{"value": settings.toy.x ** 2}}
+    metrics = {{"value": settings.toy.x ** 2, "server_port": settings.toy.server.port}}
     tracker.summary(metrics)
     tracker.close()
     return metrics
@@ -108,24 +107,14 @@ EXPERIMENT = Experiment(
     schema=ToyRunConfig,
     roles={{"server": measure, "client": measure}},
     plan=lambda settings: LocalPlan(processes=[], main=measure),
-    unread={{"model": "the toy loads no model"}},
 )
 '''
 
 MAIN = """
-import hydra
-
-from lab import experiment
-from {name}.run import EXPERIMENT
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="{name}")
-def main(cfg):
-    experiment.main(EXPERIMENT, cfg)
-
+from lab.commandline import run_module
 
 if __name__ == "__main__":
-    main()
+    run_module(__package__)
 """
 
 CONF = """
@@ -169,6 +158,7 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[registry.Ma
 def test_the_toy_joins_every_tool_and_no_file_of_the_repository_changes(
     toy: registry.Manifest, tmp_path: Path
 ) -> None:
+    from lab import experiment
     from labtools import costmodel, hosts, matrix, report, tour
 
     before = subprocess.run(
@@ -189,13 +179,16 @@ def test_the_toy_joins_every_tool_and_no_file_of_the_repository_changes(
         timeout_s=240.0, plot=False,
     )  # fmt: skip
     assert matrix.workload_of(config) is toy.workload
-    sys.path.insert(0, str(ROOT))
-    import run_matrix
+    from labtools import sweep
 
-    run_matrix.sweep(config)
+    sweep.sweep(config)
     rows = [json.loads(line) for line in (out / matrix.RESULTS_JSONL).read_text().splitlines()]
     assert {r["status"] for r in rows} == {"ok"}, rows
     assert sorted(r["metrics"]["value"] for r in rows) == [4.0, 9.0]
+    # its own endpoint: each local run gave it a free port, and the shared ones are not its
+    assert all(r["metrics"]["server_port"] > 0 for r in rows)
+    unread = experiment.unread_keys(toy)
+    assert "toy.server" not in unread and {"cluster.master", "model"} <= set(unread)
 
     # the cost model predicts its headline from a run of it
     run_dir = Path(rows[0]["run_dir"])

@@ -4,7 +4,7 @@ found by reading each experiment's config.py and run.py checks; a new tie gets a
 
 The settings alone decide these; the ties that need a file (a model's layer count against
 split.num_stages, a checkpoint against dp.resume) are tested where they are read:
-tests/test_cli.py, tests/split/, tests/data_parallel/."""
+tests/lab/test_cli.py, tests/split/, tests/data_parallel/."""
 
 from __future__ import annotations
 

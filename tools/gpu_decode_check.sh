@@ -57,7 +57,7 @@ else
         || echo "wheels: could not unpack (see $OUT/wheels.log)"
       export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
-    part cuda_test "$((LEFT < 60 ? LEFT : 60))" "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_static_decode.py
+    part cuda_test "$((LEFT < 60 ? LEFT : 60))" "$PY" -m pytest -q -rs -p no:cacheprovider -m cuda tests/lab/test_static_decode.py
   else
     SUMMARY+=("cuda_test: not run, $((SECONDS - STARTED))s spent")
   fi

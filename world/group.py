@@ -36,10 +36,10 @@ How an experiment calls it (tensor_parallel: two ranks, one DTensor mesh)::
             mesh = init_device_mesh(group.device_type, (tp.world_size,))
             ...  # parallelize_module(model, mesh, {...ColwiseParallel(), RowwiseParallel()})
 
-Its local plan starts one process per rank (`lab.experiment.Process`), and its
-`Experiment(endpoints=("master",), fence=world.fence.LOCAL_FENCE)` puts a local run's master on
-the fence's address, where Gloo's listeners are fenced too. Ranks on other hosts run the same
-call with their own `rank`; they need the same secret.
+Its local plan starts one process per rank (`lab.experiment.Process`), and its manifest's
+`endpoints=("cluster.master",)` with `Experiment(fence=world.fence.LOCAL_FENCE)` put a local
+run's master on the fence's address, where Gloo's listeners are fenced too. Ranks on other
+hosts run the same call with their own `rank`; they need the same secret.
 
 data_parallel's workers are started by torch's elastic agent, which has its own rendezvous:
 `world.elastic` serves the agents the same store and gives each round's workers their group.

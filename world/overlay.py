@@ -47,6 +47,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
+from lab.launch import stop_groups
 from netproto import REGISTRY, Connection, PayloadKind, Server
 from netproto.errors import AuthenticationError, ConnectionClosed, NetprotoError, NetTimeout
 
@@ -81,7 +82,6 @@ REGISTRY.register(
     0x031F,
     {OverlayMsg.JOIN: PayloadKind.JSON, OverlayMsg.ROSTER: PayloadKind.JSON},
 )
-
 
 # --------------------------------------------------------------------------- checks
 
@@ -314,14 +314,7 @@ class Interface:
             self._made = False
         proc, self._proc = self._proc, None
         if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_groups([proc], grace_s=5)
             if proc.stderr is not None:
                 proc.stderr.close()
             with contextlib.suppress(FileNotFoundError):

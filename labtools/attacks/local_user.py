@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from lab.launch import stop_groups
+
 ROOT = Path(__file__).resolve().parents[2]
 """The checkout: the run's and the attacker's PYTHONPATH and working folder."""
 OTHER_UID = 65534
@@ -220,13 +222,7 @@ def split_run(
     try:
         yield SplitRun(proc, lines, run_dir)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_groups([proc], grace_s=60)
         reader.join(timeout=10)
 
 

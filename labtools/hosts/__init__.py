@@ -10,7 +10,7 @@ separate HOMEs keep "the model is missing on host B" visible). A host's link can
 (`python -m <module> role=... cluster=hosts`), with a `conf/cluster/hosts.yaml` of their own
 that names the hosts' addresses, a shared secret, and TLS for the netproto modules (`--tls`).
 
-    python -m labtools.hosts check           # the four modules across hosts, each vs loopback
+    python -m labtools.hosts check           # every registered module across hosts, vs loopback
     python -m labtools.hosts check --tls --rate 100mbit --only spec_decoding
 
 `check` prints one line per module and ends with `modules identical across hosts: N of M`; each
@@ -48,7 +48,6 @@ from labtools.hosts.curves import (
 from labtools.hosts.documented import (
     DOC_SERVER,
     DOCUMENTED,
-    SERVING_ROLES,
     Documented,
     documented_runs,
     run_documented,
@@ -90,7 +89,6 @@ from labtools.hosts.probe import (
     measure_link,
 )
 from labtools.hosts.scenarios import (
-    PORTS,
     Inject,
     Outcome,
     Roles,
@@ -117,12 +115,10 @@ __all__ = [
     "DOC_SERVER",
     "NOT_INHERITED",
     "OVERLAY_PREFIX",
-    "PORTS",
     "PREFIX",
     "PROBE_PORT",
     "ROOT",
     "ROUTE_TABLE",
-    "SERVING_ROLES",
     "STRANGER",
     "SUBNET",
     "TUN",

@@ -17,8 +17,13 @@ DOCUMENTED = ("docs/two_machines.md", "README.md")
 DOC_SERVER = "192.168.1.20"
 """The serving host's address in conf/cluster/two_hosts.yaml and docs/two_machines.md; the
 other hosts get 192.168.1.10, .11, ... (inside the namespaces only: nothing leaves them)."""
-SERVING_ROLES = ("role=verifier", "role=coordinator")
-"""Roles that serve until stopped; every other documented role finishes by itself."""
+
+
+def serves(argv: Sequence[str]) -> bool:
+    """Whether `python -m <module> ...` runs a role its manifest says serves until stopped
+    (every other documented role finishes by itself)."""
+    manifest = registry.find(argv[2]) if len(argv) > 2 else None
+    return manifest is not None and any(f"role={role}" in argv for role in manifest.serving)
 
 
 @dataclass
@@ -75,9 +80,7 @@ def run_documented(
                 full, out / f"{name}.log", env={"LAB_SECRET": "a-secret-both-hosts-share"}
             )
         finishing = [
-            name
-            for name, (_, argv) in zip(procs, run.lines, strict=True)
-            if not any(role in argv for role in SERVING_ROLES)
+            name for name, (_, argv) in zip(procs, run.lines, strict=True) if not serves(argv)
         ]
         try:
             _wait(procs, finishing, timeout_s)

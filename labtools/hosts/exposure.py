@@ -13,7 +13,7 @@ from typing import Any, TextIO
 from lab import registry
 from lab.records import step_metrics
 from labtools.hosts.network import Host, HostsError, Network, _ip
-from labtools.hosts.scenarios import PORTS, Roles, Security, _raise_if_failed, _wait, provision
+from labtools.hosts.scenarios import Roles, Security, _raise_if_failed, _wait, provision
 
 # --------------------------------------------------------------------------- exposure
 
@@ -208,7 +208,7 @@ def probe_exposure(
             for name, surface in ATTACKS.items():
                 payload = (b"\xff" * 16 if "0xff" in name else b"\x00" * 16).hex()
                 for item in found:
-                    store = item.host == scenario.hosts[0] and item.port == PORTS[scenario.endpoint]
+                    store = item.host == scenario.hosts[0] and item.port == scenario.port
                     if (surface == "store") != store:
                         continue
                     for address in {item.address, lan[item.host]} - {"127.0.0.1", "::1"}:

@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from lab.launch import stop_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "dllab"
@@ -175,18 +176,7 @@ class Host:
 
     def stop(self) -> None:
         """Stop every process started here (SIGTERM, then SIGKILL after 10 s)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_groups(self.procs, grace_s=10)
         self.procs.clear()
 
 
@@ -368,14 +358,7 @@ class Network:
         proc, self._forwarder = self._forwarder, None
         if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_groups([proc], grace_s=10)
         if proc.stdout is not None:
             proc.stdout.close()
 

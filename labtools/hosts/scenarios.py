@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import shutil
 import signal
@@ -20,6 +19,7 @@ from typing import TextIO
 import psutil
 
 from lab import registry
+from lab.launch import stop_groups
 from lab.registry import RunningRoles, Scenario
 from labtools.hosts.network import CLUSTER_NAME, HostsError, Network, cores_line
 
@@ -59,15 +59,31 @@ def make_certificate(folder: Path, address: str) -> None:
 
 
 def write_cluster(folder: Path, address: str, ports: dict[str, int]) -> Path:
-    """`<folder>/cluster/hosts.yaml`: every serving role at `address`, as a user's
-    conf/cluster/mine.yaml would say (docs/two_machines.md, step 3)."""
+    """`<folder>/cluster/hosts.yaml`: every `cluster.*` endpoint of `ports` (dotted key ->
+    port) at `address`, as a user's conf/cluster/mine.yaml would say (docs/two_machines.md,
+    step 3). An endpoint in an experiment's own section is an override (`endpoint_overrides`)."""
     lines = [f"name: {CLUSTER_NAME}"]
-    lines += [f"{role}: {{host: {address}, port: {port}}}" for role, port in ports.items()]
+    lines += [
+        f"{key.removeprefix('cluster.')}: {{host: {address}, port: {port}}}"
+        for key, port in ports.items()
+        if key.startswith("cluster.")
+    ]
     lines.append("read_timeout_s: 120.0")
     path = folder / "cluster" / f"{CLUSTER_NAME}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return folder
+
+
+def endpoint_overrides(address: str, ports: dict[str, int]) -> list[str]:
+    """The endpoints of `ports` outside `cluster` (in an experiment's own section) at
+    `address`, as overrides: `fed.coordinator.host=...`, `fed.coordinator.port=...`."""
+    return [
+        o
+        for key, port in ports.items()
+        if not key.startswith("cluster.")
+        for o in (f"{key}.host={address}", f"{key}.port={port}")
+    ]
 
 
 @dataclass
@@ -90,9 +106,6 @@ def modules() -> list[str]:
 def scenarios() -> dict[str, Scenario]:
     """Each registered experiment's scenario, on the hosts docs/two_machines.md puts its roles."""
     return {name: m.scenario for name, m in registry.manifests().items() if m.scenario is not None}
-
-
-PORTS = {"coordinator": 29510, "verifier": 29520, "master": 29530}
 
 
 def provision(network: Network, *, log: TextIO) -> None:
@@ -144,9 +157,8 @@ class Roles:
         server = network[on_host or scenario.hosts[0]]
         # all on one host: the serving role at its loopback, as a single machine would say
         address = "127.0.0.1" if on_host else server.address
-        self.conf = write_cluster(
-            out / "conf", address, {scenario.endpoint: PORTS[scenario.endpoint]}
-        )
+        self.conf = write_cluster(out / "conf", address, {scenario.endpoint: scenario.port})
+        self.endpoint = endpoint_overrides(address, {scenario.endpoint: scenario.port})
         self.procs: dict[str, subprocess.Popen] = {}
         self.run_dirs: dict[str, Path] = {}
         self.placed = {
@@ -161,7 +173,7 @@ class Roles:
         tls = self.security.tls_overrides(serving=role == self.serving)
         shared = [f"{key}={self.out / 'shared' / key}" for key in self.scenario.shared]
         argv = [sys.executable, "-m", self.scenario.module, *overrides, f"cluster={CLUSTER_NAME}",
-                f"hydra.searchpath=[file://{self.conf}]", *self.scenario.common,
+                f"hydra.searchpath=[file://{self.conf}]", *self.endpoint, *self.scenario.common,
                 *(tls if self.scenario.netproto else []), *shared, *extra,
                 f"hydra.run.dir={self.run_dirs[role]}", "tracking.wandb=false"]  # fmt: skip
         self.procs[role] = host.start(
@@ -195,10 +207,7 @@ class Roles:
 
     def kill(self, role: str) -> None:
         """SIGKILL `role`'s processes, as a machine's power going off would (no goodbye)."""
-        proc = self.procs.pop(role)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_groups([self.procs.pop(role)], grace_s=0, first=signal.SIGKILL)
 
 
 Inject = Callable[[RunningRoles, float], None]

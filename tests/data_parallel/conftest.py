@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import data_parallel.config  # noqa: F401  (registers the schema)
 from data_parallel.manifest import step_records
 from data_parallel.run import EXPERIMENT
-from lab import experiment
+from lab import experiment, registry
 from lab.config import CONF_DIR
+
+registry.manifest("data_parallel").load_schema()  # what `compose_dp` composes over
 
 SHORT = ("dp.steps=10", "dp.max_train_blocks=256", "dp.eval_blocks=4", "dp.checkpoint_every=5",
          "dp.baseline=false")  # fmt: skip

@@ -10,7 +10,8 @@ import pytest
 
 from data_parallel.config import DataParallelRunConfig
 from data_parallel.manifest import step_records
-from data_parallel.worker import balanced_inner_steps, due
+from data_parallel.steps import balanced_inner_steps
+from data_parallel.worker import due
 from lab.config import to_settings
 
 from .conftest import Run, compose_dp, losses, worst_relative

@@ -32,7 +32,7 @@ from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
 from lab.tracking import METRICS_FILE, Tracker, read_records
 from labtools.attacks.secure_rounds import offset_delta, result_for
 from netproto import Connection, NetprotoError, RemoteError
-from netproto.wire import Header, PayloadKind, pack_header
+from netproto.header import Header, PayloadKind, pack_header
 
 MODEL = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
 State = dict[str, torch.Tensor]

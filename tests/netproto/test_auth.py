@@ -19,8 +19,9 @@ from netproto import (
     client_ssl_context,
     server_ssl_context,
 )
-from netproto.wire import HEADER, MAGIC, PROTOCOL_VERSION, FrameDecoder, Message, PayloadKind
-from netproto.wire import encode_bytes as frame
+from netproto.codecs import encode_bytes as frame
+from netproto.header import HEADER, MAGIC, PROTOCOL_VERSION, Message, PayloadKind
+from netproto.wire import FrameDecoder
 
 from .conftest import wait_for
 

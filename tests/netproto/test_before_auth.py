@@ -25,9 +25,10 @@ from netproto import (
     server_ssl_context,
 )
 from netproto.auth import mac
+from netproto.codecs import encode_bytes as frame
+from netproto.header import HEADER, MAGIC, PROTOCOL_VERSION, Message, PayloadKind
 from netproto.listener import accept_until
-from netproto.wire import HEADER, MAGIC, PROTOCOL_VERSION, FrameDecoder, Message, PayloadKind
-from netproto.wire import encode_bytes as frame
+from netproto.wire import FrameDecoder
 
 from .conftest import wait_for
 

@@ -22,15 +22,8 @@ from netproto import (
     PeerProtocolError,
     RemoteError,
 )
-from netproto.wire import (
-    DTYPE_CODES,
-    HEADER,
-    MAGIC,
-    PROTOCOL_VERSION,
-    Message,
-    PayloadKind,
-    encode_bytes,
-)
+from netproto.codecs import encode_bytes
+from netproto.header import DTYPE_CODES, HEADER, MAGIC, PROTOCOL_VERSION, Message, PayloadKind
 from tests.clocks import HANG_GUARD_S
 
 from .conftest import echo_handler, wait_for

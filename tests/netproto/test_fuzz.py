@@ -10,7 +10,8 @@ import time
 import torch
 
 from netproto import Connection, MsgType
-from netproto.wire import Message, encode_bytes
+from netproto.codecs import encode_bytes
+from netproto.header import Message
 
 SEEDS = [
     encode_bytes(Message(MsgType.DATA_JSON, {"k": [1, 2, 3]})),

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from netproto import Connection, MsgType, PeerProtocolError, TruncatedFrame
-from netproto.wire import HEADER_BYTES, READ_CHUNK_BYTES, FrameDecoder, Message, frames
+from netproto.header import HEADER_BYTES, Message
+from netproto.wire import READ_CHUNK_BYTES, FrameDecoder, frames
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -21,22 +21,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from netproto import Connection, MsgType, PeerProtocolError
-from netproto.wire import (
+from netproto.codecs import decode_payload, encode_bytes
+from netproto.header import (
     AUTH_LIMITS,
     HEADER,
     HEADER_BYTES,
     MAGIC,
     PROTOCOL_VERSION,
-    READ_CHUNK_BYTES,
     REGISTRY,
-    FrameDecoder,
     Limits,
     Message,
     PayloadKind,
-    decode_payload,
-    encode_bytes,
     parse_header,
 )
+from netproto.wire import READ_CHUNK_BYTES, FrameDecoder
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -18,17 +18,10 @@ import pytest
 from lab.cluster import limits_for, serve
 from lab.config import ClusterConfig, Endpoint
 from netproto import Connection, Limits, MsgType, NetprotoError, Server
+from netproto.codecs import encode_bytes as frame
+from netproto.header import HEADER, HEADER_BYTES, MAGIC, PROTOCOL_VERSION, Message, PayloadKind
 from netproto.server import address_key
-from netproto.wire import (
-    HEADER,
-    HEADER_BYTES,
-    MAGIC,
-    PROTOCOL_VERSION,
-    FrameDecoder,
-    Message,
-    PayloadKind,
-)
-from netproto.wire import encode_bytes as frame
+from netproto.wire import FrameDecoder
 
 from .conftest import echo_handler, wait_for
 from .test_before_auth import closed_by_peer, read_message

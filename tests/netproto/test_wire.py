@@ -15,23 +15,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from netproto import codecs
+from netproto.codecs import encode_bytes
 from netproto.connection import Connection
 from netproto.errors import LocalProtocolError, PeerProtocolError
-from netproto.wire import (
+from netproto.header import (
     DTYPE_CODES,
     HEADER,
     HEADER_BYTES,
     MAGIC,
     PROTOCOL_VERSION,
-    FrameDecoder,
     Limits,
     Message,
     MsgType,
     PayloadKind,
     Registry,
-    encode_bytes,
-    frames,
 )
+from netproto.wire import FrameDecoder, frames
 
 DTYPES = sorted(DTYPE_CODES, key=DTYPE_CODES.__getitem__)
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

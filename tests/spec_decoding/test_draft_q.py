@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lab.sampling import probs_from_logits
-from netproto.wire import REGISTRY, Limits, encode_frame
+from netproto.codecs import encode_frame
+from netproto.header import REGISTRY, Limits
 from spec_decoding.draft_q import (
     TOTAL,
     BadDraftQ,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from netproto import Connection
 from netproto.errors import AuthenticationError, NetprotoError
-from netproto.wire import HEADER, Header, Limits, PayloadKind, pack_header
+from netproto.header import HEADER, Header, Limits, PayloadKind, pack_header
 from world.store import (
     MAX_FRAME_BYTES,
     MAX_KEYS,

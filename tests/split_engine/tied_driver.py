@@ -2,7 +2,7 @@
 
 torch.distributed.rpc cannot be joined again in one process with a different world size, so the
 tests run each stage count's world from a fresh driver process: `python -m
-tests.split.tied_driver FOLDER NUM_STAGES STEPS OUT.json EXPORT_DIR`. It trains STEPS batches
+tests.split_engine.tied_driver FOLDER NUM_STAGES STEPS OUT.json EXPORT_DIR`. It trains STEPS batches
 (micro-batches 2, clipping on) and records, after every step, the loss, the global gradient
 norm and whether the first stage's embedding and the last stage's head copy are bitwise equal;
 then it exports the whole model to EXPORT_DIR and records the split model's logits on fixed ids.
@@ -22,8 +22,8 @@ def main(folder: Path, num_stages: int, steps: int, out: Path, export_dir: Path)
     from split_engine.sharded import ShardedModel
     from split_training.config import SplitTrainConfig
     from split_training.trainer import DistributedTrainer
-    from tests.split.conftest import model_config, rpc_world
-    from tests.split.test_tied import SPLIT_SETTINGS, probe_ids, training_batches
+    from tests.split_engine.conftest import model_config, rpc_world
+    from tests.split_engine.test_tied import SPLIT_SETTINGS, probe_ids, training_batches
 
     split = SplitTrainConfig(num_stages=num_stages, **SPLIT_SETTINGS)
     with (

@@ -4,7 +4,7 @@ says how to go on, and no process of the run is left (issue 48, item 4).
 Every wait in the run is set to 600 s (`split.rpc_timeout_s`), longer than this test waits for
 the run to end: only the new checks (the launcher's watch of its stage processes, the peers'
 heartbeats) can end it in time. The time it takes is measured by a script, not asserted here
-(docs/split_training.md, "A stage that dies").
+(docs/split.md, "A stage that dies").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Two orderings of torch RPC that split training depends on, checked in plain processes.
 
-`python -m tests.split.rpc_ordering` prints one JSON line:
+`python -m tests.split_engine.rpc_ordering` prints one JSON line:
 
 - `changed_after_send_seen`: TensorPipe sends a CPU tensor's memory when it goes out, after
   `rpc_async` has returned, so a change made in place right after the call reaches the peer

@@ -124,7 +124,7 @@ def _run_in_own_process(folder: Path, num_stages: int, tmp_path: Path) -> dict:
         [
             sys.executable,
             "-m",
-            "tests.split.tied_driver",
+            "tests.split_engine.tied_driver",
             str(folder),
             str(num_stages),
             str(STEPS),

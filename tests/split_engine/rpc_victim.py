@@ -1,5 +1,5 @@
-"""A minimal unfenced split world for attack tests: `python -m tests.split.rpc_victim RANK PORT
-OUT`.
+"""A minimal unfenced split world for attack tests: `python -m tests.split_engine.rpc_victim
+RANK PORT OUT`.
 
 Two processes meet in a torch RPC world on loopback with the options a split run uses
 (`split_engine.workers._options`: TensorPipe's `uv` transport, its default channels): rank 0
@@ -48,7 +48,7 @@ def start_victim(port: int, out: Path, timeout_s: float = 30.0) -> Victim:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.split.rpc_victim", str(rank), str(port), str(out)],
+            [sys.executable, "-m", "tests.split_engine.rpc_victim", str(rank), str(port), str(out)],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

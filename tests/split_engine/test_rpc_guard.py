@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.rpc import internal as rpc_internal
 
-from split_engine import rpc_guard, workers
+from split_engine import handshake, rpc_guard, workers
 from split_engine.rpc_guard import UnsafeMessageError
 
 SECRET = b"shared secret"
@@ -128,7 +128,7 @@ def test_an_object_claiming_a_start_calls_name_is_not_one() -> None:
     impostor.__module__ = "split_engine.workers"
     impostor.__qualname__ = "stage_prove"  # type: ignore[attr-defined]
     assert not rpc_guard._is_start_call(impostor)
-    assert rpc_guard._is_start_call(workers.stage_prove)
+    assert rpc_guard._is_start_call(handshake.stage_prove)
 
 
 def test_the_wrapped_senders_name_the_receiver() -> None:
@@ -173,7 +173,7 @@ def test_a_message_signed_under_another_key_is_refused(sender_secret, sender_wor
 
 def test_once_signing_an_unsigned_message_is_refused_even_a_start_up_call() -> None:
     as_process("rogue", None)
-    messages = [call(workers.release_stage), call(workers.stage_accept_driver, b"x", b"y")]
+    messages = [call(workers.release_stage), call(handshake.stage_accept_driver, b"x", b"y")]
     as_process("stage1", SECRET)
     for message in messages:
         with pytest.raises(UnsafeMessageError, match="unsigned message from rogue"):
@@ -182,10 +182,10 @@ def test_once_signing_an_unsigned_message_is_refused_even_a_start_up_call() -> N
 
 def test_before_the_handshake_only_start_up_calls_are_served_unsigned() -> None:
     as_process("rogue", None)
-    handshake = call(workers.stage_prove, b"n" * 32)
+    hello = call(handshake.stage_prove, b"n" * 32)
     release = call(workers.release_stage)
     as_process("stage1", SECRET, world=None)
-    assert receive(handshake).func is workers.stage_prove
+    assert receive(hello).func is handshake.stage_prove
     with pytest.raises(UnsafeMessageError, match="unsigned call to 'release_stage'"):
         receive(release)
 
@@ -235,17 +235,21 @@ def test_the_stage_handshake_sets_the_key_only_for_the_right_proof() -> None:
     from netproto.auth import mac
 
     rpc_guard.reset("stage1", SECRET)
-    workers._auth.secret, workers._auth.driver_proved, workers._auth.name = SECRET, False, "stage1"
+    handshake._auth.secret, handshake._auth.driver_proved, handshake._auth.name = (
+        SECRET,
+        False,
+        "stage1",
+    )
     try:
-        _, stage_nonce = workers.stage_prove(b"d" * 32)
-        assert not workers.stage_accept_driver(
+        _, stage_nonce = handshake.stage_prove(b"d" * 32)
+        assert not handshake.stage_accept_driver(
             mac(SECRET, b"driver", stage_nonce, WORLD), b"w" * 32
         )
-        _, stage_nonce = workers.stage_prove(b"d" * 32)
-        assert workers.stage_accept_driver(mac(SECRET, b"driver", stage_nonce, WORLD), WORLD)
+        _, stage_nonce = handshake.stage_prove(b"d" * 32)
+        assert handshake.stage_accept_driver(mac(SECRET, b"driver", stage_nonce, WORLD), WORLD)
         assert rpc_guard._calls.signing and rpc_guard._calls.key == rpc_guard.world_key(
             SECRET, WORLD
         )
-        assert not workers.stage_accept_driver(mac(SECRET, b"driver", stage_nonce, WORLD), WORLD)
+        assert not handshake.stage_accept_driver(mac(SECRET, b"driver", stage_nonce, WORLD), WORLD)
     finally:
-        workers._auth.secret, workers._auth.driver_proved = None, False
+        handshake._auth.secret, handshake._auth.driver_proved = None, False

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lab.launch import free_port
-from tests.split.rpc_victim import Victim, start_victim
+from tests.split_engine.rpc_victim import Victim, start_victim
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -23,7 +23,7 @@ from lab.redact import redact_argv, redact_config, redact_text, split_secret
 from lab.tracking import CONFIG_FILE, METRICS_FILE, RUN_FILE, Tracker
 from labtools import report
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPEC_QUICK = ["target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=1",
               "spec.max_new_tokens=8", "spec.prompt_tokens=16"]  # fmt: skip
 

@@ -15,10 +15,9 @@ import pytest
 
 from lab import registry
 from lab.registry import Metric
-from labtools import matrix
+from labtools import matrix, sweep
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import run_matrix
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(tmp_path: Path, lab_cache: Path, **changes: Any) -> matrix.MatrixConfig:
@@ -55,7 +54,7 @@ def test_a_2x1_sweep_gives_2_rows_a_heatmap_per_metric_and_resumes(
     # two cells (each a 3-process split run): the grid, heatmaps, W&B and resume, at half the
     # cost of four (make test's budget)
     cfg = config(tmp_path, lab_cache, wandb=True, grid={"context": [8, 16], "batch": [1]})
-    records = run_matrix.sweep(cfg)
+    records = sweep.sweep(cfg)
     assert [r["status"] for r in records] == ["ok"] * 2, [r["reason"] for r in records]
     out = Path(cfg.out_dir)
     rows = (out / "results.csv").read_text().strip().splitlines()
@@ -82,10 +81,10 @@ def test_a_2x1_sweep_gives_2_rows_a_heatmap_per_metric_and_resumes(
     assert len(json.loads(table.read_text())["data"]) == 2
     # the same sweep again: nothing re-runs; a wider grid runs only its new cells
     before = (out / "results.jsonl").read_text()
-    assert run_matrix.sweep(cfg) == records
+    assert sweep.sweep(cfg) == records
     assert (out / "results.jsonl").read_text() == before
     wider = config(tmp_path, lab_cache, grid={"context": [8], "batch": [1, 2]})
-    assert [r["settings"]["batch"] for r in run_matrix.sweep(wider)] == [1, 2]
+    assert [r["settings"]["batch"] for r in sweep.sweep(wider)] == [1, 2]
     assert len((out / "results.jsonl").read_text().splitlines()) == 2 + 1
     assert not _leftovers(out)
 
@@ -97,7 +96,7 @@ def test_a_failing_cell_is_marked_with_its_reason_and_the_sweep_goes_on(
     cfg = config(tmp_path, lab_cache, grid={"stages": [3, 2]}, overrides=[
         "model.lab_preset=debug", f"paths.cache_dir={lab_cache}", "generate.max_new_tokens=2",
         "generate.prompt_tokens=8"])  # fmt: skip
-    failed, ok = run_matrix.sweep(cfg)
+    failed, ok = sweep.sweep(cfg)
     assert failed["status"] == "error"
     assert "split.num_stages=3 needs at least as many layers" in failed["reason"]
     assert ok["status"] == "ok"
@@ -116,13 +115,13 @@ def test_a_cell_past_its_time_or_memory_is_killed_whole_and_marked(
     tmp_path: Path, lab_cache: Path, changes: dict, status: str, reason: str
 ) -> None:
     cfg = config(tmp_path, lab_cache, grid={"context": [8]}, **changes)
-    (record,) = run_matrix.sweep(cfg)
+    (record,) = sweep.sweep(cfg)
     assert record["status"] == status and reason in record["reason"]
     assert not _leftovers(Path(cfg.out_dir))  # stage processes too, though in other sessions
     # a failed cell is kept as failed on a re-run, and retried when asked
-    assert run_matrix.sweep(cfg)[0]["time"] == record["time"]
+    assert sweep.sweep(cfg)[0]["time"] == record["time"]
     retried = config(tmp_path, lab_cache, grid={"context": [8]}, retry_failed=True, **changes)
-    assert run_matrix.sweep(retried)[0]["time"] > record["time"]
+    assert sweep.sweep(retried)[0]["time"] > record["time"]
 
 
 def test_a_key_the_workload_does_not_read_is_refused_before_any_cell_runs(
@@ -130,7 +129,7 @@ def test_a_key_the_workload_does_not_read_is_refused_before_any_cell_runs(
 ) -> None:
     cfg = config(tmp_path, lab_cache, grid={"delay": [0, 10]})
     with pytest.raises(ValueError, match=r"split_inference does not read cluster\.link\.delay_ms"):
-        run_matrix.sweep(cfg)
+        sweep.sweep(cfg)
     assert not (Path(cfg.out_dir) / "results.jsonl").exists()
 
 
@@ -170,7 +169,7 @@ def test_a_key_the_experiment_does_not_have_is_refused_before_any_cell_runs(
 ) -> None:
     cfg = config(tmp_path, lab_cache, axes={"depth": "split.depth"}, grid={"depth": [1, 2]})
     with pytest.raises(ValueError, match=r"does not compose: .*split\.depth"):
-        run_matrix.sweep(cfg)
+        sweep.sweep(cfg)
     assert not (Path(cfg.out_dir) / "results.jsonl").exists()
 
 
@@ -231,7 +230,7 @@ def test_a_cell_whose_baseline_is_off_its_groups_is_flagged_in_its_line_and_its_
     results = matrix.Results(Path(cfg.out_dir))
     for cell, baseline in zip(cells, (5.0, 15.0, 5.2), strict=True):
         results.append(_cell_record(cfg, cell, baseline))
-    run_matrix.sweep(cfg)  # nothing to run: every cell is recorded
+    sweep.sweep(cfg)  # nothing to run: every cell is recorded
     output = capsys.readouterr().out
     assert (
         f"flagged {cells[1].name}: baseline unsplit_token_ms_p50 15 against a median of 5.2"
@@ -250,7 +249,7 @@ def test_retry_flagged_runs_the_flagged_cell_again_and_only_it(
     results = matrix.Results(Path(cfg.out_dir))
     for cell, baseline in zip(cells, (5.0, 15.0, 5.2), strict=True):
         results.append(_cell_record(cfg, cell, baseline))
-    run_matrix.sweep(cfg)
+    sweep.sweep(cfg)
     records = results.records()
     assert [r["cell"] for r in records[3:]] == [cells[1].name]  # that cell alone, for real
     assert records[3]["status"] == "ok" and records[3]["metrics"]["greedy_match"] == 1.0
@@ -324,7 +323,7 @@ def test_an_axis_the_workload_lacks_is_one_line_naming_the_axis(tmp_path: Path) 
     result = subprocess.run(
         [sys.executable, "run_matrix.py", "workload=spec_decoding", "grid.context=[16]",
          "axes.context=spec.prompt_tokens", "overrides=[]", f"out_dir={tmp_path / 'sweep'}"],
-        capture_output=True, text=True, timeout=300, cwd=Path(run_matrix.__file__).parent,
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr

@@ -14,12 +14,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import run_matrix
 from lab.config import CONF_DIR, TrackingConfig, to_settings
 from lab.tracking import RUN_FILE, Tracker
-from labtools import matrix
+from labtools import matrix, sweep
 
-ROOT = Path(run_matrix.__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pasted(command: str, *, prelude: str = "", extra: str = "") -> subprocess.CompletedProcess:
@@ -60,7 +59,7 @@ def test_a_sweeps_recorded_command_composes_the_same_sweep(tmp_path: Path) -> No
     finally:
         GlobalHydra.instance().clear()
     config = to_settings(cfg, matrix.MatrixConfig)
-    command = run_matrix.command_of(config)
+    command = sweep.command_of(config)
     assert "~grid.batch" in command and "'+grid.depth=[0,2]'" in command
     result = pasted(command, extra="--cfg job")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -81,7 +80,7 @@ def test_a_sweeps_recorded_command_keeps_its_secret_out_and_still_runs(tmp_path:
         overrides=['cluster.secret=it\'s "mine"', "model.lab_preset=debug"],
         out_dir=str(tmp_path / "sweep"),
     )
-    command = run_matrix.command_of(config)
+    command = sweep.command_of(config)
     assert "mine" not in command and "cluster.secret=***" in command
     result = pasted(command, extra="--cfg job")
     assert result.returncode == 0, result.stderr[-2000:]

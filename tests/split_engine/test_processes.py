@@ -279,14 +279,14 @@ def test_a_rank_without_the_secret_cannot_make_anyone_do_anything(
     from split_engine.config import SplitConfig
     from split_engine.roles import driving
     from split_inference.config import SplitInferenceRunConfig
-    from tests.split.conftest import model_config, stage_role
+    from tests.split_engine.conftest import model_config, stage_role
 
     port, out = free_port(), tmp_path / "rogue.json"
     honest = stage_role("split_inference", llama_folder, 1, port, tmp_path, num_stages=2, extra=[])
     honest.env["LAB_SECRET"] = "shared"
     rogue = Role(
         "stage2",
-        [sys.executable, "-m", "tests.split.rogue_stage", str(port), str(out), "shared"],
+        [sys.executable, "-m", "tests.split_engine.rogue_stage", str(port), str(out), "shared"],
         service=True,
     )
     settings = SplitInferenceRunConfig(

@@ -144,6 +144,10 @@ def test_start_calls_are_allowed_names() -> None:
         ("split_inference.workers", "stage_prove"),
         ("split_inference.workers", "stage_accept_driver"),
         ("split_inference.stage", "Stage"),
+        # moved out of split_engine.workers by job: refused where they were
+        ("split_engine.workers", "stage_prove"),
+        ("split_engine.workers", "stage_accept_driver"),
+        ("split_engine.workers", "free_memory_bytes"),
     ],
 )
 def test_the_engines_old_module_names_are_refused(module: str, name: str, protocol: int) -> None:
@@ -168,7 +172,7 @@ def test_dotted_names_under_an_allowed_module_are_refused(
 @pytest.mark.parametrize(
     ("module", "name"),
     [
-        ("split_engine.workers", "_auth"),  # the stage's "driver proved the secret" state
+        ("split_engine.handshake", "_auth"),  # the stage's "driver proved the secret" state
         ("split_engine.rpc_guard", "_calls"),  # the call-signing key and replay windows
         ("split_engine.workers", "hmac"),
         ("split_engine.workers", "os"),
@@ -194,8 +198,8 @@ def test_a_name_outside_the_exact_list_is_refused(module: str, name: str, protoc
     ("module", "name"),
     [
         ("split_engine.stage", "Stage"),  # a class: would change every stage
-        ("split_engine.workers", "stage_prove"),  # a function
-        ("split_engine.workers", "stage_accept_driver"),
+        ("split_engine.handshake", "stage_prove"),  # a function
+        ("split_engine.handshake", "stage_accept_driver"),
         ("torch.distributed.rpc.internal", "_InternalRPCPickler"),
         ("builtins", "ValueError"),  # even a harmless type, when not built here
     ],
@@ -216,7 +220,7 @@ def test_state_is_never_set_on_a_global(module: str, name: str, protocol: int) -
         ("split_engine.stage", "Stage", ["model"]),  # would load a model
         ("split_engine.stage", "describe_model", ["x"]),
         ("split_engine.workers", "release_stage", []),
-        ("split_engine.workers", "stage_accept_driver", ["proof"]),
+        ("split_engine.handshake", "stage_accept_driver", ["proof"]),
         ("torch.distributed.rpc.rref_proxy", "_local_invoke", ["a", "b"]),
     ],
 )

@@ -1,5 +1,5 @@
-"""A rogue rank without the shared secret, for tests: `python -m tests.split.rogue_stage PORT OUT
-STORE_SECRET`.
+"""A rogue rank without the shared secret, for tests: `python -m tests.split_engine.rogue_stage
+PORT OUT STORE_SECRET`.
 
 It joins a split world as stage2 with no secret. The rendezvous store (the lab's, behind the
 secret) would refuse it, so it is given the store's secret alone, as if the store had let it in:
@@ -22,14 +22,14 @@ from typing import Any
 def attack(out: Path, honest_prove) -> None:
     import torch.distributed.rpc as rpc
 
-    from split_engine import stage, workers
+    from split_engine import handshake, memory_probes, stage, workers
 
     attempts = {
         "release stage1": ("stage1", workers.release_stage, ()),
-        "read stage1's free memory": ("stage1", workers.free_memory_bytes, ()),
+        "read stage1's free memory": ("stage1", memory_probes.free_memory_bytes, ()),
         "describe a model on stage1": ("stage1", stage.describe_model, ({},)),
         "handshake again with stage1": ("stage1", honest_prove, (b"n" * 32,)),
-        "send stage1 a proof": ("stage1", workers.stage_accept_driver, (b"p" * 32, b"w" * 32)),
+        "send stage1 a proof": ("stage1", handshake.stage_accept_driver, (b"p" * 32, b"w" * 32)),
         "release the driver's peer": ("driver", workers.release_stage, ()),
     }
     outcome = {}
@@ -45,17 +45,17 @@ def attack(out: Path, honest_prove) -> None:
 def admit_to_store(store_secret: bytes) -> None:
     """From now on this process meets a world with the store's secret for the store's handshake
     alone, and no secret for anything after (what a rank the store let in would be)."""
-    from split_engine import workers
+    from split_engine import handshake, workers
 
     meet = workers._store_on_master_host
 
     def meet_with_the_stores_secret(
         url: str, timeout: timedelta = timedelta(seconds=300), **kwargs: Any
     ) -> Iterator[tuple[Any, int, int]]:
-        workers._auth.secret = store_secret  # the store's handshake only
+        handshake._auth.secret = store_secret  # the store's handshake only
         rendezvous = meet(url, timeout, **kwargs)
         joined = next(rendezvous)
-        workers._auth.secret = None  # and no secret for anything after
+        handshake._auth.secret = None  # and no secret for anything after
         yield joined
 
     workers._store_on_master_host = meet_with_the_stores_secret
@@ -63,17 +63,17 @@ def admit_to_store(store_secret: bytes) -> None:
 
 def main(port: int, out: Path, store_secret: bytes) -> None:
     from lab.config import Endpoint
-    from split_engine import workers
+    from split_engine import handshake, workers
     from split_engine.config import SplitConfig
 
-    honest_prove = workers.stage_prove
+    honest_prove = handshake.stage_prove
 
     def prove_after_attacking(driver_nonce: bytes) -> tuple[bytes, bytes]:
-        workers.stage_prove = honest_prove  # pickled by name when we call it on stage1
+        handshake.stage_prove = honest_prove  # pickled by name when we call it on stage1
         attack(out, honest_prove)
         return honest_prove(driver_nonce)
 
-    workers.stage_prove = prove_after_attacking  # what the driver's handshake call runs here
+    handshake.stage_prove = prove_after_attacking  # what the driver's handshake call runs here
     admit_to_store(store_secret)
     world = workers.World(
         2, Endpoint("127.0.0.1", port), SplitConfig(num_stages=2, rpc_timeout_s=20)

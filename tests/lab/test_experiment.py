@@ -122,7 +122,7 @@ def test_a_placement_hook_sees_every_role_before_it_starts(compose_config, monke
     exp = experiment.get("fed_learn")
     cfg = compose_config("fed_learn", ["fed.num_clients=2"])
     finished = experiment.Experiment(
-        name=exp.name, schema=exp.schema, roles=exp.roles, endpoints=exp.endpoints,
+        name=exp.name, schema=exp.schema, roles=exp.roles,
         plan=lambda s: experiment.LocalPlan(exp.plan(s).processes, finish=lambda s: {"ok": 1.0}),
     )  # fmt: skip
     assert experiment.run(finished, cfg, place=place) == {"ok": 1.0}
@@ -131,8 +131,10 @@ def test_a_placement_hook_sees_every_role_before_it_starts(compose_config, monke
 
 @pytest.mark.parametrize(
     ("module", "role", "endpoint"),
-    [("fed_learn", "coordinator", "coordinator"), ("spec_decoding", "verifier", "verifier"),
-     ("split_inference", "stage", "master"), ("split_training", "driver", "master")],
+    [("fed_learn", "coordinator", "cluster.coordinator"),
+     ("spec_decoding", "verifier", "cluster.verifier"),
+     ("split_inference", "stage", "cluster.master"),
+     ("split_training", "driver", "cluster.master")],
 )  # fmt: skip
 def test_a_server_role_on_a_network_address_without_a_secret_warns(
     compose_config, caplog, monkeypatch, module: str, role: str, endpoint: str
@@ -142,15 +144,16 @@ def test_a_server_role_on_a_network_address_without_a_secret_warns(
     monkeypatch.delenv("LAB_SECRET", raising=False)
     exp = experiment.get(module)
     assert role in exp.servers
-    lan = f"cluster.{endpoint}.host=192.168.1.20"
+    assert exp.endpoints == (endpoint,)
+    lan = f"{endpoint}.host=192.168.1.20"
     settings = to_settings(compose_config(module, [lan]), exp.schema)
     with caplog.at_level("WARNING", logger="lab.experiment"):
-        experiment.warn_if_open(role, settings.cluster, exp.endpoints)
+        experiment.warn_if_open(role, settings, exp.endpoints)
     assert f"role={role} listens on the network ({lan}) without a secret" in caplog.text
     caplog.clear()
-    for quiet in ([lan, "cluster.secret=s3cret"], [f"cluster.{endpoint}.host=127.0.0.1"]):
+    for quiet in ([lan, "cluster.secret=s3cret"], [f"{endpoint}.host=127.0.0.1"]):
         settings = to_settings(compose_config(module, quiet), exp.schema)
-        experiment.warn_if_open(role, settings.cluster, exp.endpoints)
+        experiment.warn_if_open(role, settings, exp.endpoints)
     assert caplog.text == ""
 
 

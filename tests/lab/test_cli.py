@@ -42,7 +42,7 @@ def stderr_lines(result: subprocess.CompletedProcess) -> list[str]:
         # a role that needs an address it was not given
         ("fed_learn", ["role=client", "model.lab_preset=debug"], "cluster.coordinator.port"),
         # a misspelled key with Hydra's `+`: one line naming the key (lab.commandline), not a
-        # run that ignores it (the other command-line mistakes: tests/test_commandline.py)
+        # run that ignores it (the other command-line mistakes: tests/lab/test_commandline.py)
         ("spec_decoding", ["+spec.gama=4"],
          "spec.gama is not a setting of spec_decoding; did you mean spec.gamma?"),
     ],
@@ -133,7 +133,7 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(
     [
         ("spec_decoding", ["target.lab_preset=debug", "draft.lab_preset=debug",
                            "spec.num_prompts=2", "spec.max_new_tokens=16"]),
-        # fed_learn's and the split modules' runs with a secret: tests/test_redact.py
+        # fed_learn's and the split modules' runs with a secret: tests/lab/test_redact.py
     ],
 )  # fmt: skip
 def test_a_successful_run_prints_nothing_a_user_reads_as_an_error(
