@@ -34,19 +34,15 @@ removes the masks, and is left with the sum. Fewer than `threshold` survivors at
 the round (`RoundFailed`), as the protocol must.
 
 Shamir sharing is pycryptodome's (`Crypto.Protocol.SecretSharing.Shamir`, 16-byte secrets over
-GF(2^128): a 32-byte key travels as two). Its `combine` works out the Lagrange basis again for
-every secret (k inversions and k^2 products in pure Python, 4.7 ms at k = 8); the coordinator
-rebuilds a hundred secrets a round over a handful of index sets, so `combine` here takes the
-basis once per index set, in the library's own field arithmetic, and sums (equal to
-`Shamir.combine` byte for byte: tested). X25519, HKDF, ChaCha20 and ChaCha20-Poly1305 are the
-`cryptography` package's. Everything a peer sends is checked by structure (lengths, ranges,
-recipients, AEAD tags) and refused by name (`Refused`, naming the client): the round goes on
-without that client where the protocol allows.
+GF(2^128): a 32-byte key travels as two); the coordinator rebuilds a round's secrets in one
+batch (`fed_learn.shamir`: equal to `Shamir.combine` byte for byte, tested). X25519, HKDF,
+ChaCha20 and ChaCha20-Poly1305 are the `cryptography` package's. Everything a peer sends is
+checked by structure (lengths, ranges, recipients, AEAD tags) and refused by name (`Refused`,
+naming the client): the round goes on without that client where the protocol allows.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import math
@@ -57,13 +53,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from Crypto.Protocol.SecretSharing import Shamir, _Element
+from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from fed_learn import shamir
 
 KEY_BYTES = 32
 SEED_BYTES = 16
@@ -415,6 +413,8 @@ class Server:
 
     def __post_init__(self) -> None:
         self.graph = self.params.graph()
+        self._first: dict[tuple[int, str], bytes] = {}
+        """(owner, kind) -> the secret rebuilt from its first `threshold` shares."""
 
     def add_keys(self, client: int, c_public: bytes, s_public: bytes) -> None:
         self._member(client)
@@ -517,6 +517,21 @@ class Server:
             if owner in got and got[owner][0] == kind
         ]
 
+    def _rebuild_batch(self, secrets: list[tuple[int, str]]) -> None:
+        """Rebuild these (owner, kind) secrets in one batch (`_rebuild` checks each): from
+        exactly `threshold` shares each, the lowest indices first, so that most secrets of a
+        round share an index set and its Lagrange basis."""
+        k = self.params.threshold
+        for kind in (SEED, KEY):
+            groups = {
+                owner: sorted((s for _, s in self._shares_of(owner, kind)), key=lambda s: s[0])[:k]
+                for owner, of in secrets
+                if of == kind
+            }
+            groups = {owner: shares for owner, shares in groups.items() if len(shares) == k}
+            rebuilt = _combine_many(list(groups.values()), kind)
+            self._first.update(((o, kind), r) for o, r in zip(groups, rebuilt, strict=True))
+
     def _rebuild(self, owner: int, kind: str, check: object) -> tuple[bytes, list[Refused]]:
         """`owner`'s secret from its revealed shares, checked (`check(secret) -> bool`); with
         more shares than the threshold, a share that breaks the check is found by leaving one
@@ -527,10 +542,10 @@ class Server:
                 f"{len(shares)} shares of client {owner}'s {kind}; the threshold is "
                 f"{self.params.threshold}"
             )
-        # exactly `threshold` shares rebuild it, the lowest indices first: most secrets of a
-        # round then share one index set, whose Lagrange basis `combine` has already
         shares.sort(key=lambda got: got[1][0])
-        secret = _combine([s for _, s in shares[: self.params.threshold]], kind)
+        secret = self._first.get((owner, kind))  # rebuilt in the round's batch, or now
+        if secret is None:
+            secret = _combine([s for _, s in shares[: self.params.threshold]], kind)
         if check(secret):  # type: ignore[operator]
             return secret, []
         for skip in range(len(shares)):
@@ -551,6 +566,7 @@ class Server:
                 f"{len(self.reveals)} clients revealed shares; the threshold is "
                 f"{self.params.threshold}"
             )
+        self._rebuild_batch([(c, SEED) for c in survivors] + [(c, KEY) for c in dropped])
         refused: list[Refused] = []
         total = np.zeros(self.params.length, dtype=np.uint64)
         for client in survivors:
@@ -589,35 +605,15 @@ class Server:
 
 
 def _combine(shares: list[tuple[int, bytes]], kind: str) -> bytes:
+    return _combine_many([shares], kind)[0]
+
+
+def _combine_many(groups: list[list[tuple[int, bytes]]], kind: str) -> list[bytes]:
+    """Each group's secret: a seed (one 16-byte Shamir secret) or a key (two)."""
     if kind == SEED:
-        return combine(shares)
-    low = combine([(i, s[:SHARE_BYTES]) for i, s in shares])
-    high = combine([(i, s[SHARE_BYTES:]) for i, s in shares])
-    return low + high
-
-
-@functools.lru_cache(maxsize=1024)
-def _basis(indices: tuple[int, ...]) -> tuple[_Element, ...]:
-    """The Lagrange basis at 0 for these share indices over pycryptodome's GF(2^128), as
-    `Shamir.combine` computes it (addition is subtraction in this field)."""
-    xs = [_Element(i) for i in indices]
-    basis = []
-    for j, x_j in enumerate(xs):
-        numerator, denominator = _Element(1), _Element(1)
-        for m, x_m in enumerate(xs):
-            if m != j:
-                numerator *= x_m
-                denominator *= x_j + x_m
-        basis.append(numerator * denominator.inverse())
-    return tuple(basis)
-
-
-def combine(shares: list[tuple[int, bytes]]) -> bytes:
-    """`Shamir.combine(shares)`, the basis computed once per index set."""
-    indices = tuple(index for index, _ in shares)
-    if len(set(indices)) != len(indices) or not all(0 < i < 2**16 for i in indices):
-        raise ValueError(f"share indices {indices} must be distinct, in 1..65535")
-    result = _Element(0)
-    for (_, share), weight in zip(shares, _basis(indices), strict=True):
-        result += _Element(share) * weight
-    return result.encode()
+        return shamir.combine_many(groups)
+    halves = [[(i, s[:SHARE_BYTES]) for i, s in g] for g in groups]
+    halves += [[(i, s[SHARE_BYTES:]) for i, s in g] for g in groups]
+    rebuilt = shamir.combine_many(halves)  # every low half, then every high half
+    lows, highs = rebuilt[: len(groups)], rebuilt[len(groups) :]
+    return [low + high for low, high in zip(lows, highs, strict=True)]
