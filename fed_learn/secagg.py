@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import random
 import secrets
 import struct
@@ -62,6 +61,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fed_learn import shamir
+from fed_learn.fixed_point import FRAC_BITS_MAX, dequantize, quantize
 
 KEY_BYTES = 32
 SEED_BYTES = 16
@@ -69,7 +69,6 @@ SEED_BYTES = 16
 SHARE_BYTES = 16
 MAX_CLIENTS = 65_535
 """Client ids and share indices travel as 16-bit numbers."""
-FRAC_BITS_MAX = 48
 _SHARES = struct.Struct("<IHHH")  # round, sender, recipient, Shamir index
 _BOX_PLAIN = _SHARES.size + 3 * SHARE_BYTES  # then the seed's share and the key's two halves
 BOX_BYTES = _BOX_PLAIN + 16  # the Poly1305 tag
@@ -156,13 +155,6 @@ class Params:
         return {c: tuple(sorted(links[c] - {c})) for c in ids}
 
 
-def frac_bits_for(clients: int, weight_cap: float, value_bound: float) -> int:
-    """The finest fixed point whose sum over `clients` inputs, each entry at most
-    `weight_cap * value_bound` in size (a clipped, weighted update), fits in 63 bits."""
-    largest = max(1.0, clients * weight_cap * value_bound)
-    return max(0, min(FRAC_BITS_MAX, 62 - math.ceil(math.log2(largest)) - 1))
-
-
 # ---------------------------------------------------------------------------- primitives
 
 
@@ -198,18 +190,6 @@ def _box_key(shared: bytes, params: Params, sender: int, recipient: int) -> byte
 
 def _commit(seed: bytes, params: Params, client: int) -> bytes:
     return hashlib.sha256(b"lab-secagg commit %d %d " % (params.round, client) + seed).digest()
-
-
-def quantize(values: np.ndarray, frac_bits: int) -> np.ndarray:
-    """Fixed point modulo 2^64 (two's complement): what is summed. Values must be finite."""
-    scaled = np.rint(np.asarray(values, dtype=np.float64) * float(2**frac_bits))
-    if not np.isfinite(scaled).all() or np.abs(scaled).max(initial=0) >= 2**62:
-        raise ValueError("a value does not fit the fixed point (not finite, or too large)")
-    return scaled.astype(np.int64).view(np.uint64)
-
-
-def dequantize(total: np.ndarray, frac_bits: int) -> np.ndarray:
-    return total.view(np.int64).astype(np.float64) / float(2**frac_bits)
 
 
 def _sign(me: int, other: int) -> int:
@@ -517,21 +497,6 @@ class Server:
             if owner in got and got[owner][0] == kind
         ]
 
-    def _rebuild_batch(self, secrets: list[tuple[int, str]]) -> None:
-        """Rebuild these (owner, kind) secrets in one batch (`_rebuild` checks each): from
-        exactly `threshold` shares each, the lowest indices first, so that most secrets of a
-        round share an index set and its Lagrange basis."""
-        k = self.params.threshold
-        for kind in (SEED, KEY):
-            groups = {
-                owner: sorted((s for _, s in self._shares_of(owner, kind)), key=lambda s: s[0])[:k]
-                for owner, of in secrets
-                if of == kind
-            }
-            groups = {owner: shares for owner, shares in groups.items() if len(shares) == k}
-            rebuilt = _combine_many(list(groups.values()), kind)
-            self._first.update(((o, kind), r) for o, r in zip(groups, rebuilt, strict=True))
-
     def _rebuild(self, owner: int, kind: str, check: object) -> tuple[bytes, list[Refused]]:
         """`owner`'s secret from its revealed shares, checked (`check(secret) -> bool`); with
         more shares than the threshold, a share that breaks the check is found by leaving one
@@ -566,7 +531,16 @@ class Server:
                 f"{len(self.reveals)} clients revealed shares; the threshold is "
                 f"{self.params.threshold}"
             )
-        self._rebuild_batch([(c, SEED) for c in survivors] + [(c, KEY) for c in dropped])
+        # each secret from exactly `threshold` shares, the lowest indices first (most secrets
+        # then share an index set and its basis), all of a kind in one batch; `_rebuild`
+        # checks each and looks further for those that fail
+        k = self.params.threshold
+        wanted = [(c, SEED) for c in survivors] + [(c, KEY) for c in dropped]
+        firsts = {key: sorted(s for _, s in self._shares_of(*key))[:k] for key in wanted}
+        for kind in (SEED, KEY):
+            keys = [key for key, got in firsts.items() if key[1] == kind and len(got) == k]
+            rebuilt = _combine_many([firsts[key] for key in keys], kind)
+            self._first.update(zip(keys, rebuilt, strict=True))
         refused: list[Refused] = []
         total = np.zeros(self.params.length, dtype=np.uint64)
         for client in survivors:
@@ -610,10 +584,4 @@ def _combine(shares: list[tuple[int, bytes]], kind: str) -> bytes:
 
 def _combine_many(groups: list[list[tuple[int, bytes]]], kind: str) -> list[bytes]:
     """Each group's secret: a seed (one 16-byte Shamir secret) or a key (two)."""
-    if kind == SEED:
-        return shamir.combine_many(groups)
-    halves = [[(i, s[:SHARE_BYTES]) for i, s in g] for g in groups]
-    halves += [[(i, s[SHARE_BYTES:]) for i, s in g] for g in groups]
-    rebuilt = shamir.combine_many(halves)  # every low half, then every high half
-    lows, highs = rebuilt[: len(groups)], rebuilt[len(groups) :]
-    return [low + high for low, high in zip(lows, highs, strict=True)]
+    return shamir.combine_pieces(groups, pieces=1 if kind == SEED else 2)

@@ -113,3 +113,16 @@ def combine_many(groups: Sequence[Sequence[Share]]) -> list[bytes]:
 def combine(shares: Sequence[Share]) -> bytes:
     """`Shamir.combine(shares)`."""
     return combine_many([shares])[0]
+
+
+def combine_pieces(groups: Sequence[Sequence[Share]], *, pieces: int) -> list[bytes]:
+    """Secrets of `pieces` 16-byte Shamir secrets each (a 32-byte key is two), shared
+    side by side: each share's bytes hold one share of every piece, in order."""
+    split = [
+        [(index, share[p * SHARE_BYTES : (p + 1) * SHARE_BYTES]) for index, share in group]
+        for p in range(pieces)
+        for group in groups
+    ]
+    rebuilt = combine_many(split)  # every group's first piece, then every group's second...
+    count = len(groups)
+    return [b"".join(rebuilt[p * count + g] for p in range(pieces)) for g in range(count)]

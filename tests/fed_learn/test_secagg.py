@@ -14,6 +14,7 @@ import pytest
 from Crypto.Protocol.SecretSharing import Shamir
 from scipy import stats
 
+from fed_learn.fixed_point import dequantize, frac_bits_for, quantize
 from fed_learn.secagg import (
     BOX_BYTES,
     KEY,
@@ -23,9 +24,6 @@ from fed_learn.secagg import (
     Refused,
     RoundFailed,
     Server,
-    dequantize,
-    frac_bits_for,
-    quantize,
 )
 from fed_learn.shamir import combine, combine_many
 
