@@ -11,7 +11,7 @@ from fed_learn.admission import ClientHandle, NotEnoughClientsError, Task
 from fed_learn.aggregate import mix, staleness_weight
 from fed_learn.drivers import CpuClock, RoundDriver
 from fed_learn.lora import adapter_state, load_adapter_state
-from fed_learn.rounds import FIRST_ROUND_GRACE_S, progress_bar, round_averages
+from fed_learn.rounds import FIRST_ROUND_GRACE_S, WAKE_S, progress_bar, round_averages
 from fed_learn.updates import ANSWER_ERRORS, check_answer
 from lab.losses import evaluate
 from lab.tracking import Tracker
@@ -152,8 +152,9 @@ class AsyncRounds(RoundDriver):
                         f"no update arrived for fed.round_timeout_s={fed.round_timeout_s:.0f}s "
                         f"({len(coordinator.alive_clients())} clients alive)"
                     )
-                else:
-                    time.sleep(0.02)
+                else:  # until an answer, a join or a departure (or WAKE_S)
+                    coordinator.admission.changed.wait(WAKE_S)
+                    coordinator.admission.changed.clear()
         # Clients still training get to hand in (and have discarded) what they are working on,
         # so that every client ends cleanly on FINISH rather than on a closed connection.
         deadline = time.monotonic() + fed.round_timeout_s

@@ -192,6 +192,7 @@ class Coordinator:
                     if not evaluate:
                         self.admission.took_update(client)
                     client.results.put_nowait(reply)
+                    self.admission.changed.set()
                     return
         with self._lock:
             client.dropped += 1

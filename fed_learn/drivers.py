@@ -297,7 +297,8 @@ class PlainRounds(SyncRounds):
 
             deadline = time.monotonic() + self.fed.round_timeout_s
             what = f"updates in round {coordinator.round + 1} (fed.round_timeout_s)"
-            gather(waiting, deadline, take=take, what=what, top_up=top_up)
+            changed = coordinator.admission.changed
+            gather(waiting, deadline, take=take, what=what, changed=changed, top_up=top_up)
         for client, task in waiting.values():  # too late
             coordinator.withdraw(client, task)
             collected.failures.append(client.client_id)

@@ -134,7 +134,9 @@ class ClientEvaluator:
                 taken.append((client.client_id, reply.evaluation))
 
         what = f"evaluations on their own data in round {round_index + 1} (fed.round_timeout_s)"
-        gather(pending, time.monotonic() + fed.round_timeout_s, take=take, what=what)
+        deadline = time.monotonic() + fed.round_timeout_s
+        changed = coordinator.admission.changed
+        gather(pending, deadline, take=take, what=what, changed=changed)
         for client, task in pending.values():  # too late
             coordinator.withdraw(client, task)
             failures += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -19,8 +20,8 @@ ATTEMPTS_PER_ROUND = 3
 round of fed.rounds."""
 FIRST_ROUND_GRACE_S = 30.0
 """Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
-POLL_S = 0.01
-"""How often a wait looks at its clients' answer queues when none had one."""
+WAKE_S = 0.5
+"""The longest a wait sleeps without news (`changed`): it looks at its deadline then."""
 REPORT_FIRST_S, REPORT_EVERY_S = 5.0, 30.0
 """A wait for answers says who it still waits for after 5 s, then every 30 s."""
 
@@ -31,13 +32,15 @@ def gather(
     *,
     take: Callable[[ClientHandle, Task, Reply | None], None],
     what: str,
+    changed: threading.Event,
     top_up: Callable[[], None] | None = None,
 ) -> None:
     """Hand each answer to a task in `waiting` (client id -> client, its task) to `take`
     (client, task, answer; None: the client is gone) until none is awaited or `deadline`
-    passes; `top_up` may add tasks meanwhile. Says who it still waits for after 5 s, then
-    every 30 s (`what`: for what, under which config key). Tasks unanswered at the deadline
-    stay in `waiting`."""
+    passes; `top_up` may add tasks meanwhile. It looks at the queues when `changed` (set by
+    the sessions on an answer, a join or a departure) says so, never by polling. Says who
+    it still waits for after 5 s, then every 30 s (`what`: for what, under which config
+    key). Tasks unanswered at the deadline stay in `waiting`."""
     next_report = time.monotonic() + REPORT_FIRST_S
     while time.monotonic() < deadline:
         if top_up is not None:
@@ -66,8 +69,9 @@ def gather(
             arrived = True
             del waiting[client_id]
             take(client, task, reply)
-        if not arrived:
-            time.sleep(POLL_S)
+        if not arrived:  # cleared before the next look: news meanwhile is seen or re-set
+            changed.wait(max(0.0, min(WAKE_S, deadline - time.monotonic())))
+            changed.clear()
 
 
 def progress_bar() -> Progress:
