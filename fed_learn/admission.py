@@ -189,6 +189,9 @@ class Admission:
         """The clients connected now (a client that leaves is dropped): read it under lock."""
         self.lock = threading.Lock()
         self._joined = threading.Condition(self.lock)
+        self.changed = threading.Event()
+        """Set when an answer is queued, a client joins or one leaves: what a round waits on
+        (instead of polling every client's queue)."""
         self._client_ids = itertools.count()  # never reused: a departed client's id stays its
         self._joins = JoinLimiter(
             rate=fed.join_rate_per_address,
@@ -260,6 +263,7 @@ class Admission:
             )
             self.clients[client.client_id] = client
             self._joined.notify_all()
+        self.changed.set()
         conn.send_msg(FedMsg.WELCOME, {"client_id": client.client_id}, request_id=join.request_id)
         log.info(
             "%s joined at round %d (id %d, %d examples)",
@@ -276,6 +280,7 @@ class Admission:
             client.alive = False
             client.task = None
             client.results.put_nowait(None)  # wakes a round waiting for this client
+            self.changed.set()
             # Gone from the table: nothing keeps its connection but a round that sampled
             # it, until that round ends. What it counted for stays in the totals.
             del self.clients[client.client_id]

@@ -317,22 +317,24 @@ class FedConfig:
             )
 
     def _check_dp(self) -> None:
+        """What DP-FedAvg (`privacy.DPMean` around the strategy, or the clients' noise under
+        secure aggregation) cannot do: it noises a clipped, weighted sum of updates."""
         if not self.dp.enabled:
             return
-        for key, applies, why in (
-            ("fed.mode=async", self.mode == "async", "applies updates one at a time"),
-            (
-                f"fed.aggregator={self.aggregator}",
-                self.aggregator != "mean",
-                "is not a sum whose sensitivity a clip bounds",
-            ),
-            ("fed.strategy=svd", self.strategy == "svd", "re-factorizes products"),
-        ):
-            if applies:
-                raise ValueError(
-                    f"fed.dp.enabled=true with {key}: DP-FedAvg noises a clipped, weighted sum "
-                    f"of updates, and {key.split('=')[0]} {why}"
-                )
+        cannot = {
+            "fed.mode=async": "each update is applied alone: no round's sum to noise",
+            f"fed.aggregator={self.aggregator}": "one client can move an order statistic by "
+            "more than the clip: the noise is calibrated to a sum's sensitivity",
+            "fed.strategy=svd": "the mean of products B @ A has no sensitivity the clip bounds",
+        }
+        applies = {
+            "fed.mode=async": self.mode == "async",
+            f"fed.aggregator={self.aggregator}": self.aggregator != "mean",
+            "fed.strategy=svd": self.strategy == "svd",
+        }
+        for key, why in cannot.items():
+            if applies[key]:
+                raise ValueError(f"fed.dp.enabled=true with {key}: {why}")
 
     def _check_secure(self) -> None:
         """Secure aggregation gives the coordinator a sum: what needs single updates is

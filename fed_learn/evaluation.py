@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import random
 import time
 from collections.abc import Sequence
@@ -28,14 +27,12 @@ from typing import Any
 
 import torch
 
-from fed_learn.admission import ClientHandle, Task
+from fed_learn.admission import ClientHandle, Reply, Task
 from fed_learn.protocol import Evaluation
+from fed_learn.rounds import gather
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.01
-REPORT_FIRST_S, REPORT_EVERY_S = 5.0, 30.0
-"""A wait for evaluations says who it still waits for after 5 s, then every 30 s."""
 PER_CLIENT = "client_eval_loss/"
 """The prefix of each client's loss in a round's metrics (then its client id)."""
 
@@ -112,57 +109,36 @@ class ClientEvaluator:
         pending: dict[int, tuple[ClientHandle, Task]] = {}
         failures = 0
         for client in sampled:
-            task = coordinator._send_task(client, round_index, global_state, evaluate=True)
+            task = coordinator.send_task(client, round_index, global_state, evaluate=True)
             if task is None:
                 failures += 1
             else:
                 pending[client.client_id] = (client, task)
         taken: list[tuple[int, Evaluation]] = []
         refused = 0
-        started = time.monotonic()
-        deadline = started + fed.round_timeout_s
-        next_report = started + REPORT_FIRST_S
-        while pending and time.monotonic() < deadline:
-            if time.monotonic() >= next_report:
-                log.info(
-                    "round %d: waiting for %d clients' evaluations on their own data (ids %s), "
-                    "%.0fs left of fed.round_timeout_s=%g",
+
+        def take(client: ClientHandle, task: Task, reply: Reply | None) -> None:
+            nonlocal failures, refused
+            if reply is None:
+                failures += 1
+            elif reply.evaluation is None:
+                refused += 1
+                log.warning(
+                    "round %d: refused client %d (%s)'s evaluation: %s; left out of the mean",
                     round_index + 1,
-                    len(pending),
-                    sorted(pending),
-                    deadline - time.monotonic(),
-                    fed.round_timeout_s,
+                    client.client_id,
+                    client.name,
+                    reply.error,
                 )
-                next_report += REPORT_EVERY_S
-            arrived = False
-            for client_id, (client, task) in list(pending.items()):
-                try:
-                    reply = client.results.get_nowait()
-                except queue.Empty:
-                    continue
-                if reply is None:  # gone for good: the marker stays for whoever waits next
-                    client.results.put_nowait(None)
-                elif reply.task is not task:
-                    continue  # answers a task withdrawn earlier
-                arrived = True
-                del pending[client_id]
-                if reply is None:
-                    failures += 1
-                elif reply.evaluation is None:
-                    refused += 1
-                    log.warning(
-                        "round %d: refused client %d (%s)'s evaluation: %s; left out of the mean",
-                        round_index + 1,
-                        client_id,
-                        client.name,
-                        reply.error,
-                    )
-                else:
-                    taken.append((client_id, reply.evaluation))
-            if not arrived:
-                time.sleep(POLL_S)
+            else:
+                taken.append((client.client_id, reply.evaluation))
+
+        what = f"evaluations on their own data in round {round_index + 1} (fed.round_timeout_s)"
+        deadline = time.monotonic() + fed.round_timeout_s
+        changed = coordinator.admission.changed
+        gather(pending, deadline, take=take, what=what, changed=changed)
         for client, task in pending.values():  # too late
-            coordinator._withdraw(client, task)
+            coordinator.withdraw(client, task)
             failures += 1
         metrics = summarize(taken)
         metrics["client_eval_refused"] = float(refused)

@@ -10,7 +10,8 @@ weights, which the coordinator knows from their JOINs, not the weights that came
 McMahan et al.'s fixed-denominator estimator does.
 
 Who adds the noise: without secure aggregation the coordinator, on the sum it sees (the
-central model: the coordinator is trusted with individual updates anyway); with it each client
+central model: the coordinator is trusted with individual updates anyway), as `DPMean`, a
+wrapper around the run's strategy; with it each client
 adds its share, noise of variance (noise_multiplier * clip_norm)^2 / threshold, so the sum of
 any `threshold` survivors' shares (fewer fail the round) carries at least the full noise and no
 party ever sees an un-noised sum. More survivors than the threshold over-noise the sum by
@@ -31,6 +32,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from fed_learn.aggregate import Update
+from fed_learn.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -139,29 +143,67 @@ def noise_multiplier_for(
         )
 
 
-def central_mean(
-    updates: Sequence[tuple[Mapping[str, torch.Tensor], int]],
-    base: Mapping[str, torch.Tensor],
-    dp: Any,
-    noise_multiplier: float,
-    sampled_weights: Sequence[int],
-    generator: torch.Generator | None = None,
-) -> dict[str, torch.Tensor]:
-    """DP-FedAvg's step where the coordinator is trusted with single updates (no secure
-    aggregation): each client's update (its adapter minus `base`, over `base`'s tensors)
-    clipped to dp.clip_norm, weighted by min(examples, dp.weight_cap), summed, Gaussian noise
-    of std noise_multiplier x clip_norm x weight_cap added, divided by the round's sampled
-    clients' capped weights (`sampled_weights`, fixed before the round); returns `base` moved
-    by that mean."""
-    clip_norm, weight_cap = dp.clip_norm, dp.weight_cap
-    denominator = float(sum(min(int(w), weight_cap) for w in sampled_weights))
-    total = torch.zeros(sum(t.numel() for t in base.values()), dtype=torch.float64)
-    for adapter, weight in updates:
-        delta, _ = clip(flat_delta(adapter, base), clip_norm)
-        total += min(int(weight), weight_cap) * delta
-    total += gaussian(total.numel(), noise_std(noise_multiplier, clip_norm * weight_cap), generator)
-    step = unflatten(total / denominator, {n: t.double() for n, t in base.items()})
-    return {n: (t.double() + step[n]).to(t.dtype) for n, t in base.items()}
+class DPMean(Strategy):
+    """DP-FedAvg wrapped around any strategy whose aggregate is a weighted mean (Flower's
+    `DifferentialPrivacyServerSideFixedClipping(strategy)`): the coordinator, trusted with
+    single updates, clips each one (its adapter minus the round's global one, over the
+    tensors the inner strategy trains) to dp.clip_norm and caps its weight at dp.weight_cap;
+    the inner strategy aggregates the clipped updates; their step is rescaled to the
+    denominator fixed before the round (the sampled clients' capped weights) and Gaussian
+    noise of std noise_multiplier x clip_norm x weight_cap / that denominator is added."""
+
+    def __init__(
+        self,
+        inner: Strategy,
+        *,
+        dp: Any,
+        noise_multiplier: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(prox_mu=inner.prox_mu, rank=inner.rank, combine=inner.combine)
+        self.inner, self.dp = inner, dp
+        self.noise_multiplier = noise_multiplier
+        """The run's (`run_noise_multiplier`), set before the first round."""
+        self.generator = generator
+        self._global: Mapping[str, torch.Tensor] | None = None
+        self._denominator = 0.0
+
+    def client_options(self) -> dict[str, Any]:
+        return self.inner.client_options()
+
+    def check_update(
+        self, update: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]
+    ) -> None:
+        self.inner.check_update(update, global_state)
+
+    def trained(self, global_state: Mapping[str, torch.Tensor]) -> list[str]:
+        return self.inner.trained(global_state)
+
+    def configure_round(
+        self, global_state: Mapping[str, torch.Tensor], sampled_weights: Sequence[int]
+    ) -> None:
+        self.inner.configure_round(global_state, sampled_weights)
+        self._global = global_state
+        self._denominator = float(sum(min(int(w), self.dp.weight_cap) for w in sampled_weights))
+
+    def aggregate(self, updates: Sequence[Update]) -> dict[str, torch.Tensor]:
+        if self._global is None or self._denominator <= 0:
+            raise ValueError("DPMean.aggregate before configure_round: no base to clip around")
+        clip_norm, cap = self.dp.clip_norm, self.dp.weight_cap
+        base = {name: self._global[name] for name in self.inner.trained(self._global)}
+        wide = {name: t.double() for name, t in base.items()}
+        clipped: list[Update] = []
+        for adapter, weight in updates:
+            delta = unflatten(clip(flat_delta(adapter, base), clip_norm)[0], wide)
+            moved = {n: (wide[n] + delta[n]).to(t.dtype) for n, t in base.items()}
+            clipped.append(({**adapter, **moved}, min(int(weight), cap)))
+        mean = self.inner.aggregate(clipped)  # the clipped updates' weighted mean
+        taken = float(sum(weight for _, weight in clipped))
+        total = flat_delta(mean, base) * taken  # their weighted sum
+        std = noise_std(self.noise_multiplier, clip_norm * cap)
+        total += gaussian(total.numel(), std, self.generator)
+        step = unflatten(total / self._denominator, wide)
+        return {**mean, **{n: (wide[n] + step[n]).to(t.dtype) for n, t in base.items()}}
 
 
 def run_noise_multiplier(fed: Any) -> float:

@@ -1,15 +1,77 @@
-"""What a synchronous or asynchronous run's rounds share: their progress bar and the
-averages a run reports over its rounds."""
+"""What a synchronous or asynchronous run's rounds share: the wait for clients' answers,
+their progress bar and the averages a run reports over its rounds."""
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+from fed_learn.admission import ClientHandle, Reply, Task
+
+log = logging.getLogger(__name__)
 
 ATTEMPTS_PER_ROUND = 3
 """A round that got no update does not count; a run gives up after this many attempts per
 round of fed.rounds."""
 FIRST_ROUND_GRACE_S = 30.0
 """Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
+WAKE_S = 0.5
+"""The longest a wait sleeps without news (`changed`): it looks at its deadline then."""
+REPORT_FIRST_S, REPORT_EVERY_S = 5.0, 30.0
+"""A wait for answers says who it still waits for after 5 s, then every 30 s."""
+
+
+def gather(
+    waiting: dict[int, tuple[ClientHandle, Task]],
+    deadline: float,
+    *,
+    take: Callable[[ClientHandle, Task, Reply | None], None],
+    what: str,
+    changed: threading.Event,
+    top_up: Callable[[], None] | None = None,
+) -> None:
+    """Hand each answer to a task in `waiting` (client id -> client, its task) to `take`
+    (client, task, answer; None: the client is gone) until none is awaited or `deadline`
+    passes; `top_up` may add tasks meanwhile. It looks at the queues when `changed` (set by
+    the sessions on an answer, a join or a departure) says so, never by polling. Says who
+    it still waits for after 5 s, then every 30 s (`what`: for what, under which config
+    key). Tasks unanswered at the deadline stay in `waiting`."""
+    next_report = time.monotonic() + REPORT_FIRST_S
+    while time.monotonic() < deadline:
+        if top_up is not None:
+            top_up()
+        if not waiting:
+            return
+        if time.monotonic() >= next_report:
+            log.info(
+                "waiting for %d clients' %s (ids %s), %.0fs left",
+                len(waiting),
+                what,
+                sorted(waiting)[:16],
+                deadline - time.monotonic(),
+            )
+            next_report += REPORT_EVERY_S
+        arrived = False
+        for client_id, (client, task) in list(waiting.items()):
+            try:
+                reply = client.results.get_nowait()
+            except queue.Empty:
+                continue
+            if reply is None:  # gone for good: the marker stays for whoever waits next
+                client.results.put_nowait(None)
+            elif reply.task is not task:
+                continue  # answers a task withdrawn earlier: not wanted
+            arrived = True
+            del waiting[client_id]
+            take(client, task, reply)
+        if not arrived:  # cleared before the next look: news meanwhile is seen or re-set
+            changed.wait(max(0.0, min(WAKE_S, deadline - time.monotonic())))
+            changed.clear()
 
 
 def progress_bar() -> Progress:
@@ -21,8 +83,9 @@ def progress_bar() -> Progress:
 
 
 def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
-    """What a run's rounds averaged: clients, bytes up, and the coordinator's share of the
-    time (weighted by each round's length, so short rounds do not dominate)."""
+    """What a run's rounds averaged: clients, bytes up, the coordinator's CPU share of the
+    time (weighted by each round's length, so short rounds do not dominate) and its CPU
+    milliseconds a round (over the rounds that measured them: older checkpoints did not)."""
     if not history:
         return {
             "mean_clients_per_round": 0.0,
@@ -30,8 +93,10 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
             "bytes_up_per_client_round": 0.0,
             "coordinator_share": 0.0,
             "mean_round_s": 0.0,
+            "coordinator_cpu_ms_per_round": 0.0,
         }
     clients = sum(h["clients"] for h in history)
+    cpu_ms = [h["coordinator_cpu_ms"] for h in history if "coordinator_cpu_ms" in h]
     bytes_up = sum(h["bytes_up"] for h in history)
     seconds = sum(h["round_s"] for h in history)
     return {
@@ -44,4 +109,5 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
             else 0.0
         ),
         "mean_round_s": seconds / len(history),
+        "coordinator_cpu_ms_per_round": sum(cpu_ms) / len(cpu_ms) if cpu_ms else 0.0,
     }

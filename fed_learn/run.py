@@ -444,7 +444,7 @@ def round_table(records: list[dict[str, Any]]) -> Table:
     for column in ("round", "val loss", "ppl", "clients", "failed", "kB up", "kB down"):
         table.add_column(column, justify="right")
     table.add_column("s", justify="right")
-    table.add_column("coord.", justify="right")  # the coordinator's own share of the round
+    table.add_column("coord.", justify="right")  # the coordinator process's CPU share of the round
     for line in records:
         if line.get("kind") != "metrics":
             continue

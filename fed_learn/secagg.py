@@ -34,22 +34,17 @@ removes the masks, and is left with the sum. Fewer than `threshold` survivors at
 the round (`RoundFailed`), as the protocol must.
 
 Shamir sharing is pycryptodome's (`Crypto.Protocol.SecretSharing.Shamir`, 16-byte secrets over
-GF(2^128): a 32-byte key travels as two). Its `combine` works out the Lagrange basis again for
-every secret (k inversions and k^2 products in pure Python, 4.7 ms at k = 8); the coordinator
-rebuilds a hundred secrets a round over a handful of index sets, so `combine` here takes the
-basis once per index set, in the library's own field arithmetic, and sums (equal to
-`Shamir.combine` byte for byte: tested). X25519, HKDF, ChaCha20 and ChaCha20-Poly1305 are the
-`cryptography` package's. Everything a peer sends is checked by structure (lengths, ranges,
-recipients, AEAD tags) and refused by name (`Refused`, naming the client): the round goes on
-without that client where the protocol allows.
+GF(2^128): a 32-byte key travels as two); the coordinator rebuilds a round's secrets in one
+batch (`fed_learn.shamir`: equal to `Shamir.combine` byte for byte, tested). X25519, HKDF,
+ChaCha20 and ChaCha20-Poly1305 are the `cryptography` package's. Everything a peer sends is
+checked by structure (lengths, ranges, recipients, AEAD tags) and refused by name (`Refused`,
+naming the client): the round goes on without that client where the protocol allows.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
-import math
 import random
 import secrets
 import struct
@@ -57,7 +52,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from Crypto.Protocol.SecretSharing import Shamir, _Element
+from Crypto.Protocol.SecretSharing import Shamir
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -65,13 +60,15 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from fed_learn import shamir
+from fed_learn.fixed_point import FRAC_BITS_MAX, dequantize, quantize
+
 KEY_BYTES = 32
 SEED_BYTES = 16
 """The self-mask seed: one Shamir secret (pycryptodome shares 16-byte secrets)."""
 SHARE_BYTES = 16
 MAX_CLIENTS = 65_535
 """Client ids and share indices travel as 16-bit numbers."""
-FRAC_BITS_MAX = 48
 _SHARES = struct.Struct("<IHHH")  # round, sender, recipient, Shamir index
 _BOX_PLAIN = _SHARES.size + 3 * SHARE_BYTES  # then the seed's share and the key's two halves
 BOX_BYTES = _BOX_PLAIN + 16  # the Poly1305 tag
@@ -158,13 +155,6 @@ class Params:
         return {c: tuple(sorted(links[c] - {c})) for c in ids}
 
 
-def frac_bits_for(clients: int, weight_cap: float, value_bound: float) -> int:
-    """The finest fixed point whose sum over `clients` inputs, each entry at most
-    `weight_cap * value_bound` in size (a clipped, weighted update), fits in 63 bits."""
-    largest = max(1.0, clients * weight_cap * value_bound)
-    return max(0, min(FRAC_BITS_MAX, 62 - math.ceil(math.log2(largest)) - 1))
-
-
 # ---------------------------------------------------------------------------- primitives
 
 
@@ -200,18 +190,6 @@ def _box_key(shared: bytes, params: Params, sender: int, recipient: int) -> byte
 
 def _commit(seed: bytes, params: Params, client: int) -> bytes:
     return hashlib.sha256(b"lab-secagg commit %d %d " % (params.round, client) + seed).digest()
-
-
-def quantize(values: np.ndarray, frac_bits: int) -> np.ndarray:
-    """Fixed point modulo 2^64 (two's complement): what is summed. Values must be finite."""
-    scaled = np.rint(np.asarray(values, dtype=np.float64) * float(2**frac_bits))
-    if not np.isfinite(scaled).all() or np.abs(scaled).max(initial=0) >= 2**62:
-        raise ValueError("a value does not fit the fixed point (not finite, or too large)")
-    return scaled.astype(np.int64).view(np.uint64)
-
-
-def dequantize(total: np.ndarray, frac_bits: int) -> np.ndarray:
-    return total.view(np.int64).astype(np.float64) / float(2**frac_bits)
 
 
 def _sign(me: int, other: int) -> int:
@@ -415,6 +393,8 @@ class Server:
 
     def __post_init__(self) -> None:
         self.graph = self.params.graph()
+        self._first: dict[tuple[int, str], bytes] = {}
+        """(owner, kind) -> the secret rebuilt from its first `threshold` shares."""
 
     def add_keys(self, client: int, c_public: bytes, s_public: bytes) -> None:
         self._member(client)
@@ -527,10 +507,10 @@ class Server:
                 f"{len(shares)} shares of client {owner}'s {kind}; the threshold is "
                 f"{self.params.threshold}"
             )
-        # exactly `threshold` shares rebuild it, the lowest indices first: most secrets of a
-        # round then share one index set, whose Lagrange basis `combine` has already
         shares.sort(key=lambda got: got[1][0])
-        secret = _combine([s for _, s in shares[: self.params.threshold]], kind)
+        secret = self._first.get((owner, kind))  # rebuilt in the round's batch, or now
+        if secret is None:
+            secret = _combine([s for _, s in shares[: self.params.threshold]], kind)
         if check(secret):  # type: ignore[operator]
             return secret, []
         for skip in range(len(shares)):
@@ -551,6 +531,16 @@ class Server:
                 f"{len(self.reveals)} clients revealed shares; the threshold is "
                 f"{self.params.threshold}"
             )
+        # each secret from exactly `threshold` shares, the lowest indices first (most secrets
+        # then share an index set and its basis), all of a kind in one batch; `_rebuild`
+        # checks each and looks further for those that fail
+        k = self.params.threshold
+        wanted = [(c, SEED) for c in survivors] + [(c, KEY) for c in dropped]
+        firsts = {key: sorted(s for _, s in self._shares_of(*key))[:k] for key in wanted}
+        for kind in (SEED, KEY):
+            keys = [key for key, got in firsts.items() if key[1] == kind and len(got) == k]
+            rebuilt = _combine_many([firsts[key] for key in keys], kind)
+            self._first.update(zip(keys, rebuilt, strict=True))
         refused: list[Refused] = []
         total = np.zeros(self.params.length, dtype=np.uint64)
         for client in survivors:
@@ -589,35 +579,9 @@ class Server:
 
 
 def _combine(shares: list[tuple[int, bytes]], kind: str) -> bytes:
-    if kind == SEED:
-        return combine(shares)
-    low = combine([(i, s[:SHARE_BYTES]) for i, s in shares])
-    high = combine([(i, s[SHARE_BYTES:]) for i, s in shares])
-    return low + high
+    return _combine_many([shares], kind)[0]
 
 
-@functools.lru_cache(maxsize=1024)
-def _basis(indices: tuple[int, ...]) -> tuple[_Element, ...]:
-    """The Lagrange basis at 0 for these share indices over pycryptodome's GF(2^128), as
-    `Shamir.combine` computes it (addition is subtraction in this field)."""
-    xs = [_Element(i) for i in indices]
-    basis = []
-    for j, x_j in enumerate(xs):
-        numerator, denominator = _Element(1), _Element(1)
-        for m, x_m in enumerate(xs):
-            if m != j:
-                numerator *= x_m
-                denominator *= x_j + x_m
-        basis.append(numerator * denominator.inverse())
-    return tuple(basis)
-
-
-def combine(shares: list[tuple[int, bytes]]) -> bytes:
-    """`Shamir.combine(shares)`, the basis computed once per index set."""
-    indices = tuple(index for index, _ in shares)
-    if len(set(indices)) != len(indices) or not all(0 < i < 2**16 for i in indices):
-        raise ValueError(f"share indices {indices} must be distinct, in 1..65535")
-    result = _Element(0)
-    for (_, share), weight in zip(shares, _basis(indices), strict=True):
-        result += _Element(share) * weight
-    return result.encode()
+def _combine_many(groups: list[list[tuple[int, bytes]]], kind: str) -> list[bytes]:
+    """Each group's secret: a seed (one 16-byte Shamir secret) or a key (two)."""
+    return shamir.combine_pieces(groups, pieces=1 if kind == SEED else 2)

@@ -14,7 +14,7 @@ round's clients, each message checked before use.
     client -> coordinator  SA_REVEAL  {"task", "shares": {id: [kind, index, share]}}
 
 Bytes travel base64 in JSON. The coordinator's round thread runs the steps (`SecureRound`);
-each client's session thread hands what it reads to the round (`SecureInbox`) only if it answers
+each client's session thread hands what it reads to the round (`secure_inbox`) only if it answers
 that client's outstanding task, once per step. A client that sends something malformed is
 refused by name and left out from that step on; the round goes on while the threshold holds,
 else it fails in one line and the run goes on to the next round with the adapter it had.
@@ -38,14 +38,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import logging
 import math
-import queue
 import secrets
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,18 +50,15 @@ import numpy as np
 import torch
 
 from fed_learn import secagg
+from fed_learn.fixed_point import frac_bits_for
 from fed_learn.privacy import clip, flat_delta, gaussian, noise_std, unflatten
 from fed_learn.protocol import FedMsg, parse_result
+from fed_learn.secure_inbox import InputDigests, SecureInbox, Skipped
 from netproto import Connection, NetprotoError
 from netproto.errors import peer_text
 
 log = logging.getLogger(__name__)
 
-GONE = -1
-"""An inbox entry: the client's session ended."""
-MAX_DIGESTS = 1 << 20
-"""Masked-input digests kept against replay (the oldest go first): a run of 10,000 rounds
-of 100 clients."""
 NOISE_SIGMAS = 12.0
 """The fixed point leaves room for noise this many standard deviations out (a clipped,
 weighted update's entries are at most its norm bound times its weight)."""
@@ -252,35 +245,6 @@ def client_round(
 # ---------------------------------------------------------------------------- coordinator side
 
 
-@dataclass(frozen=True)
-class Skipped:
-    """In place of a masked input: the client's SKIP (its training came out non-finite)."""
-
-    reason: str
-
-
-class InputDigests:
-    """SHA-256 digests of the masked inputs taken, over the run: a masked input is fresh
-    noise every round (fresh keys and seeds), so one seen before is a replay."""
-
-    def __init__(self) -> None:
-        self._seen: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        """digest -> (round, client) it first came from, oldest first."""
-
-    def admit(self, client: int, round_index: int, masked: np.ndarray) -> None:
-        """Record `client`'s masked input of `round_index`; Refused if it was seen before."""
-        digest = hashlib.sha256(masked.tobytes()).digest()
-        if digest in self._seen:
-            first_round, first_client = self._seen[digest]
-            raise secagg.Refused(
-                client,
-                f"replays the masked input client {first_client} sent in round {first_round + 1}",
-            )
-        self._seen[digest] = (round_index, client)
-        while len(self._seen) > MAX_DIGESTS:
-            self._seen.popitem(last=False)
-
-
 def check_weight(client: int, value: Any, declared: int) -> int:
     """The weight `client` says, in clear, it masked its update with: an int in 1..what it
     declared at JOIN (capped), else Refused by name before anything is unmasked."""
@@ -322,71 +286,6 @@ def check_aggregate(
             f"x the weights {declared}{' + DP noise' if noise_std else ''})"
         )
     return norm
-
-
-@dataclass
-class SecureInbox:
-    """What clients' sessions read for the round in progress, handed to its thread: one
-    message per client and step, and only for the round's own tasks."""
-
-    tasks: dict[int, int] = field(default_factory=dict)
-    """client id -> the task number of the secure round it takes part in."""
-    seen: set[tuple[int, int]] = field(default_factory=set)
-    messages: queue.Queue[tuple[int, int, Any]] = field(default_factory=queue.Queue)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    gone: set[int] = field(default_factory=set)
-
-    def open(self, tasks: Mapping[int, int]) -> None:
-        with self.lock:
-            self.tasks = dict(tasks)
-            self.seen.clear()
-            self.gone = set()
-            self.messages = queue.Queue()
-
-    def close(self) -> None:
-        with self.lock:
-            self.tasks = {}
-
-    def offer(self, client: int, kind: int, payload: Any, *, task: Any) -> bool:
-        """A session thread's message; whether the round took it (else it is dropped)."""
-        with self.lock:
-            if self.tasks.get(client) != task or (client, kind) in self.seen:
-                return False
-            self.seen.add((client, kind))
-            self.messages.put((client, kind, payload))
-            return True
-
-    def leave(self, client: int) -> None:
-        """`client`'s session ended: the round stops waiting for it."""
-        with self.lock:
-            if client in self.tasks:
-                self.gone.add(client)
-                self.messages.put((client, GONE, None))
-
-    def gather(self, kind: int, clients: Iterable[int], deadline: float) -> dict[int, Any]:
-        """`kind` messages from `clients` until all came (or left) or `deadline` passed."""
-        wanted = set(clients)
-        with self.lock:
-            wanted -= self.gone
-        got: dict[int, Any] = {}
-        postponed: list[tuple[int, int, Any]] = []
-        while wanted - set(got):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                client, k, payload = self.messages.get(timeout=left)
-            except queue.Empty:
-                break
-            if k == GONE:
-                wanted.discard(client)
-            elif k == kind and client in wanted:
-                got[client] = payload
-            else:
-                postponed.append((client, k, payload))  # a fast client's next step
-        for item in postponed:
-            self.messages.put(item)
-        return got
 
 
 @dataclass
@@ -452,7 +351,7 @@ class SecureRound:
             clients=ids,
             threshold=shares,
             neighbors=neighbors or max(1, len(ids) - 1),
-            frac_bits=secagg.frac_bits_for(len(ids), 1.0, largest),
+            frac_bits=frac_bits_for(len(ids), 1.0, largest),
             length=length,
             graph_seed=secrets.token_bytes(8),
         )
@@ -464,7 +363,6 @@ class SecureRound:
         self.weights: dict[int, int] = {}
         """The weight each client whose input was taken sent in clear."""
         self.refused = 0
-        self.elapsed_s = self.waiting_s = 0.0
 
     @classmethod
     def for_round(
@@ -519,20 +417,12 @@ class SecureRound:
 
     def _step(self, kind: int, clients: Iterable[int], timeout_s: float) -> dict[int, Any]:
         wanted = [c for c in clients if c not in self.failures]
-        waited = time.perf_counter()
         got = self.inbox.gather(kind, wanted, time.monotonic() + timeout_s)
-        self.waiting_s += time.perf_counter() - waited
         self.failures |= set(wanted) - set(got)
         return got
 
-    @property
-    def coordinator_s(self) -> float:
-        """The coordinator's own seconds in the round: all of it but the waits for clients."""
-        return self.elapsed_s - self.waiting_s
-
     def run(self, tasks: Mapping[int, int]) -> SecureOutcome:
         """The steps after the TASKs went out (`tasks`: client id -> task number)."""
-        started = time.perf_counter()
         try:
             return self._run(tasks)
         except secagg.RoundFailed as exc:
@@ -549,7 +439,6 @@ class SecureRound:
             )
         finally:
             self.inbox.close()
-            self.elapsed_s = time.perf_counter() - started
 
     def _run(self, tasks: Mapping[int, int]) -> SecureOutcome:
         server = self.server

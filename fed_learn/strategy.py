@@ -31,7 +31,8 @@ class Strategy(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        Strategy.registry[cls.name] = cls
+        if "name" in cls.__dict__:  # a wrapper (privacy.DPMean) is no `fed.strategy` choice
+            Strategy.registry[cls.name] = cls
 
     def __init__(
         self, *, prox_mu: float = 0.0, rank: int = 8, combine: Combine = weighted_mean
@@ -42,6 +43,13 @@ class Strategy(ABC):
 
     def client_options(self) -> dict[str, Any]:
         return {"prox_mu": 0.0, "freeze_a": False}
+
+    def configure_round(
+        self, global_state: Mapping[str, torch.Tensor], sampled_weights: Sequence[int]
+    ) -> None:
+        """A round starts from `global_state` with clients declaring `sampled_weights`
+        examples (the pair of `aggregate`, as Flower's configure_fit is of aggregate_fit)."""
+        return None
 
     def check_update(
         self, update: Mapping[str, torch.Tensor], global_state: Mapping[str, torch.Tensor]

@@ -22,7 +22,7 @@ import torch
 
 from fed_learn.aggregate import coordinate_median, fedavg
 from fed_learn.compression import compress, decompress
-from fed_learn.config import FedConfig, FedLearnRunConfig
+from fed_learn.config import DPConfig, FedConfig, FedLearnRunConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.lora import adapter_state, peft_model
 from fed_learn.protocol import FedMsg
@@ -570,3 +570,23 @@ def test_trimmed_mean_keeps_one_attacker_of_five_out_of_the_global_adapter(feder
     assert record["clients"] == 5
     # one value cut at each end of every entry: the mean of 0.02, 0.03 and 0.04
     assert_states_equal(fed.final(), honest_mean(fed.initial, [0.02, 0.03, 0.04]))
+
+
+# ---------------------------------------------------------------- DP in the clear
+
+
+def test_dp_in_the_clear_bounds_what_one_client_moves(federation) -> None:
+    """fed.dp without secure aggregation: the coordinator's DPMean around FedAvg clips each
+    update, so a client far off (offset 1.0 on ~17k entries, a norm of ~130, under
+    fed.max_update_norm) moves the adapter by clip x its capped weight / the sampled clients'
+    capped weights (noise aside: sigma tiny here); the privacy spent is reported."""
+    dp = DPConfig(enabled=True, clip_norm=0.5, noise_multiplier=1e-6, weight_cap=10)
+    players = [Player(honest(0.0)), Player(honest(0.0)), Player(honest(1.0), name="far")]
+    fed = federation(players, dp=dp, max_update_norm=600.0)
+    metrics, [record] = fed.run()
+    assert record["clients"] == 3
+    moved = torch.cat(
+        [(fed.final()[n].double() - t.double()).reshape(-1) for n, t in fed.initial.items()]
+    )
+    assert float(moved.norm()) == pytest.approx(0.5 * 10 / 30, rel=1e-3)
+    assert metrics["dp_epsilon"] > 0 and metrics["dp_noise_multiplier"] == 1e-6

@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from fed_learn.config import DPConfig
+from fed_learn.fixed_point import frac_bits_for
 from fed_learn.privacy import (
     Accountant,
+    DPMean,
     clip,
     flat_delta,
     gaussian,
@@ -18,7 +21,8 @@ from fed_learn.privacy import (
     noise_std,
     unflatten,
 )
-from fed_learn.secagg import Params, frac_bits_for
+from fed_learn.secagg import Params
+from fed_learn.strategy import Strategy
 
 from .test_secagg import shared_round
 
@@ -94,3 +98,52 @@ def test_noise_is_unpredictable_unless_seeded() -> None:
     g = torch.Generator().manual_seed(3)
     h = torch.Generator().manual_seed(3)
     assert torch.equal(gaussian(8, 1.0, g), gaussian(8, 1.0, h))
+
+
+A, B = "m.q.lora_A.weight", "m.q.lora_B.weight"
+
+
+def _dp_mean(strategy: str, *, noise: float = 0.0, seed: int = 0) -> DPMean:
+    dp = DPConfig(enabled=True, clip_norm=1.0, weight_cap=10, noise_multiplier=max(noise, 1e-9))
+    generator = torch.Generator().manual_seed(seed)
+    inner = Strategy.create(strategy, rank=2)
+    return DPMean(inner, dp=dp, noise_multiplier=noise, generator=generator)
+
+
+def test_dp_mean_clips_caps_and_divides_by_the_sampled_weights() -> None:
+    """DPMean(FedAvg), noise aside: each update's delta clipped to 1, weights capped at 10,
+    the weighted sum divided by the sampled clients' capped weights (30: one sampled client
+    never answered), whatever the inner mean's own denominator was."""
+    base = {A: torch.zeros(2, 3), B: torch.zeros(4, 2)}
+    near = {A: torch.full((2, 3), 0.1), B: torch.zeros(4, 2)}  # norm 0.245: kept
+    far = {A: torch.zeros(2, 3), B: torch.full((4, 2), 5.0)}  # norm 14.1: clipped to 1
+    strategy = _dp_mean("fedavg")
+    strategy.configure_round(base, [4, 50, 16])  # capped: 4 + 10 + 10
+    merged = strategy.aggregate([(near, 4), (far, 50)])
+    assert torch.allclose(merged[A], torch.full((2, 3), 4 * 0.1 / 24), atol=1e-6)
+    assert torch.allclose(merged[B], torch.full((4, 2), 10 * (1 / math.sqrt(8)) / 24), atol=1e-6)
+
+
+def test_dp_mean_keeps_the_inner_strategys_rules_and_noises_only_what_it_trains() -> None:
+    """Around FFA-LoRA: clients keep A frozen (its options and check pass through), the noise
+    goes on B alone, with the std the accountant assumes (sigma x clip x cap / denominator)."""
+    base = {A: torch.randn(2, 3), B: torch.zeros(40, 50)}
+    strategy = _dp_mean("ffa", noise=2.0)
+    assert strategy.client_options()["freeze_a"] is True
+    assert strategy.trained(base) == [B]
+    with pytest.raises(ValueError, match="FFA-LoRA clients keep A frozen"):
+        strategy.check_update({A: base[A] + 1, B: base[B]}, base)
+    strategy.configure_round(base, [10, 10])
+    merged = strategy.aggregate([({A: base[A], B: base[B]}, 10), ({A: base[A], B: base[B]}, 10)])
+    assert torch.equal(merged[A], base[A])
+    assert float(merged[B].std()) == pytest.approx(2.0 * 1.0 * 10 / 20, rel=0.05)
+    again = _dp_mean("ffa", noise=2.0, seed=1)
+    again.configure_round(base, [10, 10])
+    other = again.aggregate([({A: base[A], B: base[B]}, 10)])
+    assert not torch.equal(other[B], merged[B])  # fresh noise per generator
+
+
+def test_dp_mean_is_not_a_strategy_choice_and_needs_its_round() -> None:
+    assert "DPMean" not in {cls.__name__ for cls in Strategy.registry.values()}
+    with pytest.raises(ValueError, match="before configure_round"):
+        _dp_mean("fedavg").aggregate([({A: torch.zeros(1, 1), B: torch.zeros(1, 1)}, 1)])

@@ -14,6 +14,7 @@ import pytest
 from Crypto.Protocol.SecretSharing import Shamir
 from scipy import stats
 
+from fed_learn.fixed_point import dequantize, frac_bits_for, quantize
 from fed_learn.secagg import (
     BOX_BYTES,
     KEY,
@@ -23,11 +24,8 @@ from fed_learn.secagg import (
     Refused,
     RoundFailed,
     Server,
-    combine,
-    dequantize,
-    frac_bits_for,
-    quantize,
 )
+from fed_learn.shamir import combine, combine_many
 
 
 def _params(n: int = 8, *, threshold: int = 3, neighbors: int = 4, length: int = 257) -> Params:
@@ -338,3 +336,20 @@ def test_combine_equals_the_library_and_refuses_duplicate_indices() -> None:
             assert combine(subset) == Shamir.combine(subset) == secret
     with pytest.raises(ValueError, match="must be distinct"):
         combine([shares[0], shares[0]])
+
+
+def test_a_batch_of_secrets_equals_the_library_on_random_subsets() -> None:
+    """`combine_many` (every secret's field products in one numpy batch) returns, for groups
+    of different sizes and index sets, what `Shamir.combine` returns for each."""
+    rng = random.Random(5)
+    groups, expected = [], []
+    for _ in range(40):
+        k = rng.randint(1, 12)
+        n = rng.randint(k, 20)
+        secret = secrets.token_bytes(16)
+        subset = rng.sample(Shamir.split(k, n, secret), rng.randint(k, n))  # k or more
+        groups.append(subset)
+        expected.append(Shamir.combine(subset))
+        assert expected[-1] == secret
+    assert combine_many(groups) == expected
+    assert combine_many([]) == []

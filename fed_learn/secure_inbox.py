@@ -1,0 +1,120 @@
+"""What a secure round's coordinator keeps between its clients' sessions and its round thread:
+the inbox each session hands a secure step's message to (once per client and step, only for
+the round's own tasks), and the run's digests of the masked inputs taken (a replay is refused
+by name). `fed_learn.secure` runs the round over them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fed_learn import secagg
+
+GONE = -1
+"""An inbox entry: the client's session ended."""
+MAX_DIGESTS = 1 << 20
+"""Masked-input digests kept against replay (the oldest go first): a run of 10,000 rounds
+of 100 clients."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """In place of a masked input: the client's SKIP (its training came out non-finite)."""
+
+    reason: str
+
+
+class InputDigests:
+    """SHA-256 digests of the masked inputs taken, over the run: a masked input is fresh
+    noise every round (fresh keys and seeds), so one seen before is a replay."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        """digest -> (round, client) it first came from, oldest first."""
+
+    def admit(self, client: int, round_index: int, masked: np.ndarray) -> None:
+        """Record `client`'s masked input of `round_index`; Refused if it was seen before."""
+        digest = hashlib.sha256(masked.tobytes()).digest()
+        if digest in self._seen:
+            first_round, first_client = self._seen[digest]
+            raise secagg.Refused(
+                client,
+                f"replays the masked input client {first_client} sent in round {first_round + 1}",
+            )
+        self._seen[digest] = (round_index, client)
+        while len(self._seen) > MAX_DIGESTS:
+            self._seen.popitem(last=False)
+
+
+@dataclass
+class SecureInbox:
+    """What clients' sessions read for the round in progress, handed to its thread: one
+    message per client and step, and only for the round's own tasks."""
+
+    tasks: dict[int, int] = field(default_factory=dict)
+    """client id -> the task number of the secure round it takes part in."""
+    seen: set[tuple[int, int]] = field(default_factory=set)
+    messages: queue.Queue[tuple[int, int, Any]] = field(default_factory=queue.Queue)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    gone: set[int] = field(default_factory=set)
+
+    def open(self, tasks: Mapping[int, int]) -> None:
+        with self.lock:
+            self.tasks = dict(tasks)
+            self.seen.clear()
+            self.gone = set()
+            self.messages = queue.Queue()
+
+    def close(self) -> None:
+        with self.lock:
+            self.tasks = {}
+
+    def offer(self, client: int, kind: int, payload: Any, *, task: Any) -> bool:
+        """A session thread's message; whether the round took it (else it is dropped)."""
+        with self.lock:
+            if self.tasks.get(client) != task or (client, kind) in self.seen:
+                return False
+            self.seen.add((client, kind))
+            self.messages.put((client, kind, payload))
+            return True
+
+    def leave(self, client: int) -> None:
+        """`client`'s session ended: the round stops waiting for it."""
+        with self.lock:
+            if client in self.tasks:
+                self.gone.add(client)
+                self.messages.put((client, GONE, None))
+
+    def gather(self, kind: int, clients: Iterable[int], deadline: float) -> dict[int, Any]:
+        """`kind` messages from `clients` until all came (or left) or `deadline` passed."""
+        wanted = set(clients)
+        with self.lock:
+            wanted -= self.gone
+        got: dict[int, Any] = {}
+        postponed: list[tuple[int, int, Any]] = []
+        while wanted - set(got):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                client, k, payload = self.messages.get(timeout=left)
+            except queue.Empty:
+                break
+            if k == GONE:
+                wanted.discard(client)
+            elif k == kind and client in wanted:
+                got[client] = payload
+            else:
+                postponed.append((client, k, payload))  # a fast client's next step
+        for item in postponed:
+            self.messages.put(item)
+        return got
