@@ -82,6 +82,7 @@ def scenario(common: list[str]) -> Scenario:
         common,
         lambda *_: (True, ""),
         result_role="worker0",
+        port=29530,  # the master's, as data_parallel's own scenario
         netproto=False,
         shared=("dp.checkpoint_dir",),
     )

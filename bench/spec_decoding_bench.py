@@ -666,16 +666,16 @@ def main() -> None:
     figures: dict[str, Any] = {}
     for name, pair in pairs.items():
         prompts = held_out_prompts(pair.tokenizer, count=num_prompts, tokens=32)
-        realistic = name == "realistic"
+        is_realistic = name == "realistic"
         figures[name] = bench_pair(
             pair,
             prompts,
             max_new,
             headline_prompts=held_out_prompts(pair.tokenizer, count=headline_count, tokens=32),
             cache_dir=args.cache_dir,
-            delays=delays if realistic else (),
+            delays=delays if is_realistic else (),
             gammas=gammas,
-            sampling=realistic,
+            sampling=is_realistic,
         )
     tokenizer = pairs["realistic"].tokenizer
     figures["q_bytes_32k_vocab"] = q_bytes_32k(

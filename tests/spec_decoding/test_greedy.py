@@ -118,7 +118,12 @@ def test_an_opened_that_waited_out_the_drafters_prefill_is_no_round_trip(
     drafter = make_drafter(drafts["noisy"], gamma=None, pipeline=True)
     samples: list[float] = []
     observe = drafter.gamma.observe_rtt
-    monkeypatch.setattr(drafter.gamma, "observe_rtt", lambda s: (samples.append(s), observe(s)))
+
+    def observe_and_keep(seconds: float) -> None:
+        samples.append(seconds)
+        observe(seconds)
+
+    monkeypatch.setattr(drafter.gamma, "observe_rtt", observe_and_keep)
     ids = tokenizer(PROMPTS[2], add_special_tokens=False)["input_ids"]
     result = drafter.generate(ids, max_new_tokens=12)
     assert result.tokens == target_greedy(target, tokenizer, ids, 12)

@@ -13,9 +13,8 @@ import torch
 from lab.config import ClusterConfig, Endpoint, ModelConfig
 from lab.launch import Role, free_port, services
 from lab.pretrain import TinyModelSpec, build_llama
-from split_engine.config import SplitConfig
 from split_engine.roles import driving
-from split_inference.config import SplitInferenceRunConfig
+from split_inference.config import ServingSplitConfig, SplitInferenceRunConfig
 
 NUM_LAYERS = 4
 
@@ -102,7 +101,7 @@ def rpc_world(
         role.env.update(stage_env or {})
     settings = SplitInferenceRunConfig(
         model=model_config(folder),
-        split=SplitConfig(num_stages=num_stages, rpc_timeout_s=20, join_timeout_s=120),
+        split=ServingSplitConfig(num_stages=num_stages, rpc_timeout_s=20, join_timeout_s=120),
         cluster=ClusterConfig(master=Endpoint("127.0.0.1", port), secret=driver_secret),
     )
     with (

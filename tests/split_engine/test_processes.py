@@ -276,9 +276,8 @@ def test_a_rank_without_the_secret_cannot_make_anyone_do_anything(
 
     from lab.config import ClusterConfig, Endpoint
     from lab.launch import Role, free_port, services
-    from split_engine.config import SplitConfig
     from split_engine.roles import driving
-    from split_inference.config import SplitInferenceRunConfig
+    from split_inference.config import ServingSplitConfig, SplitInferenceRunConfig
     from tests.split_engine.conftest import model_config, stage_role
 
     port, out = free_port(), tmp_path / "rogue.json"
@@ -291,7 +290,7 @@ def test_a_rank_without_the_secret_cannot_make_anyone_do_anything(
     )
     settings = SplitInferenceRunConfig(
         model=model_config(llama_folder),
-        split=SplitConfig(num_stages=2, rpc_timeout_s=20, join_timeout_s=120),
+        split=ServingSplitConfig(num_stages=2, rpc_timeout_s=20, join_timeout_s=120),
         cluster=ClusterConfig(master=Endpoint("127.0.0.1", port), secret="shared"),
     )
     with (
