@@ -39,6 +39,9 @@ from split_engine.generation import Sampling, TokenPicker
 log = logging.getLogger(__name__)
 
 WAIT_S = 5.0
+MAX_SLOTS = 1024
+"""Requests one stage holds a KV-cache slot for at once (the driver bounds its own with
+split.max_concurrent; this bounds what any signed caller can make a stage hold)."""
 """How often the scheduler, idle or waiting for a stage, looks again (and at `closing`)."""
 
 
@@ -101,17 +104,34 @@ def stage_step(
         raise ValueError(f"a step of {len(requests)} requests needs {len(requests)} rows")
     if len(set(requests)) != len(requests):
         raise ValueError(f"a step names a request twice: {requests}")
+    if stage.first:  # token ids: an id past the vocabulary is a device-side assert on a GPU
+        if x.dim() != 2 or x.dtype != torch.long or x.numel() == 0:
+            raise ValueError(
+                f"the first stage takes (k, T) int64 token ids, not {x.dtype} {tuple(x.shape)}"
+            )
+        if int(x.min()) < 0 or int(x.max()) >= stage.vocab_size:
+            raise ValueError(f"token ids outside 0..{stage.vocab_size - 1}")
+    elif x.dim() != 3 or x.shape[2] != stage.hidden_size or not x.is_floating_point():
+        raise ValueError(
+            f"a stage takes (k, T, {stage.hidden_size}) hidden states, not {tuple(x.shape)}"
+        )
     rows, tokens = x.shape[0], x.shape[1]
     stage.bytes_received += x.numel() * x.element_size()
     with stage.lock, torch.no_grad(), stage._autocast():
         started = time.perf_counter()
-        for request, sampling in zip(requests, opening, strict=True):
-            if sampling is not None:
-                stage.caches[request] = DynamicCache()
-                if stage.last:
-                    stage.pickers[request] = TokenPicker(Sampling.from_dict(sampling))
-            elif request not in stage.caches:
+        for request, sampling in zip(requests, opening, strict=True):  # all checked first:
+            if sampling is not None and request in stage.caches:  # a refused step opens none
+                raise ValueError(f"request {request} already has a slot on this stage")
+            if sampling is None and request not in stage.caches:
                 raise ValueError(f"request {request} has no slot on this stage")
+        opened = sum(s is not None for s in opening)
+        if len(stage.caches) + opened > MAX_SLOTS:
+            raise ValueError(f"a stage holds at most {MAX_SLOTS} requests' slots")
+        pairs = [(r, s) for r, s in zip(requests, opening, strict=True) if s is not None]
+        pickers = {r: TokenPicker(Sampling.from_dict(s)) for r, s in pairs} if stage.last else {}
+        for request, _ in pairs:  # (a bad sampling dict has raised above: nothing opened)
+            stage.caches[request] = DynamicCache()
+        stage.pickers.update(pickers)
         own = [stage.caches[r] for r in requests]
         lengths = [c.get_seq_length() for c in own]
         if rows == 1:
@@ -317,11 +337,19 @@ class Pipeline:
     def _stepped(self, step: _Step, future: Any) -> None:
         try:
             result = future.wait()
-        except RuntimeError as exc:
+        except Exception as exc:  # (a stage's own ValueError comes back as itself)
             self.moving.remove(step)
             error = self.sharded._lost(step.stage, exc, call="a generation step")
+            if getattr(error, "peer", None) is None:  # every stage still answers: a refused or
+                log.error(  # failed step (out of memory, say) ends its own requests, no others
+                    "a micro-batch of %d requests failed, the stages still answer (the other "
+                    "requests go on): %s", len(step.requests), error,
+                )  # fmt: skip
+                for request in step.requests:
+                    self._finish(request, error)  # and frees their slots on every stage
+                return
             log.error("a micro-batch of %d requests failed: %s", len(step.requests), error)
-            self.failure = error
+            self.failure = error  # a stage is gone: no new request can be served
             for request in step.requests:
                 self._finish(request, error, release=False)
             return

@@ -139,3 +139,41 @@ def test_the_pipeline_serves_requests_from_many_threads_as_each_alone(
     finally:
         pipeline.close()
     assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
+
+
+def test_a_step_the_stages_refuse_ends_its_own_requests_and_the_pipeline_serves_on(
+    sharded, prompts, alone
+) -> None:
+    """A micro-batch a stage refuses (here a token id past the vocabulary: on a GPU a
+    device-side assert, so refused by name before the forward) fails its own request; the
+    stages still answer, so the pipeline frees its slots and serves the next request."""
+    pipeline = Pipeline(sharded, max_concurrent=2, in_flight=2, eos_token_id=None)
+    try:
+        with pytest.raises(Exception, match="token ids outside"):
+            pipeline.generate(
+                [5, 10**6], Sampling(), max_new_tokens=NEW_TOKENS, on_token=lambda token: None
+            )
+        again = pipeline.generate(
+            prompts[0], Sampling(), max_new_tokens=NEW_TOKENS, on_token=lambda token: None
+        )
+        assert again == alone[0]
+        assert pipeline.failure is None and pipeline.active == 0
+    finally:
+        pipeline.close()
+    assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
+
+
+def test_a_step_that_reopens_a_live_slot_or_sends_the_wrong_shape_is_refused(sharded) -> None:
+    """What a signed caller sends a stage is checked before anything is opened or run."""
+    opening = [Sampling().as_dict()]
+    step(sharded, torch.tensor([[5, 6]]), [41], opening)
+    try:
+        with pytest.raises(Exception, match="already has a slot"):
+            step(sharded, torch.tensor([[5]]), [41], opening)  # another's live cache, reset
+        with pytest.raises(Exception, match="int64 token ids"):
+            sharded.call(0, "step", torch.tensor([[0.5]]), [42], opening)
+        with pytest.raises(Exception, match="hidden states"):
+            sharded.call(1, "step", torch.zeros(1, 1, 3), [41], [None])
+    finally:
+        sharded.call_all("end_request", 41)
+    assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
