@@ -188,6 +188,7 @@ class Server:
         self.running: set[threading.Event] = set()
         self.served = 0
         self.cancelled = 0
+        self.counts = threading.Lock()
         self.summary = Summary()
 
     # ------------------------------------------------------------------ requests
@@ -360,16 +361,19 @@ class Server:
         def work() -> list[int]:
             with self.worker:
                 begun = time.perf_counter()
-                self.generating += 1
+                with self.counts:  # (up to max_concurrent worker threads count at once)
+                    self.generating += 1
                 tokens: list[int] = []
                 try:
                     tokens = self.engine.generate(prompt, params, on_tokens)
                 except Cancelled:
                     tokens = list(seen)
                     if cancel.is_set():
-                        self.cancelled += 1
+                        with self.counts:
+                            self.cancelled += 1
                 finally:
-                    self.generating -= 1
+                    with self.counts:
+                        self.generating -= 1
                     self.summary.add(len(seen), time.perf_counter() - begun)
                     log.info(
                         "request %s: %d prompt tokens, %d new, %s in %.0f ms",

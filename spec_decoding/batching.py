@@ -191,13 +191,14 @@ class BatchedTarget:
             use_cache=True,
         )
         logits = out.logits.float()  # (B, new, V)
-        results = []
-        for row, ((decoder, feed), length) in enumerate(zip(jobs, past, strict=True)):
-            start, end = longest_past - length, longest_past + len(feed)
-            decoder.cache = _row_cache(out.past_key_values, row, start, end)
-            results.append(logits[row, : len(feed)])
+        rows = [  # every row's cache built before any session takes its own: a failure here
+            _row_cache(out.past_key_values, row, longest_past - length, longest_past + len(feed))
+            for row, ((_, feed), length) in enumerate(zip(jobs, past, strict=True))
+        ]  # (out of memory) leaves every cache as it was, and the rows rerun alone
+        for (decoder, _), own in zip(jobs, rows, strict=True):
+            decoder.cache = own
         self._count(fed)
-        return results
+        return [logits[row, : len(feed)] for row, (_, feed) in enumerate(jobs)]
 
     def _count(self, fed: list[int]) -> None:
         stats = self.stats

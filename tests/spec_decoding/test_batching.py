@@ -66,6 +66,40 @@ def test_each_row_of_a_batch_is_its_session_alone_as_sessions_join_and_leave(tar
     assert batched.stats.most_rows == 3
 
 
+def test_a_batch_that_fails_while_handing_out_caches_reruns_every_row_from_its_own(
+    target, monkeypatch
+) -> None:
+    """A batched forward that fails after the model ran (a row's cache copy out of memory,
+    here forced on the second row) leaves every session's cache as it was: the rows rerun
+    alone and each gets its solo logits (handed out row by row, the first session's cache
+    would have been fed the same tokens twice)."""
+    import spec_decoding.batching as batching
+
+    batched = BatchedTarget(target)
+    prompts = [[5, 6, 7, 8], [11, 12, 13]]
+    together = [CachedDecoder(target, p, batched=batched) for p in prompts]
+    alone = [CachedDecoder(target, p) for p in prompts]
+    for decoder in (*together, *alone):
+        decoder.prefill()
+    row_cache, failed = batching._row_cache, []
+
+    def second_row_fails_once(cache, row, start, end):
+        if row == 1 and not failed:
+            failed.append(row)
+            raise RuntimeError("out of memory (forced)")
+        return row_cache(cache, row, start, end)
+
+    monkeypatch.setattr(batching, "_row_cache", second_row_fails_once)
+    requests = [batching._Request(d, [d.tokens[-1], 30 + i]) for i, d in enumerate(together)]
+    batched._serve(requests)
+    assert failed and all(r.error is None and r.logits is not None for r in requests)
+    for request, decoder, solo in zip(requests, together, alone, strict=True):
+        decoder.cached.extend(request.feed)
+        expected = solo.extend([request.feed[-1]])
+        torch.testing.assert_close(request.logits, expected, rtol=1e-4, atol=1e-5)
+        assert decoder.cache.get_seq_length() == len(decoder.cached)
+
+
 def hold_first_forward(verifier: Verifier, others: int) -> None:
     """Make the verifier's first forward wait until `others` more sessions have asked for
     one, so that the next forward batches them whatever the machine's speed."""
