@@ -81,7 +81,8 @@ def test_a_batch_that_fails_while_handing_out_caches_reruns_every_row_from_its_o
     alone = [CachedDecoder(target, p) for p in prompts]
     for decoder in (*together, *alone):
         decoder.prefill()
-    row_cache, failed = batching._row_cache, []
+    row_cache = batching._row_cache
+    failed: list[int] = []
 
     def second_row_fails_once(cache, row, start, end):
         if row == 1 and not failed:
