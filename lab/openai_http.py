@@ -59,9 +59,12 @@ def build_app(server: Server) -> Any:
             task.cancel()
 
     app = FastAPI(
-        title="distributed-llm-lab", docs_url=None, redoc_url=None, openapi_url=None,
+        title="distributed-llm-lab",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
         lifespan=lifespan,
-    )  # fmt: skip
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
@@ -74,8 +77,7 @@ def build_app(server: Server) -> Any:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        log.error("%s %s failed: %s: %s", request.method, request.url.path,
-                  type(exc).__name__, exc)  # fmt: skip
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         error = ApiError(500, "the server failed on this request: see its log", kind="server_error")
         return JSONResponse(error.body(), status_code=500)
 
@@ -109,10 +111,16 @@ def build_app(server: Server) -> Any:
     async def health(request: Request) -> Response:
         server.check_key(request.headers.get("authorization"))
         engine = await asyncio.get_running_loop().run_in_executor(None, server.engine.health)
-        return JSONResponse({"status": "ok", "generating": server.generating,
-                             "waiting": server.waiting, "served": server.served,
-                             "cancelled": server.cancelled,
-                             "engine": engine})  # fmt: skip
+        return JSONResponse(
+            {
+                "status": "ok",
+                "generating": server.generating,
+                "waiting": server.waiting,
+                "served": server.served,
+                "cancelled": server.cancelled,
+                "engine": engine,
+            }
+        )
 
     async def complete(request: Request, *, chat: bool) -> Response:
         server.check_key(request.headers.get("authorization"))
@@ -135,10 +143,19 @@ def build_app(server: Server) -> Any:
                 choice["message"] = {"role": "assistant", "content": content}
             else:
                 choice["text"] = content
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
-                     "total_tokens": len(prompt) + len(tokens)}  # fmt: skip
-            return {"id": request_id, "object": kind, "created": created,
-                    "model": server.model_id, "choices": [choice], "usage": usage}  # fmt: skip
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(tokens),
+                "total_tokens": len(prompt) + len(tokens),
+            }
+            return {
+                "id": request_id,
+                "object": kind,
+                "created": created,
+                "model": server.model_id,
+                "choices": [choice],
+                "usage": usage,
+            }
 
         def chunk(piece: str, reason: str | None) -> str:
             choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
@@ -146,9 +163,15 @@ def build_app(server: Server) -> Any:
                 choice["delta"] = {"content": piece} if piece or reason else {"role": "assistant"}
             else:
                 choice["text"] = piece
-            return json.dumps({"id": request_id, "created": created, "model": server.model_id,
-                               "object": f"{kind}.chunk" if chat else kind,
-                               "choices": [choice]})  # fmt: skip
+            return json.dumps(
+                {
+                    "id": request_id,
+                    "created": created,
+                    "model": server.model_id,
+                    "object": f"{kind}.chunk" if chat else kind,
+                    "choices": [choice],
+                }
+            )
 
         def result(future: asyncio.Future[list[int]]) -> list[int]:
             try:
@@ -221,8 +244,10 @@ def serve(
         log.warning(
             "no secret is set: %s can call the endpoint at %s:%d. Set LAB_SECRET (or "
             "cluster.secret_file): clients then give it as their API key",
-            where, config.host, config.port,
-        )  # fmt: skip
+            where,
+            config.host,
+            config.port,
+        )
     app = build_app(server)
     listener = _listen(config.host, config.port)  # bound before it says so: a client may call
     print(f"serving {model_id} at http://{config.host}:{config.port}/v1", flush=True)

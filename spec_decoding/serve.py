@@ -70,9 +70,11 @@ class SpecEngine:
         try:
             drafter.temperature, drafter.top_p = params.temperature, params.top_p
             generation = drafter.generate(
-                prompt, max_new_tokens=params.max_new_tokens, seed=params.seed,
+                prompt,
+                max_new_tokens=params.max_new_tokens,
+                seed=params.seed,
                 on_tokens=on_tokens,
-            )  # fmt: skip
+            )
             healthy = True
         except BaseException as exc:  # cut short, or the verifier lost: this session is over
             drafter.conn.close()
@@ -117,8 +119,10 @@ def serve_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
         def dial() -> Connection:
             log.info(
                 "connecting to the verifier at %s:%d (cluster.connect_timeout_s=%g)",
-                verifier.host, verifier.port, cluster.connect_timeout_s,
-            )  # fmt: skip
+                verifier.host,
+                verifier.port,
+                cluster.connect_timeout_s,
+            )
             try:
                 return connect_when_ready(cluster, address, wait_s=cluster.connect_timeout_s)
             except (ConnectionClosed, NetTimeout) as exc:
@@ -127,9 +131,10 @@ def serve_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
                 ) from None
 
         engine = SpecEngine(
-            lambda conn: drafter_for(model, tokenizer, conn, spec), dial,
+            lambda conn: drafter_for(model, tokenizer, conn, spec),
+            dial,
             slots=spec.serve_sessions,
-        )  # fmt: skip
+        )
         try:
             serve(
                 engine,

@@ -289,9 +289,11 @@ class Pipeline:
                     log.info(
                         "%d micro-batches in flight, the oldest for %.0f s on stage %d "
                         "(split.rpc_timeout_s=%g)",
-                        len(self.moving), time.perf_counter() - oldest,
-                        self.moving[0].stage + 1, self.sharded.timeout_s,
-                    )  # fmt: skip
+                        len(self.moving),
+                        time.perf_counter() - oldest,
+                        self.moving[0].stage + 1,
+                        self.sharded.timeout_s,
+                    )
                 continue
             if event[0] == "close":
                 self._fail_all(PipelineClosed("the server is stopping"))
@@ -343,8 +345,10 @@ class Pipeline:
             if getattr(error, "peer", None) is None:  # every stage still answers: a refused or
                 log.error(  # failed step (out of memory, say) ends its own requests, no others
                     "a micro-batch of %d requests failed, the stages still answer (the other "
-                    "requests go on): %s", len(step.requests), error,
-                )  # fmt: skip
+                    "requests go on): %s",
+                    len(step.requests),
+                    error,
+                )
                 for request in step.requests:
                     self._finish(request, error)  # and frees their slots on every stage
                 return
@@ -399,8 +403,10 @@ class Pipeline:
 
     def stats(self) -> dict[str, float]:
         """Steps run and their mean micro-batch size (how much batching happened)."""
-        return {"steps": float(self.steps),
-                "mean_batch": self.batched_rows / self.steps if self.steps else 0.0}  # fmt: skip
+        return {
+            "steps": float(self.steps),
+            "mean_batch": self.batched_rows / self.steps if self.steps else 0.0,
+        }
 
 
 def _log_failure(future: Any, request: int) -> None:

@@ -31,9 +31,14 @@ class SplitEngine:
     (a `Pipeline`), or with `kv_cache=False` one at a time, each recomputing its prefix."""
 
     def __init__(
-        self, sharded: ShardedModel, tokenizer: Any, *, kv_cache: bool,
-        max_concurrent: int = 1, in_flight: int = 1,
-    ) -> None:  # fmt: skip
+        self,
+        sharded: ShardedModel,
+        tokenizer: Any,
+        *,
+        kv_cache: bool,
+        max_concurrent: int = 1,
+        in_flight: int = 1,
+    ) -> None:
         self.sharded, self.chain = sharded, DriverChain(sharded)
         self.eos, self.pad = tokenizer.eos_token_id, tokenizer.pad_token_id or 0
         self.kv_cache = kv_cache
@@ -43,9 +48,11 @@ class SplitEngine:
         self.slots_key = "split.max_concurrent=1"
         if kv_cache:
             self.pipeline = Pipeline(
-                sharded, max_concurrent=max_concurrent, in_flight=in_flight,
+                sharded,
+                max_concurrent=max_concurrent,
+                in_flight=in_flight,
                 eos_token_id=self.eos,
-            )  # fmt: skip
+            )
             self.max_concurrent = max_concurrent
             self.slots_key = f"split.max_concurrent={max_concurrent}"
 
@@ -116,9 +123,12 @@ def serve_role(settings: SplitInferenceRunConfig) -> dict[str, float]:
                 split.max_concurrent,
             )
         engine = SplitEngine(
-            sharded, tokenizer, kv_cache=settings.generate.kv_cache,
-            max_concurrent=split.max_concurrent, in_flight=split.in_flight,
-        )  # fmt: skip
+            sharded,
+            tokenizer,
+            kv_cache=settings.generate.kv_cache,
+            max_concurrent=split.max_concurrent,
+            in_flight=split.in_flight,
+        )
         engine.context_tokens = context_tokens(settings)
         try:
             serve(
