@@ -13,12 +13,15 @@
 4. A compute-bound row: a prefill of 256 tokens, 1 host x 1 core vs 2 hosts x 1 core.
 
 The cost model uses local measurements only: compute = bytes a rank reads a token / the
-measured per-reader bandwidth (memory-bound decode); per all-reduce: steps(n) x one-way delay
-+ bytes each rank sends / rate + a fixed cost, steps from gloo's ring (2(n - 1),
-tensor_parallel.manifest.allreduce_steps) and the fixed cost from the loopback arm alone
-(its measured step less its predicted compute, over its all-reduces). Nothing is fitted to the
-cells it predicts. Namespace links are emulated on the same two cores that compute, and both
-"hosts" share one memory bus: said beside the figures.
+measured per-reader bandwidth (memory-bound decode); per all-reduce: delays(n) x one-way delay
++ bytes each rank sends / rate + a fixed cost. The delays come from the algorithm gloo runs
+(tensor_parallel.manifest.allreduce_delays: a ring of 2(n - 1) steps, each a receive notice
+then the data, 4(n - 1) one-way delays); the fixed cost of the arms from the loopback arm alone
+(its measured step less its predicted compute, over its all-reduces), and the grid's from its
+loopback cell alone (0 ms, 1 Gbit/s: the overlay and the namespaces' links included, the
+overlay's cost printed), which predicts the other 7 cells. Nothing is fitted to the cells it
+predicts. Namespace links are emulated on the same two cores that compute, and both "hosts"
+share one memory bus: said beside the figures.
 
 Writes bench/results/tensor_parallel.json; the last line is
 `compute-bound row, 2 hosts x 1 core / 1 host x 1 core, <shape>: R`.
@@ -251,23 +254,86 @@ def predict_tp(
     rate_bps: float | None = None,
 ) -> dict[str, float]:
     """The cost model of a 2-rank decode step (ms): compute from bytes over bandwidth, plus per
-    all-reduce its ring steps' delays, its wire time and the fixed cost of the loopback arm."""
-    from tensor_parallel.manifest import allreduce_steps
-
-    steps = allreduce_steps(2)
+    all-reduce its delays, its wire time and the fixed cost of the loopback arm."""
     compute = row_tp["weight_bytes"] / (bw_gbs * 1e9) * 1e3
     count = row_tp.get("allreduces", 0.0)
     fixed = 0.0 if loop_ms is None else max(0.0, (loop_ms - compute) / max(count, 1))
-    wire = 0.0 if rate_bps is None else steps / 2 * row_tp.get("allreduce_bytes", 0) * 8 / rate_bps
-    link = steps * delay_ms + 1e3 * wire
-    return {"compute_ms": compute, "fixed_ms": fixed, "ms": compute + count * (fixed + link)}
+    return {
+        "compute_ms": compute,
+        "fixed_ms": fixed,
+        "ms": compute + count * (fixed + link_ms(row_tp, delay_ms, rate_bps)),
+    }
+
+
+def link_ms(row_tp: dict, delay_ms: float, rate_bps: float | None) -> float:
+    """What a link adds to one of the 2-rank run's all-reduces (ms): gloo's delays (two a ring
+    step, tensor_parallel.manifest.allreduce_delays) and each rank's bytes at the rate."""
+    from tensor_parallel.manifest import allreduce_delays, allreduce_steps
+
+    sent = allreduce_steps(2) / 2 * row_tp.get("allreduce_bytes", 0)
+    wire = 0.0 if rate_bps is None else sent * 8 / rate_bps
+    return allreduce_delays(2) * delay_ms + 1e3 * wire
+
+
+CALIBRATION = (0.0, "1gbit")
+"""The grid's loopback cell: its measured step gives the fixed cost the other cells are
+predicted with (compute, gloo's own work, the overlay and the namespaces' links)."""
+
+
+def predict_cell(row_tp: dict, calibration_ms: float, delay_ms: float, rate: str) -> float:
+    """A grid cell's step (ms): the loopback cell's measured step, plus what this cell's link
+    adds to each all-reduce beyond that cell's link."""
+    count = row_tp.get("allreduces", 0.0)
+    here = link_ms(row_tp, delay_ms, RATE_BPS[rate])
+    there = link_ms(row_tp, CALIBRATION[0], RATE_BPS[CALIBRATION[1]])
+    return calibration_ms + count * (here - there)
+
+
+def model_grid(cells: list[dict], row_tp: dict) -> list[dict]:
+    """The cells with the current model's predictions (from the loopback cell's measurement)."""
+    cal = [c for c in cells if (c["delay_ms"], c["rate"]) == CALIBRATION]
+    if not cal:
+        raise ValueError(f"the grid has no loopback cell {CALIBRATION} to calibrate from")
+    out = []
+    for c in cells:
+        predicted = predict_cell(row_tp, cal[0]["measured_ms"], c["delay_ms"], c["rate"])
+        out.append(
+            {
+                **c,
+                "predicted_ms": predicted,
+                "ratio": c["measured_ms"] / predicted,
+                "calibrates": (c["delay_ms"], c["rate"]) == CALIBRATION,
+            }
+        )
+    return out
+
+
+def within(cells: list[dict]) -> int:
+    """The predicted cells (not the calibrating one) within 0.85-1.15 of the model."""
+    return sum(0.85 <= c["ratio"] <= 1.15 for c in cells if not c.get("calibrates"))
+
+
+def grid_lines(cells: list[dict], rows: dict[str, dict]) -> list[str]:
+    """What the grid's cells say together: the overlay's cost, the count within 0.85-1.15 of
+    the predicted cells, the crossover."""
+    tp = rows["2x1/local"]
+    cal = next(c for c in cells if c.get("calibrates"))
+    predicted = [c for c in cells if not c.get("calibrates")]
+    overlay = (cal["measured_ms"] - tp["ms"]) / max(tp.get("allreduces", 0.0), 1.0)
+    return [
+        f"the overlay and the namespaces' links: {cal['measured_ms'] - tp['ms']:.2f} ms a token "
+        f"over the loopback arm ({overlay:.2f} ms an all-reduce; the loopback cell "
+        f"{cal['measured_ms']:.2f} ms, the loopback arm {tp['ms']:.2f} ms)",
+        f"cells within 0.85-1.15 of the cost model: {within(cells)} of {len(predicted)} predicted "
+        f"(the 0 ms, 1 Gbit/s cell calibrates the fixed cost)",
+        crossover_line(crossover(cells, rows)),
+    ]
 
 
 # ----------------------------------------------------------------------------- 3. the grid
-def grid(
-    folder: Path, loop_ms: float, row_1x1: dict, row_tp: dict, bw2: float, repeats: int
-) -> list[dict]:
-    """The 2-rank run across two namespace hosts of one core each, cell by cell."""
+def grid(folder: Path, row_tp: dict, repeats: int) -> list[dict]:
+    """The 2-rank run across two namespace hosts of one core each, cell by cell, the loopback
+    cell first (it calibrates the others' predictions)."""
     from labtools.hosts.network import Network, cores_line
 
     cells = []
@@ -317,34 +383,29 @@ def grid(
                         float([r for r in rows if r.get("kind") == "summary"][-1]["token_ms"])
                     )
                 ms = statistics.median(measured)
-                predicted = predict_tp(
-                    row_1x1, row_tp, bw2, loop_ms=loop_ms, delay_ms=delay, rate_bps=RATE_BPS[rate]
-                )["ms"]
-                cells.append(
-                    {
-                        "delay_ms": delay,
-                        "rate": rate,
-                        "measured_ms": ms,
-                        "predicted_ms": predicted,
-                        "ratio": ms / predicted,
-                    }
-                )
-                print(
-                    f"  {delay:4.1f} ms {rate:>8}: measured {ms:8.2f} ms, predicted "
-                    f"{predicted:8.2f} ms, ratio {ms / predicted:.2f} (load {uptime()})",
-                    flush=True,
-                )
-    return cells
+                cells.append({"delay_ms": delay, "rate": rate, "measured_ms": ms})
+                cell = model_grid(cells, row_tp)[-1]
+                print(f"{cell_line(cell)} (load {uptime()})", flush=True)
+    return model_grid(cells, row_tp)
+
+
+def cell_line(c: dict) -> str:
+    said = "calibrates" if c.get("calibrates") else f"ratio {c['ratio']:.2f}"
+    return (
+        f"  {c['delay_ms']:4.1f} ms {c['rate']:>8}: measured {c['measured_ms']:8.2f} ms, "
+        f"predicted {c['predicted_ms']:8.2f} ms, {said}"
+    )
 
 
 def crossover(cells: list[dict], rows: dict[str, dict]) -> dict[str, float | None]:
     """The one-way delay (ms) beyond which 2 hosts x 1 core loses to 1 host x 1 core at 1 Gbit/s:
     measured (linear between the grid's delays; 0 if it loses at 0 ms, None if never within the
-    grid) and predicted (the loopback arm's step plus each all-reduce's ring steps of delay)."""
-    from tensor_parallel.manifest import allreduce_steps
+    grid) and predicted (the loopback cell's step plus each all-reduce's delays)."""
+    from tensor_parallel.manifest import allreduce_delays
 
     one, tp = rows["1x1/-"]["ms"], rows["2x1/local"]
-    predicted = (one - tp["ms"]) / (tp["allreduces"] * allreduce_steps(2))
+    cal = next(c for c in cells if (c["delay_ms"], c["rate"]) == CALIBRATION)["measured_ms"]
+    predicted = (one - cal) / (tp["allreduces"] * allreduce_delays(2))
     line = sorted((c["delay_ms"], c["measured_ms"]) for c in cells if c["rate"] == "1gbit")
     measured: float | None = None
     if line[0][1] >= one:
@@ -365,20 +426,31 @@ def crossover_line(c: dict[str, float | None]) -> str:
     )
 
 
+def remodel(results: dict[str, Any]) -> None:
+    """The results' grid and crossover as the current cost model predicts them, in place."""
+    for shape in results["shapes"].values():
+        if shape.get("grid"):
+            shape["grid"] = model_grid(shape["grid"], shape["decode"]["2x1/local"])
+            shape["crossover"] = crossover(shape["grid"], shape["decode"])
+            shape["grid_within"] = within(shape["grid"])
+    results["remodelled"] = (
+        f"{time.strftime('%Y-%m-%d')}: grid predictions recomputed by the current cost model "
+        "from the measurements above (tensor_parallel_bench.py --remodel)"
+    )
+
+
 def report(results: dict[str, Any]) -> None:
     """A results file's grid, crossover and compute-bound ratio, as the run printed them."""
     print(f"load before {results['load_before']}, after {results['load_after']}")
     last = list(results["shapes"])[-1]
     shape = results["shapes"][last]
-    for c in shape.get("grid", []):
-        print(
-            f"  {c['delay_ms']:4.1f} ms {c['rate']:>8}: measured {c['measured_ms']:8.2f} ms, "
-            f"predicted {c['predicted_ms']:8.2f} ms, ratio {c['ratio']:.2f}"
-        )
     if shape.get("grid"):
-        within = sum(0.85 <= c["ratio"] <= 1.15 for c in shape["grid"])
-        print(f"cells within 0.85-1.15 of the cost model: {within} of {len(shape['grid'])}")
-        print(crossover_line(crossover(shape["grid"], shape["decode"])))
+        print(f"{last}: the link grid as measured, predicted by the current cost model")
+        cells = model_grid(shape["grid"], shape["decode"]["2x1/local"])
+        for c in cells:
+            print(cell_line(c))
+        for line in grid_lines(cells, shape["decode"]):
+            print(line)
     ratio = results["compute_bound_ratio"]
     print(f"compute-bound row, 2 hosts x 1 core / 1 host x 1 core, {last} prefill 256: {ratio:.2f}")
 
@@ -402,11 +474,22 @@ def main() -> None:
     parser.add_argument(
         "--from-results",
         action="store_true",
-        help=f"measure nothing: print the grid, crossover and ratio of {RESULTS.name}",
+        help=f"measure nothing: {RESULTS.name}'s grid (the current model), crossover, ratio",
+    )
+    parser.add_argument(
+        "--remodel",
+        action="store_true",
+        help=f"as --from-results, and write the current model's grid predictions into "
+        f"{RESULTS.name} (its measurements untouched; the file says it was remodelled)",
     )
     args = parser.parse_args()
-    if args.from_results:
-        report(json.loads(RESULTS.read_text()))
+    if args.from_results or args.remodel:
+        results = json.loads(RESULTS.read_text())
+        report(results)
+        if args.remodel:
+            remodel(results)
+            RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+            print(f"wrote the current model's predictions into {RESULTS}")
         return
     from lab.config import ModelConfig, default_cache_dir
     from lab.machine import announce_machine
@@ -481,19 +564,12 @@ def main() -> None:
             "same cores)"
         )
         rows = results["shapes"][last]["decode"]
-        cells = grid(
-            folder,
-            rows["2x1/local"]["ms"],
-            rows["1x1/-"],
-            rows["2x1/local"],
-            bw["2 readers"],
-            args.grid_repeats,
-        )
-        within = sum(0.85 <= c["ratio"] <= 1.15 for c in cells)
+        cells = grid(folder, rows["2x1/local"], args.grid_repeats)
         results["shapes"][last]["grid"] = cells
-        print(f"cells within 0.85-1.15 of the cost model: {within} of {len(cells)}")
         results["shapes"][last]["crossover"] = crossover(cells, rows)
-        print(crossover_line(results["shapes"][last]["crossover"]))
+        results["shapes"][last]["grid_within"] = within(cells)
+        for line in grid_lines(cells, rows):
+            print(line)
     compute_row(results, last, folder, args.rounds, machine)
 
 

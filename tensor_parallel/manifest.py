@@ -40,17 +40,28 @@ def token_ms(run_dir: Path) -> float:
 
 
 def allreduce_steps(ranks: int) -> int:
-    """Link crossings one gloo all-reduce waits for: gloo's ring (torch 2.13's ProcessGroupGloo
-    default for dense CPU tensors) is a reduce-scatter then an all-gather, 2(N - 1) steps; a
-    decode step's tensor (B x hidden) is small, so each step is one segment, one delay."""
+    """Ring steps of one gloo all-reduce: gloo's ring (torch 2.13's ProcessGroupGloo default for
+    dense CPU tensors) is a reduce-scatter then an all-gather, 2(N - 1) steps; each rank sends
+    2(N - 1)/N of the tensor over them."""
     return 2 * (ranks - 1)
 
 
+def allreduce_delays(ranks: int) -> int:
+    """One-way link delays one gloo all-reduce waits for when the ranks arrive together: two a
+    ring step, 4(N - 1). gloo's TCP transport sends into a peer's buffer only once the peer has
+    announced the receive (gloo/transport/tcp/pair.cc: a send waits for the peer's
+    NOTIFY_RECV_READY), and its ring (gloo/allreduce.cc) posts each phase's receives as the phase
+    begins, so a step costs the notice's delay, then the data's. A rank that arrives later
+    finds the notice waiting and pays one: skewed ranks wait less than this (a 2-rank decode
+    measured 4.1 delays an all-reduce at 5 ms one way, 2.9 at 1 ms; docs/tensor_parallel.md)."""
+    return 2 * allreduce_steps(ranks)
+
+
 def allreduce_on_link_ms(nbytes: float, ranks: int, link: Link) -> float:
-    """What `link` adds to one all-reduce of `nbytes` among `ranks` (ms): its steps' one-way
-    delays and the bytes each rank sends (2(N - 1)/N of the tensor) at the link's rate."""
-    steps = allreduce_steps(ranks)
-    return 1e3 * (steps * link.one_way_s + link.serialize_s(steps / ranks * nbytes))
+    """What `link` adds to one all-reduce of `nbytes` among `ranks` (ms): its delays (two a ring
+    step) and the bytes each rank sends (2(N - 1)/N of the tensor) at the link's rate."""
+    share = allreduce_steps(ranks) / ranks
+    return 1e3 * (allreduce_delays(ranks) * link.one_way_s + link.serialize_s(share * nbytes))
 
 
 def predict_token_ms(run_dir: Path, link: Link) -> float:
