@@ -1,16 +1,22 @@
 """One target forward for several sessions: the verifier batching its drafters.
 
 Each session keeps its own KV cache (`CachedDecoder`) and asks for forwards as before; the
-sessions' threads meet here. Whoever asks while no forward runs leads: it takes every request
-waiting (its own among them), runs them as one padded batch, hands each its logits and its
-grown cache, and leads again while requests wait; the others sleep until theirs is done. No
-request waits for company: a batch is what arrived while the last forward ran (continuous
-batching), so one session alone runs exactly as it did without this.
+sessions' threads meet here. Whoever asks while no forward runs leads: it takes the requests
+waiting (the oldest first, the others as they fit), runs them as one padded batch, hands each
+its logits and its grown cache, and leads again while its own waits; the others sleep until
+theirs is done. No request waits for company: a batch is what arrived while the last forward
+ran (continuous batching), so one session alone runs exactly as it did without this.
 
 The batch: past caches left-padded to the longest, new tokens right-padded to the longest, an
 attention mask that hides both paddings and each row's own position ids, so every row sees
 its own prefix only. Afterwards each row's cache is cut back out (its padding dropped): a
 session that leaves takes its cache with it, one that joins brings its own.
+
+Memory admission: every row of a batch is padded to its longest past, so one long session
+would make each forward it joins hold (rows x its length) cache positions. A batch takes a
+waiting request only while rows x (longest past + longest new) stays within the budget
+(`spec.batch_cache_tokens`): a long session runs in a smaller batch, or alone, and costs its
+own forwards, not everyone's. The oldest waiting request always goes first, so none starves.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ log = logging.getLogger(__name__)
 MAX_PADDING_SHARE = 0.5
 """A batch takes waiting requests, shortest first, while at most this share of its token slots
 is padding (a 33-token check next to three 2-token ones would pay 4 x 33): the rest wait for
-the next forward, the leader's own always in the first. (A prompt's prefill runs alone, in its
+the next forward, the oldest always in the first. (A prompt's prefill runs alone, in its
 session's thread: `CachedDecoder.prefill`.)"""
 GATHER_SHARE = 0.25
 MAX_GATHER_S = 0.005
@@ -40,6 +46,36 @@ MAX_GATHER_S = 0.005
 share of that forward's time (and at most this long): they are usually a moment behind, doing
 their sessions' bookkeeping, and without the wait one of them started a forward alone each
 time while the rest queued behind it (batches of 1 and 3 in turn for 4 sessions)."""
+ROW_CACHE_TOKENS = 2048
+"""`spec.batch_cache_tokens=0` (auto) lets a batch hold `max_batch` rows of this many cache
+positions (or of the session cap, if shorter): sessions up to that long batch whole, and a
+forward's cache stays bounded whatever the model's context (one session at a cap of 8192 shares
+a forward with one other at most, instead of padding `max_batch` rows to 8192)."""
+
+
+def cache_budget(configured: int, *, max_batch: int, session_cap: int) -> int:
+    """The most cache positions one batched forward may hold: `configured`
+    (`spec.batch_cache_tokens`), or with 0 `max_batch` rows of min(session_cap,
+    ROW_CACHE_TOKENS)."""
+    if configured < 0:
+        raise ValueError(f"spec.batch_cache_tokens={configured} must be >= 0 (0: auto)")
+    return configured or max_batch * min(session_cap, ROW_CACHE_TOKENS)
+
+
+def cache_bytes_per_token(model: Any) -> int:
+    """Bytes one cache position takes in `model` (keys and values, every layer), from its
+    config's shape and its dtype; 0 where the config does not say."""
+    config = model.config
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // heads if heads and getattr(config, "hidden_size", None) else None
+    )
+    if not (isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)):
+        return 0
+    itemsize = next(model.parameters()).element_size()
+    return 2 * layers * kv_heads * head_dim * itemsize  # keys and values
 
 
 @dataclass
@@ -61,6 +97,13 @@ class BatchStats:
     tokens: int = 0
     """Tokens fed, padding excluded."""
     most_rows: int = 0
+    most_cache_tokens: int = 0
+    """The most cache positions one forward held, padding included: rows x (longest past +
+    longest new). Within the budget for every forward of several rows (a session alone holds
+    its own, whatever its length)."""
+    deferred: int = 0
+    """Times a waiting request was left for a later forward because it would have taken the
+    batch over the cache budget."""
     failed_rows: int = 0
     """Rows whose forward failed alone (their session ends; the others' went on)."""
 
@@ -68,12 +111,24 @@ class BatchStats:
 class BatchedTarget:
     """The target model shared by every session of a verifier; forwards batched across them."""
 
-    def __init__(self, model: Any, *, max_batch: int = 8, pad_token_id: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch: int = 8,
+        max_cache_tokens: int | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        """`max_cache_tokens`: the most cache positions, padding included, one forward of
+        several sessions may hold (`cache_budget`; None: no bound)."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be at least 1")
+        if max_cache_tokens is not None and max_cache_tokens < 1:
+            raise ValueError(f"max_cache_tokens={max_cache_tokens} must be at least 1")
         self.model = model
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
+        self.max_cache_tokens = max_cache_tokens
         self.pad_token_id = pad_token_id or 0  # any id: its rows' outputs are dropped
         self.stats = BatchStats()
         self._queue: list[_Request] = []
@@ -98,7 +153,7 @@ class BatchedTarget:
                     continue
                 self._leading = True
                 self._gather()
-                batch = self._take(request)
+                batch = self._take()
                 self._cond.release()
                 try:
                     self._serve(batch)
@@ -121,18 +176,24 @@ class BatchedTarget:
                 break
             self._cond.wait(left)
 
-    def _take(self, own: _Request) -> list[_Request]:
-        """The next batch (the lock held): `own` first if still waiting, then the shortest
-        waiting, within `max_batch` and `MAX_PADDING_SHARE`."""
-        waiting = sorted(self._queue, key=lambda r: (r is not own, len(r.feed)))
-        batch = [waiting[0]]
-        for request in waiting[1:]:
+    def _take(self) -> list[_Request]:
+        """The next batch (the lock held): the oldest waiting request, then the others with
+        the shortest feeds, within `max_batch`, `MAX_PADDING_SHARE` and the cache budget. The
+        oldest always goes, however long its cache: a request waits at most as many forwards
+        as there were requests before it (one per other session), so none starves."""
+        head, *others = self._queue  # in arrival order
+        batch = [head]
+        for request in sorted(others, key=lambda r: len(r.feed)):
             if len(batch) == self.max_batch:
                 break
             rows = [*batch, request]
             longest = max(len(r.feed) for r in rows)
             real = sum(len(r.feed) for r in rows)
             if (longest * len(rows) - real) > MAX_PADDING_SHARE * longest * len(rows):
+                continue
+            budget = self.max_cache_tokens
+            if budget is not None and padded_cache_tokens(rows) > budget:
+                self.stats.deferred += 1
                 continue
             batch.append(request)
         for request in batch:
@@ -169,7 +230,7 @@ class BatchedTarget:
             input_ids = torch.tensor([feed], dtype=torch.long, device=self.device)  # (1, T)
             out = self.model(input_ids=input_ids, past_key_values=decoder.cache, use_cache=True)
             decoder.cache = out.past_key_values
-            self._count([len(feed)])
+            self._count([len(feed)], cache_tokens=len(decoder.cached) + len(feed))
             return [out.logits[0].float()]
         past = [len(d.cached) for d, _ in jobs]
         fed = [len(f) for _, f in jobs]
@@ -197,15 +258,23 @@ class BatchedTarget:
         ]  # (out of memory) leaves every cache as it was, and the rows rerun alone
         for (decoder, _), own in zip(jobs, rows, strict=True):
             decoder.cache = own
-        self._count(fed)
+        self._count(fed, cache_tokens=len(jobs) * width)
         return [logits[row, : len(feed)] for row, (_, feed) in enumerate(jobs)]
 
-    def _count(self, fed: list[int]) -> None:
+    def _count(self, fed: list[int], *, cache_tokens: int) -> None:
         stats = self.stats
         stats.forwards += 1
         stats.rows += len(fed)
         stats.tokens += sum(fed)
         stats.most_rows = max(stats.most_rows, len(fed))
+        stats.most_cache_tokens = max(stats.most_cache_tokens, cache_tokens)
+
+
+def padded_cache_tokens(rows: list[_Request]) -> int:
+    """Cache positions a forward of `rows` holds, padding included (`forward` pads every past
+    to the longest and every feed to the longest)."""
+    longest_past = max(len(r.decoder.cached) for r in rows)
+    return len(rows) * (longest_past + max(len(r.feed) for r in rows))
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

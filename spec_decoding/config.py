@@ -63,6 +63,12 @@ class SpecConfig:
     """The verifier: most sessions (drafters) one target forward serves. Their forwards that are
     ready at the same moment run as one padded batch, each with its own KV cache and positions
     (1: every forward serves one session)."""
+    batch_cache_tokens: int = 0
+    """The verifier: most KV-cache positions one batched forward may hold, padding included:
+    rows x (the longest past + the longest new). A batch takes a session only while it fits, so
+    a long session runs in a smaller batch or alone instead of padding every row to its length
+    (the oldest waiting forward always runs: none starves). 0: auto, `max_batch` rows of
+    min(session cap, 2048) (the verifier logs what that is in MiB for its target)."""
     serve_sessions: int = 4
     """`role=serve`: generations the endpoint runs at once, each its own session on the
     verifier (which batches their forwards, up to `max_batch`); more requests queue."""
@@ -94,6 +100,10 @@ class SpecConfig:
         if not 0 <= self.branch_flatness <= 1:  # (False for NaN)
             raise ValueError(
                 f"spec.branch_flatness={self.branch_flatness} must be in 0..1 (0: every token)"
+            )
+        if self.batch_cache_tokens < 0:
+            raise ValueError(
+                f"spec.batch_cache_tokens={self.batch_cache_tokens} must be >= 0 (0: auto)"
             )
         if self.draft_top_k < 0:
             raise ValueError(f"spec.draft_top_k={self.draft_top_k} must be >= 0 (0: off)")

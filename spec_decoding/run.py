@@ -50,7 +50,12 @@ def serve_verifier(settings: SpecDecodingRunConfig) -> None:
             model.dtype,
         )
     tokenizer = load_tokenizer(settings.target, cache_dir=cache_dir, key="target")
-    verifier = Verifier(model, tokenizer, max_batch=settings.spec.max_batch)
+    verifier = Verifier(
+        model,
+        tokenizer,
+        max_batch=settings.spec.max_batch,
+        batch_cache_tokens=settings.spec.batch_cache_tokens,
+    )
     server = serve(verifier.handle, settings.cluster, settings.cluster.verifier, name="verifier")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,7 +21,7 @@ import torch
 
 from lab.sampling import probs_from_logits
 from netproto import Connection, PeerProtocolError
-from spec_decoding.batching import BatchedTarget
+from spec_decoding.batching import BatchedTarget, cache_budget, cache_bytes_per_token
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.config import MAX_BRANCH_DEPTH, MAX_BRANCH_WIDTH, MAX_GAMMA
 from spec_decoding.draft_q import BadDraftQ, decode_q
@@ -112,18 +112,33 @@ def _sampling_params(body: dict[str, Any]) -> tuple[float, float, int]:
 class Verifier:
     """The target model and what every session shares (model weights are read-only)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 8) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, *, max_batch: int = 8, batch_cache_tokens: int = 0
+    ) -> None:
         """`model`: a Hugging Face causal LM (has `.config` and `.generate`). `max_batch`: most
-        sessions one forward serves (`spec.max_batch`; 1: each session's forwards alone)."""
+        sessions one forward serves (`spec.max_batch`; 1: each session's forwards alone).
+        `batch_cache_tokens`: most cache positions one batched forward holds, padding included
+        (`spec.batch_cache_tokens`; 0: auto, `batching.cache_budget`)."""
         self.model = model
+        self.max_tokens = session_cap(model.config)
+        budget = cache_budget(batch_cache_tokens, max_batch=max_batch, session_cap=self.max_tokens)
         self.batched = BatchedTarget(
-            model, max_batch=max_batch, pad_token_id=tokenizer.pad_token_id
+            model,
+            max_batch=max_batch,
+            max_cache_tokens=budget,
+            pad_token_id=tokenizer.pad_token_id,
         )
+        if max_batch > 1:
+            log.info(
+                "batched forwards hold at most %d cache positions, padding included (%.1f MiB "
+                "of keys and values for this target; spec.batch_cache_tokens)",
+                budget,
+                budget * cache_bytes_per_token(model) / 2**20,
+            )
         self.vocab_size = int(model.config.vocab_size)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
         self.vocab_hash = vocab_hash(tokenizer)
-        self.max_tokens = session_cap(model.config)
         self.sessions_opened = 0
         self.active_sessions = 0
         self.branches_taken = 0

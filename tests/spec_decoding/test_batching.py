@@ -101,9 +101,10 @@ def test_a_batch_that_fails_while_handing_out_caches_reruns_every_row_from_its_o
         assert decoder.cache.get_seq_length() == len(decoder.cached)
 
 
-def hold_first_forward(verifier: Verifier, others: int) -> None:
+def hold_first_forward(verifier: Verifier, others: int) -> threading.Event:
     """Make the verifier's first forward wait until `others` more sessions have asked for
-    one, so that the next forward batches them whatever the machine's speed."""
+    one, so that the next forward batches them whatever the machine's speed. Returns the
+    event set once that forward is held."""
     batched = verifier.batched
     forward = batched.forward
     held = threading.Event()
@@ -117,6 +118,7 @@ def hold_first_forward(verifier: Verifier, others: int) -> None:
         return forward(jobs)
 
     batched.forward = forward_once_held  # type: ignore[method-assign]
+    return held
 
 
 def tokens_of(drafter: Any, prompt: list[int], *, max_new_tokens: int, seed: int) -> list[int]:
@@ -388,3 +390,86 @@ def test_the_endpoints_engine_puts_several_requests_through_one_verifier(
         engine.close()
         for conn in conns:
             conn.close()
+
+
+def test_a_long_session_beside_short_ones_never_takes_a_batch_over_its_cache_budget(
+    drafts, target, tokenizer
+) -> None:
+    """Padding amplification: one session with a long past beside three short ones, all asking
+    at once. Every row of a batch is padded to the longest past, so batched with the long one
+    each short session would hold its length; with the budget (`spec.batch_cache_tokens`) no
+    forward holds more cache positions than it (as the batcher records them), the long session
+    runs in forwards of its own, the short ones still batch together, and every session, the
+    long one too, gets the target's greedy output to the end."""
+    from netproto import Server
+    from spec_decoding.drafter import Drafter
+    from spec_decoding.gamma import GammaController
+
+    budget, new_tokens = 160, 20
+    long_prompt = (tokenizer("".join(PROMPTS * 40), add_special_tokens=False)["input_ids"])[:120]
+    ids = [long_prompt, *(tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS)]
+    assert len(long_prompt) == 120 and all(len(i) <= 20 for i in ids[1:])
+    # alone the long session fits its budget (120 + 20 + a draft); beside any other, it does not
+    verifier = Verifier(target, tokenizer, max_batch=4, batch_cache_tokens=budget)
+    held = hold_first_forward(verifier, others=3)  # a short one's: the long one asks after it
+    server = Server(verifier.handle, name="verifier-budget").start()
+    conns = [Connection.connect(*server.address) for _ in ids]
+    try:
+        gamma = partial(GammaController, fixed=3, max_gamma=8)
+        drafters = [
+            Drafter(drafts["noisy"], tokenizer, conn, gamma=gamma(), pipeline=True)
+            for conn in conns
+        ]
+
+        def generate(index: int) -> list[int]:
+            if index == 0:  # so the held forward is a short one's, and the long one waits
+                held.wait(timeout=120)  # beside the other two for the next
+            return tokens_of(drafters[index], ids[index], max_new_tokens=new_tokens, seed=0)
+
+        outputs = run_together([partial(generate, i) for i in range(len(ids))])
+    finally:
+        for conn in conns:
+            conn.close()
+        server.stop()
+    assert outputs == [target_greedy(target, tokenizer, i, new_tokens) for i in ids]
+    stats = verifier.batched.stats
+    assert stats.most_cache_tokens <= budget, stats
+    assert stats.deferred >= 1 and stats.most_rows >= 2, stats  # it did split, they did batch
+
+
+def test_the_oldest_waiting_forward_goes_first_however_long_its_cache() -> None:
+    """No starvation: whoever leads, the next batch holds the oldest waiting request, with the
+    others that fit the cache budget beside it; a long session's request that does not fit
+    beside the short ones waits for at most the forwards of those before it."""
+    import spec_decoding.batching as batching
+
+    batched = BatchedTarget(torch.nn.Linear(1, 1), max_batch=4, max_cache_tokens=100)
+
+    def request(past: int) -> batching._Request:
+        decoder = CachedDecoder(torch.nn.Linear(1, 1), [1])
+        decoder.cached = [1] * past
+        return batching._Request(decoder, [2, 3])
+
+    long_one, shorts = request(90), [request(20) for _ in range(3)]
+    batched._queue = [shorts[0], long_one, shorts[1], shorts[2]]
+    assert batched._take() == shorts  # 3 x (20 + 2) = 66: within 100; beside 90, not
+    assert batched._take() == [long_one]
+    batched._queue = [long_one, *shorts]
+    assert batched._take() == [long_one]  # the oldest, alone: 2 x (90 + 2) > 100
+    assert batched._take() == shorts
+    assert batched.stats.deferred >= 2
+
+
+def test_the_cache_budget_defaults_from_the_context_and_max_batch(target, tokenizer) -> None:
+    """`spec.batch_cache_tokens=0` (auto): `max_batch` rows of min(session cap, 2048)
+    positions, so one forward's cache stays bounded whatever the target's context; a set
+    value is taken as it is, a negative one refused naming the key."""
+    from spec_decoding.batching import cache_budget
+    from spec_decoding.config import SpecConfig
+
+    assert cache_budget(0, max_batch=8, session_cap=8192) == 8 * 2048
+    assert cache_budget(0, max_batch=8, session_cap=128) == 8 * 128
+    assert cache_budget(500, max_batch=8, session_cap=8192) == 500
+    assert Verifier(target, tokenizer, max_batch=3).batched.max_cache_tokens == 3 * 256
+    with pytest.raises(ValueError, match=r"spec\.batch_cache_tokens=-1 must be >= 0"):
+        SpecConfig(batch_cache_tokens=-1)
