@@ -5,7 +5,8 @@ round's clients, each message checked before use.
     client -> coordinator  SA_KEYS    {"task", "c", "s"}              two X25519 public keys
     coordinator -> client  SA_ROSTER  {"task", "keys": {id: [c, s]}}  its neighbours' keys
     client -> coordinator  SA_SHARES  {"task", "boxes": {id: box}, "commit"}
-    coordinator -> client  SA_BOXES   {"task", "boxes": {id: box}}    the boxes addressed to it
+    coordinator -> client  SA_BOXES   {"task", "boxes": {id: box}, "holders": {id: [id, ...]}}
+                           the boxes addressed to it, each with its sender's holder list
     (the client trains)
     client -> coordinator  RESULT (as in a plain round, plus "weight": the weight it masked
                            with, in clear) then SA_MASKED {"masked": uint64[L]};
@@ -209,7 +210,8 @@ def client_round(
     for k, v in dict(relayed.get("boxes", {})).items():
         sender = _client_id(k, -1, "boxes")
         inbox[sender] = unb64(v, sender, "a share box", size=secagg.BOX_BYTES)
-    for refused in me.receive(inbox):
+    holders = {_client_id(k, -1, "holders"): v for k, v in dict(relayed.get("holders", {})).items()}
+    for refused in me.receive(inbox, holders):  # each checked there
         log.warning("secure round %d: %s", params.round, refused)
     result, trained, base = train()
     flat = flat_delta(trained, base)
@@ -482,12 +484,14 @@ class SecureRound:
                 self._refuse(exc, client)
         self._enough(server.commitments, "shared their keys")
         for client in server.commitments:
+            relayed = server.boxes_for(client)
             self._send(
                 client,
                 FedMsg.SA_BOXES,
                 {
                     "task": tasks[client],
-                    "boxes": {str(c): b64(b) for c, b in server.boxes_for(client).items()},
+                    "boxes": {str(c): b64(b) for c, b in relayed.items()},
+                    "holders": {str(c): list(server.holders(c)) for c in relayed},
                 },
             )
         results: dict[int, Any] = {}
