@@ -18,7 +18,8 @@ One round, as the coordinator (`Server`) and each client (`Client`) see it:
                                      key from the `c` agreement, sender and recipient bound in)
                                      holding Shamir shares of its self-mask seed and of its `s`
                                      private key; and a hash committing to the seed
-              coordinator -> client  the boxes addressed to it (who sent one is U2)
+              coordinator -> client  the boxes addressed to it (who sent one is U2), each
+                                     with its sender's holder list (below)
 2. masked     client -> coordinator  its weighted update in fixed point modulo 2^64, plus the
                                      self-mask and the pairwise masks with its U2 neighbours
                                      (ChaCha20 keystreams from seeds: a 32-byte seed stands in
@@ -31,7 +32,27 @@ One round, as the coordinator (`Server`) and each client (`Client`) see it:
 The coordinator rebuilds each U3 client's seed (checked against its commitment) and each
 dropped client's `s` key (checked against its public key) from at least `threshold` shares,
 removes the masks, and is left with the sum. Fewer than `threshold` survivors at any step fail
-the round (`RoundFailed`), as the protocol must.
+the round (`RoundFailed`), as the protocol must. The round's parameters and its graph are
+`fed_learn.secagg_params`'s.
+
+Share indices. A client gives Shamir index i + 1 to the i-th of its holders: itself, then
+its neighbours that advertised keys, in id order. The coordinator relays each box with its
+sender's holder list (`Server.holders`, the list it built that sender's roster from and checks
+revealed indices against), so the receiver checks the index in the box exactly and refuses a
+box whose index disagrees, naming its sender: it then holds no share of that sender and
+reveals none, so a sender that writes a wrong but in-range index costs its receiver nothing
+(unchecked, its reveal would be refused as a lie and the receiver excluded). What the
+coordinator could lie about: the list. The receiver checks what it can: the sender first,
+then some of the sender's neighbours in the round's public graph, in id order, the receiver
+among them, at least `threshold` in all, and of those that are its own neighbours too,
+exactly the ones its own roster said have keys. So a lie can only change which of the
+sender's other neighbours are said to have keys (none are, in SecAgg's complete graph): the
+receiver then refuses an honest sender's box, or takes an index that the coordinator's check
+of its reveal then refuses. Either costs what a coordinator can always
+cost (dropping a box, refusing a reveal) and shows it nothing: an index is no secret, and no
+more shares are revealed than before. Not covered: a sender that gives a neighbour a false
+share value at the right index (shares carry no per-holder commitment here, so the rebuild's
+leave-one-out names the revealer).
 
 Shamir sharing is pycryptodome's (`Crypto.Protocol.SecretSharing.Shamir`, 16-byte secrets over
 GF(2^128): a 32-byte key travels as two); the coordinator rebuilds a round's secrets in one
@@ -45,10 +66,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import random
 import secrets
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,14 +81,13 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fed_learn import shamir
-from fed_learn.fixed_point import FRAC_BITS_MAX, dequantize, quantize
+from fed_learn.fixed_point import dequantize, quantize
+from fed_learn.secagg_params import Params
 
 KEY_BYTES = 32
 SEED_BYTES = 16
 """The self-mask seed: one Shamir secret (pycryptodome shares 16-byte secrets)."""
 SHARE_BYTES = 16
-MAX_CLIENTS = 65_535
-"""Client ids and share indices travel as 16-bit numbers."""
 _SHARES = struct.Struct("<IHHH")  # round, sender, recipient, Shamir index
 _BOX_PLAIN = _SHARES.size + 3 * SHARE_BYTES  # then the seed's share and the key's two halves
 BOX_BYTES = _BOX_PLAIN + 16  # the Poly1305 tag
@@ -87,72 +106,6 @@ class Refused(ValueError):
 
 class RoundFailed(RuntimeError):
     """Too few clients left to finish the round securely (fewer than the threshold)."""
-
-
-# ---------------------------------------------------------------------------- parameters
-
-
-@dataclass(frozen=True)
-class Params:
-    """What every party of one round agrees on (the coordinator sends it with the task)."""
-
-    round: int
-    clients: tuple[int, ...]
-    """The round's clients (ids), sorted."""
-    threshold: int
-    """Shares needed to rebuild a secret: at least this many neighbours of every client
-    must answer each step. More than half a neighbourhood keeps a coordinator that claims a
-    client dropped from also learning its self-mask (Bonawitz et al. 2017, section 4)."""
-    neighbors: int
-    """Neighbours per client (SecAgg+'s degree k); >= len(clients) - 1: everyone."""
-    frac_bits: int
-    """Fixed point: a value x travels as round(x * 2^frac_bits) modulo 2^64."""
-    length: int
-    """Entries of a masked input: the update's entries and its weight."""
-    graph_seed: bytes = b""
-    """Seeds the neighbourhood graph's shuffle (the coordinator draws it per round)."""
-
-    def __post_init__(self) -> None:
-        ids = self.clients
-        if not ids or list(ids) != sorted(set(ids)) or not all(0 <= i <= MAX_CLIENTS for i in ids):
-            raise ValueError(f"clients must be distinct sorted ids in 0..{MAX_CLIENTS}")
-        if self.neighbors < 1:
-            raise ValueError(f"neighbors={self.neighbors} must be >= 1")
-        degree = min(self.neighbors, len(ids) - 1)
-        if not 1 <= self.threshold <= degree + 1:
-            raise ValueError(
-                f"threshold={self.threshold} must be in 1..{degree + 1} (a client and its "
-                f"{degree} neighbours hold its shares)"
-            )
-        if not 0 <= self.frac_bits <= FRAC_BITS_MAX:
-            raise ValueError(f"frac_bits={self.frac_bits} must be in 0..{FRAC_BITS_MAX}")
-        if not 1 <= self.length <= 2**31:
-            raise ValueError(f"length={self.length} out of range")
-
-    def neighbours(self, client: int) -> tuple[int, ...]:
-        """`client`'s neighbours: a ring over the clients in a shuffled order, each joined to
-        the `neighbors` nearest around it (a Harary graph, as SecAgg+ builds)."""
-        return self.graph()[client]
-
-    def graph(self) -> dict[int, tuple[int, ...]]:
-        ids = list(self.clients)
-        n = len(ids)
-        if self.neighbors >= n - 1:
-            return {c: tuple(i for i in ids if i != c) for c in ids}
-        order = ids[:]
-        random.Random(self.graph_seed or bytes(8)).shuffle(order)
-        half, odd = divmod(self.neighbors, 2)
-        links: dict[int, set[int]] = {c: set() for c in ids}
-        for at, c in enumerate(order):
-            for step in range(1, half + 1):
-                other = order[(at + step) % n]
-                links[c].add(other)
-                links[other].add(c)
-            if odd:  # an odd degree: each is also joined to the one opposite it
-                other = order[(at + n // 2) % n]
-                links[c].add(other)
-                links[other].add(c)
-        return {c: tuple(sorted(links[c] - {c})) for c in ids}
 
 
 # ---------------------------------------------------------------------------- primitives
@@ -277,12 +230,16 @@ class Client:
             boxes[holder] = ChaCha20Poly1305(key).encrypt(bytes(12), plain, None)
         return boxes, _commit(self._seed, self.params, self.client_id)
 
-    def receive(self, boxes: Mapping[int, bytes]) -> list[Refused]:
-        """Open the boxes relayed to this client. Their senders are U2 as this client sees it:
-        its input is masked with each of them (a pairwise mask needs only their public `s`
-        key, as the coordinator's removal of it assumes). A box that does not open, or names
-        another round, sender or recipient, is refused (returned): this client then holds no
-        share of that sender, and the others' shares must do."""
+    def receive(
+        self, boxes: Mapping[int, bytes], holders: Mapping[int, Sequence[int]]
+    ) -> list[Refused]:
+        """Open the boxes relayed to this client (`holders`: each sender's holder list, as
+        relayed with them). Their senders are U2 as this client sees it: its input is masked
+        with each of them (a pairwise mask needs only their public `s` key, as the
+        coordinator's removal of it assumes). A box that does not open, names another round,
+        sender or recipient, or holds an index other than the one its sender's holder list
+        gives this client, is refused (returned): this client then holds no share of that
+        sender, and the others' shares must do."""
         refused: list[Refused] = []
         for sender, box in boxes.items():
             if sender not in self._keys:
@@ -290,12 +247,38 @@ class Client:
                 continue
             self._u2.add(sender)
             try:
-                self._open(sender, box)
+                held = self._open(sender, box)
+                self._check_index(sender, held[0], holders.get(sender))
             except Refused as exc:
                 refused.append(exc)
+                continue
+            self._held[sender] = held
         return refused
 
-    def _open(self, sender: int, box: bytes) -> None:
+    def _check_index(self, sender: int, index: int, listed: object) -> None:
+        """`index` (from `sender`'s box) is the one `sender`'s relayed holder list gives this
+        client, the list checked against the round's graph first ("Share indices" above)."""
+        ids = list(listed) if isinstance(listed, (list, tuple)) else []
+        rest = ids[1:]
+        theirs = set(self.params.neighbours(sender))
+        ours = theirs & {self.client_id, *self.neighbours}  # this client's roster covers these
+        if (
+            not all(type(c) is int for c in ids)
+            or ids[:1] != [sender]
+            or rest != sorted(set(rest) & theirs)
+            or self.client_id not in rest
+            or len(ids) < self.params.threshold
+            or ours & set(rest) != ours & {self.client_id, *self._keys}
+        ):
+            raise Refused(sender, f"its box came with a holder list {ids[:8]} the graph refutes")
+        if index != ids.index(self.client_id) + 1:
+            raise Refused(
+                sender,
+                f"share index {index} in its box; its holder list gives client "
+                f"{self.client_id} index {ids.index(self.client_id) + 1}",
+            )
+
+    def _open(self, sender: int, box: bytes) -> tuple[int, bytes, bytes, bytes]:
         if sender not in self._keys:
             raise Refused(sender, f"a share box for client {self.client_id}, not its neighbour")
         if not isinstance(box, bytes) or len(box) != BOX_BYTES:
@@ -309,10 +292,8 @@ class Client:
         round_, from_, to, index = _SHARES.unpack_from(plain)
         if (round_, from_, to) != (self.params.round, sender, self.client_id):
             raise Refused(sender, f"a share box for round {round_}, from {from_} to {to}")
-        if not 1 <= index <= len(self.params.neighbours(sender)) + 1:
-            raise Refused(sender, f"share index {index} out of range")
         body = plain[_SHARES.size :]
-        self._held[sender] = (
+        return (
             index,
             body[:SHARE_BYTES],
             body[SHARE_BYTES : 2 * SHARE_BYTES],
@@ -479,10 +460,15 @@ class Server:
                 raise Refused(client, f"a {kind} share must be {size} bytes")
         self.reveals[client] = dict(shares)
 
+    def holders(self, owner: int) -> tuple[int, ...]:
+        """Whom `owner` shared to, in order: itself, then its neighbours with keys (its
+        roster), in id order; Shamir index i + 1 is the i-th's (Client.share). Relayed with
+        `owner`'s boxes, so each receiver checks the index in its own."""
+        return (owner, *(c for c in self.graph[owner] if c in self.keys))
+
     def share_index(self, owner: int, holder: int) -> int:
-        """The Shamir index of `owner`'s shares that `holder` was given: `owner` gives index
-        i + 1 to the i-th of itself and its neighbours with keys, in id order (Client.share)."""
-        holders = [owner, *(c for c in self.graph[owner] if c in self.keys)]
+        """The Shamir index of `owner`'s shares that `holder` was given (0: none)."""
+        holders = self.holders(owner)
         return holders.index(holder) + 1 if holder in holders else 0
 
     def _member(self, client: int) -> None:

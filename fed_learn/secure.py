@@ -5,7 +5,8 @@ round's clients, each message checked before use.
     client -> coordinator  SA_KEYS    {"task", "c", "s"}              two X25519 public keys
     coordinator -> client  SA_ROSTER  {"task", "keys": {id: [c, s]}}  its neighbours' keys
     client -> coordinator  SA_SHARES  {"task", "boxes": {id: box}, "commit"}
-    coordinator -> client  SA_BOXES   {"task", "boxes": {id: box}}    the boxes addressed to it
+    coordinator -> client  SA_BOXES   {"task", "boxes": {id: box}, "holders": {id: [id, ...]}}
+                           the boxes addressed to it, each with its sender's holder list
     (the client trains)
     client -> coordinator  RESULT (as in a plain round, plus "weight": the weight it masked
                            with, in clear) then SA_MASKED {"masked": uint64[L]};
@@ -41,7 +42,6 @@ import binascii
 import logging
 import math
 import secrets
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,7 +209,8 @@ def client_round(
     for k, v in dict(relayed.get("boxes", {})).items():
         sender = _client_id(k, -1, "boxes")
         inbox[sender] = unb64(v, sender, "a share box", size=secagg.BOX_BYTES)
-    for refused in me.receive(inbox):
+    holders = {_client_id(k, -1, "holders"): v for k, v in dict(relayed.get("holders", {})).items()}
+    for refused in me.receive(inbox, holders):  # each checked there
         log.warning("secure round %d: %s", params.round, refused)
     result, trained, base = train()
     flat = flat_delta(trained, base)
@@ -415,9 +416,16 @@ class SecureRound:
             log.warning("round %d: cannot reach client %d: %s", self.params.round, client, exc)
             self.failures.add(client)
 
-    def _step(self, kind: int, clients: Iterable[int], timeout_s: float) -> dict[int, Any]:
+    def _step(self, kind: int, clients: Iterable[int]) -> dict[int, Any]:
+        """`kind` from `clients`: masked inputs within fed.round_timeout_s (the clients train
+        first), every other step within fed.secagg.step_timeout_s."""
+        if kind == FedMsg.SA_MASKED:
+            timeout_s, key = self.input_timeout_s, "fed.round_timeout_s"
+        else:
+            timeout_s, key = self.step_timeout_s, "fed.secagg.step_timeout_s"
         wanted = [c for c in clients if c not in self.failures]
-        got = self.inbox.gather(kind, wanted, time.monotonic() + timeout_s)
+        what = f"{FedMsg(kind).name} in secure round {self.params.round + 1} ({key}={timeout_s:g})"
+        got = self.inbox.gather(kind, wanted, self.inbox.clock() + timeout_s, what=what)
         self.failures |= set(wanted) - set(got)
         return got
 
@@ -442,7 +450,7 @@ class SecureRound:
 
     def _run(self, tasks: Mapping[int, int]) -> SecureOutcome:
         server = self.server
-        for client, payload in self._step(FedMsg.SA_KEYS, tasks, self.step_timeout_s).items():
+        for client, payload in self._step(FedMsg.SA_KEYS, tasks).items():
             try:
                 body = _json_object(payload, client, "SA_KEYS", ("c", "s"))
                 server.add_keys(
@@ -463,9 +471,7 @@ class SecureRound:
                     "keys": {str(c): [b64(ck), b64(sk)] for c, (ck, sk) in keys.items()},
                 },
             )
-        for client, payload in self._step(
-            FedMsg.SA_SHARES, list(server.keys), self.step_timeout_s
-        ).items():
+        for client, payload in self._step(FedMsg.SA_SHARES, list(server.keys)).items():
             try:
                 body = _json_object(payload, client, "SA_SHARES", ("boxes", "commit"))
                 if not isinstance(body["boxes"], dict):
@@ -482,18 +488,18 @@ class SecureRound:
                 self._refuse(exc, client)
         self._enough(server.commitments, "shared their keys")
         for client in server.commitments:
+            relayed = server.boxes_for(client)
             self._send(
                 client,
                 FedMsg.SA_BOXES,
                 {
                     "task": tasks[client],
-                    "boxes": {str(c): b64(b) for c, b in server.boxes_for(client).items()},
+                    "boxes": {str(c): b64(b) for c, b in relayed.items()},
+                    "holders": {str(c): list(server.holders(c)) for c in relayed},
                 },
             )
         results: dict[int, Any] = {}
-        for client, answer in self._step(
-            FedMsg.SA_MASKED, list(server.commitments), self.input_timeout_s
-        ).items():
+        for client, answer in self._step(FedMsg.SA_MASKED, list(server.commitments)).items():
             if isinstance(answer, Skipped):  # said in clear: a dropout, not a refusal
                 log.info(
                     "round %d: client %d sits out: %s", self.params.round, client, answer.reason
@@ -525,7 +531,7 @@ class SecureRound:
                 FedMsg.SA_UNMASK,
                 {"task": tasks[client], "survivors": survivors, "dropped": dropped},
             )
-        for client, payload in self._step(FedMsg.SA_REVEAL, survivors, self.step_timeout_s).items():
+        for client, payload in self._step(FedMsg.SA_REVEAL, survivors).items():
             try:
                 body = _json_object(payload, client, "SA_REVEAL", ("shares",))
                 if not isinstance(body["shares"], dict):

@@ -7,17 +7,21 @@ by name). `fed_learn.secure` runs the round over them.
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from fed_learn import secagg
+from fed_learn.rounds import REPORT_EVERY_S, REPORT_FIRST_S, WAKE_S
+
+log = logging.getLogger(__name__)
 
 GONE = -1
 """An inbox entry: the client's session ended."""
@@ -66,6 +70,8 @@ class SecureInbox:
     messages: queue.Queue[tuple[int, int, Any]] = field(default_factory=queue.Queue)
     lock: threading.Lock = field(default_factory=threading.Lock)
     gone: set[int] = field(default_factory=set)
+    clock: Callable[[], float] = time.monotonic
+    """What `gather`'s deadlines are read on (tests inject one)."""
 
     def open(self, tasks: Mapping[int, int]) -> None:
         with self.lock:
@@ -94,21 +100,37 @@ class SecureInbox:
                 self.gone.add(client)
                 self.messages.put((client, GONE, None))
 
-    def gather(self, kind: int, clients: Iterable[int], deadline: float) -> dict[int, Any]:
-        """`kind` messages from `clients` until all came (or left) or `deadline` passed."""
+    def gather(
+        self, kind: int, clients: Iterable[int], deadline: float, *, what: str
+    ) -> dict[int, Any]:
+        """`kind` messages from `clients` until all came (or left) or `deadline` (on `clock`)
+        passed. Says whom it still waits for after 5 s, then every 30 s (`what`: for what,
+        under which config key), as `rounds.gather` does."""
         wanted = set(clients)
         with self.lock:
             wanted -= self.gone
         got: dict[int, Any] = {}
         postponed: list[tuple[int, int, Any]] = []
+        next_report = self.clock() + REPORT_FIRST_S
         while wanted - set(got):
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = self.clock()
+            if now >= deadline:
                 break
-            try:
-                client, k, payload = self.messages.get(timeout=left)
+            if now >= next_report:
+                missing = sorted(wanted - set(got))
+                log.info(
+                    "waiting for %d clients' %s (ids %s), %.0fs left",
+                    len(missing),
+                    what,
+                    missing[:16],
+                    deadline - now,
+                )
+                next_report += REPORT_EVERY_S
+            try:  # woken by any message; at the latest to report or to check the deadline
+                wait = max(0.0, min(deadline, next_report) - now)
+                client, k, payload = self.messages.get(timeout=min(wait, WAKE_S))
             except queue.Empty:
-                break
+                continue
             if k == GONE:
                 wanted.discard(client)
             elif k == kind and client in wanted:

@@ -1,6 +1,7 @@
 """A secret holder inside a secure federation (fed_learn.secure), issue 48's scripted attacks:
 scripted clients that run the real client side of the protocol, one of them tampering with one
-message (an offset of 2^58 on its masked input, a replay of an earlier one, a weight of 2^40).
+message (an offset of 2^58 on its masked input, a replay of an earlier one, a weight of 2^40,
+a wrong share index in one neighbour's box).
 
 The honest clients answer with the global adapter plus a fixed offset, so the unmasked sum is
 known exactly. tests/fed_learn (test_secure_rounds, test_secure_attacks) and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 import tempfile
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from fed_learn import secagg, secure
 from fed_learn.config import FedConfig, FedLearnRunConfig, SecAggConfig
@@ -185,6 +188,16 @@ def heavy_masked(task: dict[str, Any], masked: np.ndarray) -> np.ndarray:
     out = masked.copy()
     out[-1] += np.uint64(2**40 - 10)  # the masked weight entry: 10 becomes 2^40
     return out
+
+
+def reindexed_box(dealer: secagg.Client, recipient: int, box: bytes, index: int) -> bytes:
+    """`dealer`'s share box for `recipient` with another Shamir index written in it, sealed
+    again with the dealer's own keys: a box its recipient opens, its index wrong."""
+    shared = secagg._agree(dealer._c, dealer._keys[recipient][0], recipient)
+    aead = ChaCha20Poly1305(secagg._box_key(shared, dealer.params, dealer.client_id, recipient))
+    plain = bytearray(aead.decrypt(bytes(12), box, None))
+    struct.pack_into("<H", plain, secagg._SHARES.size - 2, index)  # the header's last field
+    return aead.encrypt(bytes(12), bytes(plain), None)
 
 
 def moved(coordinator: Coordinator, initial: State) -> float:

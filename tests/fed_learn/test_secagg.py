@@ -26,6 +26,7 @@ from fed_learn.secagg import (
     Server,
 )
 from fed_learn.shamir import combine, combine_many
+from labtools.attacks.secure_rounds import reindexed_box
 
 
 def _params(n: int = 8, *, threshold: int = 3, neighbors: int = 4, length: int = 257) -> Params:
@@ -49,6 +50,12 @@ class Round:
     weights: dict[int, int]
 
 
+def relay(server: Server, client: int) -> tuple[dict[int, bytes], dict[int, tuple[int, ...]]]:
+    """Step 1's answer to `client`: its boxes, and each sender's holder list beside them."""
+    boxes = server.boxes_for(client)
+    return boxes, {sender: server.holders(sender) for sender in boxes}
+
+
 def _run(
     params: Params,
     *,
@@ -68,7 +75,7 @@ def _run(
             server.add_shares(c, *client.share(server.keys_for(c)))
     for c, client in clients.items():
         if c not in before_shares:
-            assert client.receive(server.boxes_for(c)) == []
+            assert client.receive(*relay(server, c)) == []
     values = {c: rng.uniform(-4, 4, params.length - 1) for c in params.clients}
     weights = {c: int(rng.integers(1, 65)) for c in params.clients}
     for c, client in clients.items():
@@ -91,7 +98,7 @@ def shared_round(params: Params) -> tuple[dict[int, Client], Server]:
     for c, client in clients.items():
         server.add_shares(c, *client.share(server.keys_for(c)))
     for c, client in clients.items():
-        assert client.receive(server.boxes_for(c)) == []
+        assert client.receive(*relay(server, c)) == []
     return clients, server
 
 
@@ -232,17 +239,18 @@ def test_malformed_and_misaddressed_shares_are_refused_by_name() -> None:
     clients[recipient].share(server.keys_for(recipient))
     box = boxes[recipient]
     tampered = bytes([box[0] ^ 1]) + box[1:]
-    refused = clients[recipient].receive({10: tampered})
+    holders = {10: server.holders(10)}
+    refused = clients[recipient].receive({10: tampered}, holders)
     assert [str(e) for e in refused] == [
         "client 10: a share box that does not open (wrong key or altered)"
     ]
     other = next(c for c in params.neighbours(10) if c != recipient)
     clients[other].share(server.keys_for(other))
     # a box for `recipient` handed to `other`: it does not open there
-    assert "does not open" in str(clients[other].receive({10: box})[0])
+    assert "does not open" in str(clients[other].receive({10: box}, holders)[0])
     stranger = next(c for c in params.clients if c not in (10, *params.neighbours(10)))
     clients[stranger].share(server.keys_for(stranger))
-    assert "not its neighbour" in str(clients[stranger].receive({10: box})[0])
+    assert "not its neighbour" in str(clients[stranger].receive({10: box}, holders)[0])
 
 
 def test_malformed_masked_inputs_and_reveals_are_refused_by_name() -> None:
@@ -291,6 +299,73 @@ def test_a_wrong_share_is_found_and_its_revealer_refused_the_round_goes_on() -> 
     assert weight == sum(r.weights.values())
     plain = sum(r.values[c] * r.weights[c] for c in survivors)
     assert np.abs(total - plain).max() < 1e-9
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_a_wrong_share_index_is_refused_by_its_receiver_who_is_not_blamed(
+    monkeypatch, checked: bool
+) -> None:
+    """A dealer writes another holder's index (in range) into one neighbour's box. Checked
+    against the relayed holder list, the receiver refuses that box naming the dealer, holds
+    no share of it, and the round unmasks with no one refused; without the check (control)
+    the receiver reveals the share and the coordinator refuses it as a liar."""
+    if not checked:
+        monkeypatch.setattr(Client, "_check_index", lambda self, sender, index, listed: None)
+    params, clients, server = _after_shares()
+    dealer, victim, other = 10, *params.neighbours(10)[:2]
+    for c, client in clients.items():
+        boxes, commitment = client.share(server.keys_for(c))
+        if c == dealer:
+            wrong = server.share_index(dealer, other)
+            boxes[victim] = reindexed_box(client, victim, boxes[victim], wrong)
+        server.add_shares(c, boxes, commitment)
+    right = server.share_index(dealer, victim)
+    lie = f"client {dealer}: share index {wrong} in its box; its holder list gives client"
+    for c, client in clients.items():
+        refused = [str(e) for e in client.receive(*relay(server, c))]
+        assert refused == ([f"{lie} {victim} index {right}"] if checked and c == victim else [])
+    for c, client in clients.items():
+        server.add_input(c, client.masked_input(np.zeros(params.length - 1), 1))
+    survivors, dropped = server.unmask_request()
+    if not checked:
+        with pytest.raises(Refused, match=f"client {victim}: share index {wrong} of client"):
+            server.add_reveal(victim, clients[victim].reveal(survivors, dropped))
+        return
+    for c, client in clients.items():
+        server.add_reveal(c, client.reveal(survivors, dropped))
+    total, weight, refused = server.aggregate()
+    assert refused == [] and weight == len(params.clients)
+    np.testing.assert_array_equal(total, np.zeros(params.length - 1))
+
+
+REFUTED_HOLDERS = {  # client 10's holder list as relayed to client 11 (8 clients, threshold 3)
+    "missing": None,
+    "empty": [],
+    "sender_not_first": [11, 10, 12],
+    "unsorted": [10, 12, 11],
+    "twice": [10, 11, 11],
+    "stranger": [10, 11, 99],
+    "not_an_id": [10, "11", 12],
+    "short": [10, 11],
+    "omits_one_with_keys": [10, *range(11, 17)],  # 17 is on client 11's roster
+}
+
+
+@pytest.mark.parametrize("listed", REFUTED_HOLDERS.values(), ids=REFUTED_HOLDERS.keys())
+def test_a_holder_list_the_graph_refutes_is_refused_naming_the_sender(listed) -> None:
+    """The receiver checks the relayed holder list against the round's public graph and its
+    own roster before it trusts the index it gives."""
+    params = _params(8, threshold=3, neighbors=7)  # everyone is everyone's neighbour
+    clients = {c: Client(c, params) for c in params.clients}
+    server = Server(params)
+    for c, client in clients.items():
+        server.add_keys(c, *client.public_keys())
+    boxes, _ = clients[10].share(server.keys_for(10))
+    clients[11].share(server.keys_for(11))
+    holders = {} if listed is None else {10: listed}
+    [refused] = clients[11].receive({10: boxes[11]}, holders)
+    assert refused.client == 10 and "holder list" in str(refused)
+    assert clients[11].receive({10: boxes[11]}, {10: server.holders(10)}) == []
 
 
 def test_an_honest_client_never_reveals_both_shares_of_one_client() -> None:

@@ -7,7 +7,8 @@ A secret holder runs the honest protocol and tampers with one message: an offset
 input, a replay of an earlier one, a weight of 2^40, a short input, junk shares, one key for
 both purposes. Attributable attacks are refused by name (the round goes on without the
 attacker, who is excluded from later rounds); the offset is not attributable, and the check on
-the unmasked sum refuses the round whole."""
+the unmasked sum refuses the round whole. A wrong share index in a neighbour's box is refused
+by that neighbour, naming the dealer, and costs the neighbour nothing."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from labtools.attacks.secure_rounds import (
     moved,
     offset_masked,
     players_with,
+    reindexed_box,
     replay,
     tampered,
 )
@@ -228,6 +230,52 @@ def test_one_key_for_both_purposes_is_refused_by_name(
     assert_adapter(coordinator, expected_mean(initial, list(HONEST), [10, 10]))
     assert record["refused"] == (1 if checked else 0)
     assert len(named(coordinator)) == (1 if checked else 0)
+
+
+def _wrong_index_dealer(monkeypatch, dealer: SecurePlayer) -> None:
+    """`dealer` runs the honest protocol but seals, in the box of its lowest-id neighbour,
+    the index of its highest-id one (itself first, then by id: len(boxes) + 1): in range, and
+    another holder's. With one neighbour left it has no other holder's index to write."""
+    honest_share = secagg.Client.share
+
+    def share(self: secagg.Client, keys: Any) -> tuple[dict[int, bytes], bytes]:
+        boxes, commitment = honest_share(self, keys)
+        if self.client_id == dealer.client_id and len(boxes) > 1:
+            victim = min(boxes)
+            boxes[victim] = reindexed_box(self, victim, boxes[victim], len(boxes) + 1)
+        return boxes, commitment
+
+    monkeypatch.setattr(secagg.Client, "share", share)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_a_wrong_share_index_costs_the_dealer_not_its_honest_neighbour(
+    secure_federation, monkeypatch, caplog, checked: bool
+) -> None:
+    """A secret holder writes a wrong but in-range share index in an honest neighbour's box.
+    The neighbour checks it against the holder list the coordinator relays, refuses the box
+    naming the dealer and reveals no share of it: no one is refused, and the neighbour takes
+    part in round 2. Without that check (control) its reveal is refused as a lie, and the
+    honest neighbour is named and excluded."""
+    if not checked:
+        monkeypatch.setattr(secagg.Client, "_check_index", lambda *a: None)
+    players = players_with(honest)
+    _wrong_index_dealer(monkeypatch, players[-1])
+    with caplog.at_level(logging.WARNING):
+        coordinator, initial, rounds = secure_federation(players, rounds=2)
+    victim = players[0].client_id
+    assert min(p.client_id for p in players) == victim  # the dealer's lowest-id neighbour
+    if checked:
+        once = expected_mean(initial, [*HONEST, 0.03], [10] * 3)
+        assert_adapter(coordinator, expected_mean(once, [*HONEST, 0.03], [10] * 3))
+        assert [(r["clients"], r["refused"]) for r in rounds] == [(3, 0), (3, 0)]
+        assert not named(coordinator)
+        blamed = [r.getMessage() for r in caplog.records if "in its box" in r.getMessage()]
+        assert len(blamed) == 2  # once a round, by the victim, naming the dealer
+        assert all(f"client {players[-1].client_id}: share index 3" in line for line in blamed)
+    else:
+        assert named(coordinator) == {victim}
+        assert [r["refused"] for r in rounds] == [1, 0] and rounds[1]["clients"] == 2
 
 
 # ------------------------------------------------------------------ non-finite training

@@ -7,9 +7,11 @@ known exactly; every test checks the round's outcome against it."""
 from __future__ import annotations
 
 import base64
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,6 +24,8 @@ from fed_learn.lora import adapter_state
 from fed_learn.privacy import Accountant
 from fed_learn.protocol import FedMsg
 from fed_learn.run import run
+from fed_learn.secure import SecureRound
+from fed_learn.secure_inbox import SecureInbox
 from labtools.attacks.secure_rounds import (
     SecurePlayer,
     State,
@@ -151,6 +155,40 @@ def test_malformed_keys_are_refused_and_the_round_goes_on(secure_federation, pay
     assert rounds[0]["clients"] == 3
     # "not_an_object" answers no task (no "task" field): dropped, not refused
     assert rounds[0]["refused"] == (0 if isinstance(payload({"task": 1}), list) else 1)
+
+
+def test_a_secure_step_says_whom_it_waits_for_what_and_under_which_key(caplog) -> None:
+    """The round's wait for a step names the clients still missing, the message, the round
+    and the config key that bounds it, after 5 s and then every 30 s: on an injected clock
+    read 0 (the deadline: 0 + 100 s), 0 (the first report due at 5), 1 (client 1's keys
+    taken), 10 (report), 40 (report), 100 (the deadline)."""
+    readings = iter([0.0, 0.0, 1.0, 10.0, 40.0, 100.0])
+    inbox = SecureInbox(clock=lambda: next(readings))
+    clients = [SimpleNamespace(client_id=c) for c in (1, 2, 3)]
+    trained = {"w": torch.zeros(4)}
+    step = SecureRound(
+        inbox=inbox,
+        clients=clients,
+        trained=trained,
+        round_index=0,
+        neighbors=0,
+        threshold=0.5,
+        weight_cap=10,
+        bound=1.0,
+        step_timeout_s=100.0,
+        input_timeout_s=600.0,
+        declared={1: 10, 2: 10, 3: 10},
+    )
+    inbox.open({1: 7, 2: 8, 3: 9})
+    assert inbox.offer(1, FedMsg.SA_KEYS, {"c": "k"}, task=7)
+    with caplog.at_level(logging.INFO, logger="fed_learn.secure_inbox"):
+        got = step._step(FedMsg.SA_KEYS, [1, 2, 3])
+    assert got == {1: {"c": "k"}} and step.failures == {2, 3}
+    what = "SA_KEYS in secure round 1 (fed.secagg.step_timeout_s=100)"
+    assert [r.getMessage() for r in caplog.records if r.name == "fed_learn.secure_inbox"] == [
+        f"waiting for 2 clients' {what} (ids [2, 3]), 90s left",
+        f"waiting for 2 clients' {what} (ids [2, 3]), 60s left",
+    ]
 
 
 def _leave(conn, task, payload, send) -> None:
