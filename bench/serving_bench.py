@@ -13,15 +13,25 @@ Rows (one run, same model, same prompts, same clients):
 Hosts own their cores: "host 1" (the serve role / driver and stage 1; the unsplit server) and
 "host 2" (stage 2) each get their own core by `taskset`, the assignment `--cores-per-host`
 makes (labtools.hosts.network.host_cpus), over loopback (no namespaces: the hop is loopback's);
-every process runs torch on one thread. The clients run in this process, on no core of their
-own (a 2-core machine has none to spare).
+every process runs torch on one thread. The clients are threads of this process and run on both
+hosts' cores: they have no core of their own (a 2-core machine has none to spare), so they share
+the cores with the hosts, and the output says so.
 
-The cost model takes only single-request inputs: each stage's and the whole model's decode step
-for micro-batches of 1-8 rows, timed here on one core with the same layer builder the stages
-use, and each row's overhead per token outside the model (its 1-client run's inter-token time
-less the compute): nothing fitted to the serving cells. It predicts each row's throughput at
-every client count and says the regime (memory-bound: a batch of 4 costs about what one row
-costs; compute-bound: it costs about 4x).
+The cost model takes only single-request inputs, nothing fitted to the serving cells:
+- each stage's and the whole model's decode step for micro-batches of 1-8 rows, timed here on
+  one core with the same layer builder the stages use;
+- each row's per-request serving work on host 1 per token: the CPU time of the serving
+  process's event loop (HTTP, server-sent events) and of its requests' worker threads
+  (detokenizing), read from its `/health` before and after the row's 1-client run. It is paid
+  once per request per token on host 1's core, so it grows with the clients;
+- each row's per-step rest (hops, relaying, scheduling): the 1-client run's inter-token time
+  less the compute and less that serving work; paid once per step on the token's way round;
+- the clients' own CPU per token (this process's, in the 1-client run), charged to the two
+  cores the hosts and the clients share.
+It predicts each row's throughput at every client count, prints measured / predicted for every
+cell and for each row at 4 clients (not only the ratio of ratios, where errors of the same sign
+cancel), and says the regime (memory-bound: a batch of 4 costs about what one row costs;
+compute-bound: it costs about 4x).
 
 Prints a table and the ratios last; writes bench/results/serving_bench.json. Not in `make test`.
 """
@@ -143,18 +153,25 @@ def step_ms(folder: Path, start: int, end: int, *, context: int, sizes: range) -
 
 
 def period_ms(row: str, clients: int, inputs: dict[str, Any]) -> float:
-    """The time between two tokens of one request with `clients` in flight: the compute of the
-    micro-batches, plus the row's 1-client overhead outside the model (hops, serving) once a
-    step; pipelined, two micro-batches share the cycle and each host's core does its stage's
-    part of both."""
+    """The time between two tokens of one request with `clients` in flight. A micro-batch of
+    k requests goes round in its stages' compute, plus the row's per-step rest (hops,
+    relaying) once, plus its k requests' serving work on host 1's core (it lands there while
+    stage 1 computes the next step); pipelined, two micro-batches share the cycle and neither
+    host's core can do more than its part of both (host 1: both stage-1 steps and every
+    request's serving work). The clients' CPU shares the two cores with the hosts."""
     s1, s2, full = inputs["stage1_ms"], inputs["stage2_ms"], inputs["full_ms"]
-    over = inputs["overhead_ms"][row]
+    hop, serve, client = (inputs[key][row] for key in ("hop_ms", "serve_ms", "client_ms"))
     if row == "unsplit CB":
-        return full[clients] + over
-    if row == "one in flight" or clients == 1:
-        return s1[clients] + s2[clients] + over
-    size = -(-clients // 2)  # two micro-batches, as equal as the scheduler makes them
-    return max(2 * max(s1[size], s2[size]), s1[size] + s2[size] + over)
+        host1, host2 = full[clients] + clients * serve, 0.0
+        period = host1 + hop
+    elif row == "one in flight" or clients == 1:
+        host1, host2 = s1[clients] + clients * serve, s2[clients]
+        period = host1 + host2 + hop
+    else:
+        size = -(-clients // 2)  # two micro-batches, as equal as the scheduler makes them
+        host1, host2 = 2 * s1[size] + clients * serve, 2 * s2[size]
+        period = max(host1, host2, s1[size] + s2[size] + hop + size * serve)
+    return max(period, (host1 + host2 + clients * client) / 2)  # two cores, clients on them
 
 
 def predict(row: str, clients: int, inputs: dict[str, Any], *, max_tokens: int) -> float:
@@ -352,8 +369,21 @@ def stop(procs: list[subprocess.Popen]) -> None:
 # ---------------------------------------------------------------------- the clients
 
 
+def serving_cpu_s(port: int) -> dict[str, float]:
+    """The server's CPU seconds so far (its `/health`): event loop, request threads, process."""
+    import json
+    import urllib.request
+
+    ask = urllib.request.Request(
+        f"http://127.0.0.1:{port}/health", headers={"Authorization": f"Bearer {SECRET}"}
+    )
+    with urllib.request.urlopen(ask, timeout=60) as answer:
+        return {k: float(v) for k, v in json.load(answer)["cpu_s"].items()}
+
+
 def load(port: int, clients: int, *, requests: int, max_tokens: int) -> dict[str, float]:
-    """`clients` threads, each streaming `requests` completions one after another."""
+    """`clients` threads, each streaming `requests` completions one after another (and this
+    process's CPU per token meanwhile: the clients' own work)."""
     import openai
 
     gaps: list[float] = []
@@ -383,18 +413,20 @@ def load(port: int, clients: int, *, requests: int, max_tokens: int) -> dict[str
                 tokens[0] += max_tokens
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - began
+    client_cpu_s = time.process_time() - cpu
     q = statistics.quantiles(gaps, n=20) if len(gaps) > 1 else gaps * 19
     return {
         "tokens_per_s": tokens[0] / wall,
         "ttft_ms_p50": statistics.median(firsts) * 1e3,
         "token_ms_p50": statistics.median(gaps) * 1e3,
         "token_ms_p95": q[18] * 1e3,
+        "client_cpu_ms_per_token": client_cpu_s * 1e3 / max(tokens[0], 1),
     }
 
 
@@ -432,6 +464,10 @@ def main() -> None:
         ),
         "full_ms": step_ms(folder, 0, SHAPE["layers"], context=context, sizes=range(1, 9)),
         "overhead_ms": {},
+        "serve_ms": {},
+        "serve_process_ms": {},
+        "client_ms": {},
+        "hop_ms": {},
         "ttft_ms": {},
     }
     os.sched_setaffinity(0, set().union(*cpus))
@@ -440,6 +476,10 @@ def main() -> None:
         f"{[round(v, 2) for v in inputs['stage2_ms'].values()]}; the whole model "
         f"{[round(v, 2) for v in inputs['full_ms'].values()]}; {regime(inputs['full_ms'])}"
     )
+    print(
+        "clients: threads of this process (the openai client), on both hosts' cores: no core "
+        "of their own on this box, they share the cores with the hosts"
+    )
     rows: dict[str, dict[int, dict[str, float]]] = {}
     for row in ("pipelined", "one in flight", "unsplit CB"):
         procs, port = start_servers(row, folder, cpus, RUNS / row.replace(" ", "_"))
@@ -447,8 +487,17 @@ def main() -> None:
             load(port, 1, requests=1, max_tokens=4)  # warm: first calls pay for lazy set-up
             rows[row] = {}
             for clients in counts:
+                before = serving_cpu_s(port)
                 rows[row][clients] = load(port, clients, requests=requests, max_tokens=max_tokens)
                 rows[row][clients]["load_1min"] = os.getloadavg()[0]
+                if clients == 1:  # the single-request inputs: serving work, the clients' own
+                    after, served = serving_cpu_s(port), requests * max_tokens
+                    work = sum(after[k] - before[k] for k in ("event_loop", "requests"))
+                    inputs["serve_ms"][row] = work * 1e3 / served
+                    inputs["serve_process_ms"][row] = (
+                        (after["process"] - before["process"]) * 1e3 / served
+                    )
+                    inputs["client_ms"][row] = rows[row][1]["client_cpu_ms_per_token"]
                 print(
                     f"  {row:<14} {clients} clients: "
                     f"{rows[row][clients]['tokens_per_s']:.1f} tokens/s",
@@ -462,6 +511,7 @@ def main() -> None:
             else inputs["stage1_ms"][1] + inputs["stage2_ms"][1]
         )
         inputs["overhead_ms"][row] = max(0.0, rows[row][1]["token_ms_p50"] - compute)
+        inputs["hop_ms"][row] = max(0.0, inputs["overhead_ms"][row] - inputs["serve_ms"][row])
         inputs["ttft_ms"][row] = rows[row][1]["ttft_ms_p50"]
     print(
         f"\n{'row':<15}{'clients':>8}{'tok/s':>9}{'pred':>9}{'meas/pred':>10}"
@@ -470,10 +520,11 @@ def main() -> None:
     for row, cells in rows.items():
         for clients, cell in cells.items():
             cell["predicted_tokens_per_s"] = predict(row, clients, inputs, max_tokens=max_tokens)
+            cell["measured_over_predicted"] = cell["tokens_per_s"] / cell["predicted_tokens_per_s"]
             print(
                 f"{row:<15}{clients:>8}{cell['tokens_per_s']:>9.1f}"
                 f"{cell['predicted_tokens_per_s']:>9.1f}"
-                f"{cell['tokens_per_s'] / cell['predicted_tokens_per_s']:>10.2f}"
+                f"{cell['measured_over_predicted']:>10.2f}"
                 f"{cell['ttft_ms_p50']:>10.0f}{cell['token_ms_p50']:>9.1f}"
                 f"{cell['token_ms_p95']:>9.1f}{cell['load_1min']:>6.1f}"
             )
@@ -482,9 +533,21 @@ def main() -> None:
     vs_measured = pipelined["tokens_per_s"] / base["tokens_per_s"]
     vs_predicted = pipelined["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
     y = vs_measured / vs_predicted
+    per_row = {row: rows[row][4]["measured_over_predicted"] for row in rows}
+
+    def ms(key: str) -> str:
+        return ", ".join(f"{row} {value:.1f}" for row, value in inputs[key].items())
+
     print(
-        f"regime: {regime(inputs['full_ms'])}; per-token overhead outside the model (ms, from "
-        f"1-client runs): { ({k: round(v, 1) for k, v in inputs['overhead_ms'].items()}) }"
+        f"regime: {regime(inputs['full_ms'])}; per token, from each row's 1-client run (ms): "
+        f"outside the model {ms('overhead_ms')}; of it, serving work on host 1 (event loop and "
+        f"request threads' CPU, paid per request) {ms('serve_ms')}, the per-step rest "
+        f"{ms('hop_ms')}; the serving process's whole CPU {ms('serve_process_ms')}; the "
+        f"clients' CPU (on the hosts' two cores) {ms('client_ms')}"
+    )
+    print(
+        "per row at 4 clients, measured / predicted: "
+        + ", ".join(f"{row} {ratio:.2f}" for row, ratio in per_row.items())
     )
     print(
         f"targets: pipelined / one in flight >= 1.4 ({x:.2f}); vs unsplit, measured / "
@@ -499,8 +562,10 @@ def main() -> None:
             "max_tokens": max_tokens,
             "requests_per_client": requests,
             "cores": [list(c) for c in cpus],
+            "clients_on": "threads of the bench process, on both hosts' cores (none of their own)",
             "inputs": inputs,
             "rows": rows,
+            "measured_over_predicted_at_4": per_row,
             "pipelined_vs_one": x,
             "vs_unsplit_measured": vs_measured,
             "vs_unsplit_predicted": vs_predicted,

@@ -118,6 +118,13 @@ def build_app(server: Server) -> Any:
                 "waiting": server.waiting,
                 "served": server.served,
                 "cancelled": server.cancelled,
+                # CPU seconds so far (compare two readings): this event loop's thread (HTTP,
+                # server-sent events; its start-up included), the requests' worker threads
+                "cpu_s": {
+                    "event_loop": time.thread_time(),
+                    "requests": server.request_cpu_s,
+                    "process": time.process_time(),
+                },
                 "engine": engine,
             }
         )

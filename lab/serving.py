@@ -188,6 +188,10 @@ class Server:
         self.running: set[threading.Event] = set()
         self.served = 0
         self.cancelled = 0
+        self.request_cpu_s = 0.0
+        """CPU seconds the requests' worker threads have spent in `generate`: for an engine that
+        steps elsewhere (the split's pipeline, transformers' continuous batching) each request's
+        own serving work, its detokenizing and hand-over (`/health` reports it)."""
         self.counts = threading.Lock()
         self.summary = Summary()
 
@@ -360,7 +364,7 @@ class Server:
 
         def work() -> list[int]:
             with self.worker:
-                begun = time.perf_counter()
+                begun, cpu = time.perf_counter(), time.thread_time()
                 with self.counts:  # (up to max_concurrent worker threads count at once)
                     self.generating += 1
                 tokens: list[int] = []
@@ -374,6 +378,7 @@ class Server:
                 finally:
                     with self.counts:
                         self.generating -= 1
+                        self.request_cpu_s += time.thread_time() - cpu
                     self.summary.add(len(seen), time.perf_counter() - begun)
                     log.info(
                         "request %s: %d prompt tokens, %d new, %s in %.0f ms",

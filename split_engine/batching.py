@@ -13,6 +13,12 @@ worker threads waits on a future; the callbacks that TensorPipe runs when a call
 the result on the scheduler's queue. The scheduler is a thread of the driver's own. In-flight
 calls per stage are at most `in_flight` steps, plus the slot releases of requests that ended.
 
+The scheduler only steps the pipeline and hands out token ids: each request's ids go onto its
+own queue, and its caller's thread (`generate`) takes them from there and runs `on_token`
+(detokenizing, server-sent events, a client's stop string), so N clients' serving work runs
+beside the stepping instead of in turn with it. A caller whose `on_token` raises sends the
+scheduler a cancel: the request ends between tokens, or when the step it is in comes back.
+
 On a stage (`step`): the requests' caches are left-padded to the longest, stacked into one batch
 for the layers, and cut back into each request's own slot afterwards; a micro-batch of one
 request uses its cache as it is (the same computation as a request served alone).
@@ -39,10 +45,10 @@ from split_engine.generation import Sampling, TokenPicker
 log = logging.getLogger(__name__)
 
 WAIT_S = 5.0
+"""How often the scheduler, idle or waiting for a stage, looks again (and at `closing`)."""
 MAX_SLOTS = 1024
 """Requests one stage holds a KV-cache slot for at once (the driver bounds its own with
 split.max_concurrent; this bounds what any signed caller can make a stage hold)."""
-"""How often the scheduler, idle or waiting for a stage, looks again (and at `closing`)."""
 
 
 # ---------------------------------------------------------------------- on a stage
@@ -185,11 +191,15 @@ class _Request:
     prompt: list[int]
     sampling: Sampling
     max_new_tokens: int
-    on_token: Callable[[int], None]
     tokens: list[int] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
+    handed: queue.SimpleQueue[int | None] = field(default_factory=queue.SimpleQueue)
+    """Its token ids as the scheduler hands them out, then None once it has ended (its slot
+    releases sent): read by its caller's thread, never by the scheduler's."""
     error: BaseException | None = None
     opened: bool = False
+    cancelled: bool = False
+    """Its caller has stopped reading: it ends when the step it is in comes back."""
+    finished: bool = False
     releases: list[Any] = field(default_factory=list)
 
 
@@ -244,8 +254,10 @@ class Pipeline:
         max_new_tokens: int,
         on_token: Callable[[int], None],
     ) -> list[int]:
-        """The new tokens of `prompt`, computed beside the other requests in flight. What
-        `on_token` raises (a client gone) ends the request and propagates here."""
+        """The new tokens of `prompt`, computed beside the other requests in flight.
+        `on_token` runs here, on the caller's thread, as each id is handed over (the
+        scheduler's thread never waits for it); what it raises (a client gone, a stop string)
+        ends the request and propagates here once its slots are freed."""
         with self.lock:
             if self.failure is not None or self.closing:
                 raise PipelineClosed(f"the pipeline has stopped: {self.failure}")
@@ -254,19 +266,34 @@ class Pipeline:
                     f"over split.max_concurrent={self.max_concurrent}: the caller bounds it"
                 )
             self.active += 1
-            request = _Request(
-                next(self.sharded._requests), list(prompt), sampling, max_new_tokens, on_token
-            )
+            request = _Request(next(self.sharded._requests), list(prompt), sampling, max_new_tokens)
         self.events.put(("join", request))
-        while not request.done.wait(WAIT_S):
-            if not self.thread.is_alive():
-                raise PipelineClosed(f"the pipeline has stopped: {self.failure}")
+        raised: BaseException | None = None
+        while (token := self._handed(request)) is not None:
+            if raised is not None:
+                continue  # cancelled: what was computed meanwhile is dropped
+            try:
+                on_token(token)
+            except BaseException as exc:
+                raised = exc
+                self.events.put(("cancel", request))
         for future in request.releases:  # its slots are free when it returns (not the scheduler
             with contextlib.suppress(RuntimeError):  # waiting: this is the caller's thread)
                 future.wait()
+        if raised is not None:
+            raise raised
         if request.error is not None:
             raise request.error
         return request.tokens
+
+    def _handed(self, request: _Request) -> int | None:
+        """The request's next token id, or None once it has ended."""
+        while True:
+            try:
+                return request.handed.get(timeout=WAIT_S)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise PipelineClosed(f"the pipeline has stopped: {self.failure}") from None
 
     def close(self) -> None:
         """Stop after the steps in flight; requests still running end with PipelineClosed."""
@@ -301,6 +328,8 @@ class Pipeline:
             try:
                 if event[0] == "join":
                     self.joining.append(event[1])
+                elif event[0] == "cancel":
+                    self._cancel(event[1])
                 else:
                     self._stepped(event[1], event[2])
                 self._launch()
@@ -366,16 +395,27 @@ class Pipeline:
         self.batched_rows += len(step.requests)
         for request, token in zip(step.requests, result.tolist(), strict=True):
             request.opened = True
-            request.tokens.append(int(token))
-            try:
-                request.on_token(int(token))
-            except BaseException as exc:  # a client gone, a stop string: the request ends
-                self._finish(request, exc)
+            if request.cancelled:  # its caller stopped reading while this step ran
+                self._finish(request, None)
                 continue
+            request.tokens.append(int(token))
+            request.handed.put(int(token))  # to its caller's thread: no serving work here
             if len(request.tokens) >= request.max_new_tokens or token == self.eos:
                 self._finish(request, None)
             else:
                 self.ready.append(request)
+
+    def _cancel(self, request: _Request) -> None:
+        """Its caller stopped reading (a client gone, a stop string): end it now if it waits
+        for a step, or when the step it is in comes back."""
+        if request.finished:
+            return
+        for waiting in (self.joining, self.ready):
+            if request in waiting:
+                waiting.remove(request)
+                self._finish(request, None, release=request.opened)
+                return
+        request.cancelled = True
 
     def _finish(
         self, request: _Request, error: BaseException | None, *, release: bool = True
@@ -388,9 +428,10 @@ class Pipeline:
                 self.releases.append(future)
                 request.releases.append(future)
         request.error = error
+        request.finished = True
         with self.lock:
             self.active -= 1
-        request.done.set()
+        request.handed.put(None)
 
     def _fail_all(self, error: BaseException) -> None:
         waiting = list(self.joining) + list(self.ready)

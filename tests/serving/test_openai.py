@@ -229,6 +229,7 @@ def test_openai_concurrent_clients_each_get_the_text_they_get_alone(endpoint: di
     assert texts == expected
     state = health(endpoint)
     assert state["generating"] == 0 and state["waiting"] == 0
+    assert state["cpu_s"]["requests"] > 0 and state["cpu_s"]["event_loop"] > 0  # (the bench's)
     if endpoint["name"] == "split_inference":
         assert state["engine"]["open_requests"] == [0, 0]
         assert state["engine"]["pipeline"]["steps"] > 0

@@ -4,16 +4,19 @@ request the tokens it gets alone; the driver's pipeline does the same from many 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from lab.serving import Cancelled
+from lab.serving import Cancelled, Params, ServeConfig, Server, Text
 from split_engine.batching import Pipeline
 from split_engine.generation import Sampling, UnsplitModel, decode
 from split_engine.sharded import ShardedModel
+from split_inference.serve import SplitEngine
 
 from .conftest import rpc_world
 
@@ -138,6 +141,70 @@ def test_the_pipeline_serves_requests_from_many_threads_as_each_alone(
         assert stats["steps"] >= NEW_TOKENS and stats["mean_batch"] >= 1
     finally:
         pipeline.close()
+    assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
+
+
+class _ThreadNotingTokenizer:
+    """The lab's tokenizer, noting the thread of every call that decodes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.threads: set[threading.Thread] = set()
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        self.threads.add(threading.current_thread())
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def test_the_scheduler_thread_never_detokenizes_each_stream_does_on_its_own_thread(
+    sharded, prompts, alone, tokenizer
+) -> None:
+    """Three streams served at once through the endpoint's server and the split engine: the
+    pipeline's scheduler only steps and hands out ids; each request's detokenizing runs on
+    its own worker thread (on the scheduler's, N clients' serving work would queue behind
+    the stepping); each streams its alone greedy text."""
+    noting = _ThreadNotingTokenizer(tokenizer)
+    engine = SplitEngine(sharded, noting, kv_cache=True, max_concurrent=3, in_flight=2)
+    assert engine.pipeline is not None
+    server = Server(engine, noting, model_id="m", config=ServeConfig(), secret=None)
+    params = Params(max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0, seed=0)
+
+    async def stays() -> bool:  # the client never leaves
+        return False
+
+    async def stream(index: int) -> tuple[list[int], str, Text]:
+        assert await server.take_slot(f"cmpl-{index}", stays)  # three slots: all at once
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        text = Text(noting, [], eos=tokenizer.eos_token_id)
+        future, _ = server.start(f"cmpl-{index}", prompts[index], params, text, pieces)
+        tokens = await future  # (every piece was queued before the future's result)
+        streamed = []
+        while not pieces.empty():
+            streamed.append(pieces.get_nowait())
+        return tokens, "".join(p for p in streamed if p), text
+
+    async def three() -> list[tuple[list[int], str, Text]]:
+        return list(await asyncio.gather(*(stream(index) for index in range(3))))
+
+    try:
+        results = asyncio.run(three())
+    finally:
+        server.stop()
+        engine.close()
+    threads = set(noting.threads)  # the serving's own calls (the checks below decode too)
+    for index, (tokens, streamed, text) in enumerate(results):
+        expected = alone[index]
+        if tokenizer.eos_token_id in expected:  # the engine stops at the end of text
+            expected = expected[: expected.index(tokenizer.eos_token_id) + 1]
+        assert tokens == expected, index
+        assert streamed and streamed == text.sent
+        assert text.text(tokens).startswith(streamed)
+    assert threads, "nothing was detokenized"
+    assert engine.pipeline.thread not in threads
+    assert all(t.name.startswith("generation") for t in threads), threads
     assert [s["open_requests"] for s in sharded.stats()] == [0.0, 0.0]
 
 
