@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lab.cli import EXIT_USER_ERROR, ConfigError, full_errors
-from lab.config import CONF_DIR
+from lab.config import CONF_DIR, old_keys
 
 if TYPE_CHECKING:
     from lab.experiment import Experiment
@@ -365,7 +365,8 @@ def _unknown_keys(cfg: Any, defaults: Any, prefix: str = "") -> list[str]:
     for key in cfg:
         dotted = f"{prefix}{key}"
         if key not in names:
-            unknown.append(dotted)
+            if dotted not in old_keys():  # an endpoint's old key is moved as it is read
+                unknown.append(dotted)
             continue
         value = getattr(defaults, key)
         if dataclasses.is_dataclass(value) and hasattr(cfg[key], "keys"):

@@ -161,13 +161,18 @@ class Experiment:
 
 
 def unread_keys(manifest: registry.Manifest) -> dict[str, str]:
-    """`manifest.unread`, plus every `cluster.*` endpoint but its own: its roles never dial them."""
+    """`manifest.unread`, plus every `cluster.*` endpoint but its own and every other
+    experiment's old endpoint key (`cluster.verifier`): its roles never dial them."""
     own = ", ".join(manifest.endpoints)
     others = {
         f"cluster.{f.name}": f"its roles meet at {own} only"
         for f in fields(ClusterConfig)
         if f.type in (Endpoint, "Endpoint") and f"cluster.{f.name}" not in manifest.endpoints
     }
+    for name, other in registry.manifests().items():
+        for old, new in other.renamed.items():
+            if old not in manifest.renamed:
+                others[old] = f"it was {name}'s endpoint ({new} now); its roles meet at {own} only"
     return {**others, **manifest.unread}
 
 

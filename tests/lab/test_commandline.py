@@ -109,7 +109,9 @@ def test_help_lists_every_key_it_reads_with_its_default_and_docstring() -> None:
         assert shown != any(key == k or key.startswith(k + ".") for k in unread), key
         if shown and doc:
             assert " ".join(doc.split()[:4]) in " ".join(text.split()), key
-    assert "  cluster.verifier.host=" in text and "  cluster.coordinator.host=" not in text
+    # its own endpoint, whose host defaults to the cluster file's serving host; not the master's
+    assert "  spec.verifier.host=${cluster.master.host}" in text
+    assert "  spec.verifier.port=29520" in text and "  cluster.master.host=" not in text
     assert "--hydra-help" in text
 
 
