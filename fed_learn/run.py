@@ -354,7 +354,6 @@ def finish_local(local: FedLearnRunConfig) -> dict[str, float]:
 
 EXPERIMENT = Experiment(
     name="fed_learn",
-    schema=FedLearnRunConfig,
     roles={"coordinator": run_coordinator, "client": client_role, "simulator": simulator_role},
     plan=local_plan,
     servers=("coordinator",),

@@ -1,8 +1,8 @@
 """The experiment dispatcher: what each module runs as, and the one function that runs it.
 
-Each experiment module declares, in its `run.py`, one `Experiment`: its config schema, the
-function behind each of its roles and its local plan (which roles a `role=local` run starts as
-their own processes, and what this process does meanwhile). What the tools read too (the
+Each experiment module declares, in its `run.py`, one `Experiment`: the function behind each
+of its roles and its local plan (which roles a `role=local` run starts as their own processes,
+and what this process does meanwhile). What the tools read too (its config schema, the
 endpoints its roles listen on, the config keys it does not read) is in its manifest
 (lab.registry), the one record of the experiment; the Experiment reads it from there.
 `run(experiment, cfg)` does the rest, the same way for every module: validates the config,
@@ -113,7 +113,6 @@ class Experiment:
 
     name: str
     """The module (`python -m name`); its YAML is `conf/<name>.yaml`, its schema `<name>_schema`."""
-    schema: type[LabConfig]
     roles: Mapping[str, Callable[[Any], Metrics]]
     """Every role but `local`, by name, with the function that plays it."""
     plan: Callable[[Any], LocalPlan]
@@ -139,6 +138,11 @@ class Experiment:
     """Some of its listeners are not authenticated by the run (TensorPipe's, Gloo's): a local
     run puts them behind this fence (`world.fence.LOCAL_FENCE`): an address of its own that
     only this user's processes reach."""
+
+    @property
+    def schema(self) -> type[LabConfig]:
+        """Its run config's dataclass, as its manifest names it (`Manifest.schema`)."""
+        return registry.manifest(self.name).schema_class()
 
     @property
     def schema_name(self) -> str:

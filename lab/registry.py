@@ -224,12 +224,16 @@ class Manifest:
         """Its `lab.experiment.Experiment` (imports its run.py, model code and all)."""
         return _load(self.runner or f"{self.name}.run:EXPERIMENT")
 
+    def schema_class(self) -> type:
+        """Its run config's dataclass (imported; `load_schema` registers it for Hydra too)."""
+        if not self.schema:
+            raise TypeError(f"the manifest of {self.name} names no schema (module:Class)")
+        return _load(self.schema)
+
     def load_schema(self) -> type:
         """Its run config's dataclass, registered as Hydra's `<name>_schema` (its YAML's
         `defaults` names it)."""
-        if not self.schema:
-            raise TypeError(f"the manifest of {self.name} names no schema (module:Class)")
-        schema = _load(self.schema)
+        schema = self.schema_class()
         # every experiment's old endpoint keys: a cluster file written for all still composes
         everyone = [*manifests().values(), self]
         renamed = {old: new for m in everyone for old, new in m.renamed.items()}

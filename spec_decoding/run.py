@@ -326,7 +326,6 @@ def local_plan(settings: SpecDecodingRunConfig) -> LocalPlan:
 
 EXPERIMENT = Experiment(
     name="spec_decoding",
-    schema=SpecDecodingRunConfig,
     roles={"verifier": verifier_role, "drafter": drafter_role, "serve": serve_role},
     plan=local_plan,
     servers=("verifier",),

@@ -123,7 +123,7 @@ def test_a_placement_hook_sees_every_role_before_it_starts(compose_config, monke
     exp = experiment.get("fed_learn")
     cfg = compose_config("fed_learn", ["fed.num_clients=2"])
     finished = experiment.Experiment(
-        name=exp.name, schema=exp.schema, roles=exp.roles,
+        name=exp.name, roles=exp.roles,
         plan=lambda s: experiment.LocalPlan(exp.plan(s).processes, finish=lambda s: {"ok": 1.0}),
     )  # fmt: skip
     assert experiment.run(finished, cfg, place=place) == {"ok": 1.0}
