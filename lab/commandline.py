@@ -375,6 +375,11 @@ def _unknown_keys(cfg: Any, defaults: Any, prefix: str = "") -> list[str]:
 
 
 def _did_you_mean(key: str, name: str, schema: type, command: str = "") -> str:
+    from lab import registry
+
+    for other in registry.manifests().values():  # another experiment's endpoint, say whose
+        if other.name != name and any(key.startswith(e + ".") for e in other.endpoints):
+            return f": it is {other.name}'s endpoint, not {name}'s"
     keys = [k for k, *_ in described(schema)]
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)

@@ -363,7 +363,7 @@ MISTAKES = [
             "fed.coordinator.port?",
             module("fed_learn", "role=client", "fed.coordinater.port=1", *DEBUG)),
     Mistake("another experiment's endpoint", "python -m fed_learn role=client spec.verifier.port=1",
-            "spec.verifier.port is not a setting of fed_learn",
+            "spec.verifier.port is not a setting of fed_learn: it is spec_decoding's endpoint",
             module("fed_learn", "role=client", "spec.verifier.port=1", *DEBUG)),
     Mistake("a typo in a sweep's overrides", "python run_matrix.py workload=spec_decoding "
             "... overrides=[spec.gama=3]",

@@ -32,6 +32,8 @@ SCHEMAS = {
          r"^spec\.gama is not a setting of spec_decoding; did you mean spec\.gamma\?$"),
         ("spec_decoding", ["+spec.gama=4"],
          r"^spec\.gama is not a setting of spec_decoding; did you mean spec\.gamma\?$"),
+        ("fed_learn", ["spec.verifier.port=1"],  # another experiment's endpoint, named so
+         r"^spec\.verifier\.port is not a setting of fed_learn: it is spec_decoding's endpoint"),
         ("data_parallel", ["+inner_steps=5"],  # the right word, the wrong section
          r"^inner_steps is not a setting of data_parallel; did you mean dp\.inner_steps\?$"),
         ("fed_learn", ["fed.rounds=two"], r"^fed\.rounds=two must be an integer$"),
