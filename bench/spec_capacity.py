@@ -291,7 +291,7 @@ def capacity_bench(
     try:
         cfg = pair.compose(cache_dir)
         with experiment.serving(EXPERIMENT, cfg, out=sys.stderr) as (local, group):
-            address = (local.cluster.verifier.host, local.cluster.verifier.port)
+            address = (local.spec.verifier.host, local.spec.verifier.port)
             verifier = psutil.Process(group.process("verifier").pid)
             clients.run("spec", address, [w[:1] for w in work], 8, verifier)  # warm-up
             for delay in DELAYS_MS:

@@ -435,7 +435,7 @@ def bench_pair(
     cfg = pair.compose(cache_dir)
     # the verifier started as `python -m spec_decoding` starts it, its log on stderr
     with experiment.serving(EXPERIMENT, cfg, out=sys.stderr) as (local, _):
-        address = (local.cluster.verifier.host, local.cluster.verifier.port)
+        address = (local.spec.verifier.host, local.spec.verifier.port)
         for pipeline in (False, True):  # warm-up
             ours(address, draft, tokenizer, prompts[:1], 8, None, pipeline=pipeline)
         for pipeline, mode in ((False, "rounds"), (True, "pipelined")):

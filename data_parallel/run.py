@@ -204,7 +204,6 @@ def one_process_baseline(local: DataParallelRunConfig, ours: dict[str, Any]) -> 
 
 EXPERIMENT = Experiment(
     name=JOB,
-    schema=DataParallelRunConfig,
     roles={"worker": run_agent},
     plan=local_plan,
     check=check,

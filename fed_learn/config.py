@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from fed_learn.aggregate import AGGREGATORS
 from fed_learn.compression import COMPRESSIONS
 from lab.config import (
+    Endpoint,
     LabConfig,
     LoRASettings,
     check_choice,
@@ -77,6 +78,10 @@ class DPConfig:
 
 @dataclass
 class FedConfig:
+    coordinator: Endpoint = field(default_factory=lambda: Endpoint(port=29510))
+    """Where the coordinator listens and its clients dial (TCP). Its host defaults to
+    cluster.master.host (conf/fed_learn.yaml), so a cluster file names the serving host once;
+    a local run picks a free port."""
     strategy: str = "fedavg"
     """fedavg | fedprox (proximal term) | ffa (A frozen: exact) | svd (products re-factorized)"""
     rounds: int = 3
@@ -196,6 +201,7 @@ class FedConfig:
     """Federated evaluation after every this many rounds (and after the last)."""
 
     def __post_init__(self) -> None:
+        self.coordinator.check("fed.coordinator")
         check_choice("fed.strategy", self.strategy, STRATEGIES)
         check_choice("fed.compression", self.compression, COMPRESSIONS)
         check_choice("fed.mode", self.mode, MODES)

@@ -245,7 +245,8 @@ def verdict(summary: Mapping[str, Any]) -> list[str]:
 MANIFEST = Manifest(
     name=NAME,
     schema="fed_learn.config:FedLearnRunConfig",
-    endpoints=("cluster.coordinator",),
+    endpoints=("fed.coordinator",),
+    renamed={"cluster.coordinator": "fed.coordinator"},
     serving=("coordinator",),
     summary="federated averaging of LoRA adapters: private data stays on each client",
     headline=Headline(
@@ -274,7 +275,7 @@ MANIFEST = Manifest(
     plots=plots,
     scenario=Scenario(
         NAME,
-        "cluster.coordinator",
+        "fed.coordinator",
         [
             ("desktop", "coordinator", ["role=coordinator"]),
             ("laptop", "client0", ["role=client", "client_index=0"]),

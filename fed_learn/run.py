@@ -43,7 +43,7 @@ def run_coordinator(settings: FedLearnRunConfig) -> dict[str, float]:
     cluster = settings.cluster
     per_address = max(cluster.max_connections_per_address, settings.fed.num_clients + 4)
     cluster = replace(cluster, max_connections_per_address=per_address)
-    server = serve(coordinator.handle, cluster, cluster.coordinator, name="coordinator")
+    server = serve(coordinator.handle, cluster, settings.fed.coordinator, name="coordinator")
     try:
         log.info("coordinator ready on %s:%d", *server.address)
         with Tracker.from_settings(settings, job="fed_learn") as tracker:
@@ -84,7 +84,7 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
     model = peft_model(settings.model, settings.lora, cache_dir=cache_dir, seed=settings.seed)
     tokenizer = load_tokenizer(settings.model, cache_dir=cache_dir)
     train, val = shard(settings, tokenizer, model, settings.client_index, own_data=True)
-    address = (settings.cluster.coordinator.host, settings.cluster.coordinator.port)
+    address = (settings.fed.coordinator.host, settings.fed.coordinator.port)
     client = LoRAClient(
         model,
         train,
@@ -128,7 +128,7 @@ def run_simulator(settings: FedLearnRunConfig) -> dict[str, float]:
                 dropout=fed.simulate_dropout,
             )
         )
-    address = (settings.cluster.coordinator.host, settings.cluster.coordinator.port)
+    address = (settings.fed.coordinator.host, settings.fed.coordinator.port)
     log.info("simulating clients %d-%d (%d) in one process", indices.start, indices.stop - 1,
              len(clients))  # fmt: skip
     rounds: list[int] = []
@@ -227,7 +227,7 @@ def take_part(
                 wait_s=wait_s,
                 check=None if stop is None else lambda: _stop_if(stop),
                 what="the coordinator",
-                where=f"{settings.cluster.coordinator.host}:{settings.cluster.coordinator.port}",
+                where=f"{settings.fed.coordinator.host}:{settings.fed.coordinator.port}",
                 key=f"cluster.connect_timeout_s={settings.cluster.connect_timeout_s:g} + "
                 f"fed.wait_clients_s={fed.wait_clients_s:g}",
             )
@@ -277,14 +277,14 @@ class CoordinatorLostError(UserError, RuntimeError):
 
 
 def client_role(settings: FedLearnRunConfig) -> dict[str, float]:
-    if settings.cluster.coordinator.port == 0:
-        raise ConfigError("role=client needs cluster.coordinator.port (the coordinator's)")
+    if settings.fed.coordinator.port == 0:
+        raise ConfigError("role=client needs fed.coordinator.port: the coordinator's, not 0")
     return run_client(settings)
 
 
 def simulator_role(settings: FedLearnRunConfig) -> dict[str, float]:
-    if settings.cluster.coordinator.port == 0:
-        raise ConfigError("role=simulator needs cluster.coordinator.port (the coordinator's)")
+    if settings.fed.coordinator.port == 0:
+        raise ConfigError("role=simulator needs fed.coordinator.port: the coordinator's, not 0")
     return run_simulator(settings)
 
 
@@ -354,7 +354,6 @@ def finish_local(local: FedLearnRunConfig) -> dict[str, float]:
 
 EXPERIMENT = Experiment(
     name="fed_learn",
-    schema=FedLearnRunConfig,
     roles={"coordinator": run_coordinator, "client": client_role, "simulator": simulator_role},
     plan=local_plan,
     servers=("coordinator",),

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lab.cli import EXIT_USER_ERROR, ConfigError, full_errors
-from lab.config import CONF_DIR
+from lab.config import CONF_DIR, old_keys
 
 if TYPE_CHECKING:
     from lab.experiment import Experiment
@@ -365,7 +365,8 @@ def _unknown_keys(cfg: Any, defaults: Any, prefix: str = "") -> list[str]:
     for key in cfg:
         dotted = f"{prefix}{key}"
         if key not in names:
-            unknown.append(dotted)
+            if dotted not in old_keys():  # an endpoint's old key is moved as it is read
+                unknown.append(dotted)
             continue
         value = getattr(defaults, key)
         if dataclasses.is_dataclass(value) and hasattr(cfg[key], "keys"):
@@ -374,6 +375,11 @@ def _unknown_keys(cfg: Any, defaults: Any, prefix: str = "") -> list[str]:
 
 
 def _did_you_mean(key: str, name: str, schema: type, command: str = "") -> str:
+    from lab import registry
+
+    for other in registry.manifests().values():  # another experiment's endpoint, say whose
+        if other.name != name and any(key.startswith(e + ".") for e in other.endpoints):
+            return f": it is {other.name}'s endpoint, not {name}'s"
     keys = [k for k, *_ in described(schema)]
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)

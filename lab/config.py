@@ -8,6 +8,7 @@ allowed set fails in ``__post_init__`` when ``run()`` turns the config into obje
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 """The repository's config tree (the package is installed editable)."""
@@ -70,11 +71,37 @@ class Endpoint:
     port: int = 0
 
     def check(self, key: str) -> None:
-        """Validate as config key `key` (e.g. `cluster.verifier`), naming it in the error."""
+        """Validate as config key `key` (e.g. `spec.verifier`), naming it in the error."""
         if not self.host:
             raise ValueError(f"{key}.host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"{key}.port={self.port} must be in 0..65535")
+
+
+OLD_KEYS_UNTIL = "0.3"
+"""The version that stops reading an endpoint's old key (`cluster.coordinator`, now
+`fed.coordinator`): a test fails once `lab.__version__` reaches it with the old keys still read."""
+
+
+@dataclass
+class OldEndpoint:
+    """An endpoint's old key (`cluster.coordinator`, before it moved to `fed.coordinator`),
+    which a command line or a cluster file may still set until version OLD_KEYS_UNTIL: what it
+    sets goes to the key now, in one warning line naming it (`to_settings`)."""
+
+    host: str | None = None
+    port: int | None = None
+
+
+_renamed: dict[str, str] = {}
+"""The registered experiments' endpoints' old keys -> their keys now (`register_schema`)."""
+_warned: set[str] = set()
+"""The old keys this process has warned about (once each)."""
+
+
+def old_keys() -> dict[str, str]:
+    """The endpoints' old keys still read (old dotted key -> its key now)."""
+    return dict(_renamed)
 
 
 @dataclass
@@ -145,16 +172,16 @@ class OverlayConfig:
 
 @dataclass
 class ClusterConfig:
-    """Where each role of an experiment runs and how they reach each other."""
+    """What every role of every experiment shares: the rendezvous host, the secret, the
+    timeouts, TLS, the overlay. An experiment's own servers listen at endpoints in its own
+    section (`fed.coordinator`, `spec.verifier`), their host by default `cluster.master.host`."""
 
     name: str = "local"
-    coordinator: Endpoint = field(default_factory=Endpoint)
-    """fed_learn coordinator."""
-    verifier: Endpoint = field(default_factory=Endpoint)
-    """spec_decoding verifier (target model)."""
     master: Endpoint = field(default_factory=Endpoint)
     """torch.distributed's rendezvous: the split runs' RPC world (their driver, rank 0), and
-    data_parallel's c10d rendezvous of its elastic agents."""
+    data_parallel's c10d rendezvous of its elastic agents. Its host is also where each
+    experiment's server listens unless told otherwise (`fed.coordinator.host`, ...): a cluster
+    file names the serving host once."""
     secret: str | None = None
     """Shared secret for HMAC authentication; else `secret_file`, else the LAB_SECRET environment
     variable. Prefer those two: a value given here shows in `ps` while the command runs (every
@@ -181,8 +208,7 @@ class ClusterConfig:
     its ports can read and write files on its hosts. Only on a network you fully trust."""
 
     def __post_init__(self) -> None:
-        for role in ("coordinator", "verifier", "master"):
-            getattr(self, role).check(f"cluster.{role}")
+        self.master.check("cluster.master")
         check_positive("cluster.connect_timeout_s", self.connect_timeout_s)
         check_positive("cluster.read_timeout_s", self.read_timeout_s)
         check_positive("cluster.max_frame_mib", self.max_frame_mib)
@@ -388,7 +414,7 @@ def to_settings(cfg: DictConfig | Any, schema: type[SettingsT]) -> SettingsT:
     if isinstance(cfg, schema):
         return cfg
     try:
-        settings = OmegaConf.to_object(cfg)
+        settings = OmegaConf.to_object(_moved_to_new_keys(cfg))
     except ValueError as exc:  # the schema's checks, and OmegaConf's type and value errors
         raise ConfigError(str(exc).strip()) from exc
     if not isinstance(settings, schema):
@@ -399,9 +425,74 @@ def to_settings(cfg: DictConfig | Any, schema: type[SettingsT]) -> SettingsT:
     return settings
 
 
-def register_schema(name: str, node: type, *, group: str | None = None) -> None:
-    """Register a dataclass as the schema a YAML file lists in its `defaults`."""
-    ConfigStore.instance().store(name=name, node=node, group=group)
+def _moved_to_new_keys(cfg: Any) -> Any:
+    """`cfg` with what an endpoint's old key sets moved to its key now, saying so in one
+    warning line (once a process per old key); the new key set on the command line wins.
+    Another experiment's old key (a cluster file written for every experiment) is dropped: a
+    command line that sets it is refused (lab.experiment.refuse_unread)."""
+    if not isinstance(cfg, DictConfig):
+        return cfg
+    given: dict[str, dict[str, Any]] = {}
+    for old in _renamed:
+        node = OmegaConf.select(cfg, old)
+        if isinstance(node, DictConfig):
+            given[old] = {k: v for k, v in node.items() if v is not None}
+    if not given:
+        return cfg
+    typed = _command_line_keys()
+    given = {
+        old: {k: v for k, v in values.items() if f"{_renamed[old]}.{k}" not in typed}
+        for old, values in given.items()
+    }
+    cfg = copy.deepcopy(cfg)
+    for old, values in given.items():
+        section = OmegaConf.select(cfg, old.rpartition(".")[0])
+        with read_write(section), open_dict(section):
+            del section[old.rpartition(".")[2]]
+        new = _renamed[old]
+        if not values or OmegaConf.select(cfg, new) is None:
+            continue  # unset, or not an endpoint of this experiment
+        for name, value in values.items():
+            OmegaConf.update(cfg, f"{new}.{name}", value)
+        if old not in _warned:
+            _warned.add(old)
+            read = ", ".join(f"{new}.{name}={value}" for name, value in values.items())
+            log.warning(
+                "%s is %s now: read as %s (the old key is read until version %s)",
+                old,
+                new,
+                read,
+                OLD_KEYS_UNTIL,
+            )
+    return cfg
+
+
+def _command_line_keys() -> set[str]:
+    """The keys this process's command line sets (none when Hydra is not running it)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+
+
+def register_schema(
+    name: str, node: type, *, group: str | None = None, renamed: Mapping[str, str] | None = None
+) -> None:
+    """Register a dataclass as the schema a YAML file lists in its `defaults`. `renamed`:
+    endpoints' old keys (old dotted key -> its key now), each given a slot (`OldEndpoint`)
+    where a command line or a cluster file may still set it, moved by `to_settings`."""
+    stored: Any = node
+    if renamed:
+        _renamed.update(renamed)
+        stored = OmegaConf.structured(node)
+        for old in renamed:
+            parent, _, leaf = old.rpartition(".")
+            section = OmegaConf.select(stored, parent) if parent else stored
+            if isinstance(section, DictConfig):
+                with open_dict(section):
+                    section[leaf] = OmegaConf.structured(OldEndpoint)
+    ConfigStore.instance().store(name=name, node=stored, group=group)
 
 
 register_schema("lab_schema", LabConfig)

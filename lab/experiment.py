@@ -1,8 +1,8 @@
 """The experiment dispatcher: what each module runs as, and the one function that runs it.
 
-Each experiment module declares, in its `run.py`, one `Experiment`: its config schema, the
-function behind each of its roles and its local plan (which roles a `role=local` run starts as
-their own processes, and what this process does meanwhile). What the tools read too (the
+Each experiment module declares, in its `run.py`, one `Experiment`: the function behind each
+of its roles and its local plan (which roles a `role=local` run starts as their own processes,
+and what this process does meanwhile). What the tools read too (its config schema, the
 endpoints its roles listen on, the config keys it does not read) is in its manifest
 (lab.registry), the one record of the experiment; the Experiment reads it from there.
 `run(experiment, cfg)` does the rest, the same way for every module: validates the config,
@@ -113,7 +113,6 @@ class Experiment:
 
     name: str
     """The module (`python -m name`); its YAML is `conf/<name>.yaml`, its schema `<name>_schema`."""
-    schema: type[LabConfig]
     roles: Mapping[str, Callable[[Any], Metrics]]
     """Every role but `local`, by name, with the function that plays it."""
     plan: Callable[[Any], LocalPlan]
@@ -141,6 +140,11 @@ class Experiment:
     only this user's processes reach."""
 
     @property
+    def schema(self) -> type[LabConfig]:
+        """Its run config's dataclass, as its manifest names it (`Manifest.schema`)."""
+        return registry.manifest(self.name).schema_class()
+
+    @property
     def schema_name(self) -> str:
         return f"{self.name}_schema"
 
@@ -161,13 +165,18 @@ class Experiment:
 
 
 def unread_keys(manifest: registry.Manifest) -> dict[str, str]:
-    """`manifest.unread`, plus every `cluster.*` endpoint but its own: its roles never dial them."""
+    """`manifest.unread`, plus every `cluster.*` endpoint but its own and every other
+    experiment's old endpoint key (`cluster.verifier`): its roles never dial them."""
     own = ", ".join(manifest.endpoints)
     others = {
         f"cluster.{f.name}": f"its roles meet at {own} only"
         for f in fields(ClusterConfig)
         if f.type in (Endpoint, "Endpoint") and f"cluster.{f.name}" not in manifest.endpoints
     }
+    for name, other in registry.manifests().items():
+        for old, new in other.renamed.items():
+            if old not in manifest.renamed:
+                others[old] = f"it was {name}'s endpoint ({new} now); its roles meet at {own} only"
     return {**others, **manifest.unread}
 
 

@@ -187,6 +187,10 @@ class Manifest:
     unread: Mapping[str, str] = field(default_factory=dict)
     """Config keys (prefixes) in its schema that it does not read, each with the reason: set on
     the command line, or swept by run_matrix, they are refused rather than silently ignored."""
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    """Its endpoints' old keys, each with its key now (`cluster.coordinator`: `fed.coordinator`):
+    a command line or a cluster file may still set them, with a warning naming the new key,
+    until version lab.config.OLD_KEYS_UNTIL."""
     serving: tuple[str, ...] = ()
     """Roles that serve until stopped (`verifier`); its other roles finish by themselves."""
     schema: str = ""
@@ -220,13 +224,20 @@ class Manifest:
         """Its `lab.experiment.Experiment` (imports its run.py, model code and all)."""
         return _load(self.runner or f"{self.name}.run:EXPERIMENT")
 
+    def schema_class(self) -> type:
+        """Its run config's dataclass (imported; `load_schema` registers it for Hydra too)."""
+        if not self.schema:
+            raise TypeError(f"the manifest of {self.name} names no schema (module:Class)")
+        return _load(self.schema)
+
     def load_schema(self) -> type:
         """Its run config's dataclass, registered as Hydra's `<name>_schema` (its YAML's
         `defaults` names it)."""
-        if not self.schema:
-            raise TypeError(f"the manifest of {self.name} names no schema (module:Class)")
-        schema = _load(self.schema)
-        register_schema(f"{self.name}_schema", schema)
+        schema = self.schema_class()
+        # every experiment's old endpoint keys: a cluster file written for all still composes
+        everyone = [*manifests().values(), self]
+        renamed = {old: new for m in everyone for old, new in m.renamed.items()}
+        register_schema(f"{self.name}_schema", schema, renamed=renamed)
         return schema
 
 

@@ -251,8 +251,17 @@ def _all_done(folder: Path, outcomes: list[Outcome]) -> str:
     return "" if "0 to run" in out else f"the pasted command ran cells again: {out[-400:]!r}"
 
 
+def _one_warning_names_the_new_key(folder: Path, outcomes: list[Outcome]) -> str:
+    """The old key still works until version 0.3, saying so in one line naming the new one."""
+    output = outcomes[0].stdout + outcomes[0].stderr  # Hydra logs to stdout
+    said = [line for line in output.splitlines() if "cluster.coordinator" in line]
+    if len(said) != 1 or "fed.coordinator" not in said[0]:
+        return f"{len(said)} lines name cluster.coordinator: {output[-600:]!r}"
+    return ""
+
+
 def _closed_port() -> str:
-    return f"cluster.coordinator.port={_free_port()}"
+    return f"fed.coordinator.port={_free_port()}"
 
 
 # fmt: off
@@ -272,11 +281,11 @@ MISTAKES = [
             "model=tinylama is not one of conf/model/",
             module("spec_decoding", "model=tinylama", *SPEC_DEBUG)),
     Mistake("the verifier's port is taken", "python -m spec_decoding role=verifier "
-            "cluster.verifier.port=<a port in use>", "Address already in use",
-            _held_port("spec_decoding", ("role=verifier", *SPEC_DEBUG), "cluster.verifier.port")),
+            "spec.verifier.port=<a port in use>", "Address already in use",
+            _held_port("spec_decoding", ("role=verifier", *SPEC_DEBUG), "spec.verifier.port")),
     Mistake("the coordinator's port is taken", "python -m fed_learn role=coordinator "
-            "cluster.coordinator.port=<a port in use>", "Address already in use",
-            _held_port("fed_learn", ("role=coordinator", *DEBUG), "cluster.coordinator.port")),
+            "fed.coordinator.port=<a port in use>", "Address already in use",
+            _held_port("fed_learn", ("role=coordinator", *DEBUG), "fed.coordinator.port")),
     Mistake("split roles with different secrets", "LAB_SECRET=a python -m split_inference "
             "role=stage ... & LAB_SECRET=b python -m split_inference role=driver ...",
             "failed the shared-secret handshake", _split_secrets_differ,
@@ -343,6 +352,19 @@ MISTAKES = [
             lambda folder: command([sys.executable, "run_matrix.py", "workload=spec_decoding",
                                     "grid.window=[1,4]", f"out_dir={folder / 'sweep'}"],
                                    folder)),
+    # issue 54: the endpoints moved into each experiment's section
+    Mistake("an endpoint's old key", "python -m fed_learn role=client client_index=5 "
+            "cluster.coordinator.port=<a closed port>", "client_index=5 must be in 0..2",
+            lambda folder: module("fed_learn", "role=client", "client_index=5",
+                                  _closed_port().replace("fed.", "cluster.", 1), *DEBUG)(folder),
+            extra=_one_warning_names_the_new_key),
+    Mistake("a misspelt endpoint key", "python -m fed_learn role=client fed.coordinater.port=1",
+            "fed.coordinater.port is not a setting of fed_learn; did you mean "
+            "fed.coordinator.port?",
+            module("fed_learn", "role=client", "fed.coordinater.port=1", *DEBUG)),
+    Mistake("another experiment's endpoint", "python -m fed_learn role=client spec.verifier.port=1",
+            "spec.verifier.port is not a setting of fed_learn: it is spec_decoding's endpoint",
+            module("fed_learn", "role=client", "spec.verifier.port=1", *DEBUG)),
     Mistake("a typo in a sweep's overrides", "python run_matrix.py workload=spec_decoding "
             "... overrides=[spec.gama=3]",
             "spec.gama is not a setting of spec_decoding; did you mean spec.gamma?",

@@ -4,8 +4,9 @@ The README's and every docs/*.md page's (or only the files named on the command 
 `python ...` line of their ```bash blocks runs as written, plus quick settings for
 the keys it does not set itself (debug models, few rounds and tokens, one repeat), each in a
 folder of its own under `--out`. Lines written as `host$ command` are a multi-machine example:
-consecutive ones run together, as separate processes on this machine, with every `cluster.*`
-endpoint moved to loopback on free ports and one shared secret. A command passes when it exits
+consecutive ones run together, as separate processes on this machine, with every endpoint its
+manifest declares (`fed.coordinator`, `cluster.master`) moved to loopback on free ports and one
+shared secret. A command passes when it exits
 0 and prints nothing a user would read as an error (a traceback, a Python warning, TensorPipe's
 shutdown lines, an RRef leak, a C++ warning). Lines that need what this machine cannot have (a
 hub model, a placeholder to fill in) are listed as skipped, with their file:line and why; a

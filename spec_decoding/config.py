@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from lab.config import LabConfig, ModelConfig, check_fields_positive
+from lab.config import Endpoint, LabConfig, ModelConfig, check_fields_positive
 from lab.serving import ServeConfig
 
 MAX_GAMMA = 32
@@ -17,6 +17,10 @@ MAX_BRANCH_WIDTH = 4
 
 @dataclass
 class SpecConfig:
+    verifier: Endpoint = field(default_factory=lambda: Endpoint(port=29520))
+    """Where the verifier (the target model) listens and drafters dial (TCP). Its host defaults
+    to cluster.master.host (conf/spec_decoding.yaml), so a cluster file names the serving host
+    once; a local run picks a free port."""
     gamma: str = "auto"
     """Draft length: a number of tokens, or `auto` (the expected-speedup model picks it)."""
     max_gamma: int = 32
@@ -74,6 +78,7 @@ class SpecConfig:
     verifier (which batches their forwards, up to `max_batch`); more requests queue."""
 
     def __post_init__(self) -> None:
+        self.verifier.check("spec.verifier")
         if self.gamma != "auto":
             try:
                 value = int(self.gamma)

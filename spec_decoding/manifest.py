@@ -208,7 +208,8 @@ def bench(keys: str) -> float:
 MANIFEST = Manifest(
     name=NAME,
     schema="spec_decoding.config:SpecDecodingRunConfig",
-    endpoints=("cluster.verifier",),
+    endpoints=("spec.verifier",),
+    renamed={"cluster.verifier": "spec.verifier"},
     unread={"model": "its two models are target.* and draft.* (e.g. target.pretrained=...)"},
     serving=("verifier",),
     summary="a small draft model proposes tokens, a large target verifies them over TCP",
@@ -244,7 +245,7 @@ MANIFEST = Manifest(
     plots=plots,
     scenario=Scenario(
         NAME,
-        "cluster.verifier",
+        "spec.verifier",
         [
             ("desktop", "verifier", ["role=verifier"]),
             ("laptop", "drafter", ["role=drafter"]),

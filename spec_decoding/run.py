@@ -56,7 +56,7 @@ def serve_verifier(settings: SpecDecodingRunConfig) -> None:
         max_batch=settings.spec.max_batch,
         batch_cache_tokens=settings.spec.batch_cache_tokens,
     )
-    server = serve(verifier.handle, settings.cluster, settings.cluster.verifier, name="verifier")
+    server = serve(verifier.handle, settings.cluster, settings.spec.verifier, name="verifier")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -295,9 +295,9 @@ def run_drafter(
 
 
 def drafter_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
-    verifier = settings.cluster.verifier
+    verifier = settings.spec.verifier
     if verifier.port == 0:
-        raise ConfigError("role=drafter needs cluster.verifier.port (the verifier's port)")
+        raise ConfigError("role=drafter needs spec.verifier.port: the verifier's, not 0")
     return run_drafter(settings, (verifier.host, verifier.port))
 
 
@@ -322,7 +322,7 @@ def prepare(settings: SpecDecodingRunConfig) -> None:
 
 def local_plan(settings: SpecDecodingRunConfig) -> LocalPlan:
     """The verifier as its own process; this process drafts once it serves."""
-    verifier = settings.cluster.verifier
+    verifier = settings.spec.verifier
     return LocalPlan(
         processes=[Process("verifier", ("role=verifier",), service=True, ready=READY_LINE)],
         main=lambda local, check: run_drafter(local, (verifier.host, verifier.port), check=check),
@@ -331,7 +331,6 @@ def local_plan(settings: SpecDecodingRunConfig) -> LocalPlan:
 
 EXPERIMENT = Experiment(
     name="spec_decoding",
-    schema=SpecDecodingRunConfig,
     roles={"verifier": verifier_role, "drafter": drafter_role, "serve": serve_role},
     plan=local_plan,
     servers=("verifier",),

@@ -1,7 +1,7 @@
 """`python -m spec_decoding role=serve`: speculative decoding behind an OpenAI-compatible endpoint.
 
 Runs on the drafter's host: it loads the draft, connects to a running verifier
-(`role=verifier`, at cluster.verifier) and answers `/v1/completions` and `/v1/chat/completions`
+(`role=verifier`, at spec.verifier) and answers `/v1/completions` and `/v1/chat/completions`
 (`lab.serving`), up to `spec.serve_sessions` generations at once, each a `Drafter.generate`
 session of its own against the verifier (which batches their forwards), its confirmed tokens
 streamed as they come. A generation cut short (its client gone, or a stop string) closes its
@@ -107,9 +107,9 @@ class SpecEngine:
 
 def serve_role(settings: SpecDecodingRunConfig) -> dict[str, float]:
     """`role=serve`: the endpoint on the drafter's host, until SIGINT or SIGTERM."""
-    verifier, cluster, spec = settings.cluster.verifier, settings.cluster, settings.spec
+    verifier, cluster, spec = settings.spec.verifier, settings.cluster, settings.spec
     if verifier.port == 0:
-        raise ConfigError("role=serve needs cluster.verifier.port (the verifier's port)")
+        raise ConfigError("role=serve needs spec.verifier.port: the verifier's, not 0")
     cache_dir = settings.paths.cache_path
     model = load_model(settings.draft, cache_dir=cache_dir, key="draft")
     tokenizer = load_tokenizer(settings.draft, cache_dir=cache_dir, key="draft")

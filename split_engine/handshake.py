@@ -46,6 +46,28 @@ _auth = _AuthState()
 _auth_lock = threading.Lock()
 
 
+def begin_world(secret: bytes | None, name: str, *, driver: bool) -> None:
+    """A new world for this process (worker `name`): nobody has proved anything yet; the driver
+    draws the world's nonce, the seed of the call-signing key (rpc_guard), when there is a
+    secret."""
+    with _auth_lock:
+        _auth.secret, _auth.driver_proved, _auth.nonces = secret, False, []
+        _auth.world_nonce, _auth.name = b"", name
+        if secret is not None and driver:
+            _auth.world_nonce = secrets.token_bytes(NONCE_BYTES)
+            rpc_guard.set_world_key(_auth.world_nonce)
+
+
+def world_secret() -> bytes | None:
+    """The shared secret of this process's world (None: a world without one)."""
+    return _auth.secret
+
+
+def driver_unproven() -> bool:
+    """This stage's world has a secret and its driver has not proved it yet."""
+    return _auth.secret is not None and not _auth.driver_proved
+
+
 def stage_prove(driver_nonce: bytes) -> tuple[bytes, bytes]:
     """Stage side, step 1: our MAC over the driver's nonce, and a nonce for the driver to sign."""
     if not isinstance(driver_nonce, bytes) or len(driver_nonce) != NONCE_BYTES:

@@ -127,7 +127,6 @@ def check_layers(settings: Any) -> None:
 
 def split_experiment(
     name: str,
-    schema: type[LabConfig],
     run_driver: Callable[..., Metrics],
     *,
     local_threads: int | None = None,
@@ -169,7 +168,6 @@ def split_experiment(
 
     return Experiment(
         name=name,
-        schema=schema,
         roles={"driver": run_driver, "stage": stage_role, **more},
         plan=plan,
         servers=(

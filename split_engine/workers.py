@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import re
-import secrets
 import threading
 import time
 import warnings
@@ -34,11 +33,9 @@ from lab.config import Endpoint
 from lab.launch import PeerLostError
 from lab.waiting import Wait
 from netproto import Connection, Limits
-from netproto.auth import NONCE_BYTES
 from netproto.errors import AuthenticationError, ConnectionClosed, NetTimeout
-from split_engine import rpc_guard
+from split_engine import handshake, rpc_guard
 from split_engine.config import SplitConfig
-from split_engine.handshake import _auth
 from world.network import listening_towards
 from world.store import MAX_FRAME_BYTES, SPLIT_KEYS, NetprotoStoreClient, StoreServer
 
@@ -199,7 +196,7 @@ def _store_on_master_host(
     query = parse_qs(parts.query)
     rank, world_size = int(query["rank"][0]), int(query["world_size"][0])
     host, port = parts.hostname or "127.0.0.1", int(parts.port or 0)
-    secret = _auth.secret
+    secret = handshake.world_secret()
     if rank == 0:
         try:
             _end.server = StoreServer(
@@ -305,11 +302,7 @@ def joined(
     _release_reason[0] = ""
     rpc_guard.install()
     rpc_guard.reset(world.name, secret)
-    _auth.secret, _auth.driver_proved, _auth.nonces = secret, False, []
-    _auth.world_nonce, _auth.name = b"", world.name
-    if secret is not None and world.rank == 0:
-        _auth.world_nonce = secrets.token_bytes(NONCE_BYTES)
-        rpc_guard.set_world_key(_auth.world_nonce)
+    handshake.begin_world(secret, world.name, driver=world.rank == 0)
     log.info(
         "%s joining the RPC world on %s:%d (%d stages)",
         world.name,
@@ -519,7 +512,7 @@ def serve_until_released(*, ping_s: float, timeout_s: float) -> None:
         try:
             rpc.rpc_sync(DRIVER, driver_alive, timeout=timeout_s)
         except RuntimeError as exc:
-            if _auth.secret is not None and not _auth.driver_proved:
+            if handshake.driver_unproven():
                 raise StageLostError(
                     "the driver left before proving the shared secret to this stage: its secret "
                     "differs from this stage's, or it stopped at another stage whose secret "

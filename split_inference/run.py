@@ -184,9 +184,7 @@ def serve_role(settings: SplitInferenceRunConfig) -> dict[str, float]:
     return serving(settings)
 
 
-EXPERIMENT = split_experiment(
-    "split_inference", SplitInferenceRunConfig, run_driver, roles={"serve": serve_role}
-)
+EXPERIMENT = split_experiment("split_inference", run_driver, roles={"serve": serve_role})
 
 
 def run(cfg: DictConfig | SplitInferenceRunConfig) -> dict[str, float]:

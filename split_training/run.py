@@ -201,7 +201,6 @@ def run_driver(
 # Locally each stage gets one core's worth, as if on its own machine.
 EXPERIMENT = split_experiment(
     "split_training",
-    SplitTrainingRunConfig,
     run_driver,
     local_threads=1,
     resume="split.resume=true",

@@ -152,7 +152,6 @@ def verdict(m: dict[str, float]) -> list[str]:
 
 EXPERIMENT = Experiment(
     name=JOB,
-    schema=TensorParallelRunConfig,
     roles={"rank": run_rank},
     plan=local_plan,
     check=check,

@@ -104,7 +104,6 @@ def measure(settings, group=None):
 
 EXPERIMENT = Experiment(
     name="{name}",
-    schema=ToyRunConfig,
     roles={{"server": measure, "client": measure}},
     plan=lambda settings: LocalPlan(processes=[], main=measure),
 )

@@ -37,7 +37,7 @@ def fed_process(role: str, run_dir: Path, lab_cache: Path, port: int, *extra: st
             f"paths.run_dir={run_dir}",
             f"paths.cache_dir={lab_cache}",
             f"hydra.run.dir={run_dir}",
-            f"cluster.coordinator.port={port}",
+            f"fed.coordinator.port={port}",
             "num_threads=1",
             "fed.num_clients=2",
             "fed.min_fit_clients=2",

@@ -39,8 +39,12 @@ def stderr_lines(result: subprocess.CompletedProcess) -> list[str]:
         # more stages than layers: refused from config.json, before any stage process starts
         ("split_inference", ["split.num_stages=5", "model.lab_preset=debug"],
          "split.num_stages=5 needs at least as many layers"),
-        # a role that needs an address it was not given
-        ("fed_learn", ["role=client", "model.lab_preset=debug"], "cluster.coordinator.port"),
+        # a role told to dial port 0 (only a local run picks one)
+        ("fed_learn", ["role=client", "fed.coordinator.port=0", "model.lab_preset=debug"],
+         "role=client needs fed.coordinator.port"),
+        # an endpoint's new key misspelt: one line naming the key it meant
+        ("fed_learn", ["role=client", "fed.coordinater.port=29510"],
+         "fed.coordinater.port is not a setting of fed_learn; did you mean fed.coordinator.port?"),
         # a misspelled key with Hydra's `+`: one line naming the key (lab.commandline), not a
         # run that ignores it (the other command-line mistakes: tests/lab/test_commandline.py)
         ("spec_decoding", ["+spec.gama=4"],
@@ -155,7 +159,7 @@ def test_a_refused_secret_is_one_line_that_says_the_secrets_differ(
     from lab.launch import free_port
 
     port = free_port("127.0.0.1")
-    models = ["target.lab_preset=debug", "draft.lab_preset=debug", f"cluster.verifier.port={port}"]
+    models = ["target.lab_preset=debug", "draft.lab_preset=debug", f"spec.verifier.port={port}"]
     verifier = subprocess.Popen(
         [sys.executable, "-m", "spec_decoding", "role=verifier", *models, "tracking.wandb=false",
          f"hydra.run.dir={tmp_path / 'verifier'}", f"paths.cache_dir={lab_cache}"],

@@ -32,6 +32,8 @@ SCHEMAS = {
          r"^spec\.gama is not a setting of spec_decoding; did you mean spec\.gamma\?$"),
         ("spec_decoding", ["+spec.gama=4"],
          r"^spec\.gama is not a setting of spec_decoding; did you mean spec\.gamma\?$"),
+        ("fed_learn", ["spec.verifier.port=1"],  # another experiment's endpoint, named so
+         r"^spec\.verifier\.port is not a setting of fed_learn: it is spec_decoding's endpoint"),
         ("data_parallel", ["+inner_steps=5"],  # the right word, the wrong section
          r"^inner_steps is not a setting of data_parallel; did you mean dp\.inner_steps\?$"),
         ("fed_learn", ["fed.rounds=two"], r"^fed\.rounds=two must be an integer$"),
@@ -109,7 +111,9 @@ def test_help_lists_every_key_it_reads_with_its_default_and_docstring() -> None:
         assert shown != any(key == k or key.startswith(k + ".") for k in unread), key
         if shown and doc:
             assert " ".join(doc.split()[:4]) in " ".join(text.split()), key
-    assert "  cluster.verifier.host=" in text and "  cluster.coordinator.host=" not in text
+    # its own endpoint, whose host defaults to the cluster file's serving host; not the master's
+    assert "  spec.verifier.host=${cluster.master.host}" in text
+    assert "  spec.verifier.port=29520" in text and "  cluster.master.host=" not in text
     assert "--hydra-help" in text
 
 

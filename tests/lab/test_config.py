@@ -59,8 +59,8 @@ def test_hub_models_name_their_hub_ids(compose_config) -> None:
 @pytest.mark.parametrize(
     ("override", "key"),
     [
-        ("cluster.verifier.port=not_a_port", "cluster.verifier.port"),
-        ("cluster.verifyer.port=1", "verifyer"),
+        ("cluster.master.port=not_a_port", "cluster.master.port"),
+        ("cluster.mastr.port=1", "mastr"),
         ("tracking.wandb=maybe", "tracking.wandb"),
         ("pretrain.batch_size=1.5", "pretrain.batch_size"),
     ],
@@ -271,11 +271,9 @@ SHARED_CLUSTER = {
     "overlay", "unsafe_plain_network",
 }  # fmt: skip
 """What every role of every experiment shares: the rendezvous, the secret, the timeouts and
-netproto's session limits, the link emulator, TLS, the overlay."""
-NOT_YET_MOVED = {"coordinator", "verifier"}
-"""Issue 54, left: fed_learn's and spec_decoding's endpoints, still in `cluster` until they
-move to fed.coordinator and spec.verifier (their manifests then name the new keys)."""
+netproto's session limits, the link emulator, TLS, the overlay. An experiment's own endpoints
+live in its own section (fed.coordinator, spec.verifier): tests/lab/test_endpoints.py."""
 
 
 def test_the_cluster_section_holds_only_what_every_role_shares() -> None:
-    assert {f.name for f in fields(ClusterConfig)} == SHARED_CLUSTER | NOT_YET_MOVED
+    assert {f.name for f in fields(ClusterConfig)} == SHARED_CLUSTER

@@ -39,7 +39,8 @@ def test_a_role_the_experiment_does_not_have_is_refused_before_anything_runs(
         ("spec_decoding", "model.pretrained", "target.pretrained"),
         ("split_inference", "cluster.link.delay_ms", "TensorPipe's traffic"),
         ("split_training", "cluster.tls.enabled", "TensorPipe does not use"),
-        ("fed_learn", "cluster.verifier.port", "cluster.coordinator only"),
+        ("fed_learn", "cluster.verifier.port", r"spec_decoding's endpoint \(spec.verifier now"),
+        ("spec_decoding", "cluster.master.port", "its roles meet at spec.verifier only"),
     ],
 )
 def test_a_key_the_experiment_does_not_read_is_refused_naming_why(
@@ -122,7 +123,7 @@ def test_a_placement_hook_sees_every_role_before_it_starts(compose_config, monke
     exp = experiment.get("fed_learn")
     cfg = compose_config("fed_learn", ["fed.num_clients=2"])
     finished = experiment.Experiment(
-        name=exp.name, schema=exp.schema, roles=exp.roles,
+        name=exp.name, roles=exp.roles,
         plan=lambda s: experiment.LocalPlan(exp.plan(s).processes, finish=lambda s: {"ok": 1.0}),
     )  # fmt: skip
     assert experiment.run(finished, cfg, place=place) == {"ok": 1.0}
@@ -131,8 +132,8 @@ def test_a_placement_hook_sees_every_role_before_it_starts(compose_config, monke
 
 @pytest.mark.parametrize(
     ("module", "role", "endpoint"),
-    [("fed_learn", "coordinator", "cluster.coordinator"),
-     ("spec_decoding", "verifier", "cluster.verifier"),
+    [("fed_learn", "coordinator", "fed.coordinator"),
+     ("spec_decoding", "verifier", "spec.verifier"),
      ("split_inference", "stage", "cluster.master"),
      ("split_training", "driver", "cluster.master")],
 )  # fmt: skip

@@ -211,7 +211,7 @@ def test_no_run_of_any_module_writes_the_secret(
     logs = {name: tmp_path / f"{name}.log" for name in [*commands, "verifier", "drafter"]}
     # a verifier holding the secret in LAB_SECRET: the drafter gets it on its command line, so
     # its finishing proves that what it was given is what authenticated
-    at_verifier = f"cluster.verifier.port={free_port()}"
+    at_verifier = f"spec.verifier.port={free_port()}"
     verifier = _start(
         ["-m", "spec_decoding", "role=verifier", *SPEC_QUICK, at_verifier, "tracking.wandb=false",
          "hydra.run.dir=outputs/verifier"],

@@ -92,7 +92,7 @@ def test_killed_verifier_gives_the_drafter_a_clear_error(
 ) -> None:
     cfg = compose_config("spec_decoding", ["tracking.wandb=false"])
     with serving(EXPERIMENT, cfg) as (local, group):  # the verifier as `role=local` starts it
-        proc, port = group.process("verifier"), local.cluster.verifier.port
+        proc, port = group.process("verifier"), local.spec.verifier.port
         draft_cfg = ModelConfig(pretrained="lab:tiny_draft", lab_preset="debug")
         model = load_model(draft_cfg, cache_dir=lab_cache)
         tokenizer = load_tokenizer(draft_cfg, cache_dir=lab_cache)

@@ -260,7 +260,7 @@ def test_4bit_asked_of_a_split_run_is_said_not_to_apply(compose_config, module: 
     from split_engine.roles import split_experiment
 
     cfg = compose_config(module, ["model.quantization=4bit", "role=driver"])
-    driver_only = split_experiment(module, experiment.get(module).schema, lambda s: {"ran": 1.0})
+    driver_only = split_experiment(module, lambda s: {"ran": 1.0})
     with pytest.warns(RuntimeWarning, match=rf"model.quantization=4bit is not applied by {module}"):
         assert experiment.run(driver_only, cfg) == {"ran": 1.0}
 
