@@ -24,8 +24,8 @@ venv: $(STAMP) ## Create .venv and install the project (editable) with its dev t
 run: $(STAMP) ## The lab tour: every experiment briefly on offline defaults, a small sweep, a report
 	$(PY) -m labtools.tour
 
-test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded)
-	$(PY) -m pytest -m "not slow and not multihost" -q
+test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded), its 15 slowest last
+	$(PY) -m pytest -m "not slow and not multihost" -q --durations=15 --durations-min=1
 
 test-slow: $(STAMP) browser-deps ## Run only the slow tests (minutes; the report's browser test needs chromium)
 	$(PY) -m pytest -m "slow" -q -rs

@@ -64,21 +64,28 @@ def lab_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["LAB_CACHE"] = previous
 
 
+def compose_into(
+    run_dir: Path, cache: Path, name: str, overrides: list[str] | tuple[str, ...] = ()
+) -> DictConfig:
+    """Compose `conf/<name>.yaml` as Hydra would, writing into run_dir, tiny models on debug."""
+    import_schemas()
+    models = ["model"] if name != "spec_decoding" else ["target", "draft"]  # what it reads
+    base = [
+        f"paths.run_dir={run_dir}",
+        f"paths.cache_dir={cache}",
+        *(f"{model}.lab_preset=debug" for model in models),
+        "tracking.console=false",
+    ]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=name, overrides=[*base, *overrides])
+
+
 @pytest.fixture
 def compose_config(tmp_path: Path, lab_cache: Path) -> Callable[..., DictConfig]:
-    """Compose `conf/<name>.yaml` as Hydra would, writing into tmp_path, tiny models on debug."""
-    import_schemas()
+    """`compose_into` tmp_path: a test's own run folder."""
 
     def _compose(name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-        models = ["model"] if name != "spec_decoding" else ["target", "draft"]  # what it reads
-        base = [
-            f"paths.run_dir={tmp_path}",
-            f"paths.cache_dir={lab_cache}",
-            *(f"{model}.lab_preset=debug" for model in models),
-            "tracking.console=false",
-        ]
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name=name, overrides=[*base, *overrides])
+        return compose_into(tmp_path, lab_cache, name, overrides)
 
     return _compose
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
 
 from data_parallel.manifest import step_records
 from data_parallel.run import EXPERIMENT
@@ -33,19 +34,28 @@ def compose_dp(run_dir: Path, cache: Path, overrides: tuple[str, ...]):
         return compose(config_name="data_parallel", overrides=[*base, *overrides])
 
 
+def settings_key(cfg: DictConfig) -> str:
+    """Every setting of a composed run but where it writes: equal keys, equal runs."""
+    return OmegaConf.to_yaml({k: v for k, v in cfg.items() if k != "paths"}, sort_keys=True)
+
+
 @pytest.fixture(scope="session")
 def dp_run(tmp_path_factory: pytest.TempPathFactory, lab_cache: Path, tiny_models: Path) -> Run:
     """`dp_run(*overrides)`: the run folder of a local run with SHORT and these overrides,
-    run once per session (`fresh=True`: always a new run, in `run_dir` if given)."""
-    done: dict[tuple[str, ...], Path] = {}
+    run once per session for the settings they compose to (`dp.engine=ddp` said or left to
+    its default is one run: the runs are deterministic); `fresh=True`: always a new run, in
+    `run_dir` if given."""
+    done: dict[str, Path] = {}
 
     def run(*overrides: str, fresh: bool = False, run_dir: Path | None = None) -> Path:
-        key = (*SHORT, *overrides)
+        overrides = (*SHORT, *overrides)
+        key = settings_key(compose_dp(Path("run"), lab_cache, overrides))
         if key in done and not fresh:
             return done[key]
         folder = run_dir or tmp_path_factory.mktemp("dp_run")
-        experiment.run(EXPERIMENT, compose_dp(folder, lab_cache, key))
-        done[key] = folder
+        experiment.run(EXPERIMENT, compose_dp(folder, lab_cache, overrides))
+        if not fresh:  # a fresh run may be a resume into a copied folder: not the plain run
+            done[key] = folder
         return folder
 
     return run

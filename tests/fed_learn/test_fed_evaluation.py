@@ -17,7 +17,6 @@ from fed_learn.config import SecAggConfig
 from fed_learn.evaluation import summarize
 from fed_learn.protocol import Evaluation, FedMsg, parse_evaluation, parse_join
 from fed_learn.run import run
-from lab.plots import legend_check
 from lab.tracking import METRICS_FILE, read_records
 from labtools.attacks.secure_rounds import SecurePlayer, offset_delta, result_for
 from netproto import Connection, NetprotoError
@@ -223,24 +222,7 @@ def test_a_resumed_fedadam_run_repeats_the_uninterrupted_one(
     assert abs(round_losses(control)[2] - expected[2]) > 1e-6
 
 
-def test_federated_evaluation_in_a_real_run_logs_each_client_and_plots_them(
-    compose_config, tiny_models: Path, tmp_path: Path
-) -> None:
-    from fed_learn.manifest import plots
-
-    overrides = [*QUICK, "fed.rounds=2", "fed.evaluate_on_clients=true"]
-    metrics = run(compose_config("fed_learn", overrides))
-    rounds = [r for r in read_records(tmp_path / METRICS_FILE) if "clients" in r]
-    assert len(rounds) == 2
-    for record in rounds:
-        per_client = {k: v for k, v in record.items() if k.startswith("client_eval_loss/")}
-        assert len(per_client) == 2 and record["client_eval_clients"] == 2
-        assert min(per_client.values()) <= record["client_eval_loss"] <= max(per_client.values())
-    assert metrics["final_client_eval_loss"] == rounds[-1]["client_eval_loss"]
-    assert metrics["client_eval_round"] == 2
-    written = plots(tmp_path)
-    assert tmp_path / "fed_client_eval.png" in written
-    assert legend_check(tmp_path / "fed_client_eval.png") == "none"  # off the clients' lines
+# federated evaluation in a real run: tests/fed_learn/test_federation.py (on its two-client run)
 
 
 def test_file_type_partition_gives_each_client_one_kind_of_file() -> None:

@@ -21,6 +21,7 @@ from lab.config import ClusterConfig, Endpoint, ModelConfig, to_settings
 from lab.plots import legend_check
 from lab.tracking import METRICS_FILE, read_records
 from netproto import Connection, RemoteError
+from tests.conftest import compose_into
 
 QUICK = [
     "model.lab_preset=debug",
@@ -34,18 +35,28 @@ QUICK = [
 ]
 
 
-def test_two_clients_lower_the_global_validation_loss(
-    compose_config, tiny_models: Path, tmp_path: Path
-) -> None:
-    metrics = run(compose_config("fed_learn", [*QUICK, "tracking.wandb=true"]))
+@pytest.fixture(scope="module")
+def two_clients(
+    tmp_path_factory: pytest.TempPathFactory, lab_cache: Path, tiny_models: Path
+) -> tuple[dict[str, float], Path]:
+    """A local run of QUICK, W&B on, every client evaluating each round's global adapter on
+    its own held-out text: (its metrics, its folder), read by the two tests below (a run is
+    three processes)."""
+    run_dir = tmp_path_factory.mktemp("two_clients")
+    overrides = [*QUICK, "tracking.wandb=true", "fed.evaluate_on_clients=true"]
+    return run(compose_into(run_dir, lab_cache, "fed_learn", overrides)), run_dir
+
+
+def test_two_clients_lower_the_global_validation_loss(two_clients, tiny_models: Path) -> None:
+    metrics, run_dir = two_clients
     assert metrics["final_val_loss"] < metrics["initial_val_loss"] - 0.02
     assert metrics["mean_clients_per_round"] == 2
     # one W&B run for the execution (the coordinator's process made a second one), and this
     # run's own metrics.jsonl holds every round, not only the summary
-    assert len(list(tmp_path.rglob("offline-run-*"))) == 1
-    rounds = [r for r in read_records(tmp_path / METRICS_FILE) if "clients" in r]
+    assert len(list(run_dir.rglob("offline-run-*"))) == 1
+    rounds = [r for r in read_records(run_dir / METRICS_FILE) if "clients" in r]
     assert [r["step"] for r in rounds] == [1, 2]
-    assert legend_check(tmp_path / "fed_rounds.png") == "none"  # not over the traffic bars
+    assert legend_check(run_dir / "fed_rounds.png") == "none"  # not over the traffic bars
     assert 0 < metrics["bytes_up_per_round"] < 1e6  # adapters only: never the base weights
     # the pooled-data baseline ran on the same steps, and the ratio is reported
     assert metrics["centralized_val_loss"] < metrics["initial_val_loss"]
@@ -55,7 +66,7 @@ def test_two_clients_lower_the_global_validation_loss(
 
     # The summary a user reads: the evaluation before training, then one row per round.
     console = Console(width=200, record=True)
-    records = read_records(tmp_path / "coordinator" / METRICS_FILE)
+    records = read_records(run_dir / "coordinator" / METRICS_FILE)
     console.print(round_table(records))
     table = console.export_text()
     assert f"{metrics['initial_val_loss']:.4f}" in table
@@ -66,7 +77,7 @@ def test_two_clients_lower_the_global_validation_loss(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    checkpoints = tmp_path / "coordinator" / "checkpoints"
+    checkpoints = run_dir / "coordinator" / "checkpoints"
     latest = json.loads((checkpoints / "latest.json").read_text())
     assert latest["round"] == 2
     folder = checkpoints / latest["path"]
@@ -79,6 +90,23 @@ def test_two_clients_lower_the_global_validation_loss(
     assert set(restored) == set(saved)
     assert all(torch.equal(restored[k], saved[k]) for k in saved)
     assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # trained
+
+
+def test_federated_evaluation_in_a_real_run_logs_each_client_and_plots_them(two_clients) -> None:
+    from fed_learn.manifest import plots
+
+    metrics, run_dir = two_clients
+    rounds = [r for r in read_records(run_dir / METRICS_FILE) if "clients" in r]
+    assert len(rounds) == 2
+    for record in rounds:
+        per_client = {k: v for k, v in record.items() if k.startswith("client_eval_loss/")}
+        assert len(per_client) == 2 and record["client_eval_clients"] == 2
+        assert min(per_client.values()) <= record["client_eval_loss"] <= max(per_client.values())
+    assert metrics["final_client_eval_loss"] == rounds[-1]["client_eval_loss"]
+    assert metrics["client_eval_round"] == 2
+    written = plots(run_dir)
+    assert run_dir / "fed_client_eval.png" in written
+    assert legend_check(run_dir / "fed_client_eval.png") == "none"  # off the clients' lines
 
 
 def test_qlora_round_on_4bit_base_weights_completes_and_reports_its_4bit_layers(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+from tests.clocks import HANG_GUARD_S
+
 STAGE = "stage1"
 
 
@@ -43,8 +45,9 @@ class Victim:
             proc.wait(timeout=10)
 
 
-def start_victim(port: int, out: Path, timeout_s: float = 30.0) -> Victim:
-    """The driver and the stage, started; returns once the stage has published its URL."""
+def start_victim(port: int, out: Path, timeout_s: float = HANG_GUARD_S) -> Victim:
+    """The driver and the stage, started; returns once the stage has published its URL (two
+    processes importing torch: on a busy machine, minutes; the guard is against a hang)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     procs = [
         subprocess.Popen(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -18,98 +20,10 @@ from lab.cli import ConfigError
 from lab.plots import legend_check
 from lab.tracking import METRICS_FILE, OUTPUTS_FILE, read_records
 from split_engine.workers import StageLostError
-from split_inference.run import run as run_inference
 from split_training.run import run as run_training
 from tests.clocks import HANG_GUARD_S
 
 from .conftest import rpc_world
-
-
-def test_local_split_inference_end_to_end(
-    compose_config, llama_folder: Path, tmp_path: Path
-) -> None:
-    cfg = compose_config(
-        "split_inference",
-        [
-            f"model.pretrained={llama_folder}",
-            "tracking.wandb=false",
-            "generate.num_prompts=2",
-            "generate.max_new_tokens=6",
-            "generate.prompt_tokens=16",
-        ],
-    )
-    metrics = run_inference(cfg)
-    assert metrics["greedy_match"] == 1.0
-    rows = [json.loads(line) for line in (tmp_path / OUTPUTS_FILE).read_text().splitlines()]
-    assert [row["prompt"] for row in rows] == [0, 1]
-    assert all(0 < len(row["tokens"]) <= 6 and row["text"] for row in rows)
-    for key in (
-        "prefill_ms",
-        "token_ms_p50",
-        "token_ms_p95",
-        "tokens_per_s",
-        "unsplit_token_ms_p50",
-    ):
-        assert metrics[key] > 0
-    assert metrics["stage1_peak_rss_mib"] > 0 and metrics["stage2_peak_rss_mib"] > 0
-    # where a token's time goes: each stage's own forward is a part of it, timed in the stage
-    for rank in (1, 2):
-        assert 0 < metrics[f"stage{rank}_compute_ms_p50"] < metrics["token_ms_p50"]
-    # hidden states of one new token per row, in and out of the driver, float32
-    assert metrics["bytes_between_stages_per_token"] > 0
-    assert (tmp_path / "metrics.jsonl").is_file()
-    assert legend_check(tmp_path / "split_latency.png") == "none"  # the legend clear of the bars
-
-
-def test_local_split_training_checkpoints_and_resumes(
-    compose_config, llama_folder: Path, tmp_path: Path
-) -> None:
-    common = [
-        f"model.pretrained={llama_folder}",
-        "tracking.wandb=false",
-        "split.batch_size=4",
-        "split.microbatches=2",
-        "split.block_size=16",
-        "split.max_train_blocks=64",
-        f"split.checkpoint_dir={tmp_path / 'ckpt'}",
-    ]
-    first = run_training(
-        compose_config("split_training", [*common, "split.steps=2", "split.eval_every=1"])
-    )
-    assert first["steps"] == 2
-    # validation after each step: forward only, a finite loss per step, and the run's last
-    records = read_records(tmp_path / METRICS_FILE)
-    evaluated = [r for r in records if r["kind"] == "metrics" and "val_loss" in r]
-    assert [r["step"] for r in evaluated] == [1, 2]
-    assert first["val_loss"] == evaluated[-1]["val_loss"] and 0 < first["val_loss"] < 20
-    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
-    assert legend_check(tmp_path / "loss_curve.png") == "none"  # not over the validation point
-    manifest = json.loads((tmp_path / "ckpt" / "latest.json").read_text())
-    assert manifest["step"] == 2
-    second = run_training(
-        compose_config(
-            "split_training", [*common, "split.steps=3", "split.resume=true", "split.export=true"]
-        )
-    )
-    assert second["steps"] == 3
-    assert json.loads((tmp_path / "ckpt" / "latest.json").read_text())["step"] == 3
-    # resuming a finished run: nothing to train, said before any stage starts (was exit 0 with
-    # final_loss nan and tokens_per_s 0)
-    with pytest.raises(ConfigError, match=r"nothing left to train.* at step 3 and split\.steps=3"):
-        run_training(
-            compose_config("split_training", [*common, "split.steps=3", "split.resume=true"])
-        )
-    assert 0.0 <= second["idle_share"] <= 1.0
-    # split.export=true: the whole trained model as one folder that transformers loads
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
-    saved = load_file(str(tmp_path / "ckpt" / "step-000003" / "stage1.safetensors"))
-    torch.testing.assert_close(
-        exported.model.embed_tokens.weight, saved["model.embed_tokens.weight"], rtol=0, atol=0
-    )
-
 
 ALARMING = (
     "Detected RRef Leaks",
@@ -136,37 +50,140 @@ def module_command(module: str, model: Path, run_dir: Path, *overrides: str) -> 
     ]  # fmt: skip
 
 
+TRAINING_BATCHES = [
+    "split.batch_size=4",
+    "split.microbatches=2",
+    "split.block_size=16",
+    "split.max_train_blocks=64",
+]
 TINY_RUNS = {
     "split_inference": [
         "generate.num_prompts=2",
         "generate.max_new_tokens=6",
         "generate.prompt_tokens=16",
     ],
-    "split_training": [
-        "split.steps=2",
-        "split.batch_size=4",
-        "split.microbatches=2",
-        "split.block_size=16",
-        "split.max_train_blocks=64",
-    ],
+    "split_training": ["split.steps=2", "split.eval_every=1", *TRAINING_BATCHES],
 }
+"""Two prompts, or two steps evaluated after each: what every test of a module's command reads
+(its end to end checks, its resume, and that it prints nothing alarming)."""
+
+
+@dataclass
+class CommandRun:
+    returncode: int
+    output: str
+    """stdout and stderr as the user's terminal shows them."""
+    run_dir: Path
+
+    def metrics(self) -> dict:
+        """The run's final metrics, as `run` returned them (its summary record)."""
+        assert self.returncode == 0, self.output[-3000:]
+        records = read_records(self.run_dir / METRICS_FILE)
+        return [r for r in records if r.get("kind") == "summary"][-1]
+
+
+@pytest.fixture(scope="module")
+def command_run(llama_folder: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`command_run(module)`: `python -m <module>` with TINY_RUNS on the random Llama, run once
+    for every test here that reads it (a run is three processes: the driver, two stages)."""
+    done: dict[str, CommandRun] = {}
+
+    def run(module: str) -> CommandRun:
+        if module not in done:
+            run_dir = tmp_path_factory.mktemp(module)
+            result = subprocess.run(
+                module_command(module, llama_folder, run_dir, *TINY_RUNS[module]),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                timeout=HANG_GUARD_S,  # 300 s was passed at load 12-20: a hang guard only
+            )
+            done[module] = CommandRun(result.returncode, result.stdout, run_dir)
+        return done[module]
+
+    return run
+
+
+def test_local_split_inference_end_to_end(command_run) -> None:
+    done = command_run("split_inference")
+    metrics, run_dir = done.metrics(), done.run_dir
+    assert metrics["greedy_match"] == 1.0
+    rows = [json.loads(line) for line in (run_dir / OUTPUTS_FILE).read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == [0, 1]
+    assert all(0 < len(row["tokens"]) <= 6 and row["text"] for row in rows)
+    for key in (
+        "prefill_ms",
+        "token_ms_p50",
+        "token_ms_p95",
+        "tokens_per_s",
+        "unsplit_token_ms_p50",
+    ):
+        assert metrics[key] > 0
+    assert metrics["stage1_peak_rss_mib"] > 0 and metrics["stage2_peak_rss_mib"] > 0
+    # where a token's time goes: each stage's own forward is a part of it, timed in the stage
+    for rank in (1, 2):
+        assert 0 < metrics[f"stage{rank}_compute_ms_p50"] < metrics["token_ms_p50"]
+    # hidden states of one new token per row, in and out of the driver, float32
+    assert metrics["bytes_between_stages_per_token"] > 0
+    assert legend_check(run_dir / "split_latency.png") == "none"  # the legend clear of the bars
+
+
+def test_local_split_training_checkpoints_and_resumes(
+    command_run, compose_config, llama_folder: Path, tmp_path: Path
+) -> None:
+    """`python -m split_training` (two steps), then resumed here to three and exported."""
+    done = command_run("split_training")
+    first, first_dir = done.metrics(), done.run_dir
+    assert first["steps"] == 2
+    # validation after each step: forward only, a finite loss per step, and the run's last
+    records = read_records(first_dir / METRICS_FILE)
+    evaluated = [r for r in records if r["kind"] == "metrics" and "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [1, 2]
+    assert first["val_loss"] == evaluated[-1]["val_loss"] and 0 < first["val_loss"] < 20
+    assert (first_dir / "loss_curve.png").stat().st_size > 1000
+    assert legend_check(first_dir / "loss_curve.png") == "none"  # not over the validation point
+    ckpt = tmp_path / "ckpt"  # a copy: the command's own folder stays as it ended
+    shutil.copytree(first_dir / "checkpoints", ckpt)
+    manifest = json.loads((ckpt / "latest.json").read_text())
+    assert manifest["step"] == 2
+    common = [
+        f"model.pretrained={llama_folder}",
+        "tracking.wandb=false",
+        *TRAINING_BATCHES,
+        f"split.checkpoint_dir={ckpt}",
+    ]
+    second = run_training(
+        compose_config(
+            "split_training", [*common, "split.steps=3", "split.resume=true", "split.export=true"]
+        )
+    )
+    assert second["steps"] == 3
+    assert json.loads((ckpt / "latest.json").read_text())["step"] == 3
+    # resuming a finished run: nothing to train, said before any stage starts (was exit 0 with
+    # final_loss nan and tokens_per_s 0)
+    with pytest.raises(ConfigError, match=r"nothing left to train.* at step 3 and split\.steps=3"):
+        run_training(
+            compose_config("split_training", [*common, "split.steps=3", "split.resume=true"])
+        )
+    assert 0.0 <= second["idle_share"] <= 1.0
+    # split.export=true: the whole trained model as one folder that transformers loads
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    saved = load_file(str(ckpt / "step-000003" / "stage1.safetensors"))
+    torch.testing.assert_close(
+        exported.model.embed_tokens.weight, saved["model.embed_tokens.weight"], rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("module", sorted(TINY_RUNS))
-def test_a_successful_run_prints_nothing_that_reads_as_an_error(
-    module: str, llama_folder: Path, tmp_path: Path
-) -> None:
+def test_a_successful_run_prints_nothing_that_reads_as_an_error(module: str, command_run) -> None:
     """Every process drops its RRefs and the agents agree that the world ends before any pipe
     closes: no leak report, no TensorPipe error line, no warning from torch's RPC start-up."""
-    result = subprocess.run(
-        module_command(module, llama_folder, tmp_path, *TINY_RUNS[module]),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        timeout=300,
-    )
-    output = result.stdout
+    result = command_run(module)
+    output = result.output
     assert result.returncode == 0, output[-3000:]
     assert "final metrics" in output
     for stage in ("stage1", "stage2"):  # both stages did take part, and say so
