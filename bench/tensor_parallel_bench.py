@@ -484,11 +484,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.from_results or args.remodel:
-        results = json.loads(RESULTS.read_text())
-        report(results)
+        stored = json.loads(RESULTS.read_text())
+        report(stored)
         if args.remodel:
-            remodel(results)
-            RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+            remodel(stored)
+            RESULTS.write_text(json.dumps(stored, indent=2) + "\n")
             print(f"wrote the current model's predictions into {RESULTS}")
         return
     from lab.config import ModelConfig, default_cache_dir

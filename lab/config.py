@@ -436,7 +436,7 @@ def _moved_to_new_keys(cfg: Any) -> Any:
     for old in _renamed:
         node = OmegaConf.select(cfg, old)
         if isinstance(node, DictConfig):
-            given[old] = {k: v for k, v in node.items() if v is not None}
+            given[old] = {str(k): v for k, v in node.items() if v is not None}
     if not given:
         return cfg
     typed = _command_line_keys()

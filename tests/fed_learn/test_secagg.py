@@ -333,8 +333,8 @@ def test_a_wrong_share_index_is_refused_by_its_receiver_who_is_not_blamed(
         return
     for c, client in clients.items():
         server.add_reveal(c, client.reveal(survivors, dropped))
-    total, weight, refused = server.aggregate()
-    assert refused == [] and weight == len(params.clients)
+    total, weight, unmasked_refused = server.aggregate()
+    assert unmasked_refused == [] and weight == len(params.clients)
     np.testing.assert_array_equal(total, np.zeros(params.length - 1))
 
 
