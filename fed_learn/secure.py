@@ -192,7 +192,7 @@ def client_round(
         _client_id(k, -1, "roster"): tuple(
             unb64(v, -1, "a relayed key", size=secagg.KEY_BYTES) for v in pair
         )
-        for k, pair in dict(roster.get("keys", {})).items()
+        for k, pair in _mapping(roster, "keys").items()
         if isinstance(pair, list) and len(pair) == 2
     }
     boxes, commitment = me.share(keys)  # type: ignore[arg-type]
@@ -206,10 +206,10 @@ def client_round(
     )
     relayed = _expect(conn, FedMsg.SA_BOXES, number, timeout_s)
     inbox = {}
-    for k, v in dict(relayed.get("boxes", {})).items():
+    for k, v in _mapping(relayed, "boxes").items():
         sender = _client_id(k, -1, "boxes")
         inbox[sender] = unb64(v, sender, "a share box", size=secagg.BOX_BYTES)
-    holders = {_client_id(k, -1, "holders"): v for k, v in dict(relayed.get("holders", {})).items()}
+    holders = {_client_id(k, -1, "holders"): v for k, v in _mapping(relayed, "holders").items()}
     for refused in me.receive(inbox, holders):  # each checked there
         log.warning("secure round %d: %s", params.round, refused)
     result, trained, base = train()
@@ -244,6 +244,15 @@ def client_round(
 
 
 # ---------------------------------------------------------------------------- coordinator side
+
+
+def _mapping(message: dict[str, Any], key: str) -> dict[Any, Any]:
+    """A message's `key` as the object it must be: anything else leaves the round (a
+    ValueError the client's loop answers), not the process."""
+    value = message.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"the coordinator's {key} is a {type(value).__name__}, not an object")
+    return value
 
 
 def check_weight(client: int, value: Any, declared: int) -> int:

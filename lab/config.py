@@ -83,6 +83,11 @@ OLD_KEYS_UNTIL = "0.3"
 `fed.coordinator`): a test fails once `lab.__version__` reaches it with the old keys still read."""
 
 
+OLD_DEFAULT_HOST = "127.0.0.1"
+"""Where an old endpoint key's host defaulted (loopback): an old key that sets only a port keeps
+it, rather than taking the new default `${cluster.master.host}`, which may be a LAN address."""
+
+
 @dataclass
 class OldEndpoint:
     """An endpoint's old key (`cluster.coordinator`, before it moved to `fed.coordinator`),
@@ -95,7 +100,7 @@ class OldEndpoint:
 
 _renamed: dict[str, str] = {}
 """The registered experiments' endpoints' old keys -> their keys now (`register_schema`)."""
-_warned: set[str] = set()
+_warned: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
 """The old keys this process has warned about (once each)."""
 
 
@@ -440,10 +445,17 @@ def _moved_to_new_keys(cfg: Any) -> Any:
     if not given:
         return cfg
     typed = _command_line_keys()
+
+    def typed_over(new: str, name: str) -> bool:  # the command line set it, or a section above
+        return any(t in (new, f"{new}.{name}") or new.startswith(f"{t}.") for t in typed)
+
     given = {
-        old: {k: v for k, v in values.items() if f"{_renamed[old]}.{k}" not in typed}
+        old: {k: v for k, v in values.items() if not typed_over(_renamed[old], k)}
         for old, values in given.items()
     }
+    for old, values in given.items():  # an old key that named no host meant the old default
+        if values and "host" not in values and not typed_over(_renamed[old], "host"):
+            values["host"] = OLD_DEFAULT_HOST
     cfg = copy.deepcopy(cfg)
     for old, values in given.items():
         section = OmegaConf.select(cfg, old.rpartition(".")[0])
@@ -454,8 +466,9 @@ def _moved_to_new_keys(cfg: Any) -> Any:
             continue  # unset, or not an endpoint of this experiment
         for name, value in values.items():
             OmegaConf.update(cfg, f"{new}.{name}", value)
-        if old not in _warned:
-            _warned.add(old)
+        said = (old, tuple(sorted((k, str(v)) for k, v in values.items())))
+        if said not in _warned:  # once a process per old key and what it set
+            _warned.add(said)
             read = ", ".join(f"{new}.{name}={value}" for name, value in values.items())
             log.warning(
                 "%s is %s now: read as %s (the old key is read until version %s)",

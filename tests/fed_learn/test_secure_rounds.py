@@ -425,3 +425,15 @@ def test_simulation_settings_are_checked() -> None:
         FedConfig(simulate=10, simulate_dropout=1.0)
     with pytest.raises(ValueError, match=r"fed\.simulate=-1 must be >= 0"):
         FedConfig(simulate=-1)
+
+
+@pytest.mark.parametrize("sent", [None, 7, [1, 2], "boxes"])
+def test_a_relayed_field_of_the_wrong_type_leaves_the_round_not_the_process(sent: object) -> None:
+    """A roster's keys, the boxes or the holder lists that are not an object end the client's
+    round with a ValueError (its loop answers it), never a TypeError that kills the process."""
+    from fed_learn.secure import _mapping
+
+    with pytest.raises(ValueError, match="holders is a"):
+        _mapping({"holders": sent}, "holders")
+    assert _mapping({"holders": {"3": [3, 1]}}, "holders") == {"3": [3, 1]}
+    assert _mapping({}, "holders") == {}

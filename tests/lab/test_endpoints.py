@@ -137,3 +137,21 @@ def test_the_old_keys_are_read_until_version_0_3_only(compose_config, warned_afr
             f"version {lab.__version__}: the old endpoint keys were to go in {OLD_KEYS_UNTIL} "
             f"but {[old for old, was in read.items() if was]} are still read"
         )
+
+
+def test_an_old_key_that_names_no_host_keeps_loopback_not_the_masters_address(
+    compose_config, caplog: pytest.LogCaptureFixture, warned_afresh: None
+) -> None:
+    """The old keys' host defaulted to loopback; the new default is the master's (a LAN address
+    in a two-host file): an old key setting only a port must not move the server onto it."""
+    lan = OmegaConf.load(CONF_DIR / "cluster" / "two_hosts.yaml").master.host
+    with caplog.at_level(logging.WARNING, logger="lab.config"):
+        for port in (29611, 29612):  # a second config in the same process is said again
+            cfg = compose_config(
+                "fed_learn", ["cluster=two_hosts", f"cluster.coordinator.port={port}"]
+            )
+            settings = to_settings(cfg, LabConfig)
+            assert endpoint_at(settings, "fed.coordinator") == Endpoint("127.0.0.1", port)
+            assert lan != "127.0.0.1" and endpoint_at(settings, "fed.coordinator").host != lan
+    said = lab_warnings(caplog)
+    assert len(said) == 2 and all("fed.coordinator.host=127.0.0.1" in s for s in said)
