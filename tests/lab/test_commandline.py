@@ -15,6 +15,7 @@ import split_inference.config
 import split_training.config
 from lab.cli import ConfigError
 from lab.commandline import check, described, field_docs
+from tests.conftest import import_schemas
 
 SCHEMAS = {
     "data_parallel": data_parallel.config.DataParallelRunConfig,
@@ -23,6 +24,12 @@ SCHEMAS = {
     "split_inference": split_inference.config.SplitInferenceRunConfig,
     "split_training": split_training.config.SplitTrainingRunConfig,
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _schemas() -> None:
+    """Every schema registered, as a whole run has them: the file passes run alone too."""
+    import_schemas()
 
 
 @pytest.mark.parametrize(
