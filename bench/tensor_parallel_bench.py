@@ -289,14 +289,20 @@ def predict_cell(row_tp: dict, calibration_ms: float, delay_ms: float, rate: str
     return calibration_ms + count * (here - there)
 
 
+def calibration(cells: list[dict]) -> dict:
+    """The grid's loopback cell (CALIBRATION), which the others are predicted from."""
+    for c in cells:
+        if (c["delay_ms"], c["rate"]) == CALIBRATION:
+            return c
+    raise ValueError(f"the grid has no loopback cell {CALIBRATION} to calibrate from")
+
+
 def model_grid(cells: list[dict], row_tp: dict) -> list[dict]:
     """The cells with the current model's predictions (from the loopback cell's measurement)."""
-    cal = [c for c in cells if (c["delay_ms"], c["rate"]) == CALIBRATION]
-    if not cal:
-        raise ValueError(f"the grid has no loopback cell {CALIBRATION} to calibrate from")
+    cal = calibration(cells)["measured_ms"]
     out = []
     for c in cells:
-        predicted = predict_cell(row_tp, cal[0]["measured_ms"], c["delay_ms"], c["rate"])
+        predicted = predict_cell(row_tp, cal, c["delay_ms"], c["rate"])
         out.append(
             {
                 **c,
@@ -317,7 +323,7 @@ def grid_lines(cells: list[dict], rows: dict[str, dict]) -> list[str]:
     """What the grid's cells say together: the overlay's cost, the count within 0.85-1.15 of
     the predicted cells, the crossover."""
     tp = rows["2x1/local"]
-    cal = next(c for c in cells if c.get("calibrates"))
+    cal = calibration(cells)
     predicted = [c for c in cells if not c.get("calibrates")]
     overlay = (cal["measured_ms"] - tp["ms"]) / max(tp.get("allreduces", 0.0), 1.0)
     return [
@@ -404,7 +410,7 @@ def crossover(cells: list[dict], rows: dict[str, dict]) -> dict[str, float | Non
     from tensor_parallel.manifest import allreduce_delays
 
     one, tp = rows["1x1/-"]["ms"], rows["2x1/local"]
-    cal = next(c for c in cells if (c["delay_ms"], c["rate"]) == CALIBRATION)["measured_ms"]
+    cal = calibration(cells)["measured_ms"]
     predicted = (one - cal) / (tp["allreduces"] * allreduce_delays(2))
     line = sorted((c["delay_ms"], c["measured_ms"]) for c in cells if c["rate"] == "1gbit")
     measured: float | None = None
