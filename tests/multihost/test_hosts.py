@@ -188,8 +188,12 @@ def test_a_drafter_without_the_secret_is_refused_across_hosts(tmp_path: Path) ->
         desktop, laptop = net["desktop"], net["laptop"]
         laptop.run([PYTHON, "-m", "lab.pretrain", "pretrain=debug"], timeout_s=600)
         shutil.copytree(laptop.cache, desktop.cache)
-        common = [*scenario.common, f"spec.verifier.host={desktop.address}",
-                  "spec.verifier.port=29520", "tracking.wandb=false"]  # fmt: skip
+        common = [
+            *scenario.common,
+            f"spec.verifier.host={desktop.address}",
+            "spec.verifier.port=29520",
+            "tracking.wandb=false",
+        ]
         log = tmp_path / "verifier.log"
         desktop.start(
             [PYTHON, "-m", "spec_decoding", "role=verifier", *common,

@@ -45,9 +45,15 @@ traceback, torch's Gloo deprecation warning from inside init_rpc."""
 def module_command(module: str, model: Path, run_dir: Path, *overrides: str) -> list[str]:
     """`python -m module` on `model`, into `run_dir`, W&B off."""
     return [
-        sys.executable, "-m", module, f"model.pretrained={model}", "tracking.wandb=false",
-        f"hydra.run.dir={run_dir}", f"paths.run_dir={run_dir}", *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        module,
+        f"model.pretrained={model}",
+        "tracking.wandb=false",
+        f"hydra.run.dir={run_dir}",
+        f"paths.run_dir={run_dir}",
+        *overrides,
+    ]
 
 
 TRAINING_BATCHES = [

@@ -22,8 +22,14 @@ def test_an_allreduce_waits_two_delays_a_ring_step_and_sends_its_share_of_the_by
 
 
 def test_a_local_runs_step_is_predicted_on_a_link_per_allreduce(tmp_path: Path) -> None:
-    summary = {"kind": "summary", "ranks": 2, "token_ms": 40.0, "allreduces_per_token": 16,
-               "allreduce_bytes_per_token": 16 * 4096, "batch": 1}  # fmt: skip
+    summary = {
+        "kind": "summary",
+        "ranks": 2,
+        "token_ms": 40.0,
+        "allreduces_per_token": 16,
+        "allreduce_bytes_per_token": 16 * 4096,
+        "batch": 1,
+    }
     (tmp_path / "metrics.jsonl").write_text(json.dumps(summary) + "\n")
     on_link = predict_token_ms(tmp_path, Link(0.001, 1e9))
     assert on_link == pytest.approx(40.0 + 16 * (4 * 1.0 + 4096 * 8 / 1e6))
