@@ -24,8 +24,13 @@ venv: $(STAMP) ## Create .venv and install the project (editable) with its dev t
 run: $(STAMP) ## The lab tour: every experiment briefly on offline defaults, a small sweep, a report
 	$(PY) -m labtools.tour
 
-test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded), its 15 slowest last
-	$(PY) -m pytest -m "not slow and not multihost" -q --durations=15 --durations-min=1
+# `make test` runs its files on TEST_WORKERS processes (pytest-xdist; a file stays on one worker,
+# so its module fixtures are built once): 2 by default, the cores CI has; TEST_WORKERS=0 runs
+# it in this one process (pdb, -x, reading one test's output in order).
+TEST_WORKERS ?= 2
+
+test: $(STAMP) ## Run the test suite (fast tests; `slow` and `multihost` excluded) on TEST_WORKERS=2 processes, its 15 slowest last
+	$(PY) -m pytest -m "not slow and not multihost" -q -n $(TEST_WORKERS) --dist loadfile --durations=15 --durations-min=1
 
 test-slow: $(STAMP) browser-deps ## Run only the slow tests (minutes; the report's browser test needs chromium)
 	$(PY) -m pytest -m "slow" -q -rs
