@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.clocks import HANG_GUARD_S
+
 from .test_processes import module_command
 
 TINY_TRAINING = (
@@ -78,7 +80,7 @@ def test_a_killed_stage_ends_a_training_run_naming_it_and_how_to_go_on(
     processes: list[psutil.Process] = []
     try:
         latest = tmp_path / "checkpoints" / "latest.json"
-        wait_for(latest, proc, output, timeout_s=300)
+        wait_for(latest, proc, output, timeout_s=HANG_GUARD_S)
         processes = run_processes(proc)
         stages = [p for p in processes if "role=stage" in p.cmdline()]
         assert len(stages) == 2, [p.cmdline() for p in processes]
@@ -110,7 +112,7 @@ def test_a_killed_stage_ends_a_training_run_naming_it_and_how_to_go_on(
         argv = [sys.executable, *resume[1:]]
         argv = [f"split.steps={step + 1}" if a.startswith("split.steps=") else a for a in argv]
         again = subprocess.run(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=HANG_GUARD_S
         )
         assert again.returncode == 0, again.stdout[-3000:]
         assert f"resumed from step {step}" in again.stdout
