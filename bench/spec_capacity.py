@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -37,10 +38,11 @@ from lab.corpus import held_out_prompts
 from lab.machine import write_results
 from lab.models import load_model, load_tokenizer
 from netproto import Connection, LinkEmulatorProcess
-from spec_decoding.batching import BatchedTarget
+from spec_decoding.batching import BatchedTarget, BatchStats
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.capacity import (
     BatchCosts,
+    SharedLoop,
     predict_speculative,
     predict_target_alone,
     single_session_overhead,
@@ -264,6 +266,57 @@ def batch_costs(target: Any, prompts: list[list[int]]) -> tuple[BatchCosts, Batc
     return fitted, single, {"batched_ms": _ms(together), "alone_ms": _ms(alone)}
 
 
+def shared_loop(target: Any, prompts: list[list[int]], *, tokens: int = 48) -> SharedLoop:
+    """CLIENTS sessions, then one alone, each decoding `tokens` tokens in its own thread through
+    one batcher (as the verifier's sessions do, without the link): thread CPU time of each
+    session's thread and of the forwards (spec_decoding.capacity.SharedLoop)."""
+
+    def run(count: int) -> tuple[BatchStats, float, float]:
+        batched = BatchedTarget(target)
+        batched.sessions = count
+        forward_s = [0.0]
+        forward = batched.forward
+
+        def timed(jobs: list[tuple[CachedDecoder, list[int]]]) -> list[torch.Tensor]:
+            started = time.thread_time()  # the leader's thread runs the whole forward
+            try:
+                return forward(jobs)
+            finally:
+                forward_s[0] += time.thread_time() - started
+
+        batched.forward = timed  # type: ignore[method-assign]
+        decoders = [CachedDecoder(target, p, batched=batched) for p in prompts[:count]]
+        for decoder in decoders:
+            decoder.prefill()
+        spent = [0.0] * count
+
+        def session(index: int) -> None:
+            decoder, started = decoders[index], time.thread_time()
+            for _ in range(tokens):
+                logits = decoder.extend([])
+                decoder.commit([int(logits[-1].argmax())])
+            spent[index] = time.thread_time() - started
+
+        workers = [threading.Thread(target=session, args=(i,)) for i in range(count)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return batched.stats, sum(spent), forward_s[0]
+
+    run(CLIENTS)  # warm-up
+    stats, spent, forward_s = run(CLIENTS)
+    _, single_spent, single_forward_s = run(1)
+    total = CLIENTS * tokens
+    return SharedLoop(
+        sessions=CLIENTS,
+        rows_per_forward=stats.rows / max(stats.forwards, 1),
+        forward_s_per_token=forward_s / total,
+        extra_s_per_token=max(0.0, spent - forward_s) / total,
+        single_extra_s_per_token=max(0.0, single_spent - single_forward_s) / tokens,
+    )
+
+
 def _ms(table: dict[int, float]) -> dict[int, float]:
     return {n: round(s * 1e3, 3) for n, s in table.items()}
 
@@ -284,10 +337,26 @@ def capacity_bench(
     costs, single, curve = batch_costs(pair.target, prompts)
     print(f"batched forward over n tokens of {CLIENTS} sessions (ms): {curve['batched_ms']}; "
           f"one session alone: {curve['alone_ms']}")  # fmt: skip
+    loop = shared_loop(pair.target, prompts)
+    print(f"{CLIENTS} sessions decoding in threads through one batcher (no link): "
+          f"{loop.rows_per_forward:.2f} sessions a forward, forwards "
+          f"{loop.forward_s_per_token * 1e3:.3f} ms a token, beyond them "
+          f"{loop.extra_s_per_token * 1e3:.3f} ms a token (one session alone: "
+          f"{loop.single_extra_s_per_token * 1e3:.3f}); contention "
+          f"{loop.contention_s_per_token * 1e3:.3f} ms a token")  # fmt: skip
     load_before = os.getloadavg()
     sources = {"draft": pair.draft_source, "preset": pair.preset, "cache_dir": str(cache_dir)}
     clients = Clients(sources)
-    figures: dict[str, Any] = {"batch_cost_ms": curve, "max_new_tokens": max_new}
+    figures: dict[str, Any] = {
+        "batch_cost_ms": curve,
+        "shared_loop": {
+            "rows_per_forward": loop.rows_per_forward,
+            "forward_ms_per_token": loop.forward_s_per_token * 1e3,
+            "extra_ms_per_token": loop.extra_s_per_token * 1e3,
+            "single_extra_ms_per_token": loop.single_extra_s_per_token * 1e3,
+        },
+        "max_new_tokens": max_new,
+    }
     try:
         cfg = pair.compose(cache_dir)
         with experiment.serving(EXPERIMENT, cfg, out=sys.stderr) as (local, group):
@@ -299,7 +368,7 @@ def capacity_bench(
                 with link as emulator:
                     where = emulator.address if emulator else address
                     figures[str(delay)] = at_delay(
-                        clients, where, work, max_new, verifier, costs, single, repeats, delay
+                        clients, where, work, max_new, verifier, costs, single, repeats, delay, loop
                     )
     finally:
         clients.close()
@@ -335,6 +404,7 @@ def capacity_bench(
 def at_delay(
     clients: Clients, address: tuple[str, int], work: list[list[list[int]]], max_new: int,
     verifier: psutil.Process, costs: BatchCosts, single: BatchCosts, repeats: int, delay: int,
+    loop: SharedLoop,
 ) -> dict[str, Any]:  # fmt: skip
     """Both arms at one delay, alternated, and the model's prediction of each; the default
     speculative arm's figures at the top, the waiting verifier's under `waits`."""
@@ -368,10 +438,11 @@ def at_delay(
             batch=costs, overhead_s_per_token=spec_over, max_window=SpecConfig().max_gamma,
             max_new_tokens=max_new, alone=decode_alone,
             alpha_after_wrong=s1["acceptance_after_wrong"], open_s=s1["prefill_ms"] / 1e3,
+            loop=loop,
         )  # fmt: skip
         target_predicted = predict_target_alone(
             sessions=CLIENTS, batch=costs, overhead_s_per_token=target_over, one_way_s=one_way_s,
-            max_new_tokens=max_new, open_s=t1["prefill_ms"] / 1e3,
+            max_new_tokens=max_new, open_s=t1["prefill_ms"] / 1e3, loop=loop,
         )  # fmt: skip
         spec_runs, target_runs = runs[kind], runs["target"]
         ratios = [

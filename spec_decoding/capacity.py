@@ -14,6 +14,12 @@ as it is busy at the verifier), found as a fixed point. The target
 alone, batched alike, runs one forward of S tokens per token of each client. Both add the
 verifier's own work per delivered token beyond its forwards (messages, bookkeeping), measured
 on a single session of each kind.
+
+What one session alone cannot show, measured locally too (`SharedLoop`): S sessions decoding in
+threads through one batcher (no link). A forward does not find every waiting session in it
+(each comes back from its own bookkeeping a moment after the last forward ended), and S threads
+handing the batcher round cost more per token than one: the loop's rows per forward, its
+forwards' CPU per token and its threads' CPU beyond the forwards, against one session's.
 """
 
 from __future__ import annotations
@@ -42,6 +48,36 @@ class BatchCosts:
     def seconds(self, tokens: float) -> float:
         tokens = max(tokens, 1.0)
         return self.base_s + self.per_token_s * tokens + self.per_doubling_s * math.log2(tokens)
+
+
+@dataclass(frozen=True)
+class SharedLoop:
+    """S sessions decoding alone (one token a forward) in threads through one batcher, no
+    link, measured locally (thread CPU time): what batching costs beyond the forward curve."""
+
+    sessions: int
+    rows_per_forward: float
+    """Sessions one forward served, on average (at most `sessions`)."""
+    forward_s_per_token: float
+    """The forwards' CPU per token (every session's tokens): printed beside the curve, not
+    used (measured at another moment than the curve, it would mix two loads in one ratio)."""
+    extra_s_per_token: float
+    """The sessions' threads' CPU beyond their forwards, per token (the batcher's hand-over,
+    each session's bookkeeping, thread switching)."""
+    single_extra_s_per_token: float
+    """The same with one session alone: what the single-session overhead already holds."""
+
+    @property
+    def contention_s_per_token(self) -> float:
+        """CPU per token that S sessions add to one's work beyond the forwards."""
+        return max(0.0, self.extra_s_per_token - self.single_extra_s_per_token)
+
+    @property
+    def fill(self) -> float:
+        """The share of the other waiting sessions a forward finds in it (1: all)."""
+        if self.sessions < 2:
+            return 1.0
+        return min(1.0, max(0.0, (self.rows_per_forward - 1) / (self.sessions - 1)))
 
 
 @dataclass
@@ -83,6 +119,7 @@ def predict_speculative(
     alpha_after_wrong: float | None = None,
     open_s: float = 0.0,
     tokens: int = 400,
+    loop: SharedLoop | None = None,
 ) -> Prediction:
     """S closed-loop drafters on one batching verifier. `alone`: it decodes by itself when it
     holds no draft (`spec.decode_alone`); else it waits for drafts, idle. `overhead_s_per_token`:
@@ -91,7 +128,11 @@ def predict_speculative(
 
     Each session is busy at the verifier a share u of its time (its forwards' seconds over its
     wall time, simulated); a forward finds each other session in it with that chance, so it
-    serves 1 + (S - 1) u sessions and holds their tokens (u = 1: every forward serves all)."""
+    serves 1 + (S - 1) u sessions and holds their tokens (u = 1: every forward serves all).
+    `loop` (measured locally): a forward finds only its `fill` of those, and S sessions add its
+    `contention_s_per_token` to the overhead."""
+    fill = loop.fill if loop is not None else 1.0
+    overhead_s_per_token += loop.contention_s_per_token if loop is not None else 0.0
     others, busy = 0.0, 1.0
     for _ in range(12):
         model = _SharedVerifier(
@@ -116,12 +157,12 @@ def predict_speculative(
         wall_s = sum(tokens / rate for rate in rates)
         busy = min(1.0, forward_s / wall_s)
         mean_fed = statistics.mean(fed) if fed else 1.0
-        target = (sessions - 1) * busy * mean_fed
+        target = (sessions - 1) * busy * fill * mean_fed
         settled = abs(target - others) < 0.05
         others = 0.5 * others + 0.5 * target
         if settled:
             break
-    rows = 1 + (sessions - 1) * busy  # sessions a forward serves
+    rows = 1 + (sessions - 1) * busy * fill  # sessions a forward serves
     cpu_per_token = forward_s / (2 * tokens) / rows + overhead_s_per_token
     rate = statistics.mean(rates)  # one session's tokens per second of its own wall time
     # the verifier's other work, for every session it serves, delays each forward
@@ -143,13 +184,18 @@ def predict_target_alone(
     one_way_s: float,
     max_new_tokens: int,
     open_s: float = 0.0,
+    loop: SharedLoop | None = None,
 ) -> Prediction:
     """S clients of the target alone on the same batching loop: one forward of S tokens (one
-    a client) per token."""
-    step_s = batch.seconds(sessions) + sessions * overhead_s_per_token
+    a client) per token; with `loop` (measured locally), a forward serves only its `fill` of
+    the others (on the same curve as the speculative arm's) and S threads add its contention."""
+    rows = 1 + (sessions - 1) * (loop.fill if loop is not None else 1.0)
+    contention = loop.contention_s_per_token if loop is not None else 0.0
+    cpu_per_token = batch.seconds(rows) / rows + overhead_s_per_token + contention
+    step_s = sessions * cpu_per_token  # a token of every client, one after another
     per_generation = max_new_tokens * step_s + 2 * one_way_s + open_s
     return Prediction(
-        tokens_per_cpu_s=sessions / step_s,
+        tokens_per_cpu_s=1 / cpu_per_token,
         per_client_tokens_per_s=max_new_tokens / per_generation,
     )
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from spec_decoding.capacity import (
     BatchCosts,
+    SharedLoop,
     predict_speculative,
     predict_target_alone,
     single_session_overhead,
@@ -31,7 +34,7 @@ def test_the_target_alone_batching_serves_one_token_a_client_a_forward() -> None
     assert alone.per_client_tokens_per_s == pytest.approx(64 / (64 * step + 0.1))
 
 
-def speculative(**changes: float) -> float:
+def speculative(**changes: Any) -> float:
     settings = dict(
         sessions=4, alpha=0.75, draft_s=0.001, one_way_s=0.05, batch=COSTS,
         overhead_s_per_token=0.0, max_window=16, max_new_tokens=64, tokens=300,
@@ -80,3 +83,50 @@ def test_overhead_is_what_the_forwards_leave_of_the_measured_cpu() -> None:
     overhead = single_session_overhead(cpu_s=1.0, tokens=100, forwards=[1] * 50, batch=COSTS)
     assert overhead == pytest.approx((1.0 - 50 * COSTS.seconds(1)) / 100)
     assert single_session_overhead(cpu_s=0.0, tokens=10, forwards=[1], batch=COSTS) == 0.0
+
+
+def loop(rows: float, *, contention_s: float = 0.0) -> SharedLoop:
+    """Four sessions' loop whose forwards serve `rows` sessions each, at the curve's cost."""
+    return SharedLoop(
+        sessions=4, rows_per_forward=rows, forward_s_per_token=COSTS.seconds(rows) / rows,
+        extra_s_per_token=0.0005 + contention_s, single_extra_s_per_token=0.0005,
+    )  # fmt: skip
+
+
+def test_a_shared_loop_says_how_full_its_forwards_were_and_what_threads_added() -> None:
+    assert loop(4.0).fill == 1.0
+    assert loop(2.5).fill == pytest.approx(0.5)
+    assert loop(1.0).fill == 0.0
+    assert loop(3.0, contention_s=0.0002).contention_s_per_token == pytest.approx(0.0002)
+    fewer = SharedLoop(
+        sessions=4, rows_per_forward=4, forward_s_per_token=0.001, extra_s_per_token=0.0001,
+        single_extra_s_per_token=0.0003,
+    )  # fmt: skip
+    assert fewer.contention_s_per_token == 0.0  # threads never make a token cheaper
+
+
+def test_the_target_alone_pays_for_the_forwards_and_threads_its_loop_measured() -> None:
+    """A full loop without contention predicts what the curve alone does; forwards that serve
+    fewer sessions, or threads that add CPU, predict fewer tokens per CPU-second, by exactly
+    their measured cost."""
+    kwargs = dict(sessions=4, batch=COSTS, overhead_s_per_token=0.001, one_way_s=0.05,
+                  max_new_tokens=64)  # fmt: skip
+    plain = predict_target_alone(**kwargs)  # type: ignore[arg-type]
+    full = predict_target_alone(**kwargs, loop=loop(4.0))  # type: ignore[arg-type]
+    assert full.tokens_per_cpu_s == pytest.approx(plain.tokens_per_cpu_s)
+    assert full.per_client_tokens_per_s == pytest.approx(plain.per_client_tokens_per_s)
+    partial = predict_target_alone(**kwargs, loop=loop(2.5, contention_s=0.0003))  # type: ignore[arg-type]
+    expected = COSTS.seconds(2.5) / 2.5 + 0.001 + 0.0003
+    assert partial.tokens_per_cpu_s == pytest.approx(1 / expected)
+    assert partial.tokens_per_cpu_s < plain.tokens_per_cpu_s
+
+
+def test_speculation_on_a_loop_that_batches_less_serves_fewer_sessions_a_forward() -> None:
+    near = 0.0005  # the verifier busy: every forward would serve all four
+    assert speculative(one_way_s=near, loop=loop(4.0)) == pytest.approx(  # type: ignore[arg-type]
+        speculative(one_way_s=near)
+    )
+    assert speculative(one_way_s=near, loop=loop(2.0)) < speculative(one_way_s=near)  # type: ignore[arg-type]
+    assert speculative(one_way_s=near, loop=loop(4.0, contention_s=0.001)) < speculative(  # type: ignore[arg-type]
+        one_way_s=near
+    )
