@@ -128,9 +128,9 @@ def allreduces(mode: str, tensor: Any, count: int, interfaces: list[str]) -> dic
         dist.barrier()
         before = {i: link_packets(i) for i in interfaces}
         steal_before = steal_ms()
-        times, compute, small, steps = [], [], [], []
+        times, compute, small, steps, cpu = [], [], [], [], []
         for _ in range(count):
-            began = time.perf_counter()
+            began, cpu_began = time.perf_counter(), time.thread_time()
             if weight is not None:
                 vector = torch.mv(weight, vector)[:hidden]
                 mid = time.perf_counter()
@@ -138,6 +138,7 @@ def allreduces(mode: str, tensor: Any, count: int, interfaces: list[str]) -> dic
                     vector = (vector * 0.5).tanh_()
                 compute.append((mid - began) * 1e3)
                 small.append((time.perf_counter() - mid) * 1e3)
+                cpu.append((time.thread_time() - cpu_began) * 1e3)
             started = time.perf_counter()
             dist.all_reduce(tensor)
             ended = time.perf_counter()
@@ -155,6 +156,7 @@ def allreduces(mode: str, tensor: Any, count: int, interfaces: list[str]) -> dic
         "step_ms": steps,
         "compute_ms": compute,
         "small_ops_ms": small,
+        "compute_cpu_ms": cpu,
         "steal_ms_per_allreduce": stolen / count,
         "packets_per_allreduce": {i: (after[i] - before[i]) / count for i in interfaces},
     }
@@ -260,6 +262,7 @@ def summarise(records: list[dict], modes: list[str]) -> dict[str, Any]:
             "allreduce_p90_ms": sorted(rank0[mode]["ms"])[int(0.9 * len(rank0[mode]["ms"]))],
             "compute_ms": statistics.median(rank0[mode]["compute_ms"] or [0.0]),
             "small_ops_ms": statistics.median(rank0[mode]["small_ops_ms"] or [0.0]),
+            "compute_cpu_ms": statistics.median(rank0[mode]["compute_cpu_ms"] or [0.0]),
             "steal_ms": rank0[mode]["steal_ms_per_allreduce"],
             "packets": rank0[mode]["packets_per_allreduce"],
             "load": rank0[mode]["load"],
@@ -376,6 +379,7 @@ def main() -> None:
                 d = row["decode"]
                 said += (
                     f" (decode's compute {d['compute_ms']:.2f} + {d['small_ops_ms']:.2f} ms, "
+                    f"its CPU {d['compute_cpu_ms']:.2f} ms, "
                     f"steal {d['steal_ms']:.2f} ms an all-reduce)"
                 )
             late = row["forwarder"] or {}

@@ -423,6 +423,9 @@ def step_parts(summaries: list[dict]) -> dict[str, float]:
             s["collective_ms_per_token"] / s["allreduces_per_token"] for s in summaries
         ),
         "compute_ms": statistics.median(s["compute_ms_per_token"] for s in summaries),
+        "compute_cpu_ms": statistics.median(
+            s.get("compute_cpu_ms_per_token", float("nan")) for s in summaries
+        ),
     }
 
 
@@ -456,7 +459,9 @@ def parts_lines(cells: list[dict], row_tp: dict) -> list[str]:
         lines.append(
             f"  {c['delay_ms']:4.1f} ms {c['rate']:>8}: an all-reduce {c['allreduce_ms']:.2f} / "
             f"{predicted:.2f} ms ({c['allreduce_ms'] / predicted:.2f}; {waited}); compute "
-            f"{c['compute_ms']:.2f} ms a token ({c['compute_ms'] / cal['compute_ms']:.2f}x)"
+            f"{c['compute_ms']:.2f} ms a token ({c['compute_ms'] / cal['compute_ms']:.2f}x; "
+            f"its CPU {c.get('compute_cpu_ms', float('nan')):.2f} ms, the loopback cell's "
+            f"{cal.get('compute_cpu_ms', float('nan')):.2f})"
         )
     return lines
 

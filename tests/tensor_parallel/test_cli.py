@@ -36,6 +36,7 @@ def test_two_ranks_generate_what_the_unsplit_model_does(
     comm, compute = summary["collective_ms_per_token"], summary["compute_ms_per_token"]
     assert comm > 0 and compute > 0
     assert comm / (comm + compute) == pytest.approx(summary["collective_share"])
+    assert summary["compute_cpu_ms_per_token"] > 0
     lines = done.stdout.strip().splitlines()
     assert lines[-1].startswith("what 1 more machine(s) bought here: ")
     assert "ms a token" in lines[-2]

@@ -60,6 +60,6 @@ def test_the_grid_says_which_part_of_a_step_grew_on_a_slower_link() -> None:
     ]
     lines = bench.parts_lines(bench.model_grid(cells, row_tp), row_tp)
     assert len(lines) == 2 and "4.00 one-way delays, the model 4" in lines[1]
-    assert "(1.00;" in lines[1] and "(2.00x)" in lines[1]
+    assert "(1.00;" in lines[1] and "(2.00x;" in lines[1]
     old = [{k: c[k] for k in ("delay_ms", "rate", "measured_ms")} for c in cells]
     assert bench.parts_lines(bench.model_grid(old, row_tp), row_tp) == []
