@@ -346,7 +346,7 @@ def grid(folder: Path, row_tp: dict, repeats: int) -> list[dict]:
     cell first (it calibrates the others' predictions)."""
     from labtools.hosts.network import Network, cores_line
 
-    cells = []
+    cells: list[dict[str, Any]] = []
     secret = os.urandom(16).hex()
     # the delaying forwarder at real-time priority: at normal priority it waits for a core while
     # the ranks compute, and each packet arrives that much later than the link's delay
@@ -403,8 +403,9 @@ def grid(folder: Path, row_tp: dict, repeats: int) -> list[dict]:
                     {"delay_ms": delay, "rate": rate, "measured_ms": ms, **step_parts(summaries)}
                 )
                 # what the wire did in this cell: its packets' lateness beyond the delay
-                cells[-1]["forwarder"] = network.reset_forwarder()
-                late = (cells[-1]["forwarder"] or {}).get("late_mean_ms", float("nan"))
+                wire = network.reset_forwarder()
+                cells[-1]["forwarder"] = wire
+                late = (wire or {}).get("late_mean_ms", float("nan"))
                 cell = model_grid(cells, row_tp)[-1]
                 print(
                     f"{cell_line(cell)} (load {uptime()}; forwarder {late:.3f} ms late a packet)",

@@ -79,7 +79,7 @@ class ForwardStats:
         self.late_sum_ms += late_ms
         self.min_hold_ms = min(self.min_hold_ms, hold_s * 1e3)
 
-    def summary(self) -> dict[str, float | int | list[int]]:
+    def summary(self) -> dict[str, float | int | list[int] | list[float]]:
         """As one JSON-able record: packets, mean and max lateness (ms), buckets, shortest hold."""
         return {
             "packets": self.packets,
