@@ -9,7 +9,10 @@
 3. The link grid (`--grid`, root): the 2-rank run across two namespace hosts of one core each
    (labtools.hosts, `--cores-per-host 1`), one-way delay {0, 0.2, 1, 5} ms x rate {1gbit,
    100mbit}, inside the lab's WireGuard overlay (the security policy), each cell beside
-   the cost model's prediction.
+   the cost model's prediction, and in its parts: an all-reduce against the model's link term
+   (the one-way delays it waited) and the compute between all-reduces against the loopback
+   cell's. The delaying forwarder runs at real-time priority (it is the wire, not the hosts'
+   work), and each cell records how late it sent packets past their delay.
 4. A compute-bound row: a prefill of 256 tokens, 1 host x 1 core vs 2 hosts x 1 core.
 
 The cost model uses local measurements only: compute = bytes a rank reads a token / the
@@ -333,6 +336,7 @@ def grid_lines(cells: list[dict], rows: dict[str, dict]) -> list[str]:
         f"cells within 0.85-1.15 of the cost model: {within(cells)} of {len(predicted)} predicted "
         f"(the 0 ms, 1 Gbit/s cell calibrates the fixed cost)",
         crossover_line(crossover(cells, rows)),
+        *parts_lines(cells, tp),
     ]
 
 
@@ -342,17 +346,24 @@ def grid(folder: Path, row_tp: dict, repeats: int) -> list[dict]:
     cell first (it calibrates the others' predictions)."""
     from labtools.hosts.network import Network, cores_line
 
-    cells = []
+    cells: list[dict[str, Any]] = []
     secret = os.urandom(16).hex()
+    # the delaying forwarder at real-time priority: at normal priority it waits for a core while
+    # the ranks compute, and each packet arrives that much later than the link's delay
+    # (bench/allreduce_link.py measured it: labtools.linkdelay.ForwardStats)
     with Network(
-        ["desktop", "laptop"], delay_ms=0, root=WORK / "hosts", cores_per_host=1
+        ["desktop", "laptop"],
+        delay_ms=0,
+        root=WORK / "hosts",
+        cores_per_host=1,
+        realtime_forwarder=True,
     ) as network:
         print(cores_line(network), flush=True)
         desktop = network["desktop"]
         for delay in DELAYS_MS:
             for rate in RATES:
                 network.set_link(delay_ms=delay, rate=rate)
-                measured = []
+                measured, summaries = [], []
                 for attempt in range(repeats):
                     run_dir = WORK / "grid" / f"{delay}-{rate}-{attempt}"
                     procs = []
@@ -385,14 +396,75 @@ def grid(folder: Path, row_tp: dict, repeats: int) -> list[dict]:
                         proc.wait(timeout=1800)
                     metrics = run_dir / "desktop" / "metrics.jsonl"
                     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-                    measured.append(
-                        float([r for r in rows if r.get("kind") == "summary"][-1]["token_ms"])
-                    )
+                    summaries.append([r for r in rows if r.get("kind") == "summary"][-1])
+                    measured.append(float(summaries[-1]["token_ms"]))
                 ms = statistics.median(measured)
-                cells.append({"delay_ms": delay, "rate": rate, "measured_ms": ms})
+                cells.append(
+                    {"delay_ms": delay, "rate": rate, "measured_ms": ms, **step_parts(summaries)}
+                )
+                # what the wire did in this cell: its packets' lateness beyond the delay
+                wire = network.reset_forwarder()
+                cells[-1]["forwarder"] = wire
+                late = (wire or {}).get("late_mean_ms", float("nan"))
                 cell = model_grid(cells, row_tp)[-1]
-                print(f"{cell_line(cell)} (load {uptime()})", flush=True)
+                print(
+                    f"{cell_line(cell)} (load {uptime()}; forwarder {late:.3f} ms late a packet)",
+                    flush=True,
+                )
     return model_grid(cells, row_tp)
+
+
+def step_parts(summaries: list[dict]) -> dict[str, float]:
+    """A cell's step in its parts (medians over its runs): one all-reduce (ms, a run's mean) and
+    the compute between the all-reduces (ms a token); nothing where the runs did not say."""
+    if not summaries or not all("collective_ms_per_token" in s for s in summaries):
+        return {}
+    return {
+        "allreduce_ms": statistics.median(
+            s["collective_ms_per_token"] / s["allreduces_per_token"] for s in summaries
+        ),
+        "compute_ms": statistics.median(s["compute_ms_per_token"] for s in summaries),
+        "compute_cpu_ms": statistics.median(
+            s.get("compute_cpu_ms_per_token", float("nan")) for s in summaries
+        ),
+    }
+
+
+def parts_lines(cells: list[dict], row_tp: dict) -> list[str]:
+    """Each cell's step in its parts against the loopback cell's: an all-reduce, measured and
+    predicted (the loopback cell's plus the link's term), and the one-way delays it waited; the
+    compute a token, which the model takes to be the loopback cell's in every cell."""
+    from tensor_parallel.manifest import allreduce_delays
+
+    cal = calibration(cells)
+    if "allreduce_ms" not in cal:
+        return []
+    lines = [
+        "the step in its parts (an all-reduce measured / predicted, the one-way delays it "
+        "waited; the compute between all-reduces a token, against the loopback cell's "
+        f"{cal['compute_ms']:.2f} ms):"
+    ]
+    there = link_ms(row_tp, CALIBRATION[0], RATE_BPS[CALIBRATION[1]])
+    for c in cells:
+        if c is cal or "allreduce_ms" not in c:
+            continue
+        here = link_ms(row_tp, c["delay_ms"], RATE_BPS[c["rate"]])
+        predicted = cal["allreduce_ms"] + here - there
+        wire = (here - there) - allreduce_delays(2) * (c["delay_ms"] - CALIBRATION[0])
+        waited = (
+            f"{(c['allreduce_ms'] - cal['allreduce_ms'] - wire) / c['delay_ms']:.2f} one-way "
+            f"delays, the model {allreduce_delays(2)}"
+            if c["delay_ms"]
+            else "no delay"
+        )
+        lines.append(
+            f"  {c['delay_ms']:4.1f} ms {c['rate']:>8}: an all-reduce {c['allreduce_ms']:.2f} / "
+            f"{predicted:.2f} ms ({c['allreduce_ms'] / predicted:.2f}; {waited}); compute "
+            f"{c['compute_ms']:.2f} ms a token ({c['compute_ms'] / cal['compute_ms']:.2f}x; "
+            f"its CPU {c.get('compute_cpu_ms', float('nan')):.2f} ms, the loopback cell's "
+            f"{cal.get('compute_cpu_ms', float('nan')):.2f})"
+        )
+    return lines
 
 
 def cell_line(c: dict) -> str:

@@ -15,6 +15,7 @@ What it costs: two copies through user space per packet (a round trip at 0 ms de
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import fcntl
 import json
@@ -25,7 +26,8 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
@@ -49,33 +51,90 @@ def attach(dev: str) -> int:
     return fd
 
 
-def forward(fd: int, delay_s: float, *, stop: list[bool]) -> int:
-    """Hold what `fd` gives for `delay_s` and write it back, until `stop[0]`; packets forwarded."""
+LATE_BOUNDS_MS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+"""Upper bounds (ms) of the lateness buckets `ForwardStats` counts packets in; one more bucket
+holds the rest."""
+
+
+@dataclass
+class ForwardStats:
+    """What the forwarder did: packets sent on, and how late each went out after its due time
+    (read time + the delay). Lateness is the forwarder's own: its wake-up after the hold, and
+    packets queued behind others; the time a packet waited in the TUN device before the read is
+    not seen here."""
+
+    packets: int = 0
+    late_counts: list[int] = field(default_factory=lambda: [0] * (len(LATE_BOUNDS_MS) + 1))
+    """Packets per lateness bucket: under LATE_BOUNDS_MS[0] ms, ..., over the last bound."""
+    late_max_ms: float = 0.0
+    late_sum_ms: float = 0.0
+    min_hold_ms: float = float("inf")
+    """The shortest time a packet was held, read to write (never under the delay)."""
+
+    def count(self, hold_s: float, late_s: float) -> None:
+        late_ms = max(0.0, late_s * 1e3)
+        self.packets += 1
+        self.late_counts[bisect.bisect_left(LATE_BOUNDS_MS, late_ms)] += 1
+        self.late_max_ms = max(self.late_max_ms, late_ms)
+        self.late_sum_ms += late_ms
+        self.min_hold_ms = min(self.min_hold_ms, hold_s * 1e3)
+
+    def summary(self) -> dict[str, float | int | list[int] | list[float]]:
+        """As one JSON-able record: packets, mean and max lateness (ms), buckets, shortest hold."""
+        return {
+            "packets": self.packets,
+            "late_mean_ms": self.late_sum_ms / self.packets if self.packets else 0.0,
+            "late_max_ms": self.late_max_ms,
+            "late_bounds_ms": list(LATE_BOUNDS_MS),
+            "late_counts": self.late_counts,
+            "min_hold_ms": self.min_hold_ms if self.packets else 0.0,
+        }
+
+
+def forward(
+    fd: int,
+    delay_s: float,
+    *,
+    stop: list[bool],
+    clock: Callable[[], float] = time.monotonic,
+    stats: ForwardStats | None = None,
+) -> int:
+    """Hold what `fd` gives for `delay_s` and write it back, in order, until `stop[0]`; packets
+    forwarded. `stats`, when given, counts each packet's hold and lateness."""
     held: collections.deque[tuple[float, bytes]] = collections.deque()
     forwarded = 0
     while not stop[0]:
-        timeout = max(0.0, held[0][0] - time.monotonic()) if held else 0.5
+        timeout = max(0.0, held[0][0] - clock()) if held else 0.5
         try:
             readable, _, _ = select.select([fd], [], [], timeout)
         except InterruptedError:
             continue
         if readable:
-            due = time.monotonic() + delay_s
+            due = clock() + delay_s
             for _ in range(BATCH):
                 try:
                     held.append((due, os.read(fd, MAX_PACKET)))
                 except BlockingIOError:
                     break
-        now = time.monotonic()
+        now = clock()
         while held and held[0][0] <= now:
+            packet_due, packet = held.popleft()
             try:
-                os.write(fd, held.popleft()[1])
+                os.write(fd, packet)
             except OSError:  # a packet the stack refuses (its route gone): dropped, as a link would
                 continue
             forwarded += 1
+            if stats is not None:
+                sent = clock()
+                stats.count(sent - (packet_due - delay_s), sent - packet_due)
     return forwarded
 
 
+REALTIME_PRIORITY = 10
+"""SCHED_FIFO priority of `forward --realtime`: above every ordinary process, so a packet due
+goes out when due, whatever the hosts compute; below the kernel's own threads (50)."""
+STATS_PREFIX = "linkdelay stats: "
+"""How the forwarder's last line, its `ForwardStats.summary()` as JSON, begins."""
 PROBE_BYTES = 4 << 20
 PROBE_ROUND_TRIPS = 20
 
@@ -134,6 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     fwd = sub.add_parser("forward", help="hold the TUN device's packets, then send them on")
     fwd.add_argument("--dev", default="tun0", help="the TUN device (made with ip tuntap)")
     fwd.add_argument("--delay-ms", type=float, required=True, help="one-way delay added")
+    fwd.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run at real-time priority (SCHED_FIFO, root): the wire ahead of the hosts' work",
+    )
     serve = sub.add_parser("probe-server", help="answer one probe")
     serve.add_argument("--port", type=int, required=True)
     measure = sub.add_parser("probe", help="round trip and transfer rate to a probe-server")
@@ -149,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0.0 <= args.delay_ms <= 10_000.0:
         parser.error(f"--delay-ms must be within 0..10000, got {args.delay_ms}")
     fd = attach(args.dev)
+    if args.realtime:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
     stop = [False]
 
     def _stop(signum: int, frame: object) -> None:
@@ -156,9 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(f"linkdelay: {args.dev} attached, holding packets {args.delay_ms:g} ms", flush=True)
-    forwarded = forward(fd, args.delay_ms / 1000.0, stop=stop)
+    said = " at real-time priority" if args.realtime else ""
+    print(f"linkdelay: {args.dev} attached, holding packets {args.delay_ms:g} ms{said}", flush=True)
+    stats = ForwardStats()
+    forwarded = forward(fd, args.delay_ms / 1000.0, stop=stop, stats=stats)
     print(f"linkdelay: stopped after {forwarded} packets", file=sys.stderr)
+    print(f"{STATS_PREFIX}{json.dumps(stats.summary())}", file=sys.stderr, flush=True)
     return 0
 
 

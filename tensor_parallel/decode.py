@@ -34,6 +34,9 @@ class Generation:
     prefill_s: float
     step_logits: list[torch.Tensor] = field(default_factory=list)
     """(B, V) logits of every step, kept when asked (the exactness tests)."""
+    token_cpu_s: list[float] = field(default_factory=list)
+    """CPU seconds the calling thread spent per decode step (a step's wall time less what it
+    waited: in collectives, or for a core other work held)."""
 
     def ms(self, q: float) -> float:
         """The q-quantile of a decode step (ms)."""
@@ -82,10 +85,10 @@ def generate(
     generator = torch.Generator(device="cpu").manual_seed(seed)
     cache = DynamicCache(config=model.config)  # type: ignore[arg-type]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    step_input, out, times, kept = ids, [], [], []
+    step_input, out, times, kept, cpu = ids, [], [], [], []
     prefill_s = 0.0
     for step in range(max_new_tokens):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         logits = model(
             input_ids=step_input,
             attention_mask=mask,
@@ -105,13 +108,14 @@ def generate(
             after_prefill()
         else:
             times.append(elapsed)
+            cpu.append(time.thread_time() - cpu_started)
         if keep_logits:
             kept.append(logits.detach().cpu())
         out.append(token)
         step_input = token
         mask = torch.cat([mask, torch.ones_like(token)], dim=-1)  # (B, T + step + 1)
         positions = positions[:, -1:] + 1  # (B, 1)
-    return Generation(torch.cat(out, dim=-1).cpu(), times, prefill_s, kept)
+    return Generation(torch.cat(out, dim=-1).cpu(), times, prefill_s, kept, cpu)
 
 
 def same_on_every_rank(tokens: torch.Tensor, group: Any = None) -> bool:

@@ -52,8 +52,11 @@ def allreduce_delays(ranks: int) -> int:
     announced the receive (gloo/transport/tcp/pair.cc: a send waits for the peer's
     NOTIFY_RECV_READY), and its ring (gloo/allreduce.cc) posts each phase's receives as the phase
     begins, so a step costs the notice's delay, then the data's. A rank that arrives later
-    finds the notice waiting and pays one: skewed ranks wait less than this (a 2-rank decode
-    measured 4.1 delays an all-reduce at 5 ms one way, 2.9 at 1 ms; docs/tensor_parallel.md)."""
+    finds its peer's notice waiting, but its own must still cross before its peer's data comes
+    back: it too waits two delays a step from its arrival, and the earlier rank waits its lead
+    on top once the lead passes a delay (skew saves nothing). Measured across two hosts: an
+    all-reduce of the 1.1B decode waited 4.14 delays at 5 ms one way, 3.78 at 1 ms (the quiet
+    grid's rank-0 records, token_ms x collective_share; the grid now prints a step's parts)."""
     return 2 * allreduce_steps(ranks)
 
 

@@ -195,6 +195,13 @@ def _metrics(
     }
     if sharded.engine == "local":
         metrics["collective_share"] = comm_s / busy_s
+        # a step in its two parts (means): in the all-reduces, and the compute between them
+        metrics["collective_ms_per_token"] = 1e3 * comm_s / decode_steps
+        metrics["compute_ms_per_token"] = 1e3 * (busy_s - comm_s) / decode_steps
+        # this thread's CPU in a step (its compute; a wait costs none): compute that takes longer
+        # than its CPU waited for a core
+        cpu_s = sum(sum(g.token_cpu_s) for g, *_ in ours)
+        metrics["compute_cpu_ms_per_token"] = 1e3 * cpu_s / decode_steps
     if theirs:
         base = Generation(theirs[-1].tokens, [s for g in theirs for s in g.token_s], 0.0)
         metrics |= {

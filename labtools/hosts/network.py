@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 
 from lab.launch import stop_groups
+from labtools.linkdelay import STATS_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "dllab"
@@ -227,6 +228,9 @@ class Network:
     host i gets the i-th run of that many of this process's cores, wrapping round (and so
     sharing, said by `cores_line`) when the hosts need more cores than there are. Memory
     bandwidth and the last-level cache stay shared (docs/hosts.md).
+    `realtime_forwarder` runs the delaying forwarder at real-time priority: the emulated wire
+    then holds each packet its delay and no longer, however busy the hosts' cores are (at
+    normal priority it waits for a core like any process, and a packet arrives that much later).
     """
 
     def __init__(
@@ -238,6 +242,7 @@ class Network:
         delay_ms: float | None = None,
         root: Path | None = None,
         cores_per_host: int | None = None,
+        realtime_forwarder: bool = False,
     ) -> None:
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"hosts need distinct names, got {list(names)}")
@@ -256,7 +261,11 @@ class Network:
         self.rate = rate
         self.delay_ms = delay_ms
         self.routed = delay_ms is not None
+        self.realtime_forwarder = realtime_forwarder
         self._forwarder: subprocess.Popen | None = None
+        self.forwarder_stats: list[dict[str, Any]] = []
+        """Each stopped forwarder's count of packets and their lateness (labtools.linkdelay
+        ForwardStats), with the delay it held them for."""
         self.tag = f"{PREFIX}{os.getpid()}"
         self._root_given = root
         self.root = root or Path(tempfile.mkdtemp(prefix="lab-hosts-"))
@@ -343,7 +352,8 @@ class Network:
         assert self.delay_ms is not None
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.switch, sys.executable, "-m", "labtools.linkdelay",
-             "forward", "--dev", TUN, "--delay-ms", f"{self.delay_ms:g}"],
+             "forward", "--dev", TUN, "--delay-ms", f"{self.delay_ms:g}",
+             *(["--realtime"] if self.realtime_forwarder else [])],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
@@ -360,7 +370,12 @@ class Network:
             return
         stop_groups([proc], grace_s=10)
         if proc.stdout is not None:
+            said = proc.stdout.read() if proc.poll() is not None else ""
             proc.stdout.close()
+            for line in said.splitlines():
+                if line.startswith(STATS_PREFIX):
+                    stats = json.loads(line[len(STATS_PREFIX) :])
+                    self.forwarder_stats.append({"delay_ms": self.delay_ms, **stats})
 
     @staticmethod
     def _shape(netns: str, rate: str | None) -> None:
@@ -395,6 +410,16 @@ class Network:
             self._stop_forwarder()
             self.delay_ms = delay_ms
             self._start_forwarder()
+
+    def reset_forwarder(self) -> dict[str, Any] | None:
+        """Start the delaying forwarder afresh (the same delay); what the stopped one counted
+        (`forwarder_stats`' last record), None where it said nothing."""
+        if not self.routed:
+            raise HostsError("no forwarder on a bridged network: Network(..., delay_ms=0)")
+        known = len(self.forwarder_stats)
+        self._stop_forwarder()
+        self._start_forwarder()
+        return self.forwarder_stats[-1] if len(self.forwarder_stats) > known else None
 
     def __exit__(self, *exc: object) -> None:
         self._remove()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,7 @@ from labtools.hosts import (
     run_documented,
     scenarios,
 )
+from labtools.linkdelay import PROBE_BYTES
 from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = pytest.mark.multihost
@@ -118,6 +120,26 @@ def test_a_delayed_link_holds_every_packet_and_a_rate_cap_holds_with_it(tmp_path
     assert forwarder.poll() is not None  # stopped with the network
     assert fast["rtt_ms"] < 20 <= slow["rtt_ms"] / 2
     assert slow["mbit_s"] < 10.5 and "rate 10Mbit" in shown
+    # each forwarder said what it held, and for how long at least (linkdelay.ForwardStats)
+    at_zero, at_twenty = net.forwarder_stats
+    assert at_zero["delay_ms"] == 0 and at_twenty["delay_ms"] == 20
+    assert at_twenty["packets"] >= PROBE_BYTES // 1500  # the bulk bytes, 1500-byte frames
+    assert at_twenty["min_hold_ms"] >= 20
+    assert sum(at_twenty["late_counts"]) == at_twenty["packets"]
+
+
+def test_a_realtime_forwarder_holds_every_packet_ahead_of_the_hosts_work(tmp_path: Path) -> None:
+    """`realtime_forwarder`: the wire runs at SCHED_FIFO (no ordinary process holds a due packet
+    back), and still holds every packet its delay."""
+    with Network(["a", "b"], delay_ms=2, root=tmp_path, realtime_forwarder=True) as net:
+        forwarder = net._forwarder
+        assert forwarder is not None
+        assert os.sched_getscheduler(forwarder.pid) == os.SCHED_FIFO
+        got = measure_link(net, "a", "b")
+    assert got["rtt_ms"] >= 2 * 2
+    (stats,) = net.forwarder_stats
+    assert stats["delay_ms"] == 2 and stats["min_hold_ms"] >= 2
+    assert stats["packets"] >= PROBE_BYTES // 1500
 
 
 def test_everything_is_removed_after_an_error(tmp_path: Path) -> None:

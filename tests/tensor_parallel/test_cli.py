@@ -32,6 +32,11 @@ def test_two_ranks_generate_what_the_unsplit_model_does(
     assert summary["same_greedy_tokens"] == 1 and summary["same_tokens_on_every_rank"] == 1
     assert summary["allreduces_per_token"] == 2 * layers
     assert summary["weights_mib_per_rank"] < summary["unsplit_weights_mib"]
+    # a step in its parts: in the all-reduces and the compute between them, as the share says
+    comm, compute = summary["collective_ms_per_token"], summary["compute_ms_per_token"]
+    assert comm > 0 and compute > 0
+    assert comm / (comm + compute) == pytest.approx(summary["collective_share"])
+    assert summary["compute_cpu_ms_per_token"] > 0
     lines = done.stdout.strip().splitlines()
     assert lines[-1].startswith("what 1 more machine(s) bought here: ")
     assert "ms a token" in lines[-2]

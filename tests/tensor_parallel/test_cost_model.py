@@ -34,3 +34,32 @@ def test_a_local_runs_step_is_predicted_on_a_link_per_allreduce(tmp_path: Path) 
     on_link = predict_token_ms(tmp_path, Link(0.001, 1e9))
     assert on_link == pytest.approx(40.0 + 16 * (4 * 1.0 + 4096 * 8 / 1e6))
     assert predict_token_ms(tmp_path, Link(0.0, None)) == pytest.approx(40.0)
+
+
+def test_the_grid_says_which_part_of_a_step_grew_on_a_slower_link() -> None:
+    """bench/tensor_parallel_bench.py sets each cell's all-reduce against the model's and its
+    compute against the loopback cell's (a step that grew by more than the model's delays says
+    where); a results file from before the parts were recorded prints as before."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "tensor_parallel_bench.py"
+    spec = importlib.util.spec_from_file_location("tensor_parallel_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row_tp = {"allreduces": 44.0, "allreduce_bytes": 8192}
+    runs = [  # rank 0's summaries: the loopback cell, then 5 ms with the compute doubled
+        {"token_ms": 370.0, "allreduces_per_token": 44.0, "collective_ms_per_token": 140.8,
+         "compute_ms_per_token": 230.0},
+        {"token_ms": 1500.0, "allreduces_per_token": 44.0,
+         "collective_ms_per_token": 44 * (3.2 + 4 * 5.0), "compute_ms_per_token": 460.0},
+    ]  # fmt: skip
+    cells = [
+        {"delay_ms": 0.0, "rate": "1gbit", "measured_ms": 370.0, **bench.step_parts(runs[:1])},
+        {"delay_ms": 5.0, "rate": "1gbit", "measured_ms": 1500.0, **bench.step_parts(runs[1:])},
+    ]
+    lines = bench.parts_lines(bench.model_grid(cells, row_tp), row_tp)
+    assert len(lines) == 2 and "4.00 one-way delays, the model 4" in lines[1]
+    assert "(1.00;" in lines[1] and "(2.00x;" in lines[1]
+    old = [{k: c[k] for k in ("delay_ms", "rate", "measured_ms")} for c in cells]
+    assert bench.parts_lines(bench.model_grid(old, row_tp), row_tp) == []
