@@ -92,6 +92,7 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         seed=settings.seed + settings.client_index,
         index=settings.client_index,
         name=settings.client_name or f"client{settings.client_index}",
+        max_round_clients=settings.fed.secagg.max_clients,
     )
     with emulated_link(settings.cluster, address) as dial:  # cluster.link.*: a LAN/WAN here
         rounds = take_part(client, settings=settings, address=dial)
@@ -126,6 +127,7 @@ def run_simulator(settings: FedLearnRunConfig) -> dict[str, float]:
                 name=f"client{index}",
                 turn=turn,
                 dropout=fed.simulate_dropout,
+                max_round_clients=fed.secagg.max_clients,
             )
         )
     address = (settings.fed.coordinator.host, settings.fed.coordinator.port)
