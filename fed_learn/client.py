@@ -13,6 +13,7 @@ import torch
 
 from fed_learn.aggregate import lora_modules
 from fed_learn.compression import ErrorFeedback
+from fed_learn.config import SecAggConfig
 from fed_learn.lora import adapter_state, load_adapter_state, train_local
 from fed_learn.protocol import FedMsg
 from fed_learn.secagg import RoundFailed
@@ -33,6 +34,7 @@ class LoRAClient:
         name: str,
         seed: int = 0,
         index: int | None = None,
+        max_round_clients: int = SecAggConfig.max_clients,
     ) -> None:
         self.model = model
         self.train_blocks = train_blocks
@@ -44,6 +46,8 @@ class LoRAClient:
         self.feedback = ErrorFeedback()
         self.rounds = 0
         """Rounds taken part in, over every session with the coordinator."""
+        self.max_round_clients = max_round_clients
+        """fed.secagg.max_clients: a secure round listing more is left before anything is built."""
 
     def run(self, conn: Connection, *, heartbeat_s: float, timeout_s: float | None = None) -> int:
         """Join, then train whenever asked until FINISH; returns the rounds taken part in.
@@ -97,6 +101,7 @@ class LoRAClient:
                         train=functools.partial(self._train_for_sum, task, global_state),
                         weight=len(self.train_blocks),
                         timeout_s=timeout_s,
+                        max_clients=self.max_round_clients,
                     )
                 except RoundAbandoned as moved:
                     log.warning("round %d: the coordinator moved on", int(task["round"]) + 1)

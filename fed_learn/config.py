@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from fed_learn.aggregate import AGGREGATORS
 from fed_learn.compression import COMPRESSIONS
+from fed_learn.secagg_params import MAX_CLIENTS
 from lab.config import (
     Endpoint,
     LabConfig,
@@ -35,10 +36,20 @@ class SecAggConfig:
     step_timeout_s: float = 60.0
     """How long each key, share and unmask step waits for the round's clients (the masked
     inputs wait fed.round_timeout_s, as updates do)."""
+    max_clients: int = 1000
+    """The most clients one secure round may hold: the coordinator samples at most this many,
+    and a client leaves a round whose parameters list more before it builds anything (its
+    memory and work grow with the round: roster, graph and, with neighbors=0, one share per
+    client)."""
 
     def __post_init__(self) -> None:
         if self.neighbors < 0:
             raise ValueError(f"fed.secagg.neighbors={self.neighbors} must be >= 0")
+        if not 2 <= self.max_clients <= MAX_CLIENTS + 1:
+            raise ValueError(
+                f"fed.secagg.max_clients={self.max_clients} must be in 2..{MAX_CLIENTS + 1} "
+                "(client ids travel as 16-bit numbers)"
+            )
         if not 0 < self.threshold <= 1:
             raise ValueError(f"fed.secagg.threshold={self.threshold} must be in (0, 1]")
         check_fields_positive("fed.secagg", self, ("step_timeout_s",))
@@ -347,6 +358,12 @@ class FedConfig:
         refused with the reason."""
         if not self.secure_aggregation:
             return
+        if self.min_fit_clients > self.secagg.max_clients:
+            raise ValueError(
+                f"fed.min_fit_clients={self.min_fit_clients} is more than "
+                f"fed.secagg.max_clients={self.secagg.max_clients}: no secure round could close; "
+                "raise fed.secagg.max_clients or lower fed.min_fit_clients"
+            )
         needs = {
             "fed.mode=async": "applies each update as it arrives",
             f"fed.aggregator={self.aggregator}": "takes coordinate-wise order statistics",

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 SERVER_OPT_FILE = "server_optimizer.safetensors"
+MODEL_CARD = "README.md"
 CLIENT_SENDS = frozenset(
     {FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL, FedMsg.SKIP}
     | {FedMsg.EVAL_RESULT}
@@ -119,6 +120,9 @@ class Coordinator:
         """Clients a secure round refused by name: left out of the run's later rounds."""
         """A secure round's step messages, from the sessions to the round (fed_learn.secure)."""
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
+        self._model_card: str | None = None
+        """The README PEFT wrote into the first checkpoint: later ones start from it (PEFT
+        renders its card template, tens of ms, only when the folder has none)."""
 
     # ------------------------------------------------------------ sessions (one per client)
 
@@ -455,7 +459,10 @@ class Coordinator:
             "server_optimizer": self.server_opt.describe(),
         }
         with atomic.staged_dir(final) as staging:
+            if self._model_card is not None:  # PEFT updates a card it finds: no template
+                (staging / MODEL_CARD).write_text(self._model_card)
             self.model.save_pretrained(staging)  # adapter_model.safetensors + adapter_config
+            self._model_card = (staging / MODEL_CARD).read_text()
             if moments := self.server_opt.state_tensors():  # restored on resume
                 save_file(moments, str(staging / SERVER_OPT_FILE))
             (staging / "fed_state.json").write_text(json.dumps(state, indent=2, default=str))

@@ -129,6 +129,9 @@ class RoundDriver(ABC):
 class SyncRounds(RoundDriver):
     """Synchronous rounds: sample, `play` the round, evaluate, log, checkpoint."""
 
+    most_clients: int | None = None
+    """The most clients a round samples (a secure round's: fed.secagg.max_clients)."""
+
     @abstractmethod
     def play(
         self, sampled: list[ClientHandle], global_state: dict[str, torch.Tensor]
@@ -162,7 +165,8 @@ class SyncRounds(RoundDriver):
             )
             alive = [c for c in alive if c.client_id not in coordinator.excluded]
             size = max(fed.min_fit_clients, math.ceil(fed.fraction_fit * len(alive)))
-            sampled = sorted(rng.sample(alive, min(size, len(alive))), key=lambda c: c.client_id)
+            size = min(size, len(alive), self.most_clients or len(alive))
+            sampled = sorted(rng.sample(alive, size), key=lambda c: c.client_id)
             clock.start()
             global_state = adapter_state(coordinator.model)
             traffic_before = coordinator.admission.traffic(sampled)
@@ -338,6 +342,10 @@ class SecureRounds(SyncRounds):
     of the round's updates, never one of them; DP's noise is the clients' to add."""
 
     name = "secure"
+
+    def __init__(self, coordinator: Any) -> None:
+        super().__init__(coordinator)
+        self.most_clients = self.fed.secagg.max_clients  # what its clients agree to take part in
 
     def play(
         self, sampled: list[ClientHandle], global_state: dict[str, torch.Tensor]

@@ -60,9 +60,9 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def load_adapter_state(model: Any, state: dict[str, torch.Tensor]) -> None:
-    from peft import set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    expected = set(adapter_state(model))
+    expected = set(get_peft_model_state_dict(model))  # the names: no copy needed
     if not state or not set(state) <= expected:
         raise ValueError(
             f"adapter tensors do not match this model's LoRA layout: "

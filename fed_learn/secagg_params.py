@@ -3,8 +3,11 @@ coordinator sends with the task, and the neighbourhood graph SecAgg+ derives fro
 
 from __future__ import annotations
 
+import base64
+import binascii
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from fed_learn.fixed_point import FRAC_BITS_MAX
 
@@ -51,25 +54,84 @@ class Params:
 
     def neighbours(self, client: int) -> tuple[int, ...]:
         """`client`'s neighbours: a ring over the clients in a shuffled order, each joined to
-        the `neighbors` nearest around it (a Harary graph, as SecAgg+ builds)."""
-        return self.graph()[client]
+        the `neighbors` nearest around it (a Harary graph, as SecAgg+ builds). Worked out for
+        `client` alone from the shuffled ring (cached): a client never holds the whole graph,
+        whose entries grow as clients x degree."""
+        ring, at = self._ring()
+        n = len(ring)
+        if self.neighbors >= n - 1:
+            return tuple(c for c in ring if c != client)  # `ring` is the sorted ids here
+        position = at[client]
+        half, odd = divmod(self.neighbors, 2)
+        steps = [*range(1, half + 1), *range(-half, 0)]
+        if odd:  # an odd degree: joined to the one opposite it, and to the one it is opposite
+            steps += [n // 2, -(n // 2)]
+        return tuple(sorted({ring[(position + step) % n] for step in steps} - {client}))
 
     def graph(self) -> dict[int, tuple[int, ...]]:
-        ids = list(self.clients)
-        n = len(ids)
-        if self.neighbors >= n - 1:
-            return {c: tuple(i for i in ids if i != c) for c in ids}
-        order = ids[:]
-        random.Random(self.graph_seed or bytes(8)).shuffle(order)
-        half, odd = divmod(self.neighbors, 2)
-        links: dict[int, set[int]] = {c: set() for c in ids}
-        for at, c in enumerate(order):
-            for step in range(1, half + 1):
-                other = order[(at + step) % n]
-                links[c].add(other)
-                links[other].add(c)
-            if odd:  # an odd degree: each is also joined to the one opposite it
-                other = order[(at + n // 2) % n]
-                links[c].add(other)
-                links[other].add(c)
-        return {c: tuple(sorted(links[c] - {c})) for c in ids}
+        """Every client's neighbours (the coordinator's view: it relays between all of them)."""
+        return {c: self.neighbours(c) for c in self.clients}
+
+    def _ring(self) -> tuple[list[int], dict[int, int]]:
+        """The clients in the graph's shuffled order, and each one's place in it (built once
+        per Params: O(clients) memory)."""
+        cached = self.__dict__.get("_ring_cache")
+        if cached is None:
+            ring = list(self.clients)
+            if self.neighbors < len(ring) - 1:
+                random.Random(self.graph_seed or bytes(8)).shuffle(ring)
+            cached = (ring, {c: i for i, c in enumerate(ring)})
+            object.__setattr__(self, "_ring_cache", cached)  # frozen: a cache, not a field
+        return cached
+
+
+def params_message(
+    params: Params, *, weight_cap: int, bound: float, share_std: float = 0.0
+) -> dict[str, Any]:
+    return {
+        "noise_std": share_std,
+        "round": params.round,
+        "clients": list(params.clients),
+        "threshold": params.threshold,
+        "neighbors": params.neighbors,
+        "frac_bits": params.frac_bits,
+        "length": params.length,
+        "graph_seed": base64.b64encode(params.graph_seed).decode("ascii"),
+        "weight_cap": weight_cap,
+        "bound": bound,
+    }
+
+
+def parse_params(payload: Any, *, max_clients: int) -> tuple[Params, int, float, float]:
+    """The round's parameters as a client reads them from its TASK: (params, its weight cap,
+    the norm it clips to, the std of its share of DP noise); ValueError if absurd, or if the
+    round lists more than `max_clients` (fed.secagg.max_clients), before anything is built."""
+    if not isinstance(payload, dict):
+        raise ValueError("the task's secure parameters must be a JSON object")
+    listed = payload.get("clients")
+    if not isinstance(listed, list):
+        raise ValueError("the task's secure parameters list no clients")
+    if len(listed) > max_clients:
+        raise ValueError(
+            f"the round lists {len(listed)} clients; this client takes part in secure rounds "
+            f"of at most {max_clients} (fed.secagg.max_clients)"
+        )
+    try:
+        params = Params(
+            round=int(payload["round"]),
+            clients=tuple(int(c) for c in payload["clients"]),
+            threshold=int(payload["threshold"]),
+            neighbors=int(payload["neighbors"]),
+            frac_bits=int(payload["frac_bits"]),
+            length=int(payload["length"]),
+            graph_seed=base64.b64decode(str(payload["graph_seed"]), validate=True),
+        )
+        weight_cap, bound = int(payload["weight_cap"]), float(payload["bound"])
+        share_std = float(payload.get("noise_std", 0.0))
+    except (KeyError, TypeError, binascii.Error) as exc:
+        raise ValueError(f"the task's secure parameters are malformed ({exc})") from None
+    if not 1 <= weight_cap < 2**31 or not 0 < bound < float("inf"):
+        raise ValueError("the task's secure weight cap or bound is out of range")
+    if not 0 <= share_std < float("inf"):
+        raise ValueError("the task's noise_std is out of range")
+    return params, weight_cap, bound, share_std

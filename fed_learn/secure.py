@@ -53,6 +53,7 @@ from fed_learn import secagg
 from fed_learn.fixed_point import frac_bits_for
 from fed_learn.privacy import clip, flat_delta, gaussian, noise_std, unflatten
 from fed_learn.protocol import FedMsg, parse_result
+from fed_learn.secagg_params import params_message, parse_params
 from fed_learn.secure_inbox import InputDigests, SecureInbox, Skipped
 from netproto import Connection, NetprotoError
 from netproto.errors import peer_text
@@ -100,49 +101,6 @@ def _json_object(payload: Any, client: int, what: str, keys: Iterable[str]) -> d
     return payload
 
 
-def params_message(
-    params: secagg.Params, *, weight_cap: int, bound: float, share_std: float = 0.0
-) -> dict[str, Any]:
-    return {
-        "noise_std": share_std,
-        "round": params.round,
-        "clients": list(params.clients),
-        "threshold": params.threshold,
-        "neighbors": params.neighbors,
-        "frac_bits": params.frac_bits,
-        "length": params.length,
-        "graph_seed": b64(params.graph_seed),
-        "weight_cap": weight_cap,
-        "bound": bound,
-    }
-
-
-def parse_params(payload: Any) -> tuple[secagg.Params, int, float, float]:
-    """The round's parameters as a client reads them from its TASK: (params, its weight cap,
-    the norm it clips to, the std of its share of DP noise); ValueError if absurd."""
-    if not isinstance(payload, dict):
-        raise ValueError("the task's secure parameters must be a JSON object")
-    try:
-        params = secagg.Params(
-            round=int(payload["round"]),
-            clients=tuple(int(c) for c in payload["clients"]),
-            threshold=int(payload["threshold"]),
-            neighbors=int(payload["neighbors"]),
-            frac_bits=int(payload["frac_bits"]),
-            length=int(payload["length"]),
-            graph_seed=base64.b64decode(str(payload["graph_seed"]), validate=True),
-        )
-        weight_cap, bound = int(payload["weight_cap"]), float(payload["bound"])
-        share_std = float(payload.get("noise_std", 0.0))
-    except (KeyError, TypeError, binascii.Error) as exc:
-        raise ValueError(f"the task's secure parameters are malformed ({exc})") from None
-    if not 1 <= weight_cap < 2**31 or not 0 < bound < float("inf"):
-        raise ValueError("the task's secure weight cap or bound is out of range")
-    if not 0 <= share_std < float("inf"):
-        raise ValueError("the task's noise_std is out of range")
-    return params, weight_cap, bound, share_std
-
-
 # ---------------------------------------------------------------------------- client side
 
 
@@ -177,12 +135,14 @@ def client_round(
     train: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]],
     weight: int,
     timeout_s: float | None,
+    max_clients: int,
 ) -> bool:
     """This client's side of a secure round, from a TASK to its last message. `train()` runs
     local training and returns (RESULT payload, trained tensors, the global ones they started
     from). Whether its input went in: False if its training came out non-finite (it says so,
-    SKIP, and sits the round out). Raises RoundAbandoned when the coordinator moved on."""
-    params, weight_cap, bound, share_std = parse_params(task["secure"])
+    SKIP, and sits the round out). Raises RoundAbandoned when the coordinator moved on, and
+    ValueError on parameters it refuses (a round of more than `max_clients`, among others)."""
+    params, weight_cap, bound, share_std = parse_params(task["secure"], max_clients=max_clients)
     number = int(task["task"])
     me = secagg.Client(client_id, params)
     c_key, s_key = me.public_keys()
@@ -214,6 +174,8 @@ def client_round(
         log.warning("secure round %d: %s", params.round, refused)
     result, trained, base = train()
     flat = flat_delta(trained, base)
+    if flat.numel() + 1 != params.length:  # before the noise is drawn at the round's length
+        raise ValueError(f"the round carries {params.length - 1} entries, not {flat.numel()}")
     if not bool(torch.isfinite(flat).all()):
         log.warning("round %d: local training gave non-finite values: sitting out", params.round)
         conn.send_msg(FedMsg.SKIP, {"task": number, "reason": "non-finite update"})

@@ -9,7 +9,7 @@ hundred secrets over a handful of index sets, so here:
 
 - the basis is taken once per index set (cached): the numerators and denominators are products
   of share indices (small polynomials), carry-less in Python ints, then one of pycryptodome's
-  inversions and one of its products per basis element;
+  inversions for the whole set (Montgomery's trick) and a few products per basis element;
 - the products share x basis weight, every secret's at once, are one batch of carry-less
   multiplications in numpy (two uint64 words an element, 128 shift-and-xor steps for the whole
   batch), reduced modulo the field's polynomial as they go.
@@ -55,15 +55,33 @@ def _clmul(a: int, b: int) -> int:
 def basis(indices: tuple[int, ...]) -> tuple[int, ...]:
     """The Lagrange basis at 0 for these share indices, as field elements (ints):
     w_j = prod_{m != j} x_m / prod_{m != j} (x_j + x_m) (addition is subtraction here)."""
-    weights = []
+    numerators, denominators = [], []
     for j, x_j in enumerate(indices):
         numerator, denominator = 1, 1
         for m, x_m in enumerate(indices):
             if m != j:
                 numerator = _clmul(numerator, x_m)
                 denominator = _clmul(denominator, x_j ^ x_m)
-        weights.append(_clmul(numerator, int(_Element(denominator).inverse())))
-    return tuple(weights)
+        numerators.append(numerator)
+        denominators.append(denominator)
+    return tuple(
+        _clmul(inverse, numerator)  # the small factor second: its bits are the loop
+        for inverse, numerator in zip(_inverses(denominators), numerators, strict=True)
+    )
+
+
+def _inverses(values: Sequence[int]) -> list[int]:
+    """Every (non-zero) value's inverse for one of pycryptodome's field inversions, the
+    costly step (Montgomery's trick): invert the product of all, then peel each off."""
+    prefix = [1]
+    for value in values:
+        prefix.append(_clmul(prefix[-1], value))
+    inverse = int(_Element(prefix[-1]).inverse())  # 1 / (v_0 ... v_{n-1})
+    out = [0] * len(values)
+    for i in range(len(values) - 1, -1, -1):
+        out[i] = _clmul(inverse, prefix[i])  # 1 / v_i
+        inverse = _clmul(inverse, values[i])  # 1 / (v_0 ... v_{i-1})
+    return out
 
 
 def multiply(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -118,6 +118,7 @@ def honest(conn: Connection, task: dict[str, Any], state: State, me: SecurePlaye
         train=lambda: honest_train(task, state, me.offset, me.examples),
         weight=me.examples,
         timeout_s=30,
+        max_clients=SecAggConfig.max_clients,
     )
 
 

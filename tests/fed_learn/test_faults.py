@@ -198,3 +198,30 @@ def test_ffa_sends_only_b_both_ways_once_a_client_holds_the_frozen_a(
     for name, tensor in final.items():  # A where it started, B trained
         moved = not torch.equal(tensor, initial[name])
         assert moved == (".lora_B." in name), name
+
+
+def test_every_checkpoint_is_a_whole_peft_folder_with_the_same_model_card(
+    tmp_path, lab_cache
+) -> None:
+    """Checkpoints after the first start from its README (PEFT then updates the card rather
+    than rendering its template): each folder still loads with PEFT and holds the same card."""
+    from peft import PeftConfig
+
+    settings = settings_for(tmp_path, lab_cache, rounds=2)
+    coordinator = Coordinator(
+        settings,
+        peft_model(MODEL, settings.lora, cache_dir=lab_cache),
+        torch.randint(0, 300, (4, 32)),
+    )
+    folders = []
+    for round_index in range(2):
+        coordinator.round = round_index
+        folders.append(coordinator.checkpoint({"val_loss": 1.0}, outcome="aggregated"))
+    cards = [(folder / "README.md").read_text() for folder in folders]
+    assert "library_name: peft" in cards[0] and cards[1] == cards[0]
+    for folder in folders:
+        assert PeftConfig.from_pretrained(str(folder)).r == settings.lora.r
+        assert (
+            load_file(str(folder / "adapter_model.safetensors")).keys()
+            == adapter_state(coordinator.model).keys()
+        )
