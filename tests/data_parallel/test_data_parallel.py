@@ -290,6 +290,7 @@ def test_two_hosts_agents_meet_at_the_rendezvous_and_train_as_one_job(
         sys.executable, "-m", "data_parallel", "role=worker", "dp.nnodes=2", "dp.workers=1",
         "dp.batch_size=2", *SHORT, "cluster.master.host=127.0.0.1",
         f"cluster.master.port={free_port()}", f"dp.checkpoint_dir={shared}", "num_threads=1",
+        f"dp.join_timeout_s={int(HANG_GUARD_S)}",  # two starts a busy box may keep apart
         "model.lab_preset=debug", "tracking.wandb=false", f"paths.cache_dir={lab_cache}",
     ]  # fmt: skip
     hosts = {name: tmp_path / name for name in ("desktop", "laptop")}
@@ -299,7 +300,7 @@ def test_two_hosts_agents_meet_at_the_rendezvous_and_train_as_one_job(
         procs[name] = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True)  # fmt: skip
     try:
-        outputs = {name: proc.communicate(timeout=240)[0] for name, proc in procs.items()}
+        outputs = {name: proc.communicate(timeout=HANG_GUARD_S)[0] for name, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.kill()
@@ -328,6 +329,7 @@ def test_a_third_host_joining_a_two_to_three_host_job_is_admitted_at_the_next_re
         "dp.last_call_s=1", "dp.batch_size=2", "dp.steps=600", "dp.checkpoint_every=10",
         "dp.eval_every=0", "dp.max_train_blocks=256", "cluster.master.host=127.0.0.1",
         f"cluster.master.port={free_port()}", f"dp.checkpoint_dir={shared}", "num_threads=1",
+        f"dp.join_timeout_s={int(HANG_GUARD_S)}",
         "model.lab_preset=debug", "tracking.wandb=false", f"paths.cache_dir={lab_cache}",
     ]  # fmt: skip
     hosts = {name: tmp_path / name for name in ("desktop", "laptop", "pc")}
