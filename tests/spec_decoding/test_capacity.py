@@ -123,10 +123,8 @@ def test_the_target_alone_pays_for_the_forwards_and_threads_its_loop_measured() 
 
 def test_speculation_on_a_loop_that_batches_less_serves_fewer_sessions_a_forward() -> None:
     near = 0.0005  # the verifier busy: every forward would serve all four
-    assert speculative(one_way_s=near, loop=loop(4.0)) == pytest.approx(  # type: ignore[arg-type]
-        speculative(one_way_s=near)
-    )
-    assert speculative(one_way_s=near, loop=loop(2.0)) < speculative(one_way_s=near)  # type: ignore[arg-type]
-    assert speculative(one_way_s=near, loop=loop(4.0, contention_s=0.001)) < speculative(  # type: ignore[arg-type]
+    assert speculative(one_way_s=near, loop=loop(4.0)) == pytest.approx(speculative(one_way_s=near))
+    assert speculative(one_way_s=near, loop=loop(2.0)) < speculative(one_way_s=near)
+    assert speculative(one_way_s=near, loop=loop(4.0, contention_s=0.001)) < speculative(
         one_way_s=near
     )
