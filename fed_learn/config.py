@@ -45,10 +45,10 @@ class SecAggConfig:
     def __post_init__(self) -> None:
         if self.neighbors < 0:
             raise ValueError(f"fed.secagg.neighbors={self.neighbors} must be >= 0")
-        if not 2 <= self.max_clients <= MAX_CLIENTS + 1:
+        if not 2 <= self.max_clients <= MAX_CLIENTS:
             raise ValueError(
-                f"fed.secagg.max_clients={self.max_clients} must be in 2..{MAX_CLIENTS + 1} "
-                "(client ids travel as 16-bit numbers)"
+                f"fed.secagg.max_clients={self.max_clients} must be in 2..{MAX_CLIENTS} "
+                "(a share's holder index travels as a 16-bit number, 1..65535)"
             )
         if not 0 < self.threshold <= 1:
             raise ValueError(f"fed.secagg.threshold={self.threshold} must be in (0, 1]")

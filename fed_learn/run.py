@@ -42,6 +42,7 @@ def run_coordinator(settings: FedLearnRunConfig) -> dict[str, float]:
     coordinator = Coordinator(settings, model, val)
     # What the process holds by now (model, libraries: ~500k objects) lives as long as it does:
     # kept out of the collector's full passes, each of which would walk it all (~0.4 s CPU)
+    gc.collect()  # what loading left in cycles goes first, not frozen for good
     gc.freeze()
     # a whole roster may share one address (a simulation, a NAT): room for it, as JOINs have
     cluster = settings.cluster

@@ -47,6 +47,8 @@ class Params:
                 f"threshold={self.threshold} must be in 1..{degree + 1} (a client and its "
                 f"{degree} neighbours hold its shares)"
             )
+        if not 0 <= self.round < 2**32:
+            raise ValueError(f"round={self.round} must be in 0..2^32-1 (it travels as 32 bits)")
         if not 0 <= self.frac_bits <= FRAC_BITS_MAX:
             raise ValueError(f"frac_bits={self.frac_bits} must be in 0..{FRAC_BITS_MAX}")
         if not 1 <= self.length <= 2**31:
@@ -128,7 +130,7 @@ def parse_params(payload: Any, *, max_clients: int) -> tuple[Params, int, float,
         )
         weight_cap, bound = int(payload["weight_cap"]), float(payload["bound"])
         share_std = float(payload.get("noise_std", 0.0))
-    except (KeyError, TypeError, binascii.Error) as exc:
+    except (KeyError, TypeError, OverflowError, binascii.Error) as exc:  # float(10**400)
         raise ValueError(f"the task's secure parameters are malformed ({exc})") from None
     if not 1 <= weight_cap < 2**31 or not 0 < bound < float("inf"):
         raise ValueError("the task's secure weight cap or bound is out of range")

@@ -34,6 +34,10 @@ IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
 MAX_PACKET = 65536
 BATCH = 256
+MAX_HELD = 10_000
+"""Packets the forwarder holds at most (a veth's default txqueuelen is 1,000; 10x that)."""
+MAX_HELD_BYTES = 64 << 20
+"""Bytes it holds at most: past either bound a packet is dropped and counted."""
 """Packets read per wake-up before the due ones are sent (bounds the delay's jitter)."""
 
 
@@ -70,6 +74,9 @@ class ForwardStats:
     late_sum_ms: float = 0.0
     min_hold_ms: float = float("inf")
     """The shortest time a packet was held, read to write (never under the delay)."""
+    dropped: int = 0
+    """Packets read while the hold was full (MAX_HELD packets or MAX_HELD_BYTES): dropped, as
+    a full queue on a real link drops them."""
 
     def count(self, hold_s: float, late_s: float) -> None:
         late_ms = max(0.0, late_s * 1e3)
@@ -88,6 +95,7 @@ class ForwardStats:
             "late_bounds_ms": list(LATE_BOUNDS_MS),
             "late_counts": self.late_counts,
             "min_hold_ms": self.min_hold_ms if self.packets else 0.0,
+            "dropped": self.dropped,
         }
 
 
@@ -98,10 +106,15 @@ def forward(
     stop: list[bool],
     clock: Callable[[], float] = time.monotonic,
     stats: ForwardStats | None = None,
+    max_held: int = MAX_HELD,
+    max_held_bytes: int = MAX_HELD_BYTES,
 ) -> int:
     """Hold what `fd` gives for `delay_s` and write it back, in order, until `stop[0]`; packets
-    forwarded. `stats`, when given, counts each packet's hold and lateness."""
+    forwarded. `stats`, when given, counts each packet's hold and lateness. What arrives while
+    `max_held` packets or `max_held_bytes` are held is read and dropped (a flood costs a
+    bounded queue, and the forwarder never spins on a device it stopped reading)."""
     held: collections.deque[tuple[float, bytes]] = collections.deque()
+    held_bytes = 0
     forwarded = 0
     while not stop[0]:
         timeout = max(0.0, held[0][0] - clock()) if held else 0.5
@@ -113,12 +126,19 @@ def forward(
             due = clock() + delay_s
             for _ in range(BATCH):
                 try:
-                    held.append((due, os.read(fd, MAX_PACKET)))
+                    packet = os.read(fd, MAX_PACKET)
                 except BlockingIOError:
                     break
+                if len(held) >= max_held or held_bytes + len(packet) > max_held_bytes:
+                    if stats is not None:
+                        stats.dropped += 1
+                    continue
+                held.append((due, packet))
+                held_bytes += len(packet)
         now = clock()
         while held and held[0][0] <= now:
             packet_due, packet = held.popleft()
+            held_bytes -= len(packet)
             try:
                 os.write(fd, packet)
             except OSError:  # a packet the stack refuses (its route gone): dropped, as a link would
@@ -132,7 +152,11 @@ def forward(
 
 REALTIME_PRIORITY = 10
 """SCHED_FIFO priority of `forward --realtime`: above every ordinary process, so a packet due
-goes out when due, whatever the hosts compute; below the kernel's own threads (50)."""
+goes out when due, whatever the hosts compute; below threaded interrupt handlers (50), though
+above the kernel's ordinary-priority threads (ksoftirqd, kworkers) on its core. A flood from a
+namespace host costs it at most the kernel's real-time throttle (sched_rt_runtime_us, 95% of a
+core by default) and a bounded hold (MAX_HELD, MAX_HELD_BYTES): the harness's own processes are
+its only senders."""
 STATS_PREFIX = "linkdelay stats: "
 """How the forwarder's last line, its `ForwardStats.summary()` as JSON, begins."""
 PROBE_BYTES = 4 << 20

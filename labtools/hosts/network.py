@@ -374,7 +374,10 @@ class Network:
             proc.stdout.close()
             for line in said.splitlines():
                 if line.startswith(STATS_PREFIX):
-                    stats = json.loads(line[len(STATS_PREFIX) :])
+                    try:  # a garbled line loses the counts, never the namespaces' removal
+                        stats = json.loads(line[len(STATS_PREFIX) :])
+                    except json.JSONDecodeError:
+                        continue
                     self.forwarder_stats.append({"delay_ms": self.delay_ms, **stats})
 
     @staticmethod

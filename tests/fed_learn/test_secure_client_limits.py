@@ -136,6 +136,21 @@ def test_parse_params_refuses_more_clients_than_the_cap_in_one_line() -> None:
     assert params.clients == tuple(range(10))
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("bound", 10**400), ("noise_std", 10**400), ("round", 2**32), ("round", -1)],
+)
+def test_a_lying_coordinators_out_of_range_number_costs_the_round_not_the_client(
+    field: str, value: int
+) -> None:
+    """A JSON integer too big for a float, or a round that cannot travel in 32 bits: a
+    ValueError the client's round loop catches (an OverflowError or struct.error would have
+    ended the client process)."""
+    payload = {**_huge_round(4), "clients": list(range(10)), "threshold": 3, field: value}
+    with pytest.raises(ValueError):
+        secure.parse_params(payload, max_clients=10)
+
+
 def test_a_client_works_out_its_neighbours_without_the_whole_graph() -> None:
     """All 65,536 ids at SecAgg+'s degree 14: a client's neighbourhood comes from the shuffled
     ring alone (megabytes), never the graph; and it is the one the coordinator relays by."""
@@ -183,7 +198,7 @@ def _harary(params: Params) -> dict[int, tuple[int, ...]]:
 
 
 def test_the_cap_is_validated_and_a_secure_round_must_fit_it() -> None:
-    with pytest.raises(ValueError, match=r"fed.secagg.max_clients=1 must be in 2\.\.65536"):
+    with pytest.raises(ValueError, match=r"fed.secagg.max_clients=1 must be in 2\.\.65535"):
         SecAggConfig(max_clients=1)
     with pytest.raises(ValueError, match=r"fed\.min_fit_clients=20 is more than fed\.secagg\.max"):
         FedConfig(

@@ -48,6 +48,34 @@ def test_every_packet_comes_back_in_order_and_never_before_its_delay() -> None:
     assert sum(stats.late_counts) == 40
 
 
+def test_a_flood_past_the_hold_is_dropped_and_counted_and_the_rest_kept_in_order() -> None:
+    """More packets than the hold takes arrive at once: the first `max_held` come back, in
+    order, the rest are read and dropped (counted), as a full queue on a link drops them."""
+    ours, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    its.setblocking(False)
+    for number in range(30):  # all queued before the forwarder's first read
+        ours.send(number.to_bytes(4, "big"))
+    stop, stats, forwarded = [False], ForwardStats(), []
+    thread = threading.Thread(
+        target=lambda: forwarded.append(
+            forward(its.fileno(), DELAY_S, stop=stop, stats=stats, max_held=10)
+        )
+    )
+    thread.start()
+    received: list[int] = []
+    try:
+        ours.settimeout(30)
+        while len(received) < 10:
+            received.append(int.from_bytes(ours.recv(64)[:4], "big"))
+    finally:
+        stop[0] = True
+        thread.join(timeout=30)
+        ours.close()
+        its.close()
+    assert received == list(range(10))
+    assert forwarded == [10] and stats.dropped == 20 and stats.summary()["dropped"] == 20
+
+
 def test_the_stats_put_each_packet_in_its_lateness_bucket() -> None:
     stats = ForwardStats()
     stats.count(0.005, 0.00003)  # 0.03 ms late: under the first bound
