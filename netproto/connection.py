@@ -173,9 +173,14 @@ class Connection:
             ) from None
         try:
             if ssl_context is not None:
-                sock = ssl_context.wrap_socket(
-                    sock, server_hostname=server_hostname or host, do_handshake_on_connect=False
-                )
+                try:
+                    sock = ssl_context.wrap_socket(
+                        sock, server_hostname=server_hostname or host, do_handshake_on_connect=False
+                    )
+                except OSError as exc:  # reset between connect and TLS: a server going down
+                    raise ConnectionClosed(
+                        f"{host}:{port} closed the connection before TLS: {exc.strerror or exc}"
+                    ) from None
             conn = cls(
                 sock,
                 limits=limits,

@@ -124,6 +124,39 @@ def test_connecting_to_a_closed_port_is_a_clear_error() -> None:
         Connection.connect("127.0.0.1", port, connect_timeout_s=2)
 
 
+def test_a_server_gone_between_connect_and_tls_is_connection_closed(monkeypatch) -> None:
+    """The TCP connect lands in a dying server's backlog, then the server goes (its listener
+    closed: the kernel resets the queued connection) before TLS starts: ConnectionClosed,
+    which a client dialling again retries (lab.cluster.connect_when_ready), not a raw
+    ConnectionResetError that ended a fed_learn client whose coordinator was being restarted."""
+    import ssl
+
+    import netproto.connection as connection_module
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    real = socket.create_connection
+
+    def connect_then_server_goes(*args, **kwargs):
+        sock = real(*args, **kwargs)
+        listener.close()  # never accepted: the queued connection is reset
+        deadline = time.monotonic() + HANG_GUARD_S
+        while time.monotonic() < deadline:  # until the reset has arrived
+            try:
+                sock.getpeername()
+            except OSError:
+                break
+            time.sleep(0.01)
+        return sock
+
+    monkeypatch.setattr(connection_module.socket, "create_connection", connect_then_server_goes)
+    context = ssl.create_default_context()
+    with pytest.raises(ConnectionClosed, match=f"127.0.0.1:{port} closed the connection"):
+        Connection.connect("127.0.0.1", port, ssl_context=context, connect_timeout_s=5)
+
+
 def test_peer_vanishing_mid_frame_is_a_truncation_error(start_server) -> None:
     def half_frame_handler(conn: Connection) -> None:
         conn.recv()
