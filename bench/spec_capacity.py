@@ -338,12 +338,14 @@ def capacity_bench(
     print(f"batched forward over n tokens of {CLIENTS} sessions (ms): {curve['batched_ms']}; "
           f"one session alone: {curve['alone_ms']}")  # fmt: skip
     loop = shared_loop(pair.target, prompts)
-    print(f"{CLIENTS} sessions decoding in threads through one batcher (no link): "
-          f"{loop.rows_per_forward:.2f} sessions a forward, forwards "
-          f"{loop.forward_s_per_token * 1e3:.3f} ms a token, beyond them "
-          f"{loop.extra_s_per_token * 1e3:.3f} ms a token (one session alone: "
-          f"{loop.single_extra_s_per_token * 1e3:.3f}); contention "
-          f"{loop.contention_s_per_token * 1e3:.3f} ms a token")  # fmt: skip
+    print(
+        f"{CLIENTS} sessions decoding in threads through one batcher (no link): "
+        f"{loop.rows_per_forward:.2f} sessions a forward, forwards "
+        f"{loop.forward_s_per_token * 1e3:.3f} ms a token, beyond them "
+        f"{loop.extra_s_per_token * 1e3:.3f} ms a token (one session alone: "
+        f"{loop.single_extra_s_per_token * 1e3:.3f}); contention "
+        f"{loop.contention_s_per_token * 1e3:.3f} ms a token"
+    )
     load_before = os.getloadavg()
     sources = {"draft": pair.draft_source, "preset": pair.preset, "cache_dir": str(cache_dir)}
     clients = Clients(sources)

@@ -174,8 +174,15 @@ def test_a_client_works_out_its_neighbours_without_the_whole_graph() -> None:
     assert all(4242 in t for t in theirs)  # symmetric
     assert peak < 64 * 2**20  # the complete graph's would be ~2^32 entries
     for count, degree in ((20, 5), (21, 5), (21, 6), (9, 8), (9, 30), (40, 14)):
-        small = Params(round=0, clients=tuple(range(0, 3 * count, 3)), threshold=2,
-                       neighbors=degree, frac_bits=16, length=10, graph_seed=b"seed")  # fmt: skip
+        small = Params(
+            round=0,
+            clients=tuple(range(0, 3 * count, 3)),
+            threshold=2,
+            neighbors=degree,
+            frac_bits=16,
+            length=10,
+            graph_seed=b"seed",
+        )
         assert small.graph() == _harary(small), (count, degree)
 
 

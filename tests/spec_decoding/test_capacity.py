@@ -88,9 +88,12 @@ def test_overhead_is_what_the_forwards_leave_of_the_measured_cpu() -> None:
 def loop(rows: float, *, contention_s: float = 0.0) -> SharedLoop:
     """Four sessions' loop whose forwards serve `rows` sessions each, at the curve's cost."""
     return SharedLoop(
-        sessions=4, rows_per_forward=rows, forward_s_per_token=COSTS.seconds(rows) / rows,
-        extra_s_per_token=0.0005 + contention_s, single_extra_s_per_token=0.0005,
-    )  # fmt: skip
+        sessions=4,
+        rows_per_forward=rows,
+        forward_s_per_token=COSTS.seconds(rows) / rows,
+        extra_s_per_token=0.0005 + contention_s,
+        single_extra_s_per_token=0.0005,
+    )
 
 
 def test_a_shared_loop_says_how_full_its_forwards_were_and_what_threads_added() -> None:
@@ -99,9 +102,12 @@ def test_a_shared_loop_says_how_full_its_forwards_were_and_what_threads_added() 
     assert loop(1.0).fill == 0.0
     assert loop(3.0, contention_s=0.0002).contention_s_per_token == pytest.approx(0.0002)
     fewer = SharedLoop(
-        sessions=4, rows_per_forward=4, forward_s_per_token=0.001, extra_s_per_token=0.0001,
+        sessions=4,
+        rows_per_forward=4,
+        forward_s_per_token=0.001,
+        extra_s_per_token=0.0001,
         single_extra_s_per_token=0.0003,
-    )  # fmt: skip
+    )
     assert fewer.contention_s_per_token == 0.0  # threads never make a token cheaper
 
 
@@ -109,8 +115,9 @@ def test_the_target_alone_pays_for_the_forwards_and_threads_its_loop_measured() 
     """A full loop without contention predicts what the curve alone does; forwards that serve
     fewer sessions, or threads that add CPU, predict fewer tokens per CPU-second, by exactly
     their measured cost."""
-    kwargs = dict(sessions=4, batch=COSTS, overhead_s_per_token=0.001, one_way_s=0.05,
-                  max_new_tokens=64)  # fmt: skip
+    kwargs = dict(
+        sessions=4, batch=COSTS, overhead_s_per_token=0.001, one_way_s=0.05, max_new_tokens=64
+    )
     plain = predict_target_alone(**kwargs)  # type: ignore[arg-type]
     full = predict_target_alone(**kwargs, loop=loop(4.0))  # type: ignore[arg-type]
     assert full.tokens_per_cpu_s == pytest.approx(plain.tokens_per_cpu_s)
