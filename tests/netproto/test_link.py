@@ -10,7 +10,7 @@ import torch
 from netproto import Connection, LinkEmulator, LinkEmulatorProcess, MsgType
 
 
-def median_round_trip_s(address: tuple[str, int], samples: int = 5) -> float:
+def round_trips_s(address: tuple[str, int], samples: int = 5) -> list[float]:
     with Connection.connect(*address) as conn:
         conn.ping()
         times = []
@@ -18,18 +18,19 @@ def median_round_trip_s(address: tuple[str, int], samples: int = 5) -> float:
             started = time.perf_counter()
             conn.ping()
             times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+    return times
 
 
 @pytest.mark.parametrize("emulator", [LinkEmulator, LinkEmulatorProcess])
 def test_delay_is_added_each_way(start_server, emulator) -> None:
     server = start_server()
-    direct = median_round_trip_s(server.address)
     with emulator(server.address, delay_ms=40) as link:
-        shaped = median_round_trip_s(link.address)
-    assert shaped >= 0.080  # 40 ms there + 40 ms back
-    assert shaped - direct >= 0.079
-    # (No upper bound: how much more a round trip takes on a busy machine is the machine's.)
+        shaped = round_trips_s(link.address)
+    # Every round trip, not the median, holds 40 ms there + 40 ms back: the emulator stamps a
+    # chunk after it read it and sends it no sooner than that stamp + the delay. (No upper bound,
+    # and no comparison with an unshaped round trip: the difference of two medians taken at
+    # different moments is the machine's load, not the link's delay; CI once saw 77 ms so.)
+    assert min(shaped) >= 0.080, shaped
 
 
 def test_link_process_goes_when_stopped(start_server) -> None:
