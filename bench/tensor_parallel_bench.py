@@ -127,6 +127,7 @@ def _arm(
     rank: int,
     ranks: int,
     port: int,
+    secret: str,
     folder: str,
     cores: list[int],
     engine: str,
@@ -184,7 +185,7 @@ def _arm(
         row["weight_bytes"] = sum(p.numel() * 4 for p in model.parameters())
         Path(out).write_text(json.dumps(row))
         return
-    cluster = ClusterConfig(master=Endpoint("127.0.0.1", port), secret="bench-only-loopback")
+    cluster = ClusterConfig(master=Endpoint("127.0.0.1", port), secret=secret)  # a fresh one an arm
     with tp_group(cluster, rank=rank, ranks=ranks, timeout_s=300) as group:
         sharded = load_sharded(
             Path(folder),
@@ -210,12 +211,13 @@ def run_arm(arm: str, folder: Path, task: dict[str, Any], engine: str = "local")
     out = WORK / f"arm-{arm}-{os.getpid()}.json"
     out.unlink(missing_ok=True)
     port = free_port("127.0.0.1")
+    secret = os.urandom(16).hex()  # through spawn's pipe, not argv: no other user reads it
     if arm == "2x1":
         plan = [(r, 2, [cores[r % len(cores)]]) for r in range(2)]
     else:
         plan = [(0, 1, cores[:1] if arm == "1x1" else cores[:2])]
     procs = [
-        ctx.Process(target=_arm, args=(r, n, port, str(folder), c, engine, task, str(out)))
+        ctx.Process(target=_arm, args=(r, n, port, secret, str(folder), c, engine, task, str(out)))
         for r, n, c in plan
     ]
     for p in procs:
