@@ -51,12 +51,14 @@ from fed_learn.protocol import (
     parse_result,
     printable,
 )
+from fed_learn.rounds import logged_steps, unlogged_rounds
 from fed_learn.secure_inbox import InputDigests, SecureInbox, Skipped
 from fed_learn.server_opt import ServerOptimizer
 from fed_learn.strategy import Strategy
 from lab import atomic
 from lab.cli import ConfigError
 from lab.losses import evaluate
+from lab.records import METRICS_FILE
 from lab.tracking import Tracker
 from netproto import Connection, NetprotoError
 
@@ -325,6 +327,13 @@ class Coordinator:
         if self.initial_loss is None:
             self.initial_loss = evaluate(self.model, self.val_blocks)
             tracker.log({"val_loss": self.initial_loss}, step=start)
+        if start:  # resumed: a round checkpointed but not logged before the crash is logged now
+            logged = logged_steps(tracker.run_dir / METRICS_FILE)
+            for step, metrics in unlogged_rounds(self.history, start, logged):
+                log.warning(
+                    "round %d: checkpointed but not logged before the stop: logged now", step
+                )
+                tracker.log(metrics, step=step)
         return self.initial_loss
 
     def rounds_to_run(self) -> range:

@@ -3,11 +3,13 @@ their progress bar and the averages a run reports over its rounds."""
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -111,3 +113,34 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
         "mean_round_s": seconds / len(history),
         "coordinator_cpu_ms_per_round": sum(cpu_ms) / len(cpu_ms) if cpu_ms else 0.0,
     }
+
+
+def logged_steps(metrics_file: Path) -> set[int]:
+    """The steps a metrics file has a row for (none if there is no file); a line a crash cut
+    short is skipped, not fatal: it is the row that went missing."""
+    steps: set[int] = set()
+    lines = metrics_file.read_text().splitlines() if metrics_file.is_file() else []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(row, dict)
+            and row.get("kind") == "metrics"
+            and isinstance(row.get("step"), int)
+        ):
+            steps.add(row["step"])
+    return steps
+
+
+def unlogged_rounds(
+    history: list[dict[str, float]], last_round: int, logged: Iterable[int]
+) -> list[tuple[int, dict[str, float]]]:
+    """(step, metrics) of the checkpointed rounds missing from `logged`: `history` is a
+    checkpoint's, its last entry round `last_round` (1-based, the step it is logged at). A
+    coordinator killed between round k's checkpoint and its log line leaves round k only in the
+    checkpoint; the resumed run logs it from there, once."""
+    have = set(logged)
+    first = last_round - len(history) + 1
+    return [(first + i, metrics) for i, metrics in enumerate(history) if first + i not in have]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -194,3 +197,24 @@ def test_update_norm_is_the_distance_over_every_tensor_in_float64() -> None:
     assert huge == pytest.approx(3e38 * 2**0.5)  # finite: float32 squares would overflow
     nan = {"a": torch.tensor([float("nan"), 0.0]), "b": torch.ones(1)}
     assert update_norm(nan, reference) != update_norm(nan, reference)  # nan
+
+
+def test_a_resumed_run_logs_only_the_checkpointed_rounds_its_metrics_file_lacks(
+    tmp_path: Path,
+) -> None:
+    """A coordinator killed between round 3's checkpoint and its log line: the checkpoint's
+    history has rounds 1-3, the file 0-2 and a line the kill cut short. Only round 3 is logged
+    on resume, at step 3, with the checkpoint's figures."""
+    from fed_learn.rounds import logged_steps, unlogged_rounds
+
+    metrics_file = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "metrics", "step": s, "val_loss": 5.0 - s} for s in range(3)]
+    lines = [json.dumps(r) for r in rows] + [json.dumps({"kind": "summary"}), '{"kind": "metr']
+    metrics_file.write_text("\n".join(lines))
+    assert logged_steps(metrics_file) == {0, 1, 2}
+    assert logged_steps(tmp_path / "none.jsonl") == set()
+    history = [{"val_loss": 4.0}, {"val_loss": 3.0}, {"val_loss": 2.5}]
+    assert unlogged_rounds(history, 3, logged_steps(metrics_file)) == [(3, {"val_loss": 2.5})]
+    assert unlogged_rounds(history, 3, {0, 1, 2, 3}) == []  # nothing logged twice
+    # a resume into a fresh folder gets the whole checkpointed run, each at its own step
+    assert [s for s, _ in unlogged_rounds(history, 3, set())] == [1, 2, 3]
