@@ -245,3 +245,29 @@ def test_an_adapter_of_other_names_dtypes_or_no_tensors_is_refused_in_one_line(
         with pytest.raises(ValueError, match="adapter tensor") as refused:
             check_adapter_state(model, sent)
         assert "\n" not in str(refused.value), why
+
+
+def test_a_real_secure_dp_run_passes_every_clients_floor(
+    compose_config, tiny_models: Path, caplog
+) -> None:
+    """An honest coordinator and its clients of one config (3 simulated, secure aggregation,
+    DP whose noise multiplier both work out from fed.dp.target_epsilon, a sparse graph): every
+    round is taken by every client (none refuses its parameters) and nothing is refused."""
+    from fed_learn.run import run
+
+    from .test_secure_rounds import REAL
+
+    overrides = [
+        *REAL,
+        "fed.rounds=2",
+        "fed.secure_aggregation=true",
+        "fed.secagg.neighbors=1",
+        "fed.secagg.threshold=0.6",
+        "fed.dp.enabled=true",
+        "fed.dp.target_epsilon=50",
+        "fed.dp.weight_cap=8",
+    ]
+    with caplog.at_level(logging.WARNING, logger="fed_learn.client"):
+        metrics = run(compose_config("fed_learn", overrides))
+    assert metrics["mean_clients_per_round"] == 3 and metrics["refused"] == 0
+    assert not [r for r in caplog.records if r.name == "fed_learn.client"]
