@@ -13,15 +13,38 @@ import torch
 
 from fed_learn.aggregate import lora_modules
 from fed_learn.compression import ErrorFeedback
-from fed_learn.config import SecAggConfig
-from fed_learn.lora import adapter_state, load_adapter_state, train_local
+from fed_learn.config import FedConfig, SecAggConfig
+from fed_learn.lora import adapter_state, check_adapter_state, load_adapter_state, train_local
+from fed_learn.privacy import run_noise_multiplier
 from fed_learn.protocol import FedMsg
 from fed_learn.secagg import RoundFailed
+from fed_learn.secagg_params import RoundFloor
 from fed_learn.secure import RoundAbandoned, client_round
 from lab.losses import evaluate
 from netproto import Connection, MsgType, NetprotoError
 
 log = logging.getLogger(__name__)
+
+
+def round_floor(fed: FedConfig) -> RoundFloor:
+    """The weakest round a client of `fed` takes part in: its own fed.secure_aggregation,
+    fed.secagg.threshold and neighbors, and under DP its noise (the run's multiplier, worked
+    out from fed.dp as the coordinator does), fed.dp.clip_norm and fed.dp.weight_cap."""
+    dp = fed.dp
+    return RoundFloor(
+        secure=fed.secure_aggregation,
+        threshold=fed.secagg.threshold,
+        neighbors=fed.secagg.neighbors,
+        noise_multiplier=run_noise_multiplier(fed) if dp.enabled else 0.0,
+        clip_norm=dp.clip_norm if dp.enabled else float("inf"),
+        weight_cap=dp.weight_cap if dp.enabled else RoundFloor.weight_cap,
+    )
+
+
+def _round(task: object) -> object:
+    """The task's round, counted from 1, for a log line (whatever the coordinator sent)."""
+    number = task.get("round") if isinstance(task, dict) else None
+    return number + 1 if type(number) is int else "?"
 
 
 class LoRAClient:
@@ -35,6 +58,7 @@ class LoRAClient:
         seed: int = 0,
         index: int | None = None,
         max_round_clients: int = SecAggConfig.max_clients,
+        floor: RoundFloor | None = None,
     ) -> None:
         self.model = model
         self.train_blocks = train_blocks
@@ -48,6 +72,8 @@ class LoRAClient:
         """Rounds taken part in, over every session with the coordinator."""
         self.max_round_clients = max_round_clients
         """fed.secagg.max_clients: a secure round listing more is left before anything is built."""
+        self.floor = round_floor(FedConfig()) if floor is None else floor
+        """The weakest round taken part in (`round_floor` of the run's config; the defaults')."""
 
     def run(self, conn: Connection, *, heartbeat_s: float, timeout_s: float | None = None) -> int:
         """Join, then train whenever asked until FINISH; returns the rounds taken part in.
@@ -84,6 +110,16 @@ class LoRAClient:
                     return self.rounds
                 task = message.payload
                 global_state = conn.recv_tensors(FedMsg.GLOBAL, timeout_s=timeout_s)
+                try:  # before anything is loaded, trained or sent
+                    check_adapter_state(self.model, global_state)
+                    if not task.get("secure") and message.type == FedMsg.TASK and self.floor.secure:
+                        raise ValueError(
+                            "a plain round; this client's fed.secure_aggregation=true sends its "
+                            "update masked only"
+                        )
+                except ValueError as exc:
+                    log.warning("round %s: refused the coordinator's task: %s", _round(task), exc)
+                    continue
                 if message.type == FedMsg.EVALUATE:
                     conn.send_msg(FedMsg.EVAL_RESULT, self.evaluate_global(task, global_state))
                     continue
@@ -102,6 +138,7 @@ class LoRAClient:
                         weight=len(self.train_blocks),
                         timeout_s=timeout_s,
                         max_clients=self.max_round_clients,
+                        floor=self.floor,
                     )
                 except RoundAbandoned as moved:
                     log.warning("round %d: the coordinator moved on", int(task["round"]) + 1)

@@ -59,15 +59,35 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
-def load_adapter_state(model: Any, state: dict[str, torch.Tensor]) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+def check_adapter_state(model: Any, state: Any) -> None:
+    """ValueError, in one line, unless `state` is a non-empty subset of this model's adapter
+    tensors (FFA-LoRA's B alone is one), each of its shape and of a real floating dtype (a
+    load casts it to the model's: a party on another device may hold another precision).
+    What a peer sends is checked so before PEFT loads it (PEFT's RuntimeError would end the
+    process)."""
+    from peft import get_peft_model_state_dict
 
-    expected = set(get_peft_model_state_dict(model))  # the names: no copy needed
-    if not state or not set(state) <= expected:
+    own = get_peft_model_state_dict(model)  # the model's own tensors: no copy made
+    if not isinstance(state, dict) or not state or not set(state) <= set(own):
+        names = set(state) if isinstance(state, dict) else set()
         raise ValueError(
-            f"adapter tensors do not match this model's LoRA layout: "
-            f"{sorted(set(state) ^ expected)[:4]}"
+            f"adapter tensors do not match this model's LoRA layout: {sorted(names ^ set(own))[:4]}"
         )
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+            kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"adapter tensor {name} is {kind}, not a floating point tensor")
+        if tensor.shape != own[name].shape:
+            raise ValueError(
+                f"adapter tensor {name} has shape {list(tensor.shape)[:8]}; this model's is "
+                f"{list(own[name].shape)}"
+            )
+
+
+def load_adapter_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    check_adapter_state(model, state)
     set_peft_model_state_dict(model, state)  # a subset (FFA-LoRA's B): the rest stay as held
 
 

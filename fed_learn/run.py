@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fed_learn.client import LoRAClient
+from fed_learn.client import LoRAClient, round_floor
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.lora import block_size, client_data, peft_model, train_local, validation_blocks
@@ -98,6 +98,7 @@ def run_client(settings: FedLearnRunConfig) -> dict[str, float]:
         index=settings.client_index,
         name=settings.client_name or f"client{settings.client_index}",
         max_round_clients=settings.fed.secagg.max_clients,
+        floor=round_floor(settings.fed),
     )
     with emulated_link(settings.cluster, address) as dial:  # cluster.link.*: a LAN/WAN here
         rounds = take_part(client, settings=settings, address=dial)
@@ -119,6 +120,7 @@ def run_simulator(settings: FedLearnRunConfig) -> dict[str, float]:
     first = settings.client_index
     indices = range(first, min(fed.num_clients, first + max(fed.simulate, 1)))
     turn = threading.RLock()
+    floor = round_floor(fed)
     clients = []
     for index in indices:
         train, val = shard(settings, tokenizer, model, index)
@@ -133,6 +135,7 @@ def run_simulator(settings: FedLearnRunConfig) -> dict[str, float]:
                 turn=turn,
                 dropout=fed.simulate_dropout,
                 max_round_clients=fed.secagg.max_clients,
+                floor=floor,
             )
         )
     address = (settings.fed.coordinator.host, settings.fed.coordinator.port)

@@ -94,6 +94,10 @@ BOX_BYTES = _BOX_PLAIN + 16  # the Poly1305 tag
 COMMIT_BYTES = 32
 SEED = "seed"
 KEY = "key"
+RETRIES_PER_SECRET = 2
+"""Rebuilds of one secret past the round's batch when its check fails, each from at most
+threshold + 1 shares (`Server._rebuild`): a round's wrong shares cost it at most twice the
+secrets it rebuilds, each O(threshold^2) field products, whoever sends them."""
 
 
 class Refused(ValueError):
@@ -376,6 +380,10 @@ class Server:
         self.graph = self.params.graph()
         self._first: dict[tuple[int, str], bytes] = {}
         """(owner, kind) -> the secret rebuilt from its first `threshold` shares."""
+        self.liars: set[int] = set()
+        """Revealers caught with a wrong share: their shares are left out of later rebuilds."""
+        self.retries = 0
+        """Rebuilds past the batch (at most RETRIES_PER_SECRET a secret)."""
 
     def add_keys(self, client: int, c_public: bytes, s_public: bytes) -> None:
         self._member(client)
@@ -484,29 +492,41 @@ class Server:
         ]
 
     def _rebuild(self, owner: int, kind: str, check: object) -> tuple[bytes, list[Refused]]:
-        """`owner`'s secret from its revealed shares, checked (`check(secret) -> bool`); with
-        more shares than the threshold, a share that breaks the check is found by leaving one
-        out at a time and its revealer refused."""
-        shares = self._shares_of(owner, kind)
-        if len(shares) < self.params.threshold:
-            raise RoundFailed(
-                f"{len(shares)} shares of client {owner}'s {kind}; the threshold is "
-                f"{self.params.threshold}"
-            )
-        shares.sort(key=lambda got: got[1][0])
-        secret = self._first.get((owner, kind))  # rebuilt in the round's batch, or now
-        if secret is None:
-            secret = _combine([s for _, s in shares[: self.params.threshold]], kind)
-        if check(secret):  # type: ignore[operator]
+        """`owner`'s secret, checked (`check(secret) -> bool`): the batch's, from its first
+        `threshold` shares by index. If that fails, at most RETRIES_PER_SECRET more, the
+        shares of revealers already caught left out: the first `threshold` again (if a caught
+        one was among them), then each secret of the first threshold + 1 less one
+        (`shamir.leave_one_out`: one basis's work); the share whose absence passes the check
+        was wrong, and its revealer is refused and left out from then on. Two wrong shares
+        among those fail the round."""
+        k = self.params.threshold
+        shares = sorted(self._shares_of(owner, kind), key=lambda got: got[1][0])
+        secret = self._first.get((owner, kind))  # rebuilt in the round's batch
+        if secret is not None and check(secret):  # type: ignore[operator]
             return secret, []
-        for skip in range(len(shares)):
-            rest = shares[:skip] + shares[skip + 1 :]
-            if len(rest) < self.params.threshold:
-                break
-            secret = _combine([s for _, s in rest], kind)
+        stale = secret is None or any(revealer in self.liars for revealer, _ in shares[:k])
+        shares = [got for got in shares if got[0] not in self.liars]
+        if len(shares) < k:
+            raise RoundFailed(
+                f"{len(shares)} shares of client {owner}'s {kind}; the threshold is {k}"
+            )
+        if stale:
+            self.retries += 1
+            secret = _combine([s for _, s in shares[:k]], kind)
             if check(secret):  # type: ignore[operator]
-                revealer = shares[skip][0]
-                return secret, [Refused(revealer, f"a wrong share of client {owner}'s {kind}")]
+                return secret, []
+        window = shares[: k + 1]
+        if len(window) > k:
+            self.retries += 1
+            candidates = shamir.leave_one_out(
+                [s for _, s in window], pieces=1 if kind == SEED else 2
+            )
+            for (revealer, _), candidate in zip(window, candidates, strict=True):
+                if check(candidate):  # type: ignore[operator]
+                    self.liars.add(revealer)
+                    return candidate, [
+                        Refused(revealer, f"a wrong share of client {owner}'s {kind}")
+                    ]
         raise RoundFailed(f"client {owner}'s {kind} does not rebuild from its shares")
 
     def aggregate(self) -> tuple[np.ndarray, int, list[Refused]]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
 
 from fed_learn.fixed_point import FRAC_BITS_MAX
+from fed_learn.privacy import noise_std
 
 MAX_CLIENTS = 65_535
 """Client ids and share indices travel as 16-bit numbers."""
@@ -85,6 +87,74 @@ class Params:
             cached = (ring, {c: i for i, c in enumerate(ring)})
             object.__setattr__(self, "_ring_cache", cached)  # frozen: a cache, not a field
         return cached
+
+
+def shares_needed(fraction: float, degree: int) -> int:
+    """The threshold for fed.secagg.threshold=`fraction` when each client has `degree`
+    neighbours: that fraction of a client and its neighbours, rounded up, at least 2 (at most
+    all of them). The coordinator picks it so; a client refuses a round asking fewer."""
+    return min(degree + 1, max(2, math.ceil(fraction * (degree + 1))))
+
+
+@dataclass(frozen=True)
+class RoundFloor:
+    """The weakest secure round a client takes part in, from its own config (`client.
+    round_floor`): a coordinator that announces less (a lying one, one configured weaker, or a
+    stranger holding the federation's secret) costs itself this client's round, in one line
+    naming the key. The defaults are the least any config allows."""
+
+    secure: bool = False
+    """fed.secure_aggregation: a plain round (its update sent in clear) is refused."""
+    threshold: float = 0.0
+    """fed.secagg.threshold: the fewest shares that rebuild this client's secrets, as a
+    fraction of it and its neighbours (`shares_needed`: at least 2)."""
+    neighbors: int = 1
+    """fed.secagg.neighbors: the fewest neighbours (0: every client of the round)."""
+    noise_multiplier: float = 0.0
+    """DP (fed.dp.enabled): the run's noise multiplier (`privacy.run_noise_multiplier`); 0: off."""
+    clip_norm: float = math.inf
+    """DP: fed.dp.clip_norm, the most the round may clip this client's update to."""
+    weight_cap: int = 2**31 - 1
+    """DP: fed.dp.weight_cap, the most weight the round may let this client use."""
+
+    def check(self, params: Params, *, weight_cap: int, bound: float, share_std: float) -> None:
+        """ValueError, in one line naming the config key, if the round's parameters are weaker
+        than this floor: fewer neighbours or a lower threshold, or under DP a wider clip, a
+        higher weight cap or a noise share smaller than this client's settings give (the
+        noise of any `threshold` shares must add up to noise_multiplier x clip_norm x
+        weight_cap)."""
+        others = len(params.clients) - 1
+        degree = min(params.neighbors, others)
+        wanted = min(self.neighbors or others, others)
+        if degree < wanted:
+            raise ValueError(
+                f"the round gives each client {degree} neighbours; this client's "
+                f"fed.secagg.neighbors={self.neighbors} asks for {wanted}"
+            )
+        need = shares_needed(self.threshold, degree)
+        if params.threshold < need:
+            raise ValueError(
+                f"the round's threshold is {params.threshold} shares of {degree + 1}; this "
+                f"client's fed.secagg.threshold={self.threshold:g} needs at least {need}"
+            )
+        if self.noise_multiplier <= 0:
+            return
+        if not bound <= self.clip_norm or weight_cap > self.weight_cap:
+            raise ValueError(
+                f"the round clips to {bound:g} with a weight cap of {weight_cap}; this client's "
+                f"fed.dp.clip_norm={self.clip_norm:g} and fed.dp.weight_cap={self.weight_cap} "
+                "are the most its noise covers"
+            )
+        floor = noise_std(
+            self.noise_multiplier, self.clip_norm * self.weight_cap, shares=params.threshold
+        )
+        if not share_std >= floor * (1 - 1e-9):  # float rounding room only
+            raise ValueError(
+                f"the round's DP noise share has std {share_std:.4g}; this client's fed.dp "
+                f"settings need at least {floor:.4g} (noise multiplier "
+                f"{self.noise_multiplier:.4g} x clip_norm x weight_cap / sqrt(threshold "
+                f"{params.threshold}))"
+            )
 
 
 def params_message(

@@ -53,7 +53,7 @@ from fed_learn import secagg
 from fed_learn.fixed_point import frac_bits_for
 from fed_learn.privacy import clip, flat_delta, gaussian, noise_std, unflatten
 from fed_learn.protocol import FedMsg, parse_result
-from fed_learn.secagg_params import params_message, parse_params
+from fed_learn.secagg_params import RoundFloor, params_message, parse_params, shares_needed
 from fed_learn.secure_inbox import InputDigests, SecureInbox, Skipped
 from netproto import Connection, NetprotoError
 from netproto.errors import peer_text
@@ -136,13 +136,16 @@ def client_round(
     weight: int,
     timeout_s: float | None,
     max_clients: int,
+    floor: RoundFloor,
 ) -> bool:
     """This client's side of a secure round, from a TASK to its last message. `train()` runs
     local training and returns (RESULT payload, trained tensors, the global ones they started
     from). Whether its input went in: False if its training came out non-finite (it says so,
     SKIP, and sits the round out). Raises RoundAbandoned when the coordinator moved on, and
-    ValueError on parameters it refuses (a round of more than `max_clients`, among others)."""
+    ValueError on parameters it refuses (a round of more than `max_clients`, or weaker than
+    its config's `floor`, among others), before it sends anything."""
     params, weight_cap, bound, share_std = parse_params(task["secure"], max_clients=max_clients)
+    floor.check(params, weight_cap=weight_cap, bound=bound, share_std=share_std)
     number = int(task["task"])
     me = secagg.Client(client_id, params)
     c_key, s_key = me.public_keys()
@@ -307,7 +310,7 @@ class SecureRound:
         ids = tuple(sorted(self.clients))
         length = sum(t.numel() for t in trained.values()) + 1
         degree = min(neighbors or len(ids), len(ids) - 1)
-        shares = min(degree + 1, max(2, math.ceil(threshold * (degree + 1))))
+        shares = shares_needed(threshold, degree)
         self.noise_std = 0.0
         """DP: the std of each client's noise share. Any `threshold` shares add up to the
         whole noise, noise_multiplier x bound x weight_cap: the most one client's weighted,

@@ -29,6 +29,7 @@ from fed_learn.config import FedConfig, FedLearnRunConfig, SecAggConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.lora import adapter_state, peft_model
 from fed_learn.protocol import FedMsg
+from fed_learn.secagg_params import RoundFloor
 from lab.cluster import connect, serve
 from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
 from lab.tracking import METRICS_FILE, Tracker, read_records
@@ -80,6 +81,8 @@ class SecurePlayer:
     name: str = "honest"
     client_id: int = -1
     join_delay_s: float = 0.0
+    floor: RoundFloor = field(default_factory=RoundFloor)
+    """The weakest round it takes part in (the defaults: the least any config allows)."""
     errors: list[BaseException] = field(default_factory=list)
 
     def play(self, conn: Connection) -> None:
@@ -119,6 +122,7 @@ def honest(conn: Connection, task: dict[str, Any], state: State, me: SecurePlaye
         weight=me.examples,
         timeout_s=30,
         max_clients=SecAggConfig.max_clients,
+        floor=me.floor,
     )
 
 
