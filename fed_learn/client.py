@@ -16,7 +16,7 @@ from fed_learn.compression import ErrorFeedback
 from fed_learn.config import FedConfig, SecAggConfig
 from fed_learn.lora import adapter_state, check_adapter_state, load_adapter_state, train_local
 from fed_learn.privacy import run_noise_multiplier
-from fed_learn.protocol import FedMsg
+from fed_learn.protocol import FedMsg, parse_task
 from fed_learn.secagg import RoundFailed
 from fed_learn.secagg_params import RoundFloor
 from fed_learn.secure import RoundAbandoned, client_round
@@ -111,6 +111,7 @@ class LoRAClient:
                 task = message.payload
                 global_state = conn.recv_tensors(FedMsg.GLOBAL, timeout_s=timeout_s)
                 try:  # before anything is loaded, trained or sent
+                    parse_task(task, evaluate=message.type == FedMsg.EVALUATE)
                     check_adapter_state(self.model, global_state)
                     if not task.get("secure") and message.type == FedMsg.TASK and self.floor.secure:
                         raise ValueError(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from fed_learn.aggregate import AGGREGATORS
 from fed_learn.compression import COMPRESSIONS
+from fed_learn.protocol import TASK_RANGES
 from fed_learn.secagg_params import MAX_CLIENTS
 from lab.config import (
     Endpoint,
@@ -244,6 +245,11 @@ class FedConfig:
             raise ValueError(f"fed.async_mixing={self.async_mixing} must be in (0, 1]")
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"fed.topk_fraction={self.topk_fraction} must be in (0, 1]")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"fed.lr={self.lr} must be a finite number > 0")
+        for key, (low, high) in TASK_RANGES.items():  # what a client accepts in a TASK
+            if not low <= getattr(self, key) <= high:
+                raise ValueError(f"fed.{key}={getattr(self, key)} must be in [{low}, {high}]")
         if self.simulate < 0:
             raise ValueError(f"fed.simulate={self.simulate} must be >= 0")
         if not 0 <= self.simulate_dropout < 1:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, TypeGuard
 
+from fed_learn.compression import COMPRESSIONS
 from netproto import REGISTRY, PayloadKind
 
 MAX_NAME_CHARS = 64
@@ -234,3 +235,59 @@ def parse_result(payload: Any, *, task: int, round_index: int) -> ClientResult:
         val_loss=float(payload["val_loss"]),
         seconds=float(payload["seconds"]),
     )
+
+
+MAX_ROUND = 2**32 - 1
+TASK_RANGES: dict[str, tuple[int, int]] = {
+    "local_epochs": (1, 10_000),
+    "local_steps": (0, 10_000_000),
+    "batch_size": (1, 65_536),
+}
+"""What a client accepts of a TASK's training fields (the coordinator's config is checked
+against the same floors; the ceilings keep a lying coordinator from asking for years of work)."""
+
+
+def parse_task(payload: Any, *, evaluate: bool = False) -> dict[str, Any]:
+    """A TASK (or, `evaluate`, an EVALUATE) as the coordinator sent it, every field this client
+    reads checked for type and range before it is used; ValueError naming the first bad one.
+    The secure round's own fields are parse_params's (fed_learn.secagg_params)."""
+    kind = "EVALUATE" if evaluate else "TASK"
+    if not isinstance(payload, dict):
+        raise ValueError(f"{kind} must be a JSON object, not {type(payload).__name__}")
+    checks: list[tuple[str, bool, str]] = [
+        ("task", _is_int(payload.get("task")) and 0 <= payload["task"] < 2**53, "an id"),
+        (
+            "round",
+            _is_int(payload.get("round")) and 0 <= payload["round"] <= MAX_ROUND,
+            f"an integer in [0, {MAX_ROUND}]",
+        ),
+    ]
+    if not evaluate:
+        checks += [
+            (key, _is_int(payload.get(key)) and low <= payload[key] <= high, f"in [{low}, {high}]")
+            for key, (low, high) in TASK_RANGES.items()
+        ]
+        checks.append(("lr", _is_number(payload.get("lr")) and payload["lr"] > 0, "a number > 0"))
+    for key, valid, wanted in checks:
+        if key not in payload:
+            raise ValueError(f"{kind} has no {key}")
+        if not valid:
+            raise ValueError(f"{kind}'s {key}={payload[key]!r:.40} must be {wanted}")
+    if evaluate:
+        return payload
+    optional: list[tuple[str, bool, str]] = [
+        ("prox_mu", _is_number(payload.get("prox_mu")) and payload["prox_mu"] >= 0, ">= 0"),
+        ("freeze_a", isinstance(payload.get("freeze_a"), bool), "true or false"),
+        ("compression", payload.get("compression") in COMPRESSIONS, f"one of {COMPRESSIONS}"),
+        (
+            "topk_fraction",
+            _is_number(payload.get("topk_fraction")) and 0 < payload["topk_fraction"] <= 1,
+            "in (0, 1]",
+        ),
+    ]
+    for key, valid, wanted in optional:
+        if key in payload and not valid:
+            raise ValueError(f"TASK's {key}={payload[key]!r:.40} must be {wanted}")
+    if payload.get("compression", "none") != "none" and "topk_fraction" not in payload:
+        raise ValueError("TASK asks for compression without a topk_fraction")
+    return payload

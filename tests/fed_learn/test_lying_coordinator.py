@@ -271,3 +271,48 @@ def test_a_real_secure_dp_run_passes_every_clients_floor(
         metrics = run(compose_config("fed_learn", overrides))
     assert metrics["mean_clients_per_round"] == 3 and metrics["refused"] == 0
     assert not [r for r in caplog.records if r.name == "fed_learn.client"]
+
+
+MALFORMED_TASKS = {
+    "task id a float": {**_plain_task(1, 0), "task": 1.5},
+    "no round": {k: v for k, v in _plain_task(1, 0).items() if k != "round"},
+    "no local_epochs": {k: v for k, v in _plain_task(1, 0).items() if k != "local_epochs"},
+    "round a string": {**_plain_task(1, 0), "round": "0"},
+    "round past 32 bits": {**_plain_task(1, 0), "round": 2**40},
+    "a billion steps": {**_plain_task(1, 0), "local_steps": 10**9},
+    "batch of zero": {**_plain_task(1, 0), "batch_size": 0},
+    "lr not a number": {**_plain_task(1, 0), "lr": "fast"},
+    "unknown compression": {**_plain_task(1, 0), "compression": "zip"},
+    "freeze_a a string": {**_plain_task(1, 0), "freeze_a": "yes"},
+}
+
+
+def test_a_malformed_task_costs_the_coordinator_that_round_not_the_client(
+    tmp_path: Path, lab_cache: Path, caplog
+) -> None:
+    """Each malformed task (a field missing, of the wrong type or out of range: a lying
+    coordinator asking for a billion steps included) then an honest one: the client refuses
+    each in one line naming the field and trains the last. Before, a missing field raised
+    KeyError out of the client. (A payload that is not a JSON object netproto refuses itself.)"""
+    run = settings(tmp_path, lab_cache)
+    model = peft_model(MODEL, run.lora, cache_dir=lab_cache)
+    state = adapter_state(model)
+    honest = len(MALFORMED_TASKS) + 1
+
+    def script(conn: Connection, seen: list[Any]) -> None:
+        for payload in [*MALFORMED_TASKS.values(), _plain_task(honest, 1)]:
+            conn.send_msg(FedMsg.TASK, payload)
+            conn.send_tensors(FedMsg.GLOBAL, state)
+        result = conn.recv(expect=FedMsg.RESULT, timeout_s=60)
+        seen.append(result.payload["task"])
+        conn.recv(expect=FedMsg.UPDATE, timeout_s=60)
+
+    with caplog.at_level(logging.WARNING, logger="fed_learn.client"):
+        rounds, seen = _play(run, _victim(model), script)
+    assert rounds == 1 and seen == [honest]
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == len(MALFORMED_TASKS), refused
+    named = ["task", "round", "local_epochs", "round", "round", "local_steps", "batch_size",
+             "lr", "compression", "freeze_a"]  # fmt: skip
+    for line, field in zip(refused, named, strict=True):
+        assert "refused the coordinator's task: TASK" in line and field in line, line
