@@ -43,6 +43,8 @@ from netproto.server import address_key
 
 log = logging.getLogger(__name__)
 
+JOINED = -1
+"""On `Admission.news`: a client joined (the other entries are client ids, see there)."""
 REPLY_SLOTS = 2
 """A client's queue: the answer to its one outstanding task, and the 'gone' marker."""
 MAX_TRACKED_ADDRESSES = 4096
@@ -189,9 +191,10 @@ class Admission:
         """The clients connected now (a client that leaves is dropped): read it under lock."""
         self.lock = threading.Lock()
         self._joined = threading.Condition(self.lock)
-        self.changed = threading.Event()
-        """Set when an answer is queued, a client joins or one leaves: what a round waits on
-        (instead of polling every client's queue)."""
+        self.news: queue.SimpleQueue[int] = queue.SimpleQueue()
+        """A client's id each time its queue gets something (an answer, or it left), JOINED
+        when a client joins: what a round waits on, looking only at the queues it names
+        (`rounds.gather`), never polling every client's."""
         self._client_ids = itertools.count()  # never reused: a departed client's id stays its
         self._joins = JoinLimiter(
             rate=fed.join_rate_per_address,
@@ -263,7 +266,7 @@ class Admission:
             )
             self.clients[client.client_id] = client
             self._joined.notify_all()
-        self.changed.set()
+        self.news.put(JOINED)
         conn.send_msg(FedMsg.WELCOME, {"client_id": client.client_id}, request_id=join.request_id)
         log.info(
             "%s joined at round %d (id %d, %d examples)",
@@ -280,7 +283,7 @@ class Admission:
             client.alive = False
             client.task = None
             client.results.put_nowait(None)  # wakes a round waiting for this client
-            self.changed.set()
+            self.news.put(client.client_id)
             # Gone from the table: nothing keeps its connection but a round that sampled
             # it, until that round ends. What it counted for stays in the totals.
             del self.clients[client.client_id]

@@ -3,6 +3,7 @@ driver in place of synchronous rounds (`fed_learn.drivers`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import time
@@ -11,7 +12,7 @@ from fed_learn.admission import ClientHandle, NotEnoughClientsError, Task
 from fed_learn.aggregate import mix, staleness_weight
 from fed_learn.drivers import CpuClock, RoundDriver
 from fed_learn.lora import adapter_state, load_adapter_state
-from fed_learn.rounds import FIRST_ROUND_GRACE_S, WAKE_S, progress_bar, round_averages
+from fed_learn.rounds import FIRST_ROUND_GRACE_S, WAKE_S, drain, progress_bar, round_averages
 from fed_learn.updates import ANSWER_ERRORS, check_answer
 from lab.losses import evaluate
 from lab.tracking import Tracker
@@ -153,8 +154,9 @@ class AsyncRounds(RoundDriver):
                         f"({len(coordinator.alive_clients())} clients alive)"
                     )
                 else:  # until an answer, a join or a departure (or WAKE_S)
-                    coordinator.admission.changed.wait(WAKE_S)
-                    coordinator.admission.changed.clear()
+                    with contextlib.suppress(queue.Empty):
+                        coordinator.admission.news.get(timeout=WAKE_S)
+                    drain(coordinator.admission.news)  # every busy queue is looked at
         # Clients still training get to hand in (and have discarded) what they are working on,
         # so that every client ends cleanly on FINISH rather than on a closed connection.
         deadline = time.monotonic() + fed.round_timeout_s

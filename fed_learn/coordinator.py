@@ -60,7 +60,7 @@ from lab.cli import ConfigError
 from lab.losses import evaluate
 from lab.records import METRICS_FILE
 from lab.tracking import Tracker
-from netproto import Connection, NetprotoError
+from netproto import Connection, EncodedFrame, NetprotoError
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 SERVER_OPT_FILE = "server_optimizer.safetensors"
 MODEL_CARD = "README.md"
+FRAMES_KEPT = 2
+"""GLOBAL frames kept for reuse: the adapter clients are sent now, whole and trained-only (a
+copy of the adapter each: an older one is dropped, and encoded again if it is sent again)."""
 CLIENT_SENDS = frozenset(
     {FedMsg.RESULT, FedMsg.SA_KEYS, FedMsg.SA_SHARES, FedMsg.SA_REVEAL, FedMsg.SKIP}
     | {FedMsg.EVAL_RESULT}
@@ -122,6 +125,9 @@ class Coordinator:
         """Clients a secure round refused by name: left out of the run's later rounds."""
         """A secure round's step messages, from the sessions to the round (fed_learn.secure)."""
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
+        self._frames: dict[tuple[int, bool], tuple[dict[str, torch.Tensor], EncodedFrame]] = {}
+        """The GLOBAL frames sent lately, by their state (`_global_frame`)."""
+        self._frames_lock = threading.Lock()
         self._model_card: str | None = None
         """The README PEFT wrote into the first checkpoint: later ones start from it (PEFT
         renders its card template, tens of ms, only when the folder has none)."""
@@ -198,7 +204,7 @@ class Coordinator:
                     if not evaluate:
                         self.admission.took_update(client)
                     client.results.put_nowait(reply)
-                    self.admission.changed.set()
+                    self.admission.news.put(client.client_id)
                     return
         with self._lock:
             client.dropped += 1
@@ -284,20 +290,38 @@ class Coordinator:
             **self.strategy.client_options(),
             **(extra or {}),
         }
-        if client.holds_frozen:
-            trained = self.strategy.trained(global_state)
-            global_state = {name: global_state[name] for name in trained}
         if evaluate:
             message = {"task": task.number, "round": version}
         try:
+            frame = self._global_frame(client.conn, global_state, trained=client.holds_frozen)
             client.conn.send_msg(FedMsg.EVALUATE if evaluate else FedMsg.TASK, message)
-            client.conn.send_tensors(FedMsg.GLOBAL, global_state)
+            client.conn.send_encoded(frame)
             client.holds_frozen = True
         except NetprotoError as exc:
             log.warning("version %d: cannot reach client %d: %s", version, client.client_id, exc)
             self.withdraw(client, task)
             return None
         return task
+
+    def _global_frame(
+        self, conn: Connection, state: dict[str, torch.Tensor], *, trained: bool
+    ) -> EncodedFrame:
+        """GLOBAL's frame of `state` (`trained`: only the tensors the strategy trains, for a
+        client that holds the rest), encoded once for every client it goes to. The states
+        sent are `adapter_state`'s fresh copies, never changed in place: one is known by its
+        identity (the last FRAMES_KEPT kept, with the state itself, so no id is reused)."""
+        key = (id(state), trained)
+        with self._frames_lock:
+            kept = self._frames.get(key)
+            if kept is not None and kept[0] is state:
+                return kept[1]
+        sent = {n: state[n] for n in self.strategy.trained(state)} if trained else state
+        frame = conn.encode(FedMsg.GLOBAL, sent)
+        with self._frames_lock:
+            self._frames[key] = (state, frame)
+            while len(self._frames) > FRAMES_KEPT:
+                del self._frames[next(iter(self._frames))]
+        return frame
 
     def withdraw(self, client: ClientHandle, task: Task) -> None:
         """`task` is no longer wanted: an answer to it arriving from now on is dropped."""

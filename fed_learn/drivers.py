@@ -33,6 +33,7 @@ from fed_learn.protocol import ClientResult
 from fed_learn.rounds import (
     ATTEMPTS_PER_ROUND,
     FIRST_ROUND_GRACE_S,
+    drain,
     gather,
     progress_bar,
     round_averages,
@@ -168,6 +169,7 @@ class SyncRounds(RoundDriver):
             size = min(size, len(alive), self.most_clients or len(alive))
             sampled = sorted(rng.sample(alive, size), key=lambda c: c.client_id)
             clock.start()
+            drain(coordinator.admission.news)  # bounded: a secure round waits on its inbox
             global_state = adapter_state(coordinator.model)
             traffic_before = coordinator.admission.traffic(sampled)
             collected, outcome = self.play(sampled, global_state)
@@ -301,8 +303,8 @@ class PlainRounds(SyncRounds):
 
             deadline = time.monotonic() + self.fed.round_timeout_s
             what = f"updates in round {coordinator.round + 1} (fed.round_timeout_s)"
-            changed = coordinator.admission.changed
-            gather(waiting, deadline, take=take, what=what, changed=changed, top_up=top_up)
+            news = coordinator.admission.news
+            gather(waiting, deadline, take=take, what=what, news=news, top_up=top_up)
         for client, task in waiting.values():  # too late
             coordinator.withdraw(client, task)
             collected.failures.append(client.client_id)

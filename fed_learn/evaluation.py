@@ -135,8 +135,7 @@ class ClientEvaluator:
 
         what = f"evaluations on their own data in round {round_index + 1} (fed.round_timeout_s)"
         deadline = time.monotonic() + fed.round_timeout_s
-        changed = coordinator.admission.changed
-        gather(pending, deadline, take=take, what=what, changed=changed)
+        gather(pending, deadline, take=take, what=what, news=coordinator.admission.news)
         for client, task in pending.values():  # too late
             coordinator.withdraw(client, task)
             failures += 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -23,9 +22,20 @@ round of fed.rounds."""
 FIRST_ROUND_GRACE_S = 30.0
 """Before round 1, how long to wait for all fed.num_clients (then min_fit_clients will do)."""
 WAKE_S = 0.5
-"""The longest a wait sleeps without news (`changed`): it looks at its deadline then."""
+"""The longest an async run's wait, or a secure round's, sleeps without news: it looks at its
+deadline then."""
 REPORT_FIRST_S, REPORT_EVERY_S = 5.0, 30.0
 """A wait for answers says who it still waits for after 5 s, then every 30 s."""
+
+
+def drain(news: queue.SimpleQueue[int]) -> set[int]:
+    """What `news` holds now, emptied."""
+    items = set()
+    while True:
+        try:
+            items.add(news.get_nowait())
+        except queue.Empty:
+            return items
 
 
 def gather(
@@ -34,46 +44,54 @@ def gather(
     *,
     take: Callable[[ClientHandle, Task, Reply | None], None],
     what: str,
-    changed: threading.Event,
+    news: queue.SimpleQueue[int],
     top_up: Callable[[], None] | None = None,
 ) -> None:
     """Hand each answer to a task in `waiting` (client id -> client, its task) to `take`
     (client, task, answer; None: the client is gone) until none is awaited or `deadline`
-    passes; `top_up` may add tasks meanwhile. It looks at the queues when `changed` (set by
-    the sessions on an answer, a join or a departure) says so, never by polling. Says who
-    it still waits for after 5 s, then every 30 s (`what`: for what, under which config
-    key). Tasks unanswered at the deadline stay in `waiting`."""
+    passes; `top_up` may add tasks meanwhile. It blocks on `news` (`Admission.news`: the
+    sessions put a client's id there with each answer and departure, `JOINED` with each join)
+    and looks only at the queues it names, never polling every client's: every queue once
+    at the start (answers that came before), then one per answer. Says who it still waits
+    for after 5 s, then every 30 s (`what`: for what, under which config key). Tasks
+    unanswered at the deadline stay in `waiting`."""
+    drain(news)  # before the first look at every queue: what comes after is named
+    look: set[int] = set(waiting)
     next_report = time.monotonic() + REPORT_FIRST_S
-    while time.monotonic() < deadline:
+    while (now := time.monotonic()) < deadline:
+        for client_id in look & waiting.keys():
+            client, task = waiting[client_id]
+            while True:  # answers to a task withdrawn earlier go: not wanted
+                try:
+                    reply = client.results.get_nowait()
+                except queue.Empty:
+                    break
+                if reply is None:  # gone for good: the marker stays for whoever waits next
+                    client.results.put_nowait(None)
+                elif reply.task is not task:
+                    continue
+                del waiting[client_id]
+                take(client, task, reply)
+                break
         if top_up is not None:
             top_up()
         if not waiting:
             return
-        if time.monotonic() >= next_report:
+        if now >= next_report:
             log.info(
                 "waiting for %d clients' %s (ids %s), %.0fs left",
                 len(waiting),
                 what,
                 sorted(waiting)[:16],
-                deadline - time.monotonic(),
+                deadline - now,
             )
             next_report += REPORT_EVERY_S
-        arrived = False
-        for client_id, (client, task) in list(waiting.items()):
-            try:
-                reply = client.results.get_nowait()
-            except queue.Empty:
-                continue
-            if reply is None:  # gone for good: the marker stays for whoever waits next
-                client.results.put_nowait(None)
-            elif reply.task is not task:
-                continue  # answers a task withdrawn earlier: not wanted
-            arrived = True
-            del waiting[client_id]
-            take(client, task, reply)
-        if not arrived:  # cleared before the next look: news meanwhile is seen or re-set
-            changed.wait(max(0.0, min(WAKE_S, deadline - time.monotonic())))
-            changed.clear()
+        try:  # until news, the next report or the deadline
+            first = news.get(timeout=max(0.0, min(deadline, next_report) - time.monotonic()))
+        except queue.Empty:
+            look = set()
+            continue
+        look = {first} | drain(news)
 
 
 def progress_bar() -> Progress:

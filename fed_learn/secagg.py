@@ -384,6 +384,8 @@ class Server:
         """Revealers caught with a wrong share: their shares are left out of later rebuilds."""
         self.retries = 0
         """Rebuilds past the batch (at most RETRIES_PER_SECRET a secret)."""
+        self._holders: dict[int, tuple[int, ...]] = {}
+        """owner -> `holders(owner)`, once asked (a new key clears them)."""
 
     def add_keys(self, client: int, c_public: bytes, s_public: bytes) -> None:
         self._member(client)
@@ -393,6 +395,7 @@ class Server:
         if c_public == s_public:
             raise Refused(client, "the same key for both purposes")
         self.keys[client] = (c_public, s_public)
+        self._holders.clear()
 
     def keys_for(self, client: int) -> dict[int, tuple[bytes, bytes]]:
         """What `client` is sent in step 0: its own keys and its neighbours'."""
@@ -450,7 +453,7 @@ class Server:
         self._member(client)
         if client not in self.inputs:
             raise Refused(client, "shares revealed by a client that sent no masked input")
-        survivors, dropped = self.unmask_request()
+        survivors, dropped = map(set, self.unmask_request())
         for owner, item in shares.items():
             if owner not in self.graph[client] and owner != client:
                 raise Refused(client, f"a share of client {owner}, not its neighbour")
@@ -472,7 +475,10 @@ class Server:
         """Whom `owner` shared to, in order: itself, then its neighbours with keys (its
         roster), in id order; Shamir index i + 1 is the i-th's (Client.share). Relayed with
         `owner`'s boxes, so each receiver checks the index in its own."""
-        return (owner, *(c for c in self.graph[owner] if c in self.keys))
+        held = self._holders.get(owner)
+        if held is None:
+            held = self._holders[owner] = (owner, *(c for c in self.graph[owner] if c in self.keys))
+        return held
 
     def share_index(self, owner: int, holder: int) -> int:
         """The Shamir index of `owner`'s shares that `holder` was given (0: none)."""

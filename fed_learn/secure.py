@@ -37,7 +37,6 @@ most fed.max_update_norm whoever sent it. A client refused by name is excluded f
 
 from __future__ import annotations
 
-import base64
 import binascii
 import logging
 import math
@@ -69,15 +68,16 @@ weighted update's entries are at most its norm bound times its weight)."""
 
 
 def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
+    return binascii.b2a_base64(data, newline=False).decode("ascii")
 
 
 def unb64(value: Any, client: int, what: str, *, size: int | None = None) -> bytes:
-    """Bytes a peer sent as base64, checked: a string, decodable, of `size` bytes."""
+    """Bytes a peer sent as base64, checked: a string, decodable (canonical base64, nothing
+    outside its alphabet), of `size` bytes."""
     if not isinstance(value, str) or len(value) > 4 * ((size or 4096) + 2) // 3 + 4:
         raise secagg.Refused(client, f"{what} must be a base64 string")
     try:
-        data = base64.b64decode(value.encode("ascii"), validate=True)
+        data = binascii.a2b_base64(value.encode("ascii"), strict_mode=True)
     except (binascii.Error, UnicodeEncodeError):
         raise secagg.Refused(client, f"{what} is not base64") from None
     if size is not None and len(data) != size:
@@ -491,7 +491,7 @@ class SecureRound:
                     raise secagg.Refused(client, "SA_MASKED must hold one tensor, 'masked'")
                 if masked.dtype != torch.uint64:
                     raise secagg.Refused(client, f"a masked input of {masked.dtype}, not uint64")
-                array = masked.numpy().copy()
+                array = masked.numpy()  # the session's own copy (`Coordinator.handle`)
                 self.digests.admit(client, self.params.round, array)
                 server.add_input(client, array)
                 self.weights[client] = weight

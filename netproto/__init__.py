@@ -6,7 +6,7 @@ with Server(handler, secret=b"s3cret").start() as server:
         conn.send_tensors(MsgType.DATA_TENSORS, {"w": torch.zeros(4)})
 """
 
-from netproto.codecs import decode_payload, encode, encode_bytes
+from netproto.codecs import EncodedFrame, decode_payload, encode, encode_bytes
 from netproto.connection import Connection, client_ssl_context, server_ssl_context
 from netproto.errors import (
     AuthenticationError,
@@ -29,6 +29,7 @@ __all__ = [
     "AuthenticationError",
     "Connection",
     "ConnectionClosed",
+    "EncodedFrame",
     "FrameDecoder",
     "Limits",
     "LinkEmulator",

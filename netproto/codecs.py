@@ -10,6 +10,7 @@ import math
 import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -222,6 +223,37 @@ def encode_frame(
         )
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, flags, spec.type, kind, request_id, length)
     return [header, *parts], HEADER_BYTES + length
+
+
+@dataclass(frozen=True)
+class EncodedFrame:
+    """One frame encoded once, to go as it is to many connections (`Connection.encode`, then
+    `Connection.send_encoded` on each): a broadcast is encoded and joined once, not once per
+    peer. Its bytes are a snapshot: a tensor changed after encoding does not change them.
+
+    A frame carries no per-connection state: netproto authenticates a connection once, at its
+    handshake (no per-frame MAC or counter), TLS encrypts below the frame, and `request_id`
+    is the caller's (0: not a request), so the same bytes are the same message on every
+    connection. `spec` and `limits` are what it was checked against: a connection sends it
+    only if they are its own (its registry's spec for the type, its limits)."""
+
+    spec: MessageSpec
+    request_id: int
+    flags: int
+    limits: Limits
+    data: bytes
+    """Header and payload, joined."""
+
+    @classmethod
+    def of(
+        cls, spec: MessageSpec, payload: Any, *, limits: Limits, request_id: int = 0, flags: int = 0
+    ) -> EncodedFrame:
+        buffers, _ = encode_frame(spec, payload, request_id, flags, limits)
+        return cls(spec, request_id, flags, limits, b"".join(buffers))
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
 
 
 def registered(msg_type: int, registry: Registry) -> MessageSpec:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from netproto import auth
-from netproto.codecs import Buffer, encode_frame, new_payload_buffer
+from netproto.codecs import Buffer, EncodedFrame, encode_frame, new_payload_buffer
 from netproto.errors import (
     ConnectionClosed,
     LocalProtocolError,
@@ -325,8 +325,36 @@ class Connection:
             raise LocalProtocolError(f"message type {msg_type:#06x} is not registered")
         return self._send(spec, payload, request_id, flags)
 
+    def encode(
+        self, msg_type: int, payload: Any = None, *, request_id: int = 0, flags: int = 0
+    ) -> EncodedFrame:
+        """The frame `send` would send, encoded once against this connection's registry and
+        limits, for `send_encoded` here and on every connection with the same ones (a
+        broadcast). LocalProtocolError as `send` raises it."""
+        spec = self._specs.get(msg_type)
+        if spec is None:
+            raise LocalProtocolError(f"message type {msg_type:#06x} is not registered")
+        return EncodedFrame.of(
+            spec, payload, limits=self._limits, request_id=request_id, flags=flags
+        )
+
+    def send_encoded(self, frame: EncodedFrame) -> int:
+        """Send a frame `encode` made, as it is: the bytes `send` would send, not encoded
+        again. LocalProtocolError (nothing sent) when it was checked against another registry
+        or other limits than this connection's. Returns its size in bytes."""
+        if self._specs.get(frame.spec.type) != frame.spec or frame.limits != self._limits:
+            raise LocalProtocolError(
+                f"a {frame.spec.name} frame encoded for another registry or other limits "
+                f"cannot go to {self.peer}"
+            )
+        return self._write((frame.data,), frame.size)
+
     def _send(self, spec: MessageSpec, payload: Any, request_id: int, flags: int) -> int:
         buffers, size = encode_frame(spec, payload, request_id, flags, self._limits)
+        return self._write(buffers, size)
+
+    def _write(self, buffers: Sequence[Buffer], size: int) -> int:
+        """One frame's buffers, in one write when small, under the send lock."""
         with self._send_lock:
             if self._closed:
                 raise ConnectionClosed(f"connection to {self.peer} is closed")

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from netproto.listener import accept_until, listen
+from netproto.listener import StopSignal, accept_until, listen
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class LinkEmulator:
         self.bytes_per_s = bandwidth_mbps * 1e6 / 8 if bandwidth_mbps else 0.0
         self._listen = (listen_host, listen_port)
         self._listener: socket.socket | None = None
-        self._stopping = threading.Event()
+        self._stopping = StopSignal()
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -163,6 +163,7 @@ class LinkEmulator:
             sock.close()
         for thread in threads:
             thread.join(timeout=2.0)
+        self._stopping.close()
 
     def __enter__(self) -> LinkEmulator:
         return self.start()

@@ -1,8 +1,10 @@
 """The listening side shared by the server and the link emulator: bind, then accept until told
-to stop (polled, so `stop()` never waits on a blocked accept)."""
+to stop. An accept loop blocks in its selector with no timeout and no polling; `StopSignal`
+(an event its selector watches too) wakes it at once to stop."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import selectors
@@ -26,6 +28,27 @@ OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.E
 PEER_GONE = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM})
 """accept() errors about one connection only (it went away before we took it)."""
 RESOURCE_LOG_INTERVAL_S = 10.0
+
+
+class StopSignal(threading.Event):
+    """A `threading.Event` an accept loop's selector can wait on beside its sockets: `set`
+    also makes `reader` readable (for good), so the loop blocks without a timeout and still
+    stops at once. `close` when the loop is done (two file descriptors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self._writer.setblocking(False)
+
+    def set(self) -> None:
+        super().set()
+        with contextlib.suppress(OSError):  # closed, or a byte already waits
+            self._writer.send(b"\0")
+
+    def close(self) -> None:
+        self.reader.close()
+        self._writer.close()
 
 
 def listen(
@@ -90,7 +113,7 @@ class Acceptor:
 
 def accept_until(
     listener: socket.socket,
-    stopping: threading.Event,
+    stopping: StopSignal,
     on_accept: Callable[[socket.socket], None],
     *,
     name: str = "netproto",
@@ -99,8 +122,9 @@ def accept_until(
     acceptor = Acceptor(listener, stopping, name=name)
     with selectors.DefaultSelector() as selector:
         selector.register(listener, selectors.EVENT_READ)
+        selector.register(stopping.reader, selectors.EVENT_READ)
         while not stopping.is_set():
-            if not selector.select(timeout=POLL_S):
-                continue
-            for sock in acceptor.accept_ready():
-                on_accept(sock)
+            selector.select()
+            if not stopping.is_set():
+                for sock in acceptor.accept_ready():
+                    on_accept(sock)

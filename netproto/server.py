@@ -46,7 +46,7 @@ from netproto.errors import (
     peer_text,
 )
 from netproto.header import REGISTRY, Limits, Registry
-from netproto.listener import POLL_S, Acceptor, listen
+from netproto.listener import Acceptor, StopSignal, listen
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,9 @@ class Server:
         self.refusal_linger_s = refusal_linger_s
         self._bind = (host, port)
         self._listener: socket.socket | None = None
-        self._stopping = threading.Event()
+        self._stopping = StopSignal()
+        """The accept loop blocks until a connection, a client speaking, a deadline (see
+        `_next_wake`) or this: no polling."""
         self._accept_thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._sessions: set[_Session] = set()
@@ -205,11 +207,12 @@ class Server:
         acceptor = Acceptor(self._listener, self._stopping, name=self.name)
         with selectors.DefaultSelector() as selector:
             selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(self._stopping.reader, selectors.EVENT_READ)
             try:
                 while not self._stopping.is_set():
-                    ready = selector.select(timeout=POLL_S)
+                    ready = selector.select(timeout=self._next_wake())
                     for key, _ in ready:  # clients that spoke start before newcomers come in
-                        if key.fileobj is not self._listener and key.data in self._waiting:
+                        if isinstance(key.data, _Session) and key.data in self._waiting:
                             session = key.data
                             selector.unregister(session.sock)
                             del self._waiting[session]
@@ -222,6 +225,20 @@ class Server:
             finally:
                 for session in list(self._waiting):
                     self._drop_waiting(session, selector)
+
+    def _next_wake(self) -> float | None:
+        """How long the accept loop may block with nothing ready: until the oldest silent
+        connection's handshake deadline, or the next crowding report when one is due; else
+        for good (a connection, a client speaking or `stop` wakes it)."""
+        now, wake = time.monotonic(), None
+        if self._waiting:
+            wake = next(iter(self._waiting)).accepted_at + self.handshake_timeout_s - now
+        with self._lock:
+            counts = (self.sessions_evicted, self.sessions_refused, self.sessions_capped)
+            if counts != self._reported:
+                due = self._reported_at + CROWDING_LOG_INTERVAL_S - now
+                wake = due if wake is None else min(wake, due)
+        return None if wake is None else max(wake, 0.0)
 
     def _admit(self, sock: socket.socket, selector: selectors.BaseSelector) -> None:
         try:
@@ -472,6 +489,7 @@ class Server:
             self._accept_thread.join(timeout=timeout_s)  # it closes the waiting connections
         if self._listener is not None:
             self._listener.close()
+        self._stopping.close()
         with self._lock:
             sessions = list(self._sessions)
             for session in sessions:

@@ -27,7 +27,7 @@ from netproto import (
 from netproto.auth import mac
 from netproto.codecs import encode_bytes as frame
 from netproto.header import HEADER, MAGIC, PROTOCOL_VERSION, Message, PayloadKind
-from netproto.listener import accept_until
+from netproto.listener import StopSignal, accept_until
 from netproto.wire import FrameDecoder
 
 from .conftest import wait_for
@@ -470,7 +470,7 @@ def test_accept_loop_survives_running_out_of_file_descriptors(
     listener.listen()
     listener.setblocking(False)
     accepted: list[socket.socket] = []
-    stopping = threading.Event()
+    stopping = StopSignal()
     loop = threading.Thread(target=accept_until, args=(listener, stopping, accepted.append))
     with caplog.at_level(logging.WARNING, logger="netproto"):
         loop.start()
@@ -481,6 +481,7 @@ def test_accept_loop_survives_running_out_of_file_descriptors(
             stopping.set()
             loop.join(timeout=30)
             listener.close()
+            stopping.close()
             for sock in accepted:
                 sock.close()
     assert not loop.is_alive()

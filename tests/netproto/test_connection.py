@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import struct
 import threading
@@ -12,6 +13,7 @@ import time
 import pytest
 import torch
 
+import netproto.server
 from netproto import (
     Connection,
     ConnectionClosed,
@@ -234,6 +236,86 @@ def test_stopping_the_server_closes_every_session(start_server) -> None:
         with pytest.raises((ConnectionClosed, PeerProtocolError)):
             conn.ping(timeout_s=5)
     assert server.active_sessions == 0
+
+
+def test_an_idle_accept_loop_blocks_until_a_deadline_or_stop(start_server, monkeypatch) -> None:
+    """No polling: with no silent connection waiting, the accept loop's selector waits with
+    no timeout; with one, until its handshake deadline; `stop` still ends the loop."""
+    timeouts: list[float | None] = []
+
+    class Recording(selectors.DefaultSelector):
+        def select(self, timeout: float | None = None) -> list:
+            timeouts.append(timeout)
+            return super().select(timeout)
+
+    monkeypatch.setattr(netproto.server.selectors, "DefaultSelector", Recording)
+    server = start_server()
+    with Connection.connect(*server.address) as conn:
+        conn.ping()
+    assert wait_for(lambda: len(timeouts) >= 2)  # it went round after the connection
+    assert all(t is None for t in timeouts)
+    server.stop()
+    assert server._accept_thread is not None and not server._accept_thread.is_alive()
+
+    timeouts.clear()
+    secured = start_server(secret=SECRET, handshake_timeout_s=HANG_GUARD_S)
+    with socket.create_connection(secured.address):  # connected, silent: awaited
+        assert wait_for(lambda: bool(timeouts) and timeouts[-1] is not None)
+        last = timeouts[-1]
+        assert last is not None and 0 < last <= HANG_GUARD_S
+
+
+def test_a_frame_encoded_once_is_sent_as_send_sends_it() -> None:
+    """A broadcast (`encode` once, `send_encoded` to every peer): byte for byte what `send`
+    sends, on every connection, and a snapshot of the tensors it was encoded from."""
+    adapter = {"lora_A": torch.randn(8, 64), "lora_B": torch.zeros(64, 8, dtype=torch.bfloat16)}
+    pairs = []
+    for _ in range(2):
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            ours = socket.create_connection(listener.getsockname())
+            pairs.append((ours, listener.accept()[0]))
+    conns = [Connection(ours, read_timeout_s=HANG_GUARD_S) for ours, _ in pairs]
+
+    def read(peer: socket.socket, size: int) -> bytes:
+        peer.settimeout(HANG_GUARD_S)
+        data = b""
+        while len(data) < size:
+            data += peer.recv(size - len(data))
+        return data
+
+    try:
+        size = conns[0].send_tensors(MsgType.DATA_TENSORS, adapter)
+        sent = read(pairs[0][1], size)
+        frame = conns[0].encode(MsgType.DATA_TENSORS, adapter)
+        adapter["lora_A"] += 1.0  # changed after encoding: the frame is not
+        for conn, (_, peer) in zip(conns, pairs, strict=True):
+            assert conn.send_encoded(frame) == frame.size == size
+            assert read(peer, size) == sent
+        assert conns[1].bytes_sent == size
+        other = Connection(pairs[1][0], limits=Limits(max_frame_bytes=2**20))
+        with pytest.raises(LocalProtocolError, match="other limits"):
+            other.send_encoded(frame)  # checked against limits that are not its own
+        assert other.bytes_sent == 0
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
+def test_a_receiver_checks_an_encoded_frame_as_any_other(start_server) -> None:
+    server = start_server(limits=Limits(max_frame_bytes=2**20))
+    small = {"w": torch.arange(6.0).reshape(2, 3)}
+    with Connection.connect(*server.address) as conn:
+        conn.send_encoded(conn.encode(MsgType.DATA_TENSORS, small))
+        assert torch.equal(conn.recv_tensors(MsgType.DATA_TENSORS)["w"], small["w"])
+        conn.send_encoded(conn.encode(MsgType.DATA_TENSORS, {"w": torch.zeros(2**18 + 1)}))
+        with pytest.raises(RemoteError, match="exceeds the cap of 1048576"):
+            conn.recv(expect=MsgType.DATA_TENSORS)  # over the server's cap: refused
+    with (
+        Connection.connect(*server.address, limits=Limits(max_frame_bytes=2**20)) as conn,
+        pytest.raises(LocalProtocolError, match="exceeds max_frame_bytes"),
+    ):
+        conn.encode(MsgType.DATA_TENSORS, {"w": torch.zeros(2**18 + 1)})  # as send refuses it
 
 
 def test_close_is_clean_and_idempotent(start_server) -> None:
