@@ -183,12 +183,14 @@ class Clients:
 
     def run(
         self, kind: str, address: tuple[str, int], work: list[list[list[int]]], max_new: int,
-        verifier: psutil.Process,
+        verifier: psutil.Process, probe: tuple[str, int] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """Each of len(work) clients runs its prompts; the verifier's CPU seconds meanwhile."""
+        """Each of len(work) clients runs its prompts; the verifier's CPU seconds meanwhile,
+        and (`probe`: the verifier's own address) what its batcher did (`batches`)."""
         self.go.clear()
         for index, prompts in enumerate(work):
             self.commands[index].put((kind, address, prompts, max_new))
+        first = batcher_stats(probe) if probe else None  # (outside the CPU counted)
         before, started = cpu_seconds(verifier), time.perf_counter()
         self.go.set()
         outcomes: list[Any] = [None] * len(work)
@@ -197,8 +199,10 @@ class Clients:
             outcomes[index] = outcome
         cpu, wall = cpu_seconds(verifier) - before, time.perf_counter() - started
         tokens = sum(len(o) for outcome in outcomes for o in outcome["outputs"])
+        batches = batch_figures(first, batcher_stats(probe)) if first and probe else None
         return {
             "clients": outcomes,
+            "batches": batches,
             "tokens": tokens,
             "verifier_cpu_s": cpu,
             "wall_s": wall,
@@ -216,6 +220,45 @@ class Clients:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
+
+
+def batcher_stats(address: tuple[str, int]) -> dict[str, Any]:
+    """The verifier's batcher counts so far (its STATS_DONE: batching.BatchStats)."""
+    with Connection.connect(*address, read_timeout_s=60) as conn:
+        stats = conn.request(SpecMsg.STATS, expect=SpecMsg.STATS_DONE).payload
+        conn.send(SpecMsg.CLOSE)
+    return stats
+
+
+def batch_figures(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """What the batcher did between two STATS: sessions (rows) a forward, the tokens and the
+    drafted tokens (fed beyond the committed sequence) a forward, the forwards by their rows,
+    and its leaders' waits for sessions in flight."""
+    diff = {k: then[k] - first[k] for k in ("forwards", "rows", "tokens", "drafted")}
+    extra = ("gather_waits", "gather_missed", "turnarounds", "turnaround_s")
+    diff.update({k: then.get(k, 0) - first.get(k, 0) for k in extra})
+    forwards = max(diff["forwards"], 1)
+    by_rows = {r: n - first["by_rows"].get(r, 0) for r, n in then["by_rows"].items()}
+    return {
+        **diff,
+        "rows_per_forward": diff["rows"] / forwards,
+        "tokens_per_forward": diff["tokens"] / forwards,
+        "drafted_per_forward": diff["drafted"] / forwards,
+        "turnaround_ms": 1e3 * diff["turnaround_s"] / max(diff["turnarounds"], 1),
+        "by_rows": {r: n for r, n in by_rows.items() if n},
+    }
+
+
+def describe_batches(b: dict[str, Any] | None) -> str:
+    if not b:
+        return "(no batcher figures)"
+    hist = ", ".join(f"{r}: {n}" for r, n in sorted(b["by_rows"].items(), key=lambda x: int(x[0])))
+    return (
+        f"{b['forwards']} forwards, {b['rows_per_forward']:.2f} sessions, "
+        f"{b['tokens_per_forward']:.2f} tokens ({b['drafted_per_forward']:.2f} drafted) a forward;"
+        f" forwards by sessions {{{hist}}}; waits {b['gather_waits']}, missed {b['gather_missed']}"
+        f", turnaround {b['turnaround_ms']:.2f} ms"
+    )
 
 
 def cpu_seconds(process: psutil.Process) -> float:
@@ -370,8 +413,9 @@ def capacity_bench(
                 with link as emulator:
                     where = emulator.address if emulator else address
                     figures[str(delay)] = at_delay(
-                        clients, where, work, max_new, verifier, costs, single, repeats, delay, loop
-                    )
+                        clients, where, work, max_new, verifier, costs, single, repeats, delay,
+                        loop, probe=address,
+                    )  # fmt: skip
     finally:
         clients.close()
     figures["load"] = {"before": load_before, "after": os.getloadavg()}
@@ -396,6 +440,14 @@ def capacity_bench(
             f"{f['single']['target_tokens_per_cpu_s']:.1f} tokens per CPU-second; same text "
             f"{f['same']}; load {f['load'][0]:.2f}"
         )
+    for delay in DELAYS_MS:
+        f = figures[str(delay)]
+        for label, batches in (
+            ("speculative", f["batches"]),
+            ("verifier waits", f["waits"]["batches"]),
+            ("target alone", f["target_batches"]),
+        ):
+            print(f"[batches] {delay} ms one-way, {label}: {describe_batches(batches)}")
     f = figures["50"]
     print(
         f"verifier capacity at 50 ms, {CLIENTS} drafters / target alone batching {CLIENTS}: "
@@ -406,7 +458,7 @@ def capacity_bench(
 def at_delay(
     clients: Clients, address: tuple[str, int], work: list[list[list[int]]], max_new: int,
     verifier: psutil.Process, costs: BatchCosts, single: BatchCosts, repeats: int, delay: int,
-    loop: SharedLoop,
+    loop: SharedLoop, *, probe: tuple[str, int] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Both arms at one delay, alternated, and the model's prediction of each; the default
     speculative arm's figures at the top, the waiting verifier's under `waits`."""
@@ -417,11 +469,13 @@ def at_delay(
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in alone}
     for _ in range(repeats):
         for kind in ("target", *POLICIES):
-            runs[kind].append(clients.run(kind, address, work, max_new, verifier))
+            runs[kind].append(clients.run(kind, address, work, max_new, verifier, probe))
         base = runs["target"][-1]["tokens_per_cpu_s"]
         each = [f"{kind} {runs[kind][-1]['tokens_per_cpu_s'] / base:.2f}x" for kind in POLICIES]
         print(f"  run: {', '.join(each)} the target alone (load {os.getloadavg()[0]:.2f})",
               file=sys.stderr)  # fmt: skip
+        for kind in ("target", *POLICIES):
+            print(f"    {kind}: {describe_batches(runs[kind][-1]['batches'])}", file=sys.stderr)
     t1 = alone["target"]["clients"][0]
     target_over = single_session_overhead(
         cpu_s=alone["target"]["verifier_cpu_s"], tokens=alone["target"]["tokens"],
@@ -492,6 +546,8 @@ def at_delay(
                 "rtt_ms": s1["rtt_s"] * 1e3,
             },
             "load": os.getloadavg(),
+            "batches": spec["batches"],
+            "target_batches": target["batches"],
             "runs": [{k: v for k, v in run.items() if k != "clients"} for run in spec_runs],
         }
     result = figures["spec"]

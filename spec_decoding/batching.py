@@ -4,8 +4,12 @@ Each session keeps its own KV cache (`CachedDecoder`) and asks for forwards as b
 sessions' threads meet here. Whoever asks while no forward runs leads: it takes the requests
 waiting (the oldest first, the others as they fit), runs them as one padded batch, hands each
 its logits and its grown cache, and leads again while its own waits; the others sleep until
-theirs is done. No request waits for company: a batch is what arrived while the last forward
-ran (continuous batching), so one session alone runs exactly as it did without this.
+theirs is done. A batch is what arrived while the last forward ran (continuous batching), and
+the sessions in flight: those a forward served that are not back yet with their next request
+(doing their bookkeeping, a moment behind) and have not said they wait on the wire (`idle`).
+The leader waits for those at most a share of a forward's time (GATHER_SHARE), and not for a
+session whose own turnaround runs past that, nor, until its next forward, for one it waited
+for in vain: a slow session costs its own forwards. One session alone never waits.
 
 The batch: past caches left-padded to the longest, new tokens right-padded to the longest, an
 attention mask that hides both paddings and each row's own position ids, so every row sees
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,12 +45,21 @@ MAX_PADDING_SHARE = 0.5
 is padding (a 33-token check next to three 2-token ones would pay 4 x 33): the rest wait for
 the next forward, the oldest always in the first. (A prompt's prefill runs alone, in its
 session's thread: `CachedDecoder.prefill`.)"""
-GATHER_SHARE = 0.25
+GATHER_SHARE = 1.0
 MAX_GATHER_S = 0.005
-"""A leader with fewer requests than its last forward served waits for the others at most this
-share of that forward's time (and at most this long): they are usually a moment behind, doing
-their sessions' bookkeeping, and without the wait one of them started a forward alone each
-time while the rest queued behind it (batches of 1 and 3 in turn for 4 sessions)."""
+"""A leader waits for the sessions in flight at most this share of a one-session forward's
+time (its running mean; and at most this long). In flight: served by a forward and not back
+with their next request, nor gone to wait on the wire (`idle`): they are usually a moment
+behind, doing their sessions' bookkeeping. A session that misses the batch runs a forward of
+its own after it, and forwards run one at a time, so a wait up to that forward's time costs
+the batch no more than the late session would have; it costs no CPU. Without a wait one of
+them started a forward alone each time while the rest queued behind it (batches of 1 and 3 in
+turn for 4 sessions); waiting a quarter of the last forward for as many as it served kept a
+batch that had once run short short."""
+TURNAROUND_WEIGHT = 0.2
+"""Weight of the newest sample in a session's running mean turnaround (from its forward's
+result to its next request): a session whose turnaround runs past the leader's wait is not
+waited for, so a slow session costs its own forwards, not everyone's."""
 ROW_CACHE_TOKENS = 2048
 """`spec.batch_cache_tokens=0` (auto) lets a batch hold `max_batch` rows of this many cache
 positions (or of the session cap, if shorter): sessions up to that long batch whole, and a
@@ -86,6 +100,24 @@ class _Request:
     logits: torch.Tensor | None = None
     error: BaseException | None = None
 
+    @property
+    def drafted(self) -> int:
+        """Tokens fed beyond the decoder's committed sequence (its drafts being checked)."""
+        decoder = self.decoder
+        return max(0, len(self.feed) - max(0, len(decoder.tokens) - len(decoder.cached)))
+
+
+@dataclass
+class _Away:
+    """A session between its forward's result and its next request, as the batcher sees it."""
+
+    returned_at: float | None = None
+    """When its last forward handed it its logits; None: back since, or waiting on the wire."""
+    awaited: bool = False
+    """A leader may wait for it: in flight, and not missed by a wait since its forward."""
+    turnaround_s: float | None = None
+    """Running mean of its result-to-next-request time (None: not measured yet)."""
+
 
 @dataclass
 class BatchStats:
@@ -106,6 +138,25 @@ class BatchStats:
     batch over the cache budget."""
     failed_rows: int = 0
     """Rows whose forward failed alone (their session ends; the others' went on)."""
+    drafted: int = 0
+    """Tokens fed beyond each session's committed sequence (drafts checked), padding excluded."""
+    by_rows: dict[int, int] = field(default_factory=dict)
+    """Forwards by their rows: {sessions in the forward: forwards}."""
+    gather_waits: int = 0
+    """Forwards whose leader waited for sessions in flight."""
+    gather_missed: int = 0
+    """Sessions waited for that had not come when the wait ended (not waited for again
+    until their next forward)."""
+    turnarounds: int = 0
+    turnaround_s: float = 0.0
+    """Sessions back with a request after their forward (not via the wire), and their time
+    from result to request in all."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (the verifier's STATS_DONE)."""
+        figures: dict[str, Any] = {k: v for k, v in vars(self).items() if k != "by_rows"}
+        figures["by_rows"] = {str(rows): n for rows, n in sorted(self.by_rows.items())}
+        return figures
 
 
 class BatchedTarget:
@@ -118,9 +169,11 @@ class BatchedTarget:
         max_batch: int = 8,
         max_cache_tokens: int | None = None,
         pad_token_id: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`max_cache_tokens`: the most cache positions, padding included, one forward of
-        several sessions may hold (`cache_budget`; None: no bound)."""
+        several sessions may hold (`cache_budget`; None: no bound). `clock`: what the gather
+        reads (tests inject one)."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be at least 1")
         if max_cache_tokens is not None and max_cache_tokens < 1:
@@ -133,10 +186,14 @@ class BatchedTarget:
         self.stats = BatchStats()
         self._queue: list[_Request] = []
         self._leading = False
-        self._last_rows = 0
         self.sessions = 0
         """Sessions open on the verifier (it counts them): a leader waits for no more."""
         self._last_forward_s = 0.0
+        self._one_row_s = 0.0
+        """Running mean of a one-session forward's time (wall clock, the leader's)."""
+        self._away: dict[int, _Away] = {}
+        """Per session (its decoder's id) served so far: whether it is in flight."""
+        self._clock = clock
         self._cond = threading.Condition()
 
     def run(self, decoder: CachedDecoder, feed: list[int]) -> torch.Tensor:
@@ -145,6 +202,7 @@ class BatchedTarget:
         run; raises what its own forward raised, never another's."""
         request = _Request(decoder, list(feed))
         with self._cond:
+            self._back(decoder)
             self._queue.append(request)
             self._cond.notify_all()  # a leader gathering a batch counts it
             while not request.done.is_set():
@@ -166,15 +224,60 @@ class BatchedTarget:
         assert request.logits is not None
         return request.logits
 
+    def idle(self, decoder: CachedDecoder, *, leaving: bool = False) -> None:
+        """`decoder`'s session waits on the wire (or, `leaving`, has ended): no leader waits
+        for its next request."""
+        with self._cond:
+            if leaving:
+                self._away.pop(id(decoder), None)
+            elif id(decoder) in self._away:
+                away = self._away[id(decoder)]
+                away.returned_at, away.awaited = None, False
+            self._cond.notify_all()  # a leader waiting for it stops
+
+    def _back(self, decoder: CachedDecoder) -> None:
+        """(The lock held.) `decoder`'s session is back with a request: its turnaround."""
+        away = self._away.get(id(decoder))
+        if away is None or away.returned_at is None:
+            return
+        took = max(0.0, self._clock() - away.returned_at)
+        self.stats.turnarounds += 1
+        self.stats.turnaround_s += took
+        mean = away.turnaround_s
+        away.turnaround_s = took if mean is None else mean + TURNAROUND_WEIGHT * (took - mean)
+        away.returned_at, away.awaited = None, False
+
+    def _in_flight(self, deadline: float) -> list[_Away]:
+        """(The lock held.) Sessions in flight that should be back by `deadline`."""
+        return [
+            away
+            for away in self._away.values()
+            if away.awaited
+            and away.returned_at is not None
+            and away.returned_at + (away.turnaround_s or 0.0) <= deadline
+        ]
+
     def _gather(self) -> None:
-        """(The lock held, leading.) Wait a moment for the last forward's other sessions."""
-        expected = min(self._last_rows, self.sessions, self.max_batch)
-        deadline = time.monotonic() + min(GATHER_SHARE * self._last_forward_s, MAX_GATHER_S)
-        while len(self._queue) < expected:
-            left = deadline - time.monotonic()
+        """(The lock held, leading.) Wait a moment for the sessions in flight (GATHER_SHARE):
+        each that has not come by the end is not waited for again until its next forward."""
+        wait_s = min(GATHER_SHARE * (self._one_row_s or self._last_forward_s), MAX_GATHER_S)
+        deadline = self._clock() + wait_s
+        room = min(self.sessions, self.max_batch) - len(self._queue)
+        awaited = self._in_flight(deadline)
+        if not awaited or room <= 0 or wait_s <= 0:
+            return
+        self.stats.gather_waits += 1
+        while True:
+            awaited = [a for a in awaited if a.awaited]
+            if not awaited or len(self._queue) >= min(self.sessions, self.max_batch):
+                return
+            left = deadline - self._clock()
             if left <= 0:
                 break
             self._cond.wait(left)
+        for away in awaited:  # (its turnaround is still measured when it comes)
+            away.awaited = False
+            self.stats.gather_missed += 1
 
     def _take(self) -> list[_Request]:
         """The next batch (the lock held): the oldest waiting request, then the others with
@@ -204,9 +307,13 @@ class BatchedTarget:
         """Run one batch; a batch that fails is run again row by row, so a row that fails
         alone fails only its own session."""
         started = time.perf_counter()
+        drafted = sum(r.drafted for r in batch)  # (before the forward grows the caches)
         try:
             outputs = self.forward([(r.decoder, r.feed) for r in batch])
-            self._last_rows, self._last_forward_s = len(batch), time.perf_counter() - started
+            self._last_forward_s = took = time.perf_counter() - started
+            if len(batch) == 1:
+                mean = self._one_row_s
+                self._one_row_s = took if not mean else mean + TURNAROUND_WEIGHT * (took - mean)
         except Exception as exc:
             if len(batch) == 1:
                 batch[0].error = exc
@@ -217,9 +324,14 @@ class BatchedTarget:
             for request in batch:
                 self._serve([request])
             return
-        for request, logits in zip(batch, outputs, strict=True):
-            request.logits = logits
-            request.done.set()
+        self.stats.drafted += drafted
+        with self._cond:
+            returned = self._clock()
+            for request, logits in zip(batch, outputs, strict=True):
+                away = self._away.setdefault(id(request.decoder), _Away())
+                away.returned_at, away.awaited = returned, True
+                request.logits = logits
+                request.done.set()
 
     @torch.inference_mode()
     def forward(self, jobs: list[tuple[CachedDecoder, list[int]]]) -> list[torch.Tensor]:
@@ -267,6 +379,7 @@ class BatchedTarget:
         stats.rows += len(fed)
         stats.tokens += sum(fed)
         stats.most_rows = max(stats.most_rows, len(fed))
+        stats.by_rows[len(fed)] = stats.by_rows.get(len(fed), 0) + 1
         stats.most_cache_tokens = max(stats.most_cache_tokens, cache_tokens)
 
 

@@ -11,6 +11,8 @@
                                                                          "verify_ms"}
     drafter -> verifier  BASELINE  JSON  {"prompt", "max_new_tokens", "temperature", "top_p",
                                           "seed"}            -> BASELINE_DONE {"tokens", "seconds"}
+    drafter -> verifier  STATS     EMPTY                 -> STATS_DONE {what its batcher did so
+                                          far, all sessions: batching.BatchStats; for benches}
     drafter -> verifier  CLOSE     EMPTY (frees the session; so does closing the connection)
 
 Pipelined sessions (`spec.pipeline`) stream instead of DRAFT/VERDICT rounds:
@@ -84,6 +86,8 @@ class SpecMsg(IntEnum):
     STREAM = 0x0208
     PROGRESS = 0x0209
     BRANCH = 0x020A
+    STATS = 0x020B
+    STATS_DONE = 0x020C
 
 
 REGISTRY.register(
@@ -101,5 +105,7 @@ REGISTRY.register(
         SpecMsg.STREAM: PayloadKind.TENSORS,
         SpecMsg.PROGRESS: PayloadKind.JSON,
         SpecMsg.BRANCH: PayloadKind.TENSORS,
+        SpecMsg.STATS: PayloadKind.EMPTY,
+        SpecMsg.STATS_DONE: PayloadKind.JSON,
     },
 )

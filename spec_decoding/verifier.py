@@ -158,7 +158,7 @@ class Verifier:
                     # pipelined: take in whatever has arrived, then check it in one forward
                     started = time.perf_counter()
                     while session is not None and conn.readable():
-                        session = self._dispatch(conn, session, waited=False)
+                        session = self._next(conn, session, waited=False)
                     if session is None or not session.has_work():
                         continue
                     if session.can_decode_alone():
@@ -174,12 +174,24 @@ class Verifier:
                         conn.send_msg(SpecMsg.PROGRESS, progress)
                     continue
                 # idle: a message that is already here came while we computed
-                session = self._dispatch(conn, session, waited=not conn.readable())
+                waited = not conn.readable()
+                if waited and session is not None:  # on the wire: the batcher waits not for it
+                    self.batched.idle(session.decoder)
+                session = self._next(conn, session, waited=waited)
         finally:
+            if session is not None:
+                self.batched.idle(session.decoder, leaving=True)
             session = None  # the cache goes with the session
             with self._lock:
                 self.active_sessions -= 1
                 self.batched.sessions = self.active_sessions
+
+    def _next(self, conn: Connection, session: _Session | None, *, waited: bool) -> _Session | None:
+        """`_dispatch`, and a session it ends (CLOSE, or an OPEN after it) leaves the batcher."""
+        after = self._dispatch(conn, session, waited=waited)
+        if session is not None and after is not session:
+            self.batched.idle(session.decoder, leaving=True)
+        return after
 
     def _dispatch(
         self, conn: Connection, session: _Session | None, *, waited: bool
@@ -221,6 +233,9 @@ class Verifier:
                     self.baseline(message.payload),
                     request_id=message.request_id,
                 )
+            elif message.type == SpecMsg.STATS:
+                stats = self.batched.stats.as_dict()
+                conn.send_msg(SpecMsg.STATS_DONE, stats, request_id=message.request_id)
             elif message.type == SpecMsg.CLOSE:
                 session = None
             else:
