@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from lab.launch import free_port
 from lab.tracking import METRICS_FILE, read_records
+from tests.clocks import HANG_GUARD_S
 
 ROUNDS = 4
 
@@ -47,7 +48,9 @@ def fed_process(role: str, run_dir: Path, lab_cache: Path, port: int, *extra: st
             "fed.eval_blocks=8",
             "fed.heartbeat_s=0.5",
             "fed.heartbeat_timeout_s=15",
-            "fed.wait_clients_s=60",
+            # the clients redial the restarted coordinator this long: a new process importing
+            # torch and loading its model on a busy machine, not a speed to beat
+            f"fed.wait_clients_s={HANG_GUARD_S:g}",
             *extra,
         ],
         stdout=subprocess.PIPE,

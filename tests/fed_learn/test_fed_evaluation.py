@@ -20,6 +20,7 @@ from fed_learn.run import run
 from lab.tracking import METRICS_FILE, read_records
 from labtools.attacks.secure_rounds import SecurePlayer, offset_delta, result_for
 from netproto import Connection, NetprotoError
+from tests.clocks import HANG_GUARD_S
 
 from .test_adversarial import (  # noqa: F401 (federation: the fixture, used by name)
     Federation,
@@ -160,7 +161,8 @@ def test_fedadam_steps_each_coordinate_by_server_lr_from_the_rounds_mean(
     options["server_tau"] = 1e-9
     if secure:
         players: list[Any] = [SecurePlayer(0.01, 10), SecurePlayer(0.03, 10)]
-        options |= {"secure_aggregation": True, "secagg": SecAggConfig(step_timeout_s=2.0)}
+        # every client answers: steps wait to the hang guard, not a time an honest one must beat
+        options |= {"secure_aggregation": True, "secagg": SecAggConfig(step_timeout_s=HANG_GUARD_S)}
     else:
         players = [EvalPlayer(0.01, evaluation(1.0, 1)), EvalPlayer(0.03, evaluation(1.0, 1))]
     fed = federation(players, **options)

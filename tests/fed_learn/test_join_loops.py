@@ -29,12 +29,13 @@ from lab.models import load_tokenizer
 from lab.tracking import METRICS_FILE, Tracker, read_records
 from labtools.attacks.join_loop import MODEL, SECRET, rotating_join_run, settings
 from netproto import Connection, NetprotoError, RemoteError, Server
+from tests.clocks import HANG_GUARD_S
 
 LOOP_HOSTS = ("127.0.0.2", "127.0.0.3")
 """Each loop dials from an address of its own (another host, as the coordinator sees it)."""
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+def wait_for(condition: Callable[[], bool], timeout_s: float = HANG_GUARD_S) -> bool:
     """Sessions end (and counters move) just after the client side sees the result."""
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -70,7 +71,10 @@ class JoinLoop:
 
     def join_once(self) -> None:
         with Connection.connect(
-            *self.address, secret=self.secret, connect_timeout_s=10, source_address=(self.host, 0)
+            *self.address,
+            secret=self.secret,
+            connect_timeout_s=HANG_GUARD_S,  # a handshake on a busy box is slow, not refused
+            source_address=(self.host, 0),
         ) as conn:
             try:
                 conn.request(

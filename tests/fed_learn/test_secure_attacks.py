@@ -25,6 +25,7 @@ from fed_learn import secagg, secure
 from fed_learn.config import SecAggConfig
 from fed_learn.coordinator import Coordinator
 from fed_learn.protocol import FedMsg
+from labtools.attacks import secure_rounds as attacks
 from labtools.attacks.secure_rounds import (
     HONEST,
     SecurePlayer,
@@ -33,7 +34,6 @@ from labtools.attacks.secure_rounds import (
     heavy_result,
     moved,
     offset_masked,
-    players_with,
     reindexed_box,
     replay,
     tampered,
@@ -46,8 +46,16 @@ from .test_secure_rounds import (  # noqa: F401 (fixtures: pytest finds them by 
     expected_mean,
     federation,
     honest,
+    in_join_order,
     secure_federation,
 )
+
+
+def players_with(step: Any) -> list[SecurePlayer]:
+    """labtools' two honest clients and the attacker, which joins last (the highest id): here
+    once the others were welcomed, not after its 0.3 s join delay, which a busy machine may
+    outlast."""
+    return in_join_order(attacks.players_with(step))
 
 
 def named(coordinator: Coordinator) -> set[int]:
@@ -198,7 +206,7 @@ def test_junk_shares_are_traced_to_their_sender(
     if not checked:
         monkeypatch.setattr(secagg.Server, "_rebuild", _rebuild_unchecked)
     liar = SecurePlayer(0.03, step=_until(FedMsg.SA_REVEAL, then=_junk), name="attacker")
-    players = [liar, *(SecurePlayer(o, join_delay_s=0.3) for o in HONEST)]
+    players = in_join_order([liar, *(SecurePlayer(o) for o in HONEST)])
     coordinator, initial, [record] = secure_federation(players)
     if checked:
         assert_adapter(coordinator, expected_mean(initial, [*HONEST, 0.03], [10] * 3))

@@ -7,8 +7,10 @@ known exactly; every test checks the round's outcome against it."""
 from __future__ import annotations
 
 import base64
+import itertools
 import logging
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +37,7 @@ from labtools.attacks.secure_rounds import (
     offset_delta,
 )
 from netproto import Connection
+from tests.clocks import HANG_GUARD_S
 
 from .test_adversarial import (  # noqa: F401 (federation: the fixture, used by name)
     Federation,
@@ -47,17 +50,35 @@ def secure_federation(
     federation: Callable[..., Federation],  # noqa: F811 (the imported fixture)
 ) -> Callable[..., tuple[Coordinator, State, list[dict[str, Any]]]]:
     """test_adversarial's live coordinator (its teardown checks no scripted client hung), with
-    secure aggregation on and 2 s steps: one round run; (coordinator, adapter before, the
-    rounds' metrics)."""
+    secure aggregation on: one round run; (coordinator, adapter before, the rounds' metrics).
+    Its steps wait up to the hang guard: a step ends when every client answered or left, and
+    a short timeout could lapse on an honest client of a busy machine (a test whose clients
+    stay silent sets its own)."""
 
     def start(players: list[SecurePlayer], **fed: Any):
         fed.setdefault("secure_aggregation", True)
-        fed.setdefault("secagg", SecAggConfig(step_timeout_s=2.0))
+        fed.setdefault("secagg", SecAggConfig(step_timeout_s=HANG_GUARD_S))
         live = federation(players, **fed)
         _, rounds = live.run()
         return live.coordinator, live.initial, rounds
 
     return start
+
+
+def in_join_order(players: list[SecurePlayer]) -> list[SecurePlayer]:
+    """Each player sends JOIN once the one before it was welcomed (its client id taken): the
+    ids follow the list, waited on, not a `join_delay_s` a busy machine may outlast."""
+    for before, player in itertools.pairwise(players):
+
+        def play(conn: Connection, before=before, play=player.play) -> None:
+            deadline = time.monotonic() + HANG_GUARD_S
+            while before.client_id < 0 and not before.errors and time.monotonic() < deadline:
+                time.sleep(0.01)
+            play(conn)
+
+        player.join_delay_s = 0.0
+        player.play = play  # type: ignore[method-assign]
+    return players
 
 
 def expected_mean(initial: State, offsets: list[float], weights: list[int]) -> State:
@@ -84,7 +105,7 @@ def test_sparse_neighbourhoods_give_the_same_mean(secure_federation) -> None:
     offsets = [0.01, 0.02, 0.03, 0.04, 0.05, 0.06]
     players = [SecurePlayer(o, 10) for o in offsets]
     coordinator, initial, _ = secure_federation(
-        players, secagg=SecAggConfig(neighbors=2, threshold=0.5, step_timeout_s=5.0)
+        players, secagg=SecAggConfig(neighbors=2, threshold=0.5, step_timeout_s=HANG_GUARD_S)
     )
     assert_adapter(coordinator, expected_mean(initial, offsets, [10] * 6))
 
@@ -150,7 +171,10 @@ ROGUE_KEYS = {
 def test_malformed_keys_are_refused_and_the_round_goes_on(secure_federation, payload) -> None:
     players = [SecurePlayer(0.01), SecurePlayer(0.02), SecurePlayer(0.03)]
     players.append(SecurePlayer(5.0, step=_send_then_leave(FedMsg.SA_KEYS, payload), name="r"))
-    coordinator, initial, rounds = secure_federation(players)
+    # "not_an_object" answers no task: the key step waits it out, and the honest keys (sent at
+    # once) must come within it: 10 s, not the 2 s a busy machine could outlast
+    secagg = SecAggConfig(step_timeout_s=10.0)
+    coordinator, initial, rounds = secure_federation(players, secagg=secagg)
     assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03], [10] * 3))
     assert rounds[0]["clients"] == 3
     # "not_an_object" answers no task (no "task" field): dropped, not refused
@@ -224,7 +248,7 @@ def test_a_reveal_under_another_holders_index_is_refused_the_sum_stays_right(
     secure_federation,
 ) -> None:
     rogue = SecurePlayer(0.04, step=_until(FedMsg.SA_REVEAL, then=_other_index), name="rogue")
-    players = [rogue, *(SecurePlayer(o, join_delay_s=0.5) for o in (0.01, 0.02, 0.03))]
+    players = in_join_order([rogue, *(SecurePlayer(o) for o in (0.01, 0.02, 0.03))])
     coordinator, initial, rounds = secure_federation(players)
     # its masked input arrived: it counts; only its reveal is refused, the others suffice
     assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03, 0.04], [10] * 4))
@@ -275,7 +299,7 @@ def test_a_corrupt_share_is_traced_to_its_sender_and_the_sum_stays_right(
     shares are used, fail the seed's commitment, and are traced to it by leaving one share out
     at a time. (A false share a rebuild does not use changes nothing and goes unseen.)"""
     liar = SecurePlayer(0.04, step=_until(FedMsg.SA_REVEAL, then=_corrupt_share), name="liar")
-    players = [liar, *(SecurePlayer(o, join_delay_s=0.5) for o in (0.01, 0.02, 0.03))]
+    players = in_join_order([liar, *(SecurePlayer(o) for o in (0.01, 0.02, 0.03))])
     coordinator, initial, rounds = secure_federation(players)
     assert liar.client_id == 0
     assert_adapter(coordinator, expected_mean(initial, [0.01, 0.02, 0.03, 0.04], [10] * 4))
@@ -291,7 +315,8 @@ def test_too_few_clients_fail_each_attempt_in_one_line_and_the_run_ends_saying_w
     # two stay connected and silent: each attempt waits out its key step, then fails
     players += [SecurePlayer(0.02, step=_until(FedMsg.SA_KEYS), name=f"q{i}") for i in range(2)]
     with caplog.at_level("WARNING"), pytest.raises(NotEnoughClientsError, match="3 round attempts"):
-        secure_federation(players, rounds=1)
+        # the silent two are waited out: a short step, which no honest answer has to beat
+        secure_federation(players, rounds=1, secagg=SecAggConfig(step_timeout_s=2.0))
     failed = [r for r in caplog.records if "secure aggregation failed" in r.getMessage()]
     assert len(failed) == 3 and "the threshold is 2" in failed[0].getMessage()
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.clocks import HANG_GUARD_S
+
 
 def run_module(module: str, overrides: list[str], *, tmp_path: Path, lab_cache: Path, env=None):
     return subprocess.run(
@@ -112,14 +114,14 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(
         )  # fmt: skip
     try:
         latest = run_dir / "coordinator" / "checkpoints" / "latest.json"
-        deadline = time.monotonic() + 600  # generous: a loaded 2-core machine is slow, not wrong
+        deadline = time.monotonic() + HANG_GUARD_S  # a loaded 2-core machine is slow, not wrong
         while not latest.is_file() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert latest.is_file(), f"no checkpoint (exit {proc.poll()}): {log.read_text()[-3000:]}"
         roles = psutil.Process(proc.pid).children(recursive=True)
         assert roles  # the coordinator and the clients
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the command
-        proc.wait(timeout=60)
+        proc.wait(timeout=HANG_GUARD_S)
     finally:
         proc.kill()
     stderr = log.read_text()
@@ -128,7 +130,7 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(
     assert "interrupted; its checkpoints are kept in" in stderr
     (resume,) = [line.strip() for line in stderr.splitlines() if "fed.resume=true" in line]
     assert resume.startswith("python -m fed_learn") and f"hydra.run.dir={run_dir}" in resume
-    _, alive = psutil.wait_procs(roles, timeout=10)
+    _, alive = psutil.wait_procs(roles, timeout=HANG_GUARD_S)
     assert not alive, [p.cmdline() for p in alive]
 
 

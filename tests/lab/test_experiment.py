@@ -10,6 +10,7 @@ import pytest
 
 from lab import experiment, registry
 from lab.launch import Role, ServiceGroup, services
+from tests.clocks import HANG_GUARD_S
 
 
 @pytest.mark.parametrize("name", list(registry.manifests()))
@@ -96,7 +97,7 @@ def test_a_server_that_has_not_announced_itself_is_waited_for() -> None:
     )  # fmt: skip
     with services([slow], out=sys.stderr) as group:
         assert not group.running[0].ready.is_set()
-        group.wait_ready(30)
+        group.wait_ready(HANG_GUARD_S)
         assert group.running[0].ready.is_set()
 
 
@@ -108,7 +109,7 @@ def test_a_server_that_dies_before_it_is_ready_is_reported() -> None:
         service=True, ready="ready",
     )  # fmt: skip
     with services([dying], out=sys.stderr) as group, pytest.raises(RoleFailedError, match="3"):
-        group.wait_ready(30)
+        group.wait_ready(HANG_GUARD_S)
     assert isinstance(group, ServiceGroup)
 
 

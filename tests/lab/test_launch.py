@@ -10,10 +10,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from lab.launch import Role, RoleFailedError, free_port, launch
+from tests.clocks import HANG_GUARD_S
 
 PY = sys.executable
 
@@ -23,6 +26,33 @@ def py_role(name: str, code: str, *, service: bool = False) -> Role:
 
 
 SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(120)"
+
+
+def announcing_sleeper(marker: Path) -> str:
+    """SLEEPER that creates `marker` once its pid is out: a role waits on that, not a sleep."""
+    return (
+        "import os, pathlib, time; print('pid', os.getpid(), flush=True); "
+        f"pathlib.Path({str(marker)!r}).touch(); time.sleep(120)"
+    )
+
+
+def after(marker: Path, code: str) -> str:
+    """`code`, run once `marker` exists (another role has printed its pid), a wait bounded by
+    the hang guard, not a sleep a busy machine may outlast before the other role has started."""
+    return (
+        f"import pathlib, time\nfor _ in range({int(HANG_GUARD_S * 100)}):\n"
+        f"    if pathlib.Path({str(marker)!r}).exists(): break\n    time.sleep(0.01)\n{code}"
+    )
+
+
+def running_with(token: str) -> list[int]:
+    """Live (not zombie) processes whose command line holds `token`, whether or not they ever
+    printed their pid."""
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if token in " ".join(p.info["cmdline"] or []) and alive(p.pid)
+    ]
 
 
 def pids_in(text: str) -> list[int]:
@@ -38,7 +68,7 @@ def alive(pid: int) -> bool:
         return stat.read().split(")")[-1].split()[0] != "Z"
 
 
-def wait_dead(pids: list[int], timeout_s: float = 10.0) -> bool:
+def wait_dead(pids: list[int], timeout_s: float = HANG_GUARD_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not any(alive(pid) for pid in pids):
@@ -59,16 +89,14 @@ def test_roles_run_with_prefixed_output_and_report_exit_codes() -> None:
     assert "[beta] hello from b" in out.getvalue()
 
 
-def test_first_failure_stops_the_others_and_names_the_role() -> None:
+def test_first_failure_stops_the_others_and_names_the_role(tmp_path: Path) -> None:
     out = io.StringIO()
+    started = tmp_path / "server-started"
     with pytest.raises(RoleFailedError) as info:
         launch(
             [
-                py_role("server", SLEEPER),
-                py_role(
-                    "client",
-                    "import time; time.sleep(0.5); print('bad input'); raise SystemExit(3)",
-                ),
+                py_role("server", announcing_sleeper(started)),
+                py_role("client", after(started, "print('bad input'); raise SystemExit(3)")),
             ],
             out=out,
             timeout_s=60,
@@ -79,12 +107,13 @@ def test_first_failure_stops_the_others_and_names_the_role() -> None:
     assert not alive(server_pid)
 
 
-def test_services_are_stopped_when_the_workers_finish() -> None:
+def test_services_are_stopped_when_the_workers_finish(tmp_path: Path) -> None:
     out = io.StringIO()
+    started = tmp_path / "verifier-started"
     codes = launch(
         [
-            py_role("verifier", SLEEPER, service=True),
-            py_role("drafter", "import time; time.sleep(0.3)"),
+            py_role("verifier", announcing_sleeper(started), service=True),
+            py_role("drafter", after(started, "pass")),
         ],
         out=out,
         timeout_s=60,
@@ -93,24 +122,27 @@ def test_services_are_stopped_when_the_workers_finish() -> None:
     assert not alive(pids_in(out.getvalue())[0])
 
 
-def test_timeout_reaps_everything() -> None:
-    out = io.StringIO()
+def test_timeout_reaps_everything(tmp_path: Path) -> None:
+    # The role is found by a token in its command line: within the 1 s timeout a busy machine
+    # may not even have printed its pid (Popen returns after the exec, so the token is there).
+    token = f"slow role of {tmp_path}"
     with pytest.raises(TimeoutError, match=r"\['slow'\] still running"):
-        launch([py_role("slow", SLEEPER)], out=out, timeout_s=1.0)
-    assert not alive(pids_in(out.getvalue())[0])
+        launch([py_role("slow", f"{SLEEPER}  # {token}")], out=io.StringIO(), timeout_s=1.0)
+    assert not running_with(token)
 
 
 def test_grandchildren_are_reaped_with_their_role() -> None:
     spawner = f"""
-        import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}])
-        time.sleep(0.5)
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}], stdout=subprocess.PIPE)
+        print(child.stdout.readline().decode(), end='', flush=True)  # its pid, then fail
         raise SystemExit(1)
     """
     out = io.StringIO()
     with pytest.raises(RoleFailedError):
         launch([py_role("spawner", spawner)], out=out, timeout_s=60)
-    assert wait_dead(pids_in(out.getvalue()))
+    grandchild = pids_in(out.getvalue())
+    assert len(grandchild) == 1 and wait_dead(grandchild)
 
 
 LAUNCHER = f"""
@@ -164,7 +196,7 @@ def test_services_run_in_the_background_and_are_reaped() -> None:
 
     out = io.StringIO()
     with services([py_role("server", SLEEPER)], out=out) as check:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_GUARD_S
         while not pids_in(out.getvalue()) and time.monotonic() < deadline:
             time.sleep(0.01)
         check()  # alive: no error
@@ -179,7 +211,7 @@ def test_a_dead_service_is_reported_by_check() -> None:
     with services(
         [py_role("server", "print('cannot bind'); raise SystemExit(2)")], out=io.StringIO()
     ) as check:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_GUARD_S
         with pytest.raises(RoleFailedError, match="cannot bind"):
             while time.monotonic() < deadline:
                 check()

@@ -22,6 +22,7 @@ from lab.launch import free_port
 from lab.redact import redact_argv, redact_config, redact_text, split_secret
 from lab.tracking import CONFIG_FILE, METRICS_FILE, RUN_FILE, Tracker
 from labtools import report
+from tests.clocks import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_QUICK = ["target.lab_preset=debug", "draft.lab_preset=debug", "spec.num_prompts=1",
@@ -167,7 +168,7 @@ def _start(
         )  # fmt: skip
 
 
-def _finish(proc: subprocess.Popen, log: Path, *, timeout_s: float = 300) -> str:
+def _finish(proc: subprocess.Popen, log: Path, *, timeout_s: float = HANG_GUARD_S) -> str:
     """What the process printed, once it has ended well."""
     try:
         proc.wait(timeout=timeout_s)
@@ -219,7 +220,7 @@ def test_no_run_of_any_module_writes_the_secret(
     )  # fmt: skip
     runs = {name: _start(argv, cwd=work, log=logs[name]) for name, argv in commands.items()}
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + HANG_GUARD_S  # five runs start beside it
         while "verifier ready" not in logs["verifier"].read_text():
             assert verifier.poll() is None and time.monotonic() < deadline, "no verifier"
             time.sleep(0.2)

@@ -35,6 +35,7 @@ from labtools.hosts import (
     scenarios,
 )
 from labtools.linkdelay import PROBE_BYTES
+from tests.clocks import HANG_GUARD_S
 from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = pytest.mark.multihost
@@ -50,7 +51,7 @@ conn.sendall(f"hello {peer[0]}".encode())
 DIAL = """
 import socket, sys
 try:
-    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5) as conn:
+    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as conn:
         print(conn.recv(100).decode())
 except OSError as exc:
     print(f"refused: {exc}")
@@ -79,13 +80,13 @@ def test_hosts_reach_each_other_by_address_and_not_through_loopback(tmp_path: Pa
     with Network(["a", "b"], root=tmp_path) as net:
         a, b = net["a"], net["b"]
         server = a.start([PYTHON, "-c", SERVE, a.address], tmp_path / "serve.log")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_GUARD_S
         while not (tmp_path / "serve.log").read_text().strip() and time.monotonic() < deadline:
             time.sleep(0.05)
         port = (tmp_path / "serve.log").read_text().split()[0]
         assert b.run([PYTHON, "-c", DIAL, "127.0.0.1", port]).startswith("refused")
         assert b.run([PYTHON, "-c", DIAL, a.address, port]).strip() == f"hello {b.address}"
-        server.wait(timeout=10)
+        server.wait(timeout=HANG_GUARD_S)
 
 
 def test_each_host_has_its_own_home_and_model_cache(tmp_path: Path) -> None:
@@ -167,7 +168,7 @@ def test_namespaces_of_a_harness_killed_outright_are_removed_by_the_next(tmp_pat
     assert left  # what a harness killed outright leaves
     assert psutil.pid_exists(int(forwarder))  # its delaying forwarder, still holding packets
     assert set(remove_stale()) >= left
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_GUARD_S
     while psutil.pid_exists(int(forwarder)) and time.monotonic() < deadline:
         with contextlib.suppress(psutil.Error):
             psutil.Process(int(forwarder)).wait(timeout=0.1)  # reaped if it was our child
@@ -197,7 +198,7 @@ def test_ctrl_c_removes_the_hosts_and_says_so(tmp_path: Path) -> None:
     assert first.startswith("hosts: desktop 10.213.0.1"), first
     assert any(name.startswith(f"{PREFIX}{proc.pid}-") for name in namespaces())
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    _, stderr = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 130, stderr
     assert "interrupted; the namespaces are removed" in stderr
     assert not any(name.startswith(f"{PREFIX}{proc.pid}-") for name in namespaces())
@@ -222,14 +223,14 @@ def test_a_drafter_without_the_secret_is_refused_across_hosts(tmp_path: Path) ->
              f"hydra.run.dir={tmp_path / 'verifier'}"],
             log, env={"LAB_SECRET": "the-run's-secret"},
         )  # fmt: skip
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_GUARD_S
         while "verifier ready" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert "verifier ready" in log.read_text(), log.read_text()[-2000:]
         stranger = subprocess.run(
             ["ip", "netns", "exec", laptop.netns, PYTHON, "-m", "spec_decoding", "role=drafter",
-             *common, "cluster.connect_timeout_s=5", f"hydra.run.dir={tmp_path / 'drafter'}"],
-            env=laptop.env(), capture_output=True, text=True, timeout=120, check=False,
+             *common, "cluster.connect_timeout_s=60", f"hydra.run.dir={tmp_path / 'drafter'}"],
+            env=laptop.env(), capture_output=True, text=True, timeout=HANG_GUARD_S, check=False,
         )  # fmt: skip
         assert stranger.returncode != 0
         said = stranger.stdout + stranger.stderr

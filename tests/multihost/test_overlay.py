@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from labtools.hosts import ATTACKS, OVERLAY_PREFIX, Exposure, Host, Network, probe_exposure
+from tests.clocks import HANG_GUARD_S
 from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = [
@@ -37,11 +38,15 @@ while True:
 DIAL = """
 import socket, sys
 try:
-    with socket.create_connection((sys.argv[1], 5001), timeout=3) as conn:
+    with socket.create_connection((sys.argv[1], 5001), timeout=float(sys.argv[2])) as conn:
         print(conn.recv(100).decode())
 except OSError as exc:
     print(f"no connection: {exc}")
 """
+REACHES_S = "60"
+"""DIAL's wait where it must connect: a WireGuard handshake on a busy machine may take seconds."""
+BLOCKED_S = "3"
+"""Its wait where it must not: a busy machine can only make a wrong connection later."""
 
 
 def overlay_up(host: Host, log: Path, *args: str) -> subprocess.Popen:
@@ -50,7 +55,7 @@ def overlay_up(host: Host, log: Path, *args: str) -> subprocess.Popen:
     return proc
 
 
-def wait_for(log: Path, text: str, timeout_s: float = 60.0) -> str:
+def wait_for(log: Path, text: str, timeout_s: float = HANG_GUARD_S) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         content = log.read_text() if log.exists() else ""
@@ -73,20 +78,20 @@ def test_the_overlay_joins_two_hosts_and_its_guard_keeps_the_lan_out(tmp_path: P
         hub.start([sys.executable, "-c", LISTEN, f"{OVERLAY_PREFIX}1"], tmp_path / "listen.log")
         wait_for(tmp_path / "listen.log", "listening")
 
-        through_overlay = peer.run([sys.executable, "-c", DIAL, f"{OVERLAY_PREFIX}1"])
+        through_overlay = peer.run([sys.executable, "-c", DIAL, f"{OVERLAY_PREFIX}1", REACHES_S])
         assert through_overlay.strip() == f"hello {OVERLAY_PREFIX}2"  # the peer's overlay address
 
         # a LAN neighbour routes the overlay address through the hub's LAN address
         subprocess.run(["ip", "-n", stranger.netns, "route", "add", f"{OVERLAY_PREFIX}1/32",
                         "via", hub.address], check=True)  # fmt: skip
-        guarded = stranger.run([sys.executable, "-c", DIAL, f"{OVERLAY_PREFIX}1"])
+        guarded = stranger.run([sys.executable, "-c", DIAL, f"{OVERLAY_PREFIX}1", BLOCKED_S])
         assert guarded.startswith("no connection"), guarded
         # the guard is what stops it: without the nftables table the same route connects
         tables = hub.run(["nft", "-j", "list", "tables"])
         names = [t["table"]["name"] for t in json.loads(tables)["nftables"] if "table" in t]
         assert names == ["lab_labwgtesthub"]
         hub.run(["nft", "delete", "table", "inet", "lab_labwgtesthub"])
-        unguarded = stranger.run([sys.executable, "-c", DIAL, f"{OVERLAY_PREFIX}1"])
+        unguarded = stranger.run([sys.executable, "-c", DIAL, f"{OVERLAY_PREFIX}1", REACHES_S])
         assert unguarded.strip() == f"hello {stranger.address}"
 
 
@@ -101,7 +106,7 @@ def test_an_overlay_peer_without_the_secret_is_refused_and_the_hub_waits_on(tmp_
              "--interface", "labwgtestbad"],
             tmp_path / "wrong.log", env={"LAB_SECRET": "not the secret"},
         )  # fmt: skip
-        assert wrong.wait(timeout=60) == 1
+        assert wrong.wait(timeout=HANG_GUARD_S) == 1
         assert "error:" in (tmp_path / "wrong.log").read_text()
         overlay_up(peer, tmp_path / "peer.log", "--hub-address", hub.address,
                    "--interface", "labwgtestpeer")  # fmt: skip

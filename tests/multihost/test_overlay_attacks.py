@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from labtools.hosts import Host, Network
+from tests.clocks import HANG_GUARD_S
 from world.overlay import unavailable as overlay_unavailable
 
 pytestmark = [
@@ -29,7 +30,7 @@ wg = Interface(name=sys.argv[1])
 try:
     wg.up()
     print("held", wg.public_key, flush=True)
-    time.sleep(90)
+    time.sleep(600)  # held until the network is taken down, however slow the test's steps
 finally:
     wg.down()
 """
@@ -57,7 +58,7 @@ def session(conn):
 
 Server(session, host=sys.argv[1], port=29499, secret=sys.argv[3].encode()).start()
 print("serving", flush=True)
-time.sleep(90)
+time.sleep(600)  # until the network is taken down
 """
 LISTEN = """
 import socket, sys
@@ -71,14 +72,14 @@ while True:
 DIAL = """
 import socket, sys
 try:
-    with socket.create_connection((sys.argv[1], 5001), timeout=3) as conn:
+    with socket.create_connection((sys.argv[1], 5001), timeout=float(sys.argv[2])) as conn:
         print(conn.recv(100).decode())
 except OSError as exc:
     print(f"no connection: {exc}")
 """
 
 
-def wait_for(log: Path, *texts: str, timeout_s: float = 60.0) -> str:
+def wait_for(log: Path, *texts: str, timeout_s: float = HANG_GUARD_S) -> str:
     """The log once it holds one of `texts`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -117,7 +118,7 @@ def test_an_interface_name_the_host_already_has_is_refused_and_left_alone(
              "--interface", "eth0"],
             tmp_path / "peer.log", env={"LAB_SECRET": SECRET},
         )  # fmt: skip
-        assert proc.wait(timeout=60) == 1
+        assert proc.wait(timeout=HANG_GUARD_S) == 1
         assert peer.address in peer.run(["ip", "-o", "addr", "show", "dev", "eth0"])
         assert "exists already" in (tmp_path / "peer.log").read_text()
 
@@ -140,5 +141,5 @@ def test_a_roster_giving_a_peer_its_lan_address_is_refused(tmp_path: Path) -> No
         )  # fmt: skip
         outcome = wait_for(tmp_path / "peer.log", "overlay up", "error:")
         assert "error:" in outcome and "holds already" in outcome, outcome
-        dialled = hub.run([sys.executable, "-c", DIAL, peer.address])
+        dialled = hub.run([sys.executable, "-c", DIAL, peer.address, "60"])  # must connect
         assert dialled.strip() == "hello"  # the peer's LAN address still answers its LAN

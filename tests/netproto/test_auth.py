@@ -22,6 +22,7 @@ from netproto import (
 from netproto.codecs import encode_bytes as frame
 from netproto.header import HEADER, MAGIC, PROTOCOL_VERSION, Message, PayloadKind
 from netproto.wire import FrameDecoder
+from tests.clocks import HANG_GUARD_S
 
 from .conftest import wait_for
 
@@ -146,7 +147,7 @@ def test_unauthenticated_peer_cannot_make_the_server_allocate(start_server) -> N
                 200 * 2**20,
             )
         )
-        sock.settimeout(5)
+        sock.settimeout(HANG_GUARD_S)
         reply = _read_message(sock)  # refused from the header alone, before any allocation
         assert sock.recv(65536) == b""
     assert reply.type == MsgType.ERROR

@@ -29,6 +29,7 @@ from netproto.codecs import encode_bytes as frame
 from netproto.header import HEADER, MAGIC, PROTOCOL_VERSION, Message, PayloadKind
 from netproto.listener import StopSignal, accept_until
 from netproto.wire import FrameDecoder
+from tests.clocks import HANG_GUARD_S
 
 from .conftest import wait_for
 
@@ -38,7 +39,7 @@ TRICKLE_STEP_S = 0.1
 TRICKLE_BYTES = 100  # 10 s of trickling: 20x the handshake deadline these tests set
 
 
-def read_message(sock: socket.socket, timeout_s: float = 10.0) -> Message | None:
+def read_message(sock: socket.socket, timeout_s: float = HANG_GUARD_S) -> Message | None:
     """The next whole message from a raw socket, or None when the server closed it first."""
     decoder = FrameDecoder()
     sock.settimeout(timeout_s)
@@ -54,7 +55,7 @@ def read_message(sock: socket.socket, timeout_s: float = 10.0) -> Message | None
             return message
 
 
-def closed_by_peer(sock: socket.socket, timeout_s: float = 10.0) -> bool:
+def closed_by_peer(sock: socket.socket, timeout_s: float = HANG_GUARD_S) -> bool:
     """Whether the other end closes `sock` within `timeout_s`, whatever it sent first."""
     sock.settimeout(timeout_s)
     try:
@@ -233,7 +234,7 @@ def connections_taken_in(server: Server) -> int:
     return server.sessions_started + server.sessions_refused
 
 
-def wait_until_taken_in(server: Server, count: int, timeout_s: float = 10.0) -> bool:
+def wait_until_taken_in(server: Server, count: int, timeout_s: float = HANG_GUARD_S) -> bool:
     return wait_for(lambda: connections_taken_in(server) >= count, timeout_s=timeout_s)
 
 

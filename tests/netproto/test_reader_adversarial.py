@@ -35,6 +35,7 @@ from netproto.header import (
     parse_header,
 )
 from netproto.wire import READ_CHUNK_BYTES, FrameDecoder
+from tests.clocks import HANG_GUARD_S
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -608,7 +609,7 @@ def test_a_server_closes_only_the_connection_a_bad_frame_came_on(start_server, b
     server = start_server(read_timeout_s=5.0)
     with socket.create_connection(server.address) as sock:
         sock.sendall(SEEDS[0] + bad)
-        sock.settimeout(10)
+        sock.settimeout(HANG_GUARD_S)
         answer = b""
         try:
             while chunk := sock.recv(65536):
@@ -621,7 +622,9 @@ def test_a_server_closes_only_the_connection_a_bad_frame_came_on(start_server, b
     assert [m.type for m in replies] == [MsgType.DATA_JSON, MsgType.ERROR]  # echo, then refusal
     assert replies[1].payload["code"] == "protocol_error"
     with Connection.connect(*server.address) as good:  # the server still serves
-        reply = good.request(MsgType.DATA_TOKENS, [5, 6], expect=MsgType.DATA_TOKENS, timeout_s=10)
+        reply = good.request(
+            MsgType.DATA_TOKENS, [5, 6], expect=MsgType.DATA_TOKENS, timeout_s=HANG_GUARD_S
+        )
         assert reply.payload.tolist() == [5, 6]
 
 

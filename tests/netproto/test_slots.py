@@ -22,6 +22,7 @@ from netproto.codecs import encode_bytes as frame
 from netproto.header import HEADER, HEADER_BYTES, MAGIC, PROTOCOL_VERSION, Message, PayloadKind
 from netproto.server import address_key
 from netproto.wire import FrameDecoder
+from tests.clocks import HANG_GUARD_S
 
 from .conftest import echo_handler, wait_for
 from .test_before_auth import closed_by_peer, read_message
@@ -62,7 +63,7 @@ def connect_from(
     server: Server, host: str = "127.0.0.1", *, secret: bytes | None = None
 ) -> Connection:
     return Connection.connect(
-        *server.address, secret=secret, connect_timeout_s=5, source_address=(host, 0)
+        *server.address, secret=secret, connect_timeout_s=HANG_GUARD_S, source_address=(host, 0)
     )
 
 
@@ -93,13 +94,14 @@ def test_dribblers_in_every_slot_are_cut_by_the_frame_deadline_and_an_honest_cli
     start_server, held: list[Connection], caplog: pytest.LogCaptureFixture, secret: bytes | None
 ) -> None:
     """Four peers take all four slots (authenticated, with a secret) and then dribble a frame
-    a byte every 0.2 s: each read is served well within the 2 s read timeout, so only a
-    deadline on the whole frame frees the slots for a client that comes later."""
+    a byte every 0.2 s: each read is served long within the read timeout (the hang guard here:
+    a dribbler stalled by a busy machine must not be cut by it instead), so only a deadline on
+    the whole frame frees the slots for a client that comes later."""
     caplog.set_level(logging.WARNING, logger="netproto")
     server = start_server(
         secret=secret,
         max_connections=4,
-        read_timeout_s=READ_TIMEOUT_S,
+        read_timeout_s=HANG_GUARD_S,
         limits=Limits(frame_grace_s=GRACE_S),
     )
     for _ in range(4):
@@ -139,11 +141,12 @@ def test_a_huge_frame_dribbled_is_cut_after_the_grace_not_after_its_size_at_the_
 
 
 def test_a_frame_slower_than_the_grace_but_above_the_minimum_rate_arrives(start_server) -> None:
-    """60 kB in 6 kB pieces every 0.1 s: about a second, twice the grace, at about twelve
-    times the 5 kB/s minimum."""
+    """60 kB in 6 kB pieces every 0.1 s: at least 0.9 s (the sleeps), beyond the 0.5 s grace,
+    at about a hundred times the 500 B/s minimum: each piece buys 12 s, so a test thread
+    stalled by a busy machine between two pieces is not cut (at 5 kB/s, 1.7 s would have)."""
     server = start_server(
-        read_timeout_s=READ_TIMEOUT_S,
-        limits=Limits(min_frame_bytes_per_s=5_000, frame_grace_s=GRACE_S),
+        read_timeout_s=HANG_GUARD_S,
+        limits=Limits(min_frame_bytes_per_s=500, frame_grace_s=GRACE_S),
     )
     payload = pattern(60_000)
     data = frame(Message(MsgType.DATA_BYTES, payload))

@@ -18,6 +18,7 @@ from spec_decoding.batching import BatchedTarget
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.protocol import SpecMsg
 from spec_decoding.verifier import Verifier
+from tests.clocks import HANG_GUARD_S
 from tests.spec_decoding.test_greedy import PROMPTS, target_greedy
 from tests.spec_decoding.test_sessions import open_body, stream_payload
 
@@ -112,7 +113,7 @@ def hold_first_forward(verifier: Verifier, others: int) -> threading.Event:
     def forward_once_held(jobs):
         if not held.is_set():
             held.set()
-            deadline = time.monotonic() + 60  # (a stuck test ends; the batch asserts fail)
+            deadline = time.monotonic() + HANG_GUARD_S  # (a stuck test ends; asserts fail)
             while len(batched._queue) < others and time.monotonic() < deadline:
                 time.sleep(0.005)
         return forward(jobs)
@@ -139,7 +140,7 @@ def run_together(work: Sequence[Callable[[], Any]]) -> list[Any]:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=300)
+        thread.join(timeout=HANG_GUARD_S)
     assert not errors, errors
     return results
 
@@ -161,7 +162,7 @@ def test_drafters_batched_in_one_verifier_each_get_the_targets_greedy_output(
 
     def generate(index: int) -> list[int]:
         if index == 3:
-            first_has_tokens.wait(timeout=120)
+            first_has_tokens.wait(timeout=HANG_GUARD_S)
         seen = first_has_tokens.set if index == 0 else None
         return (
             drafters[index]
@@ -423,7 +424,7 @@ def test_a_long_session_beside_short_ones_never_takes_a_batch_over_its_cache_bud
 
         def generate(index: int) -> list[int]:
             if index == 0:  # so the held forward is a short one's, and the long one waits
-                held.wait(timeout=120)  # beside the other two for the next
+                held.wait(timeout=HANG_GUARD_S)  # beside the other two for the next
             return tokens_of(drafters[index], ids[index], max_new_tokens=new_tokens, seed=0)
 
         outputs = run_together([partial(generate, i) for i in range(len(ids))])

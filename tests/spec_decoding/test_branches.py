@@ -13,6 +13,7 @@ import torch
 from netproto import Connection, RemoteError
 from spec_decoding.protocol import SpecMsg
 from spec_decoding.verifier import BadRequest, _Session
+from tests.clocks import HANG_GUARD_S
 
 from .test_greedy import PROMPTS, target_greedy
 from .test_sessions import greedy_continuation, open_body, stream_payload
@@ -147,7 +148,7 @@ def test_a_bad_branch_closes_that_session_only(verifier_server, target, tokenize
     (right,) = greedy_continuation(target, [1, 2, 3], 1)  # (the stream stays live)
     with Connection.connect(*address) as bad, pytest.raises(RemoteError, match="BRANCH before"):
         bad.send(SpecMsg.BRANCH, branch_payload([4], epoch=0, at=0))
-        bad.recv(expect={SpecMsg.PROGRESS}, timeout_s=10)
+        bad.recv(expect={SpecMsg.PROGRESS}, timeout_s=HANG_GUARD_S)
     with Connection.connect(*address) as good, Connection.connect(*address) as bad:
         for conn in (good, bad):
             body = open_body(tokenizer, pipeline=True, decode_alone=False, max_new_tokens=4)
@@ -157,7 +158,7 @@ def test_a_bad_branch_closes_that_session_only(verifier_server, target, tokenize
             bad.send(SpecMsg.STREAM, stream_payload([right], epoch=0, at=0))
             bad.send(SpecMsg.BRANCH, branch_payload([5, 6], epoch=0, at=3))
             for _ in range(4):
-                bad.recv(expect={SpecMsg.PROGRESS}, timeout_s=10)
+                bad.recv(expect={SpecMsg.PROGRESS}, timeout_s=HANG_GUARD_S)
         good.send(SpecMsg.STREAM, stream_payload([4], epoch=0, at=0))
         assert good.recv_msg(SpecMsg.PROGRESS)["epoch"] == 0
 

@@ -19,6 +19,7 @@ from netproto import Connection
 from spec_decoding.drafter import Drafter, VerifierLostError
 from spec_decoding.gamma import GammaController
 from spec_decoding.run import EXPERIMENT, run
+from tests.clocks import HANG_GUARD_S
 
 
 @pytest.mark.parametrize(
@@ -96,7 +97,8 @@ def test_killed_verifier_gives_the_drafter_a_clear_error(
         draft_cfg = ModelConfig(pretrained="lab:tiny_draft", lab_preset="debug")
         model = load_model(draft_cfg, cache_dir=lab_cache)
         tokenizer = load_tokenizer(draft_cfg, cache_dir=lab_cache)
-        conn = Connection.connect("127.0.0.1", port, read_timeout_s=10)
+        # the hang guard: no busy-machine lapse may stand in for the closed connection
+        conn = Connection.connect("127.0.0.1", port, read_timeout_s=HANG_GUARD_S)
         drafter = Drafter(
             model, tokenizer, conn, gamma=KillAfter(proc, rounds=3), pipeline=pipeline
         )

@@ -13,6 +13,7 @@ from spec_decoding.cache import CachedDecoder
 from spec_decoding.draft_q import to_varints
 from spec_decoding.protocol import SpecMsg
 from spec_decoding.verifier import MAX_SESSION_TOKENS, vocab_hash
+from tests.clocks import HANG_GUARD_S
 
 
 def test_rollback_leaves_the_same_state_as_recomputation(target) -> None:
@@ -58,7 +59,7 @@ def test_concurrent_sessions_give_their_solo_outputs(
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join(timeout=HANG_GUARD_S)
     assert together == solo
     assert solo[0] != solo[1]
 
@@ -139,7 +140,7 @@ def test_a_vanished_drafter_frees_its_session(verifier_server, tokenizer) -> Non
     conn.request(SpecMsg.OPEN, open_body(tokenizer), expect=SpecMsg.OPENED)
     assert verifier.active_sessions == 1
     conn._abort()  # gone without a goodbye
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_GUARD_S
     while verifier.active_sessions and time.monotonic() < deadline:
         time.sleep(0.01)
     assert verifier.active_sessions == 0
@@ -296,7 +297,7 @@ def test_bad_stream_closes_that_session_only(
             # a valid first message may be answered before the second is refused, or not:
             # whether the verifier checked a STREAM before the DRAFT arrived is up to timing
             for _ in range(len(messages) + 2):
-                bad.recv(expect={SpecMsg.PROGRESS, SpecMsg.VERDICT}, timeout_s=10)
+                bad.recv(expect={SpecMsg.PROGRESS, SpecMsg.VERDICT}, timeout_s=HANG_GUARD_S)
         stream(good, [4], epoch=0)
         assert good.recv_msg(SpecMsg.PROGRESS)["epoch"] == 0
 

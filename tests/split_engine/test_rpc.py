@@ -17,6 +17,7 @@ from split_engine.sharded import ShardedModel
 from split_inference.run import batches
 from split_training.config import SplitTrainConfig
 from split_training.trainer import DistributedTrainer
+from tests.clocks import HANG_GUARD_S
 
 from .conftest import NUM_LAYERS, model_config, rpc_world
 
@@ -285,7 +286,8 @@ def test_a_peer_message_that_does_not_fit_the_step_fails_its_sender_only(world, 
     than the plan's, a non-finite value) is refused to whoever sent it; the stage trains on."""
     import torch.distributed.rpc as rpc
 
-    split = SplitTrainConfig(num_stages=2, microbatches=2, batch_size=4, rpc_timeout_s=5)
+    # waits of the hang guard: a refusal must come from the stage, never a 5 s lapse on a busy box
+    split = SplitTrainConfig(num_stages=2, microbatches=2, batch_size=4, rpc_timeout_s=HANG_GUARD_S)
     trainer = build_trainer(world, split)
     (batch,) = training_batches(unsplit.config.vocab_size, steps=1)
     trainer.train_step([batch])
@@ -308,9 +310,9 @@ def test_a_peer_message_that_does_not_fit_the_step_fails_its_sender_only(world, 
     ]
     for kind, step, slot, value in bad:
         with pytest.raises(Exception, match=r"step|slot|kind|norm|tensor|cut|stages|line"):
-            last.rpc_sync(timeout=5).receive(kind, step, slot, value)
+            last.rpc_sync(timeout=HANG_GUARD_S).receive(kind, step, slot, value)
     # rows and tokens other than the plan's pass the door, then fail the step that takes them
-    last.rpc_sync(timeout=5).receive("activation", 1, (0, 0), torch.zeros(1, 3, 64))
+    last.rpc_sync(timeout=HANG_GUARD_S).receive("activation", 1, (0, 0), torch.zeros(1, 3, 64))
     with pytest.raises(Exception, match=r"stage 2 gave up: activation .* of shape \(1, 3, 64\)"):
         trainer.train_step([batch])  # at once: stage 1 hears why and waits no timeout
     assert rpc.get_worker_info().name == "driver"

@@ -11,11 +11,12 @@ import pytest
 
 from lab.config import ClusterConfig, Endpoint
 from lab.launch import free_port
+from tests.clocks import HANG_GUARD_S
 
 SECRET = "group-secret-0123456789"
 
 
-def _rank(rank: int, port: int, secret: str, out: str) -> None:
+def _rank(rank: int, port: int, secret: str, out: str, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -23,7 +24,9 @@ def _rank(rank: int, port: int, secret: str, out: str) -> None:
 
     cluster = ClusterConfig(master=Endpoint("127.0.0.1", port), secret=secret)
     try:
-        with process_group(cluster, rank=rank, world_size=2, name="tp", timeout_s=20) as group:
+        with process_group(
+            cluster, rank=rank, world_size=2, name="tp", timeout_s=timeout_s
+        ) as group:
             total = torch.tensor([float(rank + 1)])
             dist.all_reduce(total)
             Path(out).write_text(f"{group.rank} {group.world_size} {total.item()}")
@@ -31,26 +34,29 @@ def _rank(rank: int, port: int, secret: str, out: str) -> None:
         Path(out).write_text(f"error: {exc}")
 
 
-def _start(tmp_path: Path, secrets: tuple[str, str]) -> list[str]:
+def _start(tmp_path: Path, secrets: tuple[str, str], timeout_s: float) -> list[str]:
+    """Two spawned ranks, each waiting `timeout_s` for the other (each imports torch first:
+    on a busy machine one may come many seconds after the other)."""
     port = free_port("127.0.0.1")
     ctx = mp.get_context("spawn")
     outs = [str(tmp_path / f"rank{rank}") for rank in range(2)]
-    procs = [ctx.Process(target=_rank, args=(rank, port, secrets[rank], outs[rank]))
+    procs = [ctx.Process(target=_rank, args=(rank, port, secrets[rank], outs[rank], timeout_s))
              for rank in range(2)]  # fmt: skip
     for proc in procs:
         proc.start()
     for proc in procs:
-        proc.join(120)
+        proc.join(HANG_GUARD_S + timeout_s)
         assert proc.exitcode == 0
     return [Path(out).read_text() for out in outs]
 
 
 def test_two_ranks_meet_on_the_lab_store_and_all_reduce(tmp_path: Path) -> None:
-    assert _start(tmp_path, (SECRET, SECRET)) == ["0 2 3.0", "1 2 3.0"]
+    assert _start(tmp_path, (SECRET, SECRET), HANG_GUARD_S) == ["0 2 3.0", "1 2 3.0"]
 
 
 def test_a_rank_with_another_secret_is_refused_in_one_line(tmp_path: Path) -> None:
-    rank0, rank1 = _start(tmp_path, (SECRET, "another secret 0123456"))
+    # rank 0 waits out its 20 s whatever the machine: rank 1 is refused, never joins
+    rank0, rank1 = _start(tmp_path, (SECRET, "another secret 0123456"), 20)
     assert rank1.startswith("error: the tp world's store at 127.0.0.1:") and "\n" not in rank1
     assert "secret" in rank1
     assert rank0.startswith("error:")  # rank 0 waited for a rank that never came, and said so

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from lab.config import ClusterConfig, OverlayConfig
+from tests.clocks import HANG_GUARD_S
 from world.overlay import (
     Interface,
     OverlayError,
@@ -157,11 +158,15 @@ def test_a_secret_holder_joining_again_under_other_keys_takes_no_peers_place() -
     replies: dict[str, Any] = {}
 
     def join(label: str, name: str, key: str) -> None:
-        with Connection.connect(*server.address, secret=b"s", connect_timeout_s=5) as conn:
+        with Connection.connect(
+            *server.address, secret=b"s", connect_timeout_s=HANG_GUARD_S
+        ) as conn:
             try:
                 payload = {"name": name, "public_key": key, "wg_port": 51820}
                 roster = OverlayMsg.ROSTER
-                reply = conn.request(OverlayMsg.JOIN, payload, expect=roster, timeout_s=30)
+                reply = conn.request(
+                    OverlayMsg.JOIN, payload, expect=roster, timeout_s=HANG_GUARD_S
+                )
                 replies[label] = reply.payload
             except RemoteError as exc:
                 replies[label] = str(exc)
@@ -175,10 +180,10 @@ def test_a_secret_holder_joining_again_under_other_keys_takes_no_peers_place() -
         join("stranger", "stage9", keys[2])
         second = threading.Thread(target=join, args=("stage2", "stage2", keys[3]))
         second.start()
-        peers = hub.wait_all(30)
+        peers = hub.wait_all(HANG_GUARD_S)
         hub.publish(Peer("hub", KEY, "10.213.0.1:51820", "10.213.128.1"), peers)
         for thread in (first, second):
-            thread.join(timeout=30)
+            thread.join(timeout=HANG_GUARD_S)
             assert not thread.is_alive()
     assert "not a peer of this overlay" in replies["again"]
     assert "not a peer of this overlay" in replies["stranger"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from netproto import Connection
 from netproto.errors import AuthenticationError, NetprotoError
 from netproto.header import HEADER, Header, Limits, PayloadKind, pack_header
+from tests.clocks import HANG_GUARD_S
 from world.store import (
     MAX_FRAME_BYTES,
     MAX_KEYS,
@@ -39,7 +40,7 @@ LIMITS = Limits(max_frame_bytes=MAX_FRAME_BYTES, max_json_bytes=4096)
 
 @pytest.fixture
 def server() -> Iterator[StoreServer]:
-    store = StoreServer(host="127.0.0.1", port=0, secret=SECRET, timeout_s=5.0).start()
+    store = StoreServer(host="127.0.0.1", port=0, secret=SECRET, timeout_s=HANG_GUARD_S).start()
     try:
         yield store
     finally:
@@ -47,8 +48,12 @@ def server() -> Iterator[StoreServer]:
 
 
 def client(server: StoreServer, secret: bytes | None = SECRET) -> NetprotoStoreClient:
-    conn = Connection.connect(*server.address, secret=secret, limits=LIMITS, connect_timeout_s=5)
-    return NetprotoStoreClient(conn, timeout=timedelta(seconds=2))
+    """Its waits are the hang guard's: a get waiting for another thread's set, or any reply,
+    may take seconds on a busy machine (a wait that must lapse passes its own timeout)."""
+    conn = Connection.connect(
+        *server.address, secret=secret, limits=LIMITS, connect_timeout_s=HANG_GUARD_S
+    )
+    return NetprotoStoreClient(conn, timeout=timedelta(seconds=HANG_GUARD_S))
 
 
 def test_the_operations_torch_uses_behave_as_tcpstores_do(server: StoreServer) -> None:
@@ -73,7 +78,7 @@ def test_a_get_waits_for_a_key_another_rank_sets(server: StoreServer) -> None:
     reader = threading.Thread(target=lambda: got.append(waiting.get("split/leave")))
     reader.start()
     setting.set("split/leave", "orderly")
-    reader.join(timeout=10)
+    reader.join(timeout=HANG_GUARD_S)
     assert not reader.is_alive()
     assert got == [b"orderly"]
 
@@ -129,7 +134,7 @@ def test_a_frame_past_the_stores_cap_closes_only_that_connection(server: StoreSe
     header = Header(StoreMsg.STORE_REQUEST, PayloadKind.BYTES, 0, 1, MAX_FRAME_BYTES + 1)
     rogue.conn._sock.sendall(pack_header(header))
     with pytest.raises(NetprotoError):
-        rogue.conn.recv(expect=StoreMsg.STORE_REPLY, timeout_s=5)
+        rogue.conn.recv(expect=StoreMsg.STORE_REPLY, timeout_s=HANG_GUARD_S)
     honest.set("split/still", b"here")
     assert honest.get("split/still") == b"here"
 
@@ -172,9 +177,9 @@ def test_a_malformed_request_is_refused_and_the_session_goes_on(
 
 
 def test_a_raw_garbage_connection_costs_only_itself(server: StoreServer) -> None:
-    with socket.create_connection(server.address, timeout=5) as raw:
+    with socket.create_connection(server.address, timeout=HANG_GUARD_S) as raw:
         raw.sendall(b"\xff" * HEADER.size)  # what killed a TensorPipe port: one packet
-        raw.settimeout(5)
+        raw.settimeout(HANG_GUARD_S)
         with contextlib.suppress(ConnectionResetError):
             while raw.recv(4096):  # an ERROR frame saying why, then the end: the server closed it
                 pass
@@ -209,7 +214,9 @@ def test_a_published_address_cannot_be_rewritten_by_another_write(
 @pytest.fixture
 def elastic_server() -> Iterator[StoreServer]:
     keys = elastic_keys("data_parallel-7", own=("data_parallel/",))
-    store = StoreServer(host="127.0.0.1", port=0, secret=SECRET, timeout_s=5.0, keys=keys).start()
+    store = StoreServer(
+        host="127.0.0.1", port=0, secret=SECRET, timeout_s=HANG_GUARD_S, keys=keys
+    ).start()
     try:
         yield store
     finally:
