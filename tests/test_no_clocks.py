@@ -65,12 +65,12 @@ class _Timings:
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 held = node.func.value
                 appended = node.func.attr == "append" and isinstance(held, ast.Name) and node.args
-                if appended and (kind := self.kind(node.args[0])):
-                    self.names.setdefault(held.id, kind)  # type: ignore[union-attr]
+                if appended and isinstance(held, ast.Name) and (kind := self.kind(node.args[0])):
+                    self.names.setdefault(held.id, kind)
             elif isinstance(node, ast.FunctionDef):
                 for sub in ast.walk(node):
-                    returned = isinstance(sub, ast.Return) and sub.value is not None
-                    if returned and (kind := self.kind(sub.value)):  # type: ignore[union-attr]
+                    value = sub.value if isinstance(sub, ast.Return) else None
+                    if value is not None and (kind := self.kind(value)):
                         self.functions.setdefault(node.name, kind)
         return before != (self.names, self.functions)
 
