@@ -69,8 +69,8 @@ class _Timings:
                     self.names.setdefault(held.id, kind)
             elif isinstance(node, ast.FunctionDef):
                 for sub in ast.walk(node):
-                    value = sub.value if isinstance(sub, ast.Return) else None
-                    if value is not None and (kind := self.kind(value)):
+                    returned = sub.value if isinstance(sub, ast.Return) else None
+                    if returned is not None and (kind := self.kind(returned)):
                         self.functions.setdefault(node.name, kind)
         return before != (self.names, self.functions)
 
