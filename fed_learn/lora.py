@@ -59,9 +59,14 @@ def adapter_state(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
+ADAPTER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""What an adapter tensor from a peer may be: the precisions a load casts from (float8 and the
+packed float4 kinds are floating too, but a load into the model's dtype refuses them)."""
+
+
 def check_adapter_state(model: Any, state: Any) -> None:
     """ValueError, in one line, unless `state` is a non-empty subset of this model's adapter
-    tensors (FFA-LoRA's B alone is one), each of its shape and of a real floating dtype (a
+    tensors (FFA-LoRA's B alone is one), each of its shape and of an ADAPTER_DTYPES precision (a
     load casts it to the model's: a party on another device may hold another precision).
     What a peer sends is checked so before PEFT loads it (PEFT's RuntimeError would end the
     process)."""
@@ -74,9 +79,11 @@ def check_adapter_state(model: Any, state: Any) -> None:
             f"adapter tensors do not match this model's LoRA layout: {sorted(names ^ set(own))[:4]}"
         )
     for name, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in ADAPTER_DTYPES:
             kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"adapter tensor {name} is {kind}, not a floating point tensor")
+            raise ValueError(
+                f"adapter tensor {name} is {kind}, not one of {[str(d) for d in ADAPTER_DTYPES]}"
+            )
         if tensor.shape != own[name].shape:
             raise ValueError(
                 f"adapter tensor {name} has shape {list(tensor.shape)[:8]}; this model's is "

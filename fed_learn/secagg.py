@@ -381,9 +381,8 @@ class Server:
         self._first: dict[tuple[int, str], bytes] = {}
         """(owner, kind) -> the secret rebuilt from its first `threshold` shares."""
         self.liars: set[int] = set()
-        """Revealers caught with a wrong share: their shares are left out of later rebuilds."""
-        self.retries = 0
-        """Rebuilds past the batch (at most RETRIES_PER_SECRET a secret)."""
+        """Revealers suspected of a wrong share: left out of this round's later rebuilds."""
+        self.retries = 0  # rebuilds past the batch (at most RETRIES_PER_SECRET a secret)
         self._holders: dict[int, tuple[int, ...]] = {}
         """owner -> `holders(owner)`, once asked (a new key clears them)."""
 
@@ -502,9 +501,9 @@ class Server:
         `threshold` shares by index. If that fails, at most RETRIES_PER_SECRET more, the
         shares of revealers already caught left out: the first `threshold` again (if a caught
         one was among them), then each secret of the first threshold + 1 less one
-        (`shamir.leave_one_out`: one basis's work); the share whose absence passes the check
-        was wrong, and its revealer is refused and left out from then on. Two wrong shares
-        among those fail the round."""
+        (`shamir.leave_one_out`: one basis's work); the revealer whose absence passes the
+        check is suspected and left out from then on (not proven: two wrong shares crafted
+        together can blame an honest one); two wrong shares otherwise fail the round."""
         k = self.params.threshold
         shares = sorted(self._shares_of(owner, kind), key=lambda got: got[1][0])
         secret = self._first.get((owner, kind))  # rebuilt in the round's batch
@@ -572,7 +571,9 @@ class Server:
                 client,
                 KEY,
                 lambda s, c=client: (
-                    X25519PrivateKey.from_private_bytes(s).public_key().public_bytes_raw()
+                    s[0] & 7 == 0
+                    and s[31] & 0xC0 == 0x40  # clamped, as made: X25519 ignores those 5 bits
+                    and X25519PrivateKey.from_private_bytes(s).public_key().public_bytes_raw()
                     == self.keys[c][1]
                 ),
             )

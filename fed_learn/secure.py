@@ -32,7 +32,8 @@ input seen before (any client's, any round: `InputDigests`) is refused by name; 
 unmasked sum must pass `check_aggregate` (its weights equal the clear ones, it is finite, its
 norm within fed.max_update_norm times the weights) or the round is refused whole. What no
 check can attribute: garbage inside that aggregate bound, which moves the round's mean by at
-most fed.max_update_norm whoever sent it. A client refused by name is excluded from the run.
+most fed.max_update_norm whoever sent it. A client refused by name is excluded from the run,
+except a revealer suspected of a wrong share (see `SecureRound.unmask`: not proven).
 """
 
 from __future__ import annotations
@@ -520,11 +521,21 @@ class SecureRound:
             except secagg.Refused as exc:
                 self._refuse(exc, client)
         total, weight, refused = server.aggregate()
-        for client in dict.fromkeys(wrong.client for wrong in refused):  # once per liar
+        for client in dict.fromkeys(wrong.client for wrong in refused):  # once per suspect
             lies = [wrong for wrong in refused if wrong.client == client]
-            self._refuse(lies[0], client)
-            if len(lies) > 1:
-                log.warning("round %d: and %d more from it", self.params.round, len(lies) - 1)
+            # Suspected, not proven: a secret that rebuilds once one share is left out shows a
+            # wrong share among the rest, and one liar is the one left out, but two revealers
+            # colluding can make an honest one's absence the one that passes. So the suspect's
+            # shares stay out of this round only; it is not excluded from the run.
+            log.warning(
+                "round %d: %s (%d wrong in all); its shares are left out of this round; not "
+                "excluded from the run (a leave-one-out check cannot tell one liar from two "
+                "blaming an honest revealer)",
+                self.params.round,
+                peer_text(lies[0]),
+                len(lies),
+            )
+            self.refused += 1
         check_aggregate(
             total,
             weight,

@@ -237,6 +237,11 @@ def test_an_adapter_of_other_names_dtypes_or_no_tensors_is_refused_in_one_line(
         "unknown name": {**state, "base_model.evil": torch.zeros(1)},
         "integer dtype": {**state, name: state[name].to(torch.int64)},
         "complex dtype": {**state, name: state[name].to(torch.complex64)},
+        "float8 dtype": {**state, name: state[name].to(torch.float8_e4m3fn)},
+        "packed float4 dtype": {
+            **state,
+            name: torch.zeros(state[name].shape, dtype=torch.float4_e2m1fn_x2),
+        },
         "not a tensor": {**state, name: [0.0]},
         "empty": {},
         "not a dict": [state[name]],

@@ -127,3 +127,35 @@ def test_the_basis_cache_holds_at_most_its_bound_least_recently_used_out_first(
         assert computed.count(wide) == 2 and shamir.BASES.elements <= 64
     finally:
         shamir.BASES.clear()
+
+
+def test_one_liar_cannot_pass_a_key_off_in_its_clamped_bits_to_blame_its_neighbour() -> None:
+    """X25519 ignores 5 bits of a private key, so a dropped client's key rebuilt off in one of
+    them still gives its public key. A liar that adds such an error, scaled by its own Lagrange
+    weight in the window without an honest neighbour, made the candidate that leaves out that
+    neighbour (and keeps the lie) pass the key check first: the honest holder was named. The
+    check now also asks for a clamped key, as every client makes: the liar is the one named,
+    and the sum is exact. (Found by a security review; without the clamped check: client 10.)"""
+    params = _params(8, threshold=3, neighbors=7, length=9)
+    dropped_client = 17
+    r = _run(
+        params, before_input=frozenset({dropped_client}), before_reveal=frozenset(params.clients)
+    )
+    survivors, dropped = r.server.unmask_request()
+    assert dropped == [dropped_client]
+    holders = r.server.holders(dropped_client)  # by share index; its own first (silent)
+    victim, liar = holders[1], holders[2]
+    rest = (3, 4, 5)  # the leave-one-out window's indices less the victim's (2)
+    weight = dict(zip(rest, shamir.lagrange(rest), strict=True))[3]  # the liar's is index 3
+    error = shamir._clmul(1 << 120, shamir._inverses([weight])[0])  # bit 0 of byte 0
+    for client in survivors:
+        shares = r.clients[client].reveal(survivors, dropped)
+        if client == liar:
+            kind, index, share = shares[dropped_client]
+            lied = bytes(a ^ b for a, b in zip(share[:16], error.to_bytes(16, "big"), strict=True))
+            shares[dropped_client] = (kind, index, lied + share[16:])
+        r.server.add_reveal(client, shares)
+    total, _, refused = r.server.aggregate()
+    assert [wrong.client for wrong in refused] == [liar] != [victim]
+    plain = sum(r.values[c] * r.weights[c] for c in survivors)
+    assert np.abs(total - plain).max() < 1e-6

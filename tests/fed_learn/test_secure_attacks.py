@@ -202,7 +202,10 @@ def test_junk_shares_are_traced_to_their_sender(
 ) -> None:
     """The junk-share sender joins first, so its shares are among those a rebuild uses; the
     rebuilt seed is checked against its commitment (without that, the wrong seed leaves a
-    mask in the sum and the round is lost with no one named)."""
+    mask in the sum and the round is lost with no one named). The sender is found, its shares
+    left out of the round and the round counts it refused, but it is not excluded from the run:
+    a leave-one-out check suspects, it does not prove (two revealers colluding can make an
+    honest one the suspect), and a run-wide exclusion on suspicion would let them."""
     if not checked:
         monkeypatch.setattr(secagg.Server, "_rebuild", _rebuild_unchecked)
     liar = SecurePlayer(0.03, step=_until(FedMsg.SA_REVEAL, then=_junk), name="attacker")
@@ -210,7 +213,7 @@ def test_junk_shares_are_traced_to_their_sender(
     coordinator, initial, [record] = secure_federation(players)
     if checked:
         assert_adapter(coordinator, expected_mean(initial, [*HONEST, 0.03], [10] * 3))
-        assert record["refused"] == 1 and named(coordinator) == {liar.client_id}
+        assert record["refused"] == 1 and not named(coordinator)
     else:
         assert_adapter(coordinator, initial)
         assert record["refused"] == 0 and not named(coordinator)
