@@ -125,7 +125,11 @@ class LoRAClient:
                     conn.send_msg(FedMsg.EVAL_RESULT, self.evaluate_global(task, global_state))
                     continue
                 if not task.get("secure"):
-                    result, update = self.train_round(task, global_state)
+                    try:
+                        result, update = self.train_round(task, global_state)
+                    except ValueError as exc:  # training that did not fit this machine
+                        log.warning("round %s: %s", _round(task), exc)
+                        continue
                     conn.send_msg(FedMsg.RESULT, result)
                     conn.send_tensors(FedMsg.UPDATE, update)
                     self.rounds += 1
@@ -169,15 +173,8 @@ class LoRAClient:
             "tokens": self.eval_tokens,
         }
 
-    def train_round(
-        self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
-    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Local training from the global adapter: (result metadata, the new adapter, or only
-        its trained tensors when A is frozen: FFA-LoRA's B)."""
-        load_adapter_state(self.model, global_state)  # only B, after the first round of ffa
-        global_state = adapter_state(self.model)  # the whole global adapter, as now held
-        started = time.perf_counter()
-        train_loss = train_local(
+    def _train_local(self, task: dict[str, Any]) -> float:
+        return train_local(
             self.model,
             self.train_blocks,
             epochs=int(task["local_epochs"]),
@@ -188,6 +185,19 @@ class LoRAClient:
             prox_mu=float(task.get("prox_mu", 0.0)),
             freeze_a=bool(task.get("freeze_a", False)),
         )
+
+    def train_round(
+        self, task: dict[str, Any], global_state: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Local training from the global adapter: (result metadata, the new adapter, or only
+        its trained tensors when A is frozen: FFA-LoRA's B)."""
+        load_adapter_state(self.model, global_state)  # only B, after the first round of ffa
+        global_state = adapter_state(self.model)  # the whole global adapter, as now held
+        started = time.perf_counter()
+        try:  # what a TASK asks within its ranges can still be more than this machine holds
+            train_loss = self._train_local(task)
+        except (RuntimeError, MemoryError) as exc:  # out of memory, CUDA's included
+            raise ValueError(f"local training failed: {str(exc)[:200]}") from exc
         log.info("round %d: train loss %.4f", task["round"] + 1, train_loss)
         result = {
             "task": task.get("task"),  # the RESULT answers this task (see fed_learn.protocol)

@@ -321,3 +321,40 @@ def test_a_malformed_task_costs_the_coordinator_that_round_not_the_client(
              "lr", "compression", "freeze_a"]  # fmt: skip
     for line, field in zip(refused, named, strict=True):
         assert "refused the coordinator's task: TASK" in line and field in line, line
+
+
+def test_training_that_runs_out_of_memory_costs_that_round_not_the_client(
+    tmp_path: Path, lab_cache: Path, monkeypatch, caplog
+) -> None:
+    """A task within every range can still ask more than the machine holds (a batch of the
+    whole shard on a big vocabulary): torch's out-of-memory RuntimeError in the first task's
+    training (injected: this box has the memory) costs that round, one line, and the client
+    trains the next. Before, it ended the client's process."""
+    run = settings(tmp_path, lab_cache)
+    model = peft_model(MODEL, run.lora, cache_dir=lab_cache)
+    state = adapter_state(model)
+    real, calls = client_module.train_local, []
+
+    def train_local(*args: Any, **kwargs: Any) -> float:
+        calls.append(kwargs["batch_size"])
+        if len(calls) == 1:
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory"
+            )
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client_module, "train_local", train_local)
+
+    def script(conn: Connection, seen: list[Any]) -> None:
+        for number in (1, 2):
+            conn.send_msg(FedMsg.TASK, _plain_task(number, number - 1))
+            conn.send_tensors(FedMsg.GLOBAL, state)
+        result = conn.recv(expect=FedMsg.RESULT, timeout_s=60)
+        seen.append(result.payload["task"])
+        conn.recv(expect=FedMsg.UPDATE, timeout_s=60)
+
+    with caplog.at_level(logging.WARNING, logger="fed_learn.client"):
+        rounds, seen = _play(run, _victim(model), script)
+    assert rounds == 1 and seen == [2] and len(calls) == 2
+    [line] = [r.getMessage() for r in caplog.records if "training failed" in r.getMessage()]
+    assert line.startswith("round 1: local training failed: [enforce fail") and "memory" in line
