@@ -143,11 +143,7 @@ def logged_steps(metrics_file: Path) -> set[int]:
             row = json.loads(line)
         except ValueError:
             continue
-        if (
-            isinstance(row, dict)
-            and row.get("kind") == "metrics"
-            and isinstance(row.get("step"), int)
-        ):
+        if isinstance(row, dict) and row.get("kind") == "metrics" and type(row.get("step")) is int:
             steps.add(row["step"])
     return steps
 

@@ -5,10 +5,13 @@ the harness read (a floor below all of them)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 OUTPUTS_FILE = "outputs.jsonl"
@@ -16,8 +19,16 @@ OUTPUTS_FILE = "outputs.jsonl"
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records a Tracker wrote to `path` (its metrics.jsonl or outputs.jsonl), in order."""
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The records a Tracker wrote to `path` (its metrics.jsonl or outputs.jsonl), in order. A
+    line a killed process left half-written is skipped, with a warning: what it held is lost,
+    the rest of the run's records are not."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            log.warning("%s:%d: a half-written record (a crash?), skipped", path, number)
+    return records
 
 
 LOSS_RTOL = 1e-4

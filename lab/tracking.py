@@ -90,6 +90,8 @@ class Tracker:
         (self.run_dir / CONFIG_FILE).write_text(OmegaConf.to_yaml(dict(config)))
         self._write_run_file()
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        if self._jsonl.tell() and not (self.run_dir / METRICS_FILE).read_bytes().endswith(b"\n"):
+            self._jsonl.write("\n")  # a resumed run after a kill mid-line: its rows start clean
         self._wandb_run = None
         if tracking.wandb:
             self._wandb_run = self._start_wandb(config, name=name)

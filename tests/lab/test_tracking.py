@@ -46,6 +46,28 @@ def test_metrics_logged_before_a_crash_are_kept(tmp_path: Path) -> None:
     assert read_jsonl(tmp_path / METRICS_FILE)[0]["loss"] == 1.0
 
 
+def test_a_run_resumed_after_a_kill_mid_line_keeps_its_rows_and_skips_the_fragment(
+    tmp_path: Path, caplog
+) -> None:
+    """A process killed while writing a row leaves half a line; the resumed run's tracker
+    appends to the same file. Its rows start on a line of their own (before, the first was
+    glued to the fragment and lost with it) and the reader skips the fragment with a warning
+    (before, it raised and the run's summary could not be read)."""
+    from lab.records import read_records
+
+    (tmp_path / METRICS_FILE).write_text(
+        '{"kind": "metrics", "step": 1, "loss": 2.0}\n{"kind": "met'
+    )
+    with Tracker(tmp_path, config={}, tracking=TrackingConfig(wandb=False), job="unit") as tracker:
+        tracker.log({"loss": 1.5}, step=2)
+    rows = read_records(tmp_path / METRICS_FILE)
+    assert [(r["step"], r["loss"]) for r in rows if r.get("kind") == "metrics"] == [
+        (1, 2.0),
+        (2, 1.5),
+    ]
+    assert "a half-written record" in caplog.text and f"{METRICS_FILE}:2" in caplog.text
+
+
 def test_wandb_can_be_turned_off(tmp_path: Path) -> None:
     with Tracker(tmp_path, config={}, tracking=TrackingConfig(wandb=False), job="unit") as tracker:
         tracker.summary({"x": 1.0})
