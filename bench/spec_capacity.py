@@ -404,6 +404,7 @@ def capacity_bench(
     }
     try:
         cfg = pair.compose(cache_dir)
+        cfg.spec.serve_stats = True  # the batch counts below (STATS), off by default
         with experiment.serving(EXPERIMENT, cfg, out=sys.stderr) as (local, group):
             address = (local.spec.verifier.host, local.spec.verifier.port)
             verifier = psutil.Process(group.process("verifier").pid)

@@ -63,6 +63,10 @@ class SpecConfig:
     baseline: bool = True
     """Also time target-only generation on the verifier, on the same prompts, in the same run."""
     seed: int = 0
+    serve_stats: bool = False
+    """The verifier answers STATS: its batcher's counts over every session (forwards, rows,
+    drafted tokens, waits). For benches: from their changes a peer with the secret could follow
+    other sessions' activity, so off unless asked."""
     max_batch: int = 8
     """The verifier: most sessions (drafters) one target forward serves. Their forwards that are
     ready at the same moment run as one padded batch, each with its own KV cache and positions

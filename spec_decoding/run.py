@@ -55,6 +55,7 @@ def serve_verifier(settings: SpecDecodingRunConfig) -> None:
         tokenizer,
         max_batch=settings.spec.max_batch,
         batch_cache_tokens=settings.spec.batch_cache_tokens,
+        serve_stats=settings.spec.serve_stats,
     )
     server = serve(verifier.handle, settings.cluster, settings.spec.verifier, name="verifier")
     stop = threading.Event()

@@ -113,13 +113,21 @@ class Verifier:
     """The target model and what every session shares (model weights are read-only)."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, *, max_batch: int = 8, batch_cache_tokens: int = 0
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_batch: int = 8,
+        batch_cache_tokens: int = 0,
+        serve_stats: bool = False,
     ) -> None:
         """`model`: a Hugging Face causal LM (has `.config` and `.generate`). `max_batch`: most
         sessions one forward serves (`spec.max_batch`; 1: each session's forwards alone).
         `batch_cache_tokens`: most cache positions one batched forward holds, padding included
-        (`spec.batch_cache_tokens`; 0: auto, `batching.cache_budget`)."""
+        (`spec.batch_cache_tokens`; 0: auto, `batching.cache_budget`). `serve_stats`: answer
+        STATS (`spec.serve_stats`)."""
         self.model = model
+        self.serve_stats = serve_stats
         self.max_tokens = session_cap(model.config)
         budget = cache_budget(batch_cache_tokens, max_batch=max_batch, session_cap=self.max_tokens)
         self.batched = BatchedTarget(
@@ -234,6 +242,8 @@ class Verifier:
                     request_id=message.request_id,
                 )
             elif message.type == SpecMsg.STATS:
+                if not self.serve_stats:  # the counts span every session: not for any peer
+                    raise BadRequest("STATS is off on this verifier (spec.serve_stats=false)")
                 stats = self.batched.stats.as_dict()
                 conn.send_msg(SpecMsg.STATS_DONE, stats, request_id=message.request_id)
             elif message.type == SpecMsg.CLOSE:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from netproto import Connection
+from netproto import Connection, RemoteError
 from spec_decoding.batching import BatchedTarget
 from spec_decoding.cache import CachedDecoder
 from spec_decoding.protocol import SpecMsg
@@ -163,6 +163,12 @@ def test_the_verifier_reports_its_batches_and_forgets_sessions_that_left(
         assert out[0] == target_greedy(target, tokenizer, prompt, 10)
     until(lambda: verifier.active_sessions == 0)
     assert verifier.batched._away == {}  # left: nobody to wait for
+    with (  # off by default: refused
+        Connection.connect(*verifier_server.address) as conn,
+        pytest.raises(RemoteError, match="STATS is off"),
+    ):
+        conn.request(SpecMsg.STATS, expect=SpecMsg.STATS_DONE)
+    verifier.serve_stats = True  # spec.serve_stats=true, as the capacity bench sets it
     with Connection.connect(*verifier_server.address) as conn:
         stats = conn.request(SpecMsg.STATS, expect=SpecMsg.STATS_DONE).payload
     by_rows = {int(rows): n for rows, n in stats["by_rows"].items()}
