@@ -28,13 +28,14 @@ log = logging.getLogger(__name__)
 
 def round_floor(fed: FedConfig) -> RoundFloor:
     """The weakest round a client of `fed` takes part in: its own fed.secure_aggregation,
-    fed.secagg.threshold and neighbors, and under DP its noise (the run's multiplier, worked
-    out from fed.dp as the coordinator does), fed.dp.clip_norm and fed.dp.weight_cap."""
+    fed.secagg.threshold and neighbors, fed.min_fit_clients, and under DP its noise (the run's
+    multiplier, worked out from fed.dp as the coordinator does), clip_norm and weight_cap."""
     dp = fed.dp
     return RoundFloor(
         secure=fed.secure_aggregation,
         threshold=fed.secagg.threshold,
         neighbors=fed.secagg.neighbors,
+        min_clients=max(2, fed.min_fit_clients),
         noise_multiplier=run_noise_multiplier(fed) if dp.enabled else 0.0,
         clip_norm=dp.clip_norm if dp.enabled else float("inf"),
         weight_cap=dp.weight_cap if dp.enabled else RoundFloor.weight_cap,

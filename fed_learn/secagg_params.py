@@ -110,6 +110,9 @@ class RoundFloor:
     fraction of it and its neighbours (`shares_needed`: at least 2)."""
     neighbors: int = 1
     """fed.secagg.neighbors: the fewest neighbours (0: every client of the round)."""
+    min_clients: int = 2
+    """fed.min_fit_clients (at least 2): the fewest clients a round may list (the sum hides an
+    update only among others; without identities a coordinator can still invent them)."""
     noise_multiplier: float = 0.0
     """DP (fed.dp.enabled): the run's noise multiplier (`privacy.run_noise_multiplier`); 0: off."""
     clip_norm: float = math.inf
@@ -123,6 +126,11 @@ class RoundFloor:
         higher weight cap or a noise share smaller than this client's settings give (the
         noise of any `threshold` shares must add up to noise_multiplier x clip_norm x
         weight_cap)."""
+        if len(params.clients) < self.min_clients:
+            raise ValueError(
+                f"the round lists {len(params.clients)} clients; this client's "
+                f"fed.min_fit_clients asks for at least {self.min_clients}"
+            )
         others = len(params.clients) - 1
         degree = min(params.neighbors, others)
         wanted = min(self.neighbors or others, others)

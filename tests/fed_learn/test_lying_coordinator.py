@@ -34,12 +34,14 @@ from .test_secure_client_limits import _plain_task
 
 CLIP, CAP, SIGMA = 1.0, 10, 1.0
 FED = FedConfig(
+    num_clients=5,
+    min_fit_clients=4,
     secure_aggregation=True,
     secagg=SecAggConfig(threshold=0.5, neighbors=0),
     dp=DPConfig(enabled=True, clip_norm=CLIP, weight_cap=CAP, noise_multiplier=SIGMA),
 )
-"""The victim's config: secure aggregation, more than half of 5 holders (3), everyone its
-neighbour, DP noise of 1.0 x clip x cap over any 3 shares."""
+"""The victim's config: rounds of at least 4 clients, secure aggregation, more than half of 5
+holders (3), everyone its neighbour, DP noise of 1.0 x clip x cap over any 3 shares."""
 
 
 def _secure(number: int, **lies: Any) -> dict[str, Any]:
@@ -76,6 +78,10 @@ LIES = {
     "wider_clip": (_secure(1, bound=100.0), "fed.dp.clip_norm=1"),
     "higher_cap": (_secure(1, weight_cap=1000), "fed.dp.weight_cap=10"),
     "plain_round": (_plain_task(1, 0), "fed.secure_aggregation=true"),
+    "three_clients": (
+        _secure(1, clients=[7, 8, 9], neighbors=2, threshold=2),
+        "fed.min_fit_clients asks for at least 4",
+    ),
 }
 
 
