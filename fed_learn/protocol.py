@@ -288,6 +288,9 @@ def parse_task(payload: Any, *, evaluate: bool = False) -> dict[str, Any]:
     for key, valid, wanted in optional:
         if key in payload and not valid:
             raise ValueError(f"TASK's {key}={payload[key]!r:.40} must be {wanted}")
-    if payload.get("compression", "none") != "none" and "topk_fraction" not in payload:
+    compressed = payload.get("compression", "none") != "none"
+    if compressed and "topk_fraction" not in payload:
         raise ValueError("TASK asks for compression without a topk_fraction")
+    if compressed and "secure" in payload:  # a masked sum needs every entry (fed.config too)
+        raise ValueError("TASK asks for compression in a secure round")
     return payload

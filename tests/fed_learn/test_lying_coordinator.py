@@ -295,6 +295,7 @@ MALFORMED_TASKS = {
     "lr not a number": {**_plain_task(1, 0), "lr": "fast"},
     "unknown compression": {**_plain_task(1, 0), "compression": "zip"},
     "freeze_a a string": {**_plain_task(1, 0), "freeze_a": "yes"},
+    "compression in a secure round": {**_secure(1), "compression": "topk"},
 }
 
 
@@ -324,7 +325,7 @@ def test_a_malformed_task_costs_the_coordinator_that_round_not_the_client(
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == len(MALFORMED_TASKS), refused
     named = ["task", "round", "local_epochs", "round", "round", "local_steps", "batch_size",
-             "lr", "compression", "freeze_a"]  # fmt: skip
+             "lr", "compression", "freeze_a", "compression in a secure round"]  # fmt: skip
     for line, field in zip(refused, named, strict=True):
         assert "refused the coordinator's task: TASK" in line and field in line, line
 
