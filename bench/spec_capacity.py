@@ -414,9 +414,18 @@ def capacity_bench(
                 with link as emulator:
                     where = emulator.address if emulator else address
                     figures[str(delay)] = at_delay(
-                        clients, where, work, max_new, verifier, costs, single, repeats, delay,
-                        loop, probe=address,
-                    )  # fmt: skip
+                        clients,
+                        where,
+                        work,
+                        max_new,
+                        verifier,
+                        costs,
+                        single,
+                        repeats,
+                        delay,
+                        loop,
+                        probe=address,
+                    )
     finally:
         clients.close()
     figures["load"] = {"before": load_before, "after": os.getloadavg()}

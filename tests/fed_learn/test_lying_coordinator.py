@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -284,19 +285,42 @@ def test_a_real_secure_dp_run_passes_every_clients_floor(
     assert not [r for r in caplog.records if r.name == "fed_learn.client"]
 
 
-MALFORMED_TASKS = {
-    "task id a float": {**_plain_task(1, 0), "task": 1.5},
-    "no round": {k: v for k, v in _plain_task(1, 0).items() if k != "round"},
-    "no local_epochs": {k: v for k, v in _plain_task(1, 0).items() if k != "local_epochs"},
-    "round a string": {**_plain_task(1, 0), "round": "0"},
-    "round past 32 bits": {**_plain_task(1, 0), "round": 2**40},
-    "a billion steps": {**_plain_task(1, 0), "local_steps": 10**9},
-    "batch of zero": {**_plain_task(1, 0), "batch_size": 0},
-    "lr not a number": {**_plain_task(1, 0), "lr": "fast"},
-    "unknown compression": {**_plain_task(1, 0), "compression": "zip"},
-    "freeze_a a string": {**_plain_task(1, 0), "freeze_a": "yes"},
-    "compression in a secure round": {**_secure(1), "compression": "topk"},
+MALFORMED_TASKS = {  # case: (the TASK, the field its refusal names)
+    "task id a float": ({**_plain_task(1, 0), "task": 1.5}, "task"),
+    "no round": ({k: v for k, v in _plain_task(1, 0).items() if k != "round"}, "round"),
+    "no local_epochs": (
+        {k: v for k, v in _plain_task(1, 0).items() if k != "local_epochs"},
+        "local_epochs",
+    ),
+    "round a string": ({**_plain_task(1, 0), "round": "0"}, "round"),
+    "round past 32 bits": ({**_plain_task(1, 0), "round": 2**40}, "round"),
+    "a billion steps": ({**_plain_task(1, 0), "local_steps": 10**9}, "local_steps"),
+    "batch of zero": ({**_plain_task(1, 0), "batch_size": 0}, "batch_size"),
+    "lr not a number": ({**_plain_task(1, 0), "lr": "fast"}, "lr"),
+    "unknown compression": ({**_plain_task(1, 0), "compression": "zip"}, "compression"),
+    "freeze_a a string": ({**_plain_task(1, 0), "freeze_a": "yes"}, "freeze_a"),
+    "compression in a secure round": (
+        {**_secure(1), "compression": "topk"},
+        "compression in a secure round",
+    ),
 }
+
+
+def _tasks_then_one_answer(
+    tasks: list[dict[str, Any]], state: dict[str, torch.Tensor]
+) -> Callable[[Connection, list[Any]], None]:
+    """A scripted coordinator (for `_play`): each TASK with `state` as its GLOBAL, then the one
+    RESULT + UPDATE it expects back, the answered task's number into `seen`."""
+
+    def script(conn: Connection, seen: list[Any]) -> None:
+        for payload in tasks:
+            conn.send_msg(FedMsg.TASK, payload)
+            conn.send_tensors(FedMsg.GLOBAL, state)
+        result = conn.recv(expect=FedMsg.RESULT, timeout_s=60)
+        seen.append(result.payload["task"])
+        conn.recv(expect=FedMsg.UPDATE, timeout_s=60)
+
+    return script
 
 
 def test_a_malformed_task_costs_the_coordinator_that_round_not_the_client(
@@ -310,22 +334,14 @@ def test_a_malformed_task_costs_the_coordinator_that_round_not_the_client(
     model = peft_model(MODEL, run.lora, cache_dir=lab_cache)
     state = adapter_state(model)
     honest = len(MALFORMED_TASKS) + 1
-
-    def script(conn: Connection, seen: list[Any]) -> None:
-        for payload in [*MALFORMED_TASKS.values(), _plain_task(honest, 1)]:
-            conn.send_msg(FedMsg.TASK, payload)
-            conn.send_tensors(FedMsg.GLOBAL, state)
-        result = conn.recv(expect=FedMsg.RESULT, timeout_s=60)
-        seen.append(result.payload["task"])
-        conn.recv(expect=FedMsg.UPDATE, timeout_s=60)
-
+    tasks = [task for task, _ in MALFORMED_TASKS.values()]
+    script = _tasks_then_one_answer([*tasks, _plain_task(honest, 1)], state)
     with caplog.at_level(logging.WARNING, logger="fed_learn.client"):
         rounds, seen = _play(run, _victim(model), script)
     assert rounds == 1 and seen == [honest]
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == len(MALFORMED_TASKS), refused
-    named = ["task", "round", "local_epochs", "round", "round", "local_steps", "batch_size",
-             "lr", "compression", "freeze_a", "compression in a secure round"]  # fmt: skip
+    named = [field for _, field in MALFORMED_TASKS.values()]
     for line, field in zip(refused, named, strict=True):
         assert "refused the coordinator's task: TASK" in line and field in line, line
 
@@ -351,15 +367,7 @@ def test_training_that_runs_out_of_memory_costs_that_round_not_the_client(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(client_module, "train_local", train_local)
-
-    def script(conn: Connection, seen: list[Any]) -> None:
-        for number in (1, 2):
-            conn.send_msg(FedMsg.TASK, _plain_task(number, number - 1))
-            conn.send_tensors(FedMsg.GLOBAL, state)
-        result = conn.recv(expect=FedMsg.RESULT, timeout_s=60)
-        seen.append(result.payload["task"])
-        conn.recv(expect=FedMsg.UPDATE, timeout_s=60)
-
+    script = _tasks_then_one_answer([_plain_task(n, n - 1) for n in (1, 2)], state)
     with caplog.at_level(logging.WARNING, logger="fed_learn.client"):
         rounds, seen = _play(run, _victim(model), script)
     assert rounds == 1 and seen == [2] and len(calls) == 2
