@@ -141,8 +141,11 @@ class PeerWatch:
 
 
 def wait_watching(futures: list[torch.futures.Future], watch: PeerWatch) -> None:
-    """Wait until every future is done or one has failed, checking `watch` (which raises for
-    a lost peer) every WATCH_S meanwhile. Returns early on a failure: the caller finds it."""
+    """Wait until every future is done or one has failed in transport (a RuntimeError: a peer
+    gone or a call timed out), checking `watch` (which raises for a lost peer) every WATCH_S
+    meanwhile. Returns early on such a failure: the caller finds it. A peer's refusal (its
+    own exception type, a ValueError say) does not end the wait: the other calls end soon,
+    told by the refusing peer, and one left running would overlap its stage's next call."""
     import threading
 
     settled = threading.Event()
@@ -164,8 +167,11 @@ def wait_watching(futures: list[torch.futures.Future], watch: PeerWatch) -> None
 
 
 def _failed(future: torch.futures.Future) -> bool:
+    """Whether `future` failed in transport (never raises: it runs as a done callback)."""
     try:
         future.wait()
     except RuntimeError:
         return True
+    except Exception:  # a refusal: waited out with the others
+        return False
     return False

@@ -62,11 +62,13 @@ def wait_all(
     futures: list[torch.futures.Future], *, watch: PeerWatch | None = None
 ) -> tuple[list[Any], tuple[int, Exception] | None]:
     """Every future's result in order, each waited for even after one fails (a call left
-    running on a stage would overlap that stage's next one); with the first failure and its
-    index, or None. With `watch` (the driver's over its stages), the peers are checked every
-    liveness.WATCH_S while the calls run (PeerGoneError, or RoleFailedError for a local stage
-    process), and the first failure returns at once, with no results: the calls left running
-    end with the run."""
+    running on a stage would overlap that stage's next one); with the first transport failure
+    (a RuntimeError: a call timed out, a peer gone) and its index, or None. A stage's refusal
+    (the remote exception re-raised as its own type, a ValueError say) is raised, the first
+    in stage order, once every call has ended. With `watch` (the driver's over its stages),
+    the peers are checked every liveness.WATCH_S while the calls run (PeerGoneError, or
+    RoleFailedError for a local stage process), and the first transport failure returns at
+    once, with no results: the calls left running end with the run."""
     if watch is not None:
         wait_watching(futures, watch)
         for index, future in enumerate(futures):
@@ -76,14 +78,18 @@ def wait_all(
                 except RuntimeError as exc:
                     watch.settle()  # where it can, it names the peer and how it ended
                     return [], (index, exc)
+                except Exception:  # a refusal: raised below, once every call has ended
+                    pass
     results: list[Any] = []
-    failed: tuple[int, Exception] | None = None
+    first: tuple[int, Exception] | None = None
     for index, future in enumerate(futures):
         try:
             results.append(future.wait())
-        except RuntimeError as exc:
-            failed = failed or (index, exc)
-    return results, failed
+        except Exception as exc:
+            first = first or (index, exc)
+    if first is not None and not isinstance(first[1], RuntimeError):
+        raise first[1]
+    return results, first
 
 
 class ShardedModel:
