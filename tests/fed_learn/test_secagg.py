@@ -25,6 +25,7 @@ from fed_learn.secagg import (
     RoundFailed,
     Server,
 )
+from fed_learn.secure import check_aggregate
 from fed_learn.shamir import combine, combine_many
 from labtools.attacks.secure_rounds import reindexed_box
 
@@ -428,3 +429,20 @@ def test_a_batch_of_secrets_equals_the_library_on_random_subsets() -> None:
         assert expected[-1] == secret
     assert combine_many(groups) == expected
     assert combine_many([]) == []
+
+
+def test_check_aggregate_measures_the_l2_norm_and_refuses_a_sum_over_its_bound() -> None:
+    """The unmasked sum's norm (summed without BLAS) is numpy's L2 norm; a sum whose norm is
+    over the clip x the weights (+ rounding room) fails the round, one that is not finite too."""
+    total = np.random.default_rng(3).standard_normal(5000)
+    weights = {1: 2, 2: 3}
+    norm = float(np.linalg.norm(total))
+    kwargs = {"weights": weights, "noise_std": 0.0, "frac_bits": 24}
+    bound = norm / 5 * 1.001  # just over: the weights sum to 5
+    assert check_aggregate(total, 5, bound=bound, **kwargs) == pytest.approx(norm, rel=1e-12)
+    with pytest.raises(RoundFailed, match=r"L2 norm .* over its bound"):
+        check_aggregate(total, 5, bound=norm / 5 * 0.999, **kwargs)
+    with pytest.raises(RoundFailed, match="not finite"):
+        check_aggregate(np.append(total, np.inf), 5, bound=bound, **kwargs)
+    with pytest.raises(RoundFailed, match="masked weights sum to 4"):
+        check_aggregate(total, 4, bound=bound, **kwargs)
