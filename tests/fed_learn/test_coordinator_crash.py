@@ -68,7 +68,9 @@ def wait_for_round(latest: Path, round_number: int, procs, timeout_s: float = HA
         if any(p.poll() is not None for p in procs):
             break
         time.sleep(0.05)
-    outputs = [p.communicate(timeout=30)[0] if p.poll() is not None else "" for p in procs]
+    outputs = [
+        p.communicate(timeout=HANG_GUARD_S)[0] if p.poll() is not None else "" for p in procs
+    ]
     pytest.fail(f"round {round_number} never completed:\n" + "\n".join(o[-3000:] for o in outputs))
 
 
@@ -86,7 +88,7 @@ def test_killed_coordinator_resumes_at_the_next_round_from_its_checkpoint(
     try:
         wait_for_round(checkpoints / "latest.json", 1, [coordinator, *clients])
         coordinator.send_signal(signal.SIGKILL)
-        coordinator.communicate(timeout=30)
+        coordinator.communicate(timeout=HANG_GUARD_S)
         k = json.loads((checkpoints / "latest.json").read_text())["round"]
         assert 1 <= k < ROUNDS, "the crash must leave rounds to do"
         folder = checkpoints / f"round_{k:04d}"
