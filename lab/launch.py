@@ -13,12 +13,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import fcntl
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +34,10 @@ log = logging.getLogger(__name__)
 
 TAIL_LINES = 40
 """Lines of a failed role's output quoted in the error."""
+DRAIN_S = 30.0
+"""Longest a failed role's error waits for the launcher to have copied what the role wrote
+(its last lines are its reason). Reached only where something else keeps writing into its
+output, a grandchild say; an idle pipe ends the wait at once, however busy the machine."""
 
 
 @dataclass
@@ -123,6 +130,8 @@ class _Running:
             start_new_session=True,
             preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         )
+        self._copying = threading.Lock()
+        """Held while a chunk of the role's output is read and copied (see finish_output)."""
         self._reader = threading.Thread(
             target=self._copy_output, args=(out, out_lock), name=f"launch-{role.name}", daemon=True
         )
@@ -131,20 +140,56 @@ class _Running:
     def _copy_output(self, out: TextIO, lock: threading.Lock) -> None:
         stream: IO[bytes] | None = self.process.stdout
         assert stream is not None
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.tail.append(line)
-            if not self.ready.is_set() and self.role.ready and self.role.ready in line:
-                self.ready.set()
-            with lock:
-                out.write(f"[{self.role.name}] {line}\n")
-                out.flush()
+        fd, partial = stream.fileno(), b""
+        readable = select.poll()
+        readable.register(fd, select.POLLIN)
+        while True:
+            readable.poll()  # bytes or the end (waited for outside `_copying`, read under it)
+            with self._copying:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    *lines, partial = (partial + chunk).split(b"\n")
+                else:  # the end: a last line without its newline too
+                    lines = [partial] if partial else []
+                for raw in lines:
+                    self._copy_line(raw.decode(errors="replace"), out, lock)
+            if not chunk:
+                return
+
+    def _copy_line(self, line: str, out: TextIO, lock: threading.Lock) -> None:
+        self.tail.append(line)
+        if not self.ready.is_set() and self.role.ready and self.role.ready in line:
+            self.ready.set()
+        with lock:
+            out.write(f"[{self.role.name}] {line}\n")
+            out.flush()
 
     def signal_group(self, sig: int) -> None:
         _signal_group(self.process.pid, sig)
 
     def finish_output(self) -> None:
-        self._reader.join(timeout=2.0)
+        """Return once every line the role wrote so far is copied (its tail complete): the pipe
+        holds nothing unread, or it has ended. A wait on what is there, not a fixed time: on a
+        busy machine the copying thread may run seconds after the role exited (DRAIN_S bounds
+        it where something else keeps writing)."""
+        deadline = time.monotonic() + DRAIN_S
+        while self._reader.is_alive() and time.monotonic() < deadline:
+            with self._copying:
+                if not self._reader.is_alive() or _unread(self.process.stdout) == 0:
+                    return
+            self._reader.join(timeout=0.01)
+
+
+def _unread(stream: IO[bytes] | None) -> int:
+    """Bytes waiting in the pipe `stream` reads (FIONREAD); 0 once it is closed."""
+    if stream is None or stream.closed:
+        return 0
+    buffer = bytearray(4)
+    try:
+        fcntl.ioctl(stream.fileno(), termios.FIONREAD, buffer)
+    except OSError:
+        return 0
+    return int.from_bytes(buffer, sys.byteorder)
 
 
 @contextlib.contextmanager
@@ -300,6 +345,7 @@ class ServiceGroup:
                 for proc in self.running:
                     code = proc.process.poll()
                     if code not in (None, 0) and not proc.stopped_by_us:
+                        proc.finish_output()  # its last lines (its reason) quoted, not lost
                         self.died = RoleFailedError(proc.role.name, code, proc.tail)
                         noticed = time.monotonic()
                         break

@@ -3,12 +3,17 @@ busy machine (docs/testing.md). The one clock a test reads is a hang guard (test
 Nor does one compare two measured timings (their difference, their ratio, one against the
 other: CI once saw a shaped round trip's median less a direct one's come to 77 ms of a link's
 80, the runner's load), or hold a rate worked out from one (bytes per measured second) above a
-number. A floor on one measured timing is allowed: a delay the code stamps and sleeps for."""
+number. A floor on one measured timing is allowed: a delay the code stamps and sleeps for.
+Nor does a child process's whole run get a deadline picked on an idle machine
+(`subprocess.run(..., timeout=120)`): a loaded box outruns it and the test fails a run that
+was only slow; such a bound is the hang guard."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+from tests.clocks import HANG_GUARD_S
 
 TESTS = Path(__file__).parent
 CLOCKS = {"monotonic", "perf_counter", "time"}
@@ -151,6 +156,57 @@ def timed_assertions(path: Path) -> list[str]:
                 ):
                     found.append(f"{path.relative_to(TESTS.parent)}:{node.lineno}")
     return found
+
+
+PROCESS_RUNS = {"run", "communicate", "check_output", "check_call", "call"}
+"""subprocess's calls that wait for a child's whole run (`timeout=`: TimeoutExpired after it)."""
+
+
+def short_process_bounds(path: Path) -> list[str]:
+    """`subprocess.run(..., timeout=N)` or `proc.communicate(timeout=N)` with N a number under
+    the hang guard, in `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in PROCESS_RUNS:
+            continue
+        for keyword in node.keywords:
+            value = keyword.value
+            if (
+                keyword.arg == "timeout"
+                and _is_a_number(value)
+                and eval(compile(ast.Expression(value), str(path), "eval")) < HANG_GUARD_S
+            ):
+                found.append(f"{path.relative_to(TESTS.parent)}:{node.lineno}")
+    return found
+
+
+def test_no_child_process_run_has_a_deadline_under_the_hang_guard() -> None:
+    """CI on a loaded box (stop 63: 6 min of CPU over 46 min of wall) would fail a run that
+    was slow, not wrong: a child's run is bounded by tests.clocks.HANG_GUARD_S."""
+    found = [hit for path in sorted(TESTS.rglob("*.py")) for hit in short_process_bounds(path)]
+    assert not found, f"child runs bounded under HANG_GUARD_S (use it): {found}"
+
+
+def test_the_check_finds_a_short_process_bound() -> None:
+    """So the test above cannot pass by finding nothing; the guard itself, and a timeout that
+    is not a number, pass."""
+    sample = TESTS / "test_zz_bounded_sample.py"
+    try:
+        sample.write_text(
+            "import subprocess\n"
+            "from tests.clocks import HANG_GUARD_S\n"
+            "def test_x(proc, limit):\n"
+            "    subprocess.run(['true'], timeout=120)\n"
+            "    proc.communicate(timeout=2 * 60)\n"
+            "    subprocess.run(['true'], timeout=HANG_GUARD_S)\n"
+            "    subprocess.run(['true'], timeout=limit)\n"
+            "    subprocess.run(['true'], timeout=600)\n"
+        )
+        assert [hit.rsplit(":", 1)[1] for hit in short_process_bounds(sample)] == ["4", "5"]
+    finally:
+        sample.unlink()
 
 
 def test_no_test_asserts_that_a_clock_stays_under_a_number() -> None:

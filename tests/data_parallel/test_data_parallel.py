@@ -429,7 +429,7 @@ def test_the_command_says_a_bad_setting_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "data_parallel", "dp.engine=tp", f"hydra.run.dir={tmp_path}",
          f"paths.cache_dir={tmp_path / 'cache'}"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
@@ -497,7 +497,7 @@ def test_a_master_on_a_plain_network_is_refused_before_anything_waits(tmp_path: 
         f"dp.checkpoint_dir={tmp_path / 'shared'}", f"hydra.run.dir={tmp_path}",
         f"paths.cache_dir={tmp_path / 'cache'}", "model.lab_preset=debug",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cluster.unsafe_plain_network=true" in errors[0]

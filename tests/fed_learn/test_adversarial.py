@@ -33,6 +33,7 @@ from lab.tracking import METRICS_FILE, Tracker, read_records
 from labtools.attacks.secure_rounds import offset_delta, result_for
 from netproto import Connection, NetprotoError, RemoteError
 from netproto.header import Header, PayloadKind, pack_header
+from tests.clocks import HANG_GUARD_S
 
 MODEL = ModelConfig(pretrained="lab:tiny_target", lab_preset="debug")
 State = dict[str, torch.Tensor]
@@ -197,7 +198,7 @@ def federation(tiny_models: Path, lab_cache: Path, tmp_path: Path) -> Iterator[C
     for server in servers:
         server.stop()
     for thread in threads:
-        thread.join(timeout=10)
+        thread.join(timeout=HANG_GUARD_S)
     assert not any(thread.is_alive() for thread in threads), "a scripted client hung"
 
 

@@ -60,7 +60,7 @@ def fed_process(role: str, run_dir: Path, lab_cache: Path, port: int, *extra: st
     )
 
 
-def wait_for_round(latest: Path, round_number: int, procs, timeout_s: float = 120) -> None:
+def wait_for_round(latest: Path, round_number: int, procs, timeout_s: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if latest.is_file() and json.loads(latest.read_text())["round"] >= round_number:
@@ -68,7 +68,9 @@ def wait_for_round(latest: Path, round_number: int, procs, timeout_s: float = 12
         if any(p.poll() is not None for p in procs):
             break
         time.sleep(0.05)
-    outputs = [p.communicate(timeout=30)[0] if p.poll() is not None else "" for p in procs]
+    outputs = [
+        p.communicate(timeout=HANG_GUARD_S)[0] if p.poll() is not None else "" for p in procs
+    ]
     pytest.fail(f"round {round_number} never completed:\n" + "\n".join(o[-3000:] for o in outputs))
 
 
@@ -86,7 +88,7 @@ def test_killed_coordinator_resumes_at_the_next_round_from_its_checkpoint(
     try:
         wait_for_round(checkpoints / "latest.json", 1, [coordinator, *clients])
         coordinator.send_signal(signal.SIGKILL)
-        coordinator.communicate(timeout=30)
+        coordinator.communicate(timeout=HANG_GUARD_S)
         k = json.loads((checkpoints / "latest.json").read_text())["round"]
         assert 1 <= k < ROUNDS, "the crash must leave rounds to do"
         folder = checkpoints / f"round_{k:04d}"
@@ -100,10 +102,10 @@ def test_killed_coordinator_resumes_at_the_next_round_from_its_checkpoint(
         before_restart = len(kept)
 
         restarted = fed_process("coordinator", run_dir, lab_cache, port, "fed.resume=true")
-        out, _ = restarted.communicate(timeout=240)
+        out, _ = restarted.communicate(timeout=HANG_GUARD_S)
         assert restarted.returncode == 0, out[-3000:]
         for client in clients:  # they waited through the crash and finished with it
-            client_out, _ = client.communicate(timeout=60)
+            client_out, _ = client.communicate(timeout=HANG_GUARD_S)
             assert client.returncode == 0, client_out[-3000:]
             assert "lost the coordinator" in client_out
     finally:

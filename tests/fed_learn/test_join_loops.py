@@ -169,7 +169,7 @@ def test_two_join_and_leave_loops_leave_every_round_to_the_honest_clients(
         with Tracker(tmp_path, config={}, tracking=settings.tracking, job="test") as tracker:
             coordinator.run_rounds(tracker)
         # every loop past its burst: refused at its address's rate from then on
-        past_bursts = wait_for(lambda: all(loop.refused >= 5 for loop in loops), timeout_s=60)
+        past_bursts = wait_for(lambda: all(loop.refused >= 5 for loop in loops))
     finally:
         stop_all(workers, started)
     assert not any(loop.errors for loop in loops), [loop.errors for loop in loops]
@@ -233,7 +233,7 @@ def test_a_checkpoint_taken_while_clients_join_and_leave_does_not_raise(
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
-        assert wait_for(lambda: sum(loop.welcomed for loop in loops) >= 50, timeout_s=60)
+        assert wait_for(lambda: sum(loop.welcomed for loop in loops) >= 50)
         for _ in range(30):
             coordinator.checkpoint({"val_loss": 1.0}, outcome="test")
     finally:

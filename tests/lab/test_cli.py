@@ -17,7 +17,7 @@ def run_module(module: str, overrides: list[str], *, tmp_path: Path, lab_cache: 
     return subprocess.run(
         [sys.executable, "-m", module, *overrides, f"hydra.run.dir={tmp_path}",
          f"paths.cache_dir={lab_cache}", "tracking.wandb=false"],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
 

@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lab.config import CONF_DIR, ClusterConfig, LabConfig, ModelConfig, PathsConfig, to_settings
 from lab.pretrain import PretrainConfig, PretrainRunConfig, load_preset
+from tests.clocks import HANG_GUARD_S
 from tests.conftest import PRIMARY_CONFIGS, import_schemas
 
 GROUP_OPTIONS = [
@@ -122,7 +123,7 @@ def test_cli_rejects_a_bad_override_before_doing_work(tmp_path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode != 0
     assert "model.quantization='3bit' is not allowed" in result.stderr + result.stdout

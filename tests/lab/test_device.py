@@ -11,6 +11,7 @@ from lab.device import (
     detect_device,
     resolve_dtype,
 )
+from tests.clocks import HANG_GUARD_S
 
 NO_ACCELERATOR = not torch.cuda.is_available() and not device_mod._mps_available()
 
@@ -78,7 +79,11 @@ def test_machine_header_names_cpu_cores_versions_and_does_not_import_bitsandbyte
         "assert 'bitsandbytes' not in sys.modules, 'the header imported bitsandbytes'\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=True,
     )
     header = result.stdout
     assert header.startswith("machine: ")

@@ -79,7 +79,7 @@ def test_the_cli_refuses_a_key_the_module_would_ignore(
     result = subprocess.run(
         [sys.executable, "-m", module, override,
          f"hydra.run.dir={tmp_path}", f"paths.cache_dir={tmp_path / 'cache'}"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert result.returncode != 0
     assert message in result.stderr

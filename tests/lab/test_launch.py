@@ -257,3 +257,38 @@ def test_a_service_that_dies_while_the_block_waits_on_another_ends_the_block() -
         raise ConnectionResetError("the peer closed the connection")
     assert isinstance(info.value.__cause__, ConnectionResetError)
     assert not alive(group.process("stage1").pid)
+
+
+class _SlowPipe(io.StringIO):
+    """A launcher's stdout that drains slowly (a CI log collector, `| tee`): each role line
+    copied takes a moment, as on a busy machine where the copying thread runs late."""
+
+    def write(self, text: str) -> int:
+        time.sleep(0.005)
+        return super().write(text)
+
+
+def test_a_dead_services_error_quotes_its_last_line_however_late_its_output_is_copied() -> None:
+    """The watcher's error for a role that died unasked quotes its output's tail; the role's
+    last line (its reason) is there even where copying its output lags its exit by a second:
+    the error waits until the pipe holds nothing unread, not a fixed time (it was taken from
+    whatever had been copied when the exit was seen)."""
+    from lab.launch import services
+
+    dying = py_role(
+        "stage2",
+        """
+        for i in range(200):
+            print('step', i)
+        print('ValueError: the reason it stopped', flush=True)
+        raise SystemExit(3)
+        """,
+        service=True,
+    )
+    with (
+        pytest.raises(RoleFailedError, match="'stage2' exited with code 3") as info,
+        services([dying, py_role("stage1", SLEEPER, service=True)], out=_SlowPipe()) as group,
+    ):
+        group.process("stage1").wait(timeout=HANG_GUARD_S)  # stopped by the watcher
+        raise ConnectionResetError("the peer closed the connection")
+    assert str(info.value).splitlines()[-1] == "  [stage2] ValueError: the reason it stopped"

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lab.config import default_cache_dir
 from lab.pretrain import META_FILE, ensure_tiny_models, load_preset, models_dir
+from tests.clocks import HANG_GUARD_S
 
 
 def test_tiny_models_are_hf_folders_with_their_provenance(tiny_models: Path) -> None:
@@ -73,7 +74,7 @@ def test_concurrent_builders_train_once_and_agree(tmp_path: Path) -> None:
         )
         for _ in range(2)
     ]
-    outputs = [proc.communicate(timeout=180) for proc in procs]
+    outputs = [proc.communicate(timeout=HANG_GUARD_S) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outputs
     assert outputs[0][0].splitlines()[-1] == outputs[1][0].splitlines()[-1]
     trained = [err.count("training the lab's tiny models") for _, err in outputs]
@@ -102,7 +103,7 @@ def test_same_preset_seed_and_threads_build_identical_weights(tmp_path: Path) ->
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=HANG_GUARD_S,
         )
         assert result.returncode == 0, result.stderr[-2000:]
         folders.append(Path(result.stdout.splitlines()[-1]))

@@ -17,6 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from lab.config import CONF_DIR, TrackingConfig, to_settings
 from lab.tracking import RUN_FILE, Tracker
 from labtools import matrix, sweep
+from tests.clocks import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ def pasted(command: str, *, prelude: str = "", extra: str = "") -> subprocess.Co
     """`command` through `bash -c` as a user pastes it, `python` being this interpreter."""
     script = f'python() {{ "{sys.executable}" "$@"; }}\n{prelude}\n{command} {extra}'
     return subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+                          timeout=HANG_GUARD_S, check=False)  # fmt: skip
 
 
 def test_a_runs_recorded_command_gives_back_every_word(

@@ -251,7 +251,7 @@ def test_no_run_of_any_module_writes_the_secret(
     report_run = subprocess.run(
         [sys.executable, "-m", "labtools.report", *map(str, run_dirs),
          "outputs/matrix/spec_decoding"],
-        cwd=work, capture_output=True, text=True, timeout=120,
+        cwd=work, capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert report_run.returncode == 0, report_run.stderr[-3000:]
 

@@ -16,6 +16,7 @@ from lab.launch import free_port
 from lab.pretrain import BuildProgress, _file_lock
 from lab.waiting import EVERY_S, FIRST_S, Wait
 from netproto.errors import ConnectionClosed, NetTimeout
+from tests.clocks import HANG_GUARD_S
 
 
 class Clock:
@@ -124,10 +125,10 @@ def test_waiting_for_a_lock_another_holds_speaks_with_the_holders_progress(
         fcntl.flock(holder, fcntl.LOCK_EX)
         thread = threading.Thread(target=waiter)
         thread.start()
-        assert spoke.wait(timeout=60), "the wait said nothing"
+        assert spoke.wait(timeout=HANG_GUARD_S), "the wait said nothing"
         assert not got_it.is_set()
         fcntl.flock(holder, fcntl.LOCK_UN)
-    thread.join(timeout=60)
+    thread.join(timeout=HANG_GUARD_S)
     assert got_it.is_set()
     assert said[0].startswith(f"waiting for another process's build at {tmp_path}")
     assert "is at tiny_draft step 10 of 40" in said[0]

@@ -16,6 +16,7 @@ import pytest
 from lab import registry
 from lab.registry import Metric
 from labtools import matrix, sweep
+from tests.clocks import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -323,7 +324,7 @@ def test_an_axis_the_workload_lacks_is_one_line_naming_the_axis(tmp_path: Path) 
     result = subprocess.run(
         [sys.executable, "run_matrix.py", "workload=spec_decoding", "grid.context=[16]",
          "axes.context=spec.prompt_tokens", "overrides=[]", f"out_dir={tmp_path / 'sweep'}"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr

@@ -13,6 +13,7 @@ import pytest
 
 from lab.plots import legend_check
 from labtools import report
+from tests.clocks import HANG_GUARD_S
 
 QUICK = ["spec.num_prompts=1", "spec.max_new_tokens=8", "spec.prompt_tokens=16",
          "target.lab_preset=debug", "draft.lab_preset=debug", "tracking.wandb=false"]  # fmt: skip
@@ -98,7 +99,7 @@ def test_the_report_of_a_multirun_folder_opens_with_a_summary_and_names_jobs_by_
     sweep = runs[0].parent
     result = subprocess.run(
         [sys.executable, "-m", "labtools.report", str(sweep), "--out", str(tmp_path / "r")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     markdown = (tmp_path / "r" / "index.md").read_text()
@@ -123,7 +124,7 @@ def test_the_report_of_a_multirun_folder_opens_with_a_summary_and_names_jobs_by_
 def test_the_report_refuses_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "labtools.report", str(tmp_path), "--out", str(tmp_path / "r")],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )  # fmt: skip
     assert result.returncode == 2
     assert "is neither an experiment's run directory" in result.stderr
@@ -191,7 +192,7 @@ window.addEventListener('load', () => {
               "--allow-file-access-from-files"]  # fmt: skip
     dom = subprocess.run(
         [browser, *window, "--virtual-time-budget=10000", "--dump-dom", probe.as_uri()],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     ).stdout  # fmt: skip
     found = re.search(
         r'data-images="(\d+)" data-broken="(\d+)" data-empty="(\d+)" data-first="([^"]*)" '
@@ -204,7 +205,7 @@ window.addEventListener('load', () => {
     assert int(height) < 1400 * (len(runs) + 1), height  # it was 8,460 px for the tour's six
     shot = tmp_path / "report.png"
     subprocess.run([browser, *window, "--hide-scrollbars", f"--screenshot={shot}", page.as_uri()],
-                   capture_output=True, timeout=120, check=True)  # fmt: skip
+                   capture_output=True, timeout=HANG_GUARD_S, check=True)  # fmt: skip
     assert shot.stat().st_size > 20_000
 
 

@@ -121,7 +121,7 @@ def test_a_split_run_on_the_plain_network_refuses_to_start_in_one_line(tmp_path:
              "role=driver", f"cluster.master.host={desktop.address}", "cluster.master.port=29530",
              "model.lab_preset=debug"],
             capture_output=True, text=True, env=desktop.env({"LAB_SECRET": SECRET}),
-            timeout=300, check=False, cwd=Path(__file__).resolve().parents[2],
+            timeout=HANG_GUARD_S, check=False, cwd=Path(__file__).resolve().parents[2],
         )  # fmt: skip
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]

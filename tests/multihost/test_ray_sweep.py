@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from labtools.hosts.network import Host, Network
+from tests.clocks import HANG_GUARD_S
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 
@@ -93,7 +94,7 @@ def _ray_start(host: Host, env: dict[str, str], *args: str) -> subprocess.Comple
         env=host.env(),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=HANG_GUARD_S,
         check=False,
     )
 
@@ -177,7 +178,7 @@ def test_a_sweeps_cells_run_as_ray_tasks_on_two_nodes_resume_and_stop_on_ctrl_c(
         finally:
             for host in (stranger, node, head):
                 subprocess.run(["ip", "netns", "exec", host.netns, str(RAY), "stop", "--force"],
-                               capture_output=True, timeout=120, check=False)  # fmt: skip
+                               capture_output=True, timeout=HANG_GUARD_S, check=False)  # fmt: skip
             for temp in TEMP_DIRS:
                 shutil.rmtree(temp, ignore_errors=True)
     records = _records(out_dir)

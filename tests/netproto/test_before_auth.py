@@ -408,7 +408,7 @@ def test_honest_client_gets_in_past_a_thousand_slow_or_idle_strangers(
     trickler = threading.Thread(target=trickle_crowd)
     trickler.start()
     try:
-        assert wait_until_taken_in(server, NUM_STRANGERS, timeout_s=60)
+        assert wait_until_taken_in(server, NUM_STRANGERS, timeout_s=HANG_GUARD_S)
         context = client_ssl_context(ca=cert) if tls else None
         for attempt in range(NUM_HONEST_ATTEMPTS):
             with Connection.connect(

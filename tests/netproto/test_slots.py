@@ -116,11 +116,11 @@ def test_dribblers_in_every_slot_are_cut_by_the_frame_deadline_and_an_honest_cli
     for thread in dribblers:
         thread.start()
     try:
-        assert wait_for(lambda: served(server, secret=secret), timeout_s=30)
+        assert wait_for(lambda: served(server, secret=secret), timeout_s=HANG_GUARD_S)
     finally:
         stop.set()
         for thread in dribblers:
-            thread.join(timeout=10)
+            thread.join(timeout=HANG_GUARD_S)
     assert not any(thread.is_alive() for thread in dribblers)
     assert wait_for(lambda: server.sessions_failed == 4)
     cut = [r.getMessage() for r in caplog.records if "the frame deadline" in r.getMessage()]

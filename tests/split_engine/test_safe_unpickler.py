@@ -16,6 +16,7 @@ from torch.distributed.rpc import internal as rpc_internal
 import split_training.trainer  # noqa: F401  (allows its RPC names, as its processes do)
 from split_engine import rpc_guard
 from split_engine.rpc_guard import UnsafeMessageError, safe_loads
+from tests.clocks import HANG_GUARD_S
 
 
 class RunsCommand:
@@ -128,7 +129,9 @@ def test_a_process_without_split_training_refuses_its_names() -> None:
         "try:\n    safe_loads(data)\nexcept UnsafeMessageError:\n    sys.exit(0)\n"
         "sys.exit('allowed')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 

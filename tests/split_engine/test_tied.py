@@ -19,6 +19,7 @@ import torch
 from split_engine.sharded import ShardedModel
 from split_training.config import SplitTrainConfig
 from split_training.trainer import DistributedTrainer
+from tests.clocks import HANG_GUARD_S
 
 from .conftest import model_config, rpc_world
 from .test_rpc import reference_training, training_batches
@@ -135,7 +136,7 @@ def _run_in_own_process(folder: Path, num_stages: int, tmp_path: Path) -> dict:
         cwd=Path(__file__).resolve().parents[2],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())

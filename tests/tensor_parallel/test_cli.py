@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from lab.cli import ConfigError
 from lab.records import METRICS_FILE, read_records
 from tensor_parallel.run import run
+from tests.clocks import HANG_GUARD_S
 
 QUICK = ["tp.max_new_tokens=6", "tp.repeats=1"]
 
@@ -24,7 +25,9 @@ def test_two_ranks_generate_what_the_unsplit_model_does(
 ) -> None:
     command = [sys.executable, "-m", "tensor_parallel", f"hydra.run.dir={tmp_path}",
                f"paths.cache_dir={lab_cache}", "model.lab_preset=debug", *QUICK]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = [r for r in read_records(tmp_path / METRICS_FILE) if r.get("kind") == "summary"][-1]
     layers = json.loads(next(lab_cache.glob("tiny_models/debug-*/tiny_target/config.json"))
@@ -62,7 +65,9 @@ def test_a_model_without_a_tp_plan_is_refused_in_one_line(tmp_path: Path, lab_ca
     folder = gpt2_folder(tmp_path)
     command = [sys.executable, "-m", "tensor_parallel", f"hydra.run.dir={tmp_path / 'run'}",
                f"model.pretrained={folder}"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=HANG_GUARD_S, check=False
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: model type 'gpt2' has no base_model_tp_plan in its transformers config: "
