@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -277,16 +278,52 @@ LOOP_DRAFTED = (0, 2, 6)
 Point = tuple[float, float, float]
 
 
+def _sink(ports: Any) -> None:
+    """A process that reads and drops whatever its connections send: the loop's sessions'
+    peers (its CPU is not the loop's)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ports.put(server.getsockname()[1])
+        while True:
+            peer, _ = server.accept()
+            threading.Thread(target=_drain, args=(peer,), daemon=True).start()
+
+
+def _drain(peer: socket.socket) -> None:
+    with peer:
+        while peer.recv(1 << 16):
+            pass
+
+
+class Sink:
+    """The `_sink` process, started once; `connect` opens a netproto connection to it."""
+
+    def __init__(self) -> None:
+        context = mp.get_context("spawn")
+        ports = context.Queue()
+        self.proc = context.Process(target=_sink, args=(ports,), daemon=True)
+        self.proc.start()
+        self.port = ports.get(timeout=600)
+
+    def connect(self) -> Connection:
+        return Connection(socket.create_connection(("127.0.0.1", self.port), timeout=60))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.join(timeout=10)
+
+
 def loop_points(
-    target: Any, prompts: list[list[int]], *, steps: int = 32
+    target: Any, prompts: list[list[int]], sink: Sink, *, steps: int = 32
 ) -> tuple[list[Point], dict[str, list[float]]]:
     """The shared loop's CPU a forward (spec_decoding.capacity.LoopCosts): for each (sessions,
     drafted tokens k) of the grid, that many sessions each in its own thread through one batcher
     (as the verifier's sessions run, without the link), each `steps` times feeding its next
-    committed token and k drafted ones, taking the argmax and committing one token (the drafts
-    cropped from its cache, as a rejection does); this process's CPU (time.process_time: every
-    thread) over the forwards the batcher ran: the grid's (sessions a forward, drafted tokens a
-    forward, CPU seconds a forward), and the same (ms) by "sessions x drafted"."""
+    committed token and k drafted ones, taking the argmax, committing one token (the drafts
+    cropped from its cache, as a rejection does) and sending its PROGRESS frame, as the
+    verifier's does, over TCP to `sink` (another process); this process's CPU
+    (time.process_time: every thread, the kernel's sends included) over the forwards the
+    batcher ran: the grid's (sessions a forward, drafted tokens a forward, CPU seconds a
+    forward), and the same (ms) by "sessions x drafted"."""
 
     def run(count: int, drafted: int) -> tuple[BatchStats, float]:
         batched = BatchedTarget(target)
@@ -294,19 +331,33 @@ def loop_points(
         decoders = [CachedDecoder(target, p, batched=batched) for p in prompts[:count]]
         for decoder in decoders:
             decoder.prefill()
+        conns = [sink.connect() for _ in decoders]
 
-        def session(decoder: CachedDecoder) -> None:
-            for _ in range(steps):
-                logits = decoder.extend(decoder.tokens[-drafted:] if drafted else [])
-                decoder.commit([int(logits[0].argmax())])
+        def session(decoder: CachedDecoder, conn: Connection) -> None:
+            for step in range(steps):
+                feed = decoder.tokens[-drafted:] if drafted else []
+                logits = decoder.extend(feed)
+                token = int(logits[0].argmax())
+                decoder.commit([token])
+                progress = {
+                    "epoch": 0, "at": step, "accepted": 0, "tokens": [token], "alone": not feed,
+                    "fed": len(feed) + 1, "verify_ms": 1.0,
+                }  # fmt: skip
+                conn.send_msg(SpecMsg.PROGRESS, progress)
 
-        workers = [threading.Thread(target=session, args=(d,)) for d in decoders]
+        workers = [
+            threading.Thread(target=session, args=(d, c))
+            for d, c in zip(decoders, conns, strict=True)
+        ]
         started = time.process_time()
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
-        return batched.stats, time.process_time() - started
+        cpu = time.process_time() - started
+        for conn in conns:
+            conn.close()
+        return batched.stats, cpu
 
     run(CLIENTS, 2)  # warm-up
     points, table = [], {}
@@ -352,7 +403,7 @@ def capacity_bench(
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     sources = {"draft": pair.draft_source, "preset": pair.preset, "cache_dir": str(cache_dir)}
-    clients = Clients(sources)
+    clients, sink = Clients(sources), Sink()
     figures: dict[str, Any] = {
         "max_new_tokens": max_new,
     }
@@ -376,11 +427,13 @@ def capacity_bench(
                         repeats,
                         delay,
                         target=pair.target,
+                        sink=sink,
                         prompts=prompts,
                         probe=address,
                     )
     finally:
         clients.close()
+        sink.close()
     figures["load"] = {"before": load_before, "after": os.getloadavg()}
     write_results(results_dir / RESULTS_NAME, {"figures": figures}, machine=machine)
     for delay, label in [(d, policy) for d in DELAYS_MS for policy in ("default", "waits")]:
@@ -423,14 +476,14 @@ def capacity_bench(
 def at_delay(
     clients: Clients, address: tuple[str, int], work: list[list[list[int]]], max_new: int,
     verifier: psutil.Process, repeats: int, delay: int, *, target: Any,
-    prompts: list[list[int]], probe: tuple[str, int] | None = None,
+    prompts: list[list[int]], sink: Sink, probe: tuple[str, int] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Both arms at one delay, alternated, and the model's prediction of each from the shared
     loop's costs (measured here before and after the runs) and one client alone of each kind
     (its frames); the default speculative arm's figures at the top, the waiting verifier's
     under `waits`."""
     print(f"== capacity at {delay} ms one-way", file=sys.stderr)
-    loop_before = loop_points(target, prompts)
+    loop_before = loop_points(target, prompts, sink)
     one = [[p for w in work for p in w]]  # single-session costs: one client, all the prompts
     alone = {kind: clients.run(kind, address, one, max_new, verifier) for kind in POLICIES}
     alone["target"] = clients.run("target", address, one, max_new, verifier)
@@ -444,7 +497,7 @@ def at_delay(
               file=sys.stderr)  # fmt: skip
         for kind in ("target", *POLICIES):
             print(f"    {kind}: {describe_batches(runs[kind][-1]['batches'])}", file=sys.stderr)
-    loop_after = loop_points(target, prompts)
+    loop_after = loop_points(target, prompts, sink)
     loop = fit_loop(loop_before, loop_after)
     print(f"  the shared loop: {describe_loop(loop)}", file=sys.stderr)
     t1 = alone["target"]["clients"][0]

@@ -10,17 +10,18 @@ The verifier's CPU, term by term, each measured locally (none from the capacity 
   - the shared loop (`LoopCosts`): S sessions decoding in threads through one batcher, as the
     verifier's sessions do, without the link, measured as the process's CPU (every thread:
     the forwards, the batcher's hand-over and wake-ups, each session's argmax, commit and cache
-    crop). One forward of that loop costs base + per_session x sessions + per_drafted x
-    drafted tokens, fitted over a grid of (sessions, drafted tokens a session): the base is
-    paid once a forward whatever its rows (the weights read, the batch assembled), so it is
-    shared by the sessions in it; each session pays its own row (its committed token, its
-    cache padded in and cut back out, its thread's wake-up and bookkeeping) and each drafted
-    token it brings. The same loop at S sessions without drafts says how full its forwards
-    run (`LoopCosts.fill`: a session a moment behind misses a forward).
-  - each session's frame handling (`FrameCosts`): what a session costs the verifier per
-    forward beyond the loop (its frames received, decoded and validated, its PROGRESS encoded
-    and sent, the protocol's bookkeeping), from one client alone on the link: the verifier's
-    CPU over that run less its forwards' loop cost, per forward.
+    crop, and its PROGRESS frame encoded and sent over TCP to another process). One forward
+    of that loop costs base + per_session x sessions + per_drafted x drafted tokens, fitted
+    over a grid of (sessions, drafted tokens a session): the base is paid once a forward
+    whatever its rows (the weights read, the batch assembled), so it is shared by the sessions
+    in it; each session pays its own row (its committed token, its cache padded in and cut
+    back out, its thread's wake-up and bookkeeping, its frame sent) and each drafted token it
+    brings. The same loop at S sessions without drafts says how full its forwards run
+    (`LoopCosts.fill`: a session a moment behind misses a forward).
+  - the rest of each session's frame handling (`FrameCosts`): what a session costs the
+    verifier per forward beyond the loop (its drafts' frames received, decoded and validated,
+    the verdict's bookkeeping), from one client of the arm's kind alone on the link: the
+    verifier's CPU over that run less its forwards' loop cost, per forward.
 Before these, the forwards' costs came from forwards timed alone (one thread, in isolation)
 and a per-token overhead from one session: the loop's cost at four sessions was under-counted
 and both arms were overpredicted about 1.5x.
@@ -54,7 +55,7 @@ class LoopCosts:
     memory-bound), the batch's mask, positions and padded cache assembled."""
     per_session_s: float
     """Each session in the forward: its committed token's row, its cache padded in and cut back
-    out, its thread woken, its argmax, commit and cache crop."""
+    out, its thread woken, its argmax, commit and cache crop, its PROGRESS frame sent."""
     per_drafted_s: float
     """Each drafted token checked beyond a session's committed one."""
     sessions: int = 1
@@ -115,8 +116,8 @@ class LoopCosts:
 
 @dataclass(frozen=True)
 class FrameCosts:
-    """The verifier's CPU per forward of one session beyond the loop: its frames and protocol
-    bookkeeping (`measured` from one client alone on the link)."""
+    """The verifier's CPU per forward of one session beyond the loop: the frames it receives
+    and the protocol's bookkeeping (`measured` from one client alone on the link)."""
 
     per_forward_s: float
 
