@@ -258,6 +258,23 @@ def describe_batches(b: dict[str, Any] | None) -> str:
     )
 
 
+def accounted(run: dict[str, Any], loop: LoopCosts, frames: FrameCosts) -> dict[str, float] | None:
+    """A check of the costs, not of the model: the share of a run's measured verifier CPU
+    that the loop's costs of the forwards its batcher did run (their sessions and drafted
+    tokens, as STATS counted them) and each session-forward's frames account for. Near 1:
+    the per-forward costs are right and a miss of the prediction is in the batches it
+    foresaw; far from 1: the costs themselves miss something the run pays."""
+    b = run.get("batches")
+    if not b or not b["forwards"]:
+        return None
+    cost = (
+        b["forwards"] * loop.base_s
+        + b["rows"] * (loop.per_session_s + frames.per_forward_s)
+        + b["drafted"] * loop.per_drafted_s
+    )
+    return {"accounted_cpu_s": cost, "share": cost / run["verifier_cpu_s"]}
+
+
 def cpu_seconds(process: psutil.Process) -> float:
     """User + system CPU seconds of `process` (all its threads) and its live children."""
     total = 0.0
@@ -460,12 +477,15 @@ def capacity_bench(
         )
     for delay in DELAYS_MS:
         f = figures[str(delay)]
-        for label, batches in (
-            ("speculative", f["batches"]),
-            ("verifier waits", f["waits"]["batches"]),
-            ("target alone", f["target_batches"]),
+        for label, batches, share in (
+            ("speculative", f["batches"], f["accounted"]),
+            ("verifier waits", f["waits"]["batches"], f["waits"]["accounted"]),
+            ("target alone", f["target_batches"], f["target_accounted"]),
         ):
-            print(f"[batches] {delay} ms one-way, {label}: {describe_batches(batches)}")
+            said = ""
+            if share:
+                said = f"; the loop's and frames' costs of these forwards: {share['share']:.2f}"
+            print(f"[batches] {delay} ms one-way, {label}: {describe_batches(batches)}{said}")
     f = figures["50"]
     print(
         f"verifier capacity at 50 ms, {CLIENTS} drafters / target alone batching {CLIENTS}: "
@@ -579,6 +599,8 @@ def at_delay(
             "load": os.getloadavg(),
             "batches": spec["batches"],
             "target_batches": target["batches"],
+            "accounted": accounted(spec, loop, spec_frames),
+            "target_accounted": accounted(target, loop, target_frames),
             "runs": [{k: v for k, v in run.items() if k != "clients"} for run in spec_runs],
         }
     result = figures["spec"]
