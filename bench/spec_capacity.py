@@ -10,17 +10,20 @@ started as `python -m spec_decoding` starts it (one thread), in two arms alterna
   - the target alone: each client a session that sends no drafts (`drafting: false`), the
     verifier decoding every token itself: the lab's own batched loop, the same batcher
     (spec_decoding/batching.py) batching the four clients' one-token forwards.
-Both greedy: the texts must be the same (checked). Before them, on the same link, one client
-of each kind alone (the single-session costs), and the batched forward's cost over n tokens
-in all (4 sessions, measured here in thread CPU time): spec_decoding/capacity.py predicts both
-arms from those. Writes bench/results/spec_decoding_capacity.json; the last line is the ratio
-at 50 ms with measured / predicted.
+Both greedy: the texts must be the same (checked). At each delay, before and after the runs,
+the shared loop's CPU a forward over a grid of sessions and drafted tokens (its sessions in
+threads through one batcher, no link, this process's CPU), and before them, on the same link,
+one client of each kind alone (its frames' cost a forward): spec_decoding/capacity.py predicts
+both arms from those, nothing from the four-client runs. Writes
+bench/results/spec_decoding_capacity.json; the last line is the ratio at 50 ms with measured /
+predicted.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -40,13 +43,7 @@ from lab.models import load_model, load_tokenizer
 from netproto import Connection, LinkEmulatorProcess
 from spec_decoding.batching import BatchedTarget, BatchStats
 from spec_decoding.cache import CachedDecoder
-from spec_decoding.capacity import (
-    BatchCosts,
-    SharedLoop,
-    predict_speculative,
-    predict_target_alone,
-    single_session_overhead,
-)
+from spec_decoding.capacity import FrameCosts, LoopCosts, predict_speculative, predict_target_alone
 from spec_decoding.config import SpecConfig
 from spec_decoding.drafter import Drafter
 from spec_decoding.gamma import GammaController
@@ -235,7 +232,7 @@ def batch_figures(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]
     drafted tokens (fed beyond the committed sequence) a forward, the forwards by their rows,
     and its leaders' waits for sessions in flight."""
     diff = {k: then[k] - first[k] for k in ("forwards", "rows", "tokens", "drafted")}
-    extra = ("gather_waits", "gather_missed", "turnarounds", "turnaround_s")
+    extra = ("gather_waits", "gather_missed", "turnarounds", "turnaround_s", "padding_refused")
     diff.update({k: then.get(k, 0) - first.get(k, 0) for k in extra})
     forwards = max(diff["forwards"], 1)
     by_rows = {r: n - first["by_rows"].get(r, 0) for r, n in then["by_rows"].items()}
@@ -257,8 +254,25 @@ def describe_batches(b: dict[str, Any] | None) -> str:
         f"{b['forwards']} forwards, {b['rows_per_forward']:.2f} sessions, "
         f"{b['tokens_per_forward']:.2f} tokens ({b['drafted_per_forward']:.2f} drafted) a forward;"
         f" forwards by sessions {{{hist}}}; waits {b['gather_waits']}, missed {b['gather_missed']}"
-        f", turnaround {b['turnaround_ms']:.2f} ms"
+        f", turnaround {b['turnaround_ms']:.2f} ms; refused for padding {b['padding_refused']}"
     )
+
+
+def accounted(run: dict[str, Any], loop: LoopCosts, frames: FrameCosts) -> dict[str, float] | None:
+    """A check of the costs, not of the model: the share of a run's measured verifier CPU
+    that the loop's costs of the forwards its batcher did run (their sessions and drafted
+    tokens, as STATS counted them) and each session-forward's frames account for. Near 1:
+    the per-forward costs are right and a miss of the prediction is in the batches it
+    foresaw; far from 1: the costs themselves miss something the run pays."""
+    b = run.get("batches")
+    if not b or not b["forwards"]:
+        return None
+    cost = (
+        b["forwards"] * loop.base_s
+        + b["rows"] * (loop.per_session_s + frames.per_forward_s)
+        + b["drafted"] * loop.per_drafted_s
+    )
+    return {"accounted_cpu_s": cost, "share": cost / run["verifier_cpu_s"]}
 
 
 def cpu_seconds(process: psutil.Process) -> float:
@@ -273,95 +287,123 @@ def cpu_seconds(process: psutil.Process) -> float:
     return total
 
 
-# -- the batched forward's cost, measured here ---------------------------------------------
+# -- the shared loop's cost, measured here ---------------------------------------------------
+
+LOOP_SESSIONS = (1, 2, CLIENTS)
+LOOP_DRAFTED = (0, 2, 6)
+"""The grid the loop is measured over: sessions, and drafted tokens each feeds a forward."""
+Point = tuple[float, float, float]
 
 
-def batch_costs(target: Any, prompts: list[list[int]]) -> tuple[BatchCosts, BatchCosts, dict]:
-    """Thread CPU seconds of one forward: over CLIENTS sessions with k tokens each (a batch of
-    4k tokens in all), and of one session alone over n tokens; fitted over the tokens."""
-    batched = BatchedTarget(target)
-    decoders = []
-    for prompt in prompts[:CLIENTS]:  # mid-generation: the prompt and 32 tokens cached
-        decoder = CachedDecoder(target, [*prompt, *prompt[:32]], batched=batched)
-        decoder.prefill()
-        decoders.append(decoder)
-
-    def timed(jobs: list[tuple[CachedDecoder, list[int]]]) -> float:
-        times = []
-        for _ in range(7):
-            for decoder, _ in jobs:
-                decoder.rewind(decoder.tokens)  # drop what the last forward cached
-            fed = [(d, d.tokens[len(d.cached) :] + extra) for d, extra in jobs]
-            started = time.thread_time()
-            batched.forward(fed)
-            times.append(time.thread_time() - started)
-            for decoder, feed in fed:
-                decoder.cached.extend(feed)
-        return statistics.median(times[2:])
-
-    together, alone = {}, {}
-    for k in (1, 2, 3, 4, 6, 8, 12):  # drafted tokens per session, the committed one before
-        together[CLIENTS * k] = timed([(d, d.tokens[-k:][1:]) for d in decoders])
-    for n in (1, 2, 4, 8, 16, 32):
-        alone[n] = timed([(decoders[0], decoders[0].tokens[-n:][1:])])
-    fitted = BatchCosts.fit(together.items())
-    single = BatchCosts.fit(alone.items())
-    return fitted, single, {"batched_ms": _ms(together), "alone_ms": _ms(alone)}
+def _sink(ports: Any) -> None:
+    """A process that reads and drops whatever its connections send: the loop's sessions'
+    peers (its CPU is not the loop's)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ports.put(server.getsockname()[1])
+        while True:
+            peer, _ = server.accept()
+            threading.Thread(target=_drain, args=(peer,), daemon=True).start()
 
 
-def shared_loop(target: Any, prompts: list[list[int]], *, tokens: int = 48) -> SharedLoop:
-    """CLIENTS sessions, then one alone, each decoding `tokens` tokens in its own thread through
-    one batcher (as the verifier's sessions do, without the link): thread CPU time of each
-    session's thread and of the forwards (spec_decoding.capacity.SharedLoop)."""
+def _drain(peer: socket.socket) -> None:
+    with peer:
+        while peer.recv(1 << 16):
+            pass
 
-    def run(count: int) -> tuple[BatchStats, float, float]:
+
+class Sink:
+    """The `_sink` process, started once; `connect` opens a netproto connection to it."""
+
+    def __init__(self) -> None:
+        context = mp.get_context("spawn")
+        ports = context.Queue()
+        self.proc = context.Process(target=_sink, args=(ports,), daemon=True)
+        self.proc.start()
+        self.port = ports.get(timeout=600)
+
+    def connect(self) -> Connection:
+        return Connection(socket.create_connection(("127.0.0.1", self.port), timeout=60))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.join(timeout=10)
+
+
+def loop_points(
+    target: Any, prompts: list[list[int]], sink: Sink, *, steps: int = 32
+) -> tuple[list[Point], dict[str, list[float]]]:
+    """The shared loop's CPU a forward (spec_decoding.capacity.LoopCosts): for each (sessions,
+    drafted tokens k) of the grid, that many sessions each in its own thread through one batcher
+    (as the verifier's sessions run, without the link), each `steps` times feeding its next
+    committed token and k drafted ones, taking the argmax, committing one token (the drafts
+    cropped from its cache, as a rejection does) and sending its PROGRESS frame, as the
+    verifier's does, over TCP to `sink` (another process); this process's CPU
+    (time.process_time: every thread, the kernel's sends included) over the forwards the
+    batcher ran: the grid's (sessions a forward, drafted tokens a forward, CPU seconds a
+    forward), and the same (ms) by "sessions x drafted"."""
+
+    def run(count: int, drafted: int) -> tuple[BatchStats, float]:
         batched = BatchedTarget(target)
         batched.sessions = count
-        forward_s = [0.0]
-        forward = batched.forward
-
-        def timed(jobs: list[tuple[CachedDecoder, list[int]]]) -> list[torch.Tensor]:
-            started = time.thread_time()  # the leader's thread runs the whole forward
-            try:
-                return forward(jobs)
-            finally:
-                forward_s[0] += time.thread_time() - started
-
-        batched.forward = timed  # type: ignore[method-assign]
         decoders = [CachedDecoder(target, p, batched=batched) for p in prompts[:count]]
         for decoder in decoders:
             decoder.prefill()
-        spent = [0.0] * count
+        conns = [sink.connect() for _ in decoders]
 
-        def session(index: int) -> None:
-            decoder, started = decoders[index], time.thread_time()
-            for _ in range(tokens):
-                logits = decoder.extend([])
-                decoder.commit([int(logits[-1].argmax())])
-            spent[index] = time.thread_time() - started
+        def session(decoder: CachedDecoder, conn: Connection) -> None:
+            for step in range(steps):
+                feed = decoder.tokens[-drafted:] if drafted else []
+                logits = decoder.extend(feed)
+                token = int(logits[0].argmax())
+                decoder.commit([token])
+                progress = {
+                    "epoch": 0, "at": step, "accepted": 0, "tokens": [token], "alone": not feed,
+                    "fed": len(feed) + 1, "verify_ms": 1.0,
+                }  # fmt: skip
+                conn.send_msg(SpecMsg.PROGRESS, progress)
 
-        workers = [threading.Thread(target=session, args=(i,)) for i in range(count)]
+        workers = [
+            threading.Thread(target=session, args=(d, c))
+            for d, c in zip(decoders, conns, strict=True)
+        ]
+        started = time.process_time()
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
-        return batched.stats, sum(spent), forward_s[0]
+        cpu = time.process_time() - started
+        for conn in conns:
+            conn.close()
+        return batched.stats, cpu
 
-    run(CLIENTS)  # warm-up
-    stats, spent, forward_s = run(CLIENTS)
-    _, single_spent, single_forward_s = run(1)
-    total = CLIENTS * tokens
-    return SharedLoop(
-        sessions=CLIENTS,
-        rows_per_forward=stats.rows / max(stats.forwards, 1),
-        forward_s_per_token=forward_s / total,
-        extra_s_per_token=max(0.0, spent - forward_s) / total,
-        single_extra_s_per_token=max(0.0, single_spent - single_forward_s) / tokens,
+    run(CLIENTS, 2)  # warm-up
+    points, table = [], {}
+    for count in LOOP_SESSIONS:
+        for drafted in LOOP_DRAFTED:
+            stats, cpu = run(count, drafted)
+            forwards = max(stats.forwards, 1)
+            point = (stats.rows / forwards, stats.drafted / forwards, cpu / forwards)
+            points.append(point)
+            table[f"{count}x{drafted}"] = [round(point[0], 2), round(point[1], 2),
+                                           round(point[2] * 1e3, 3)]  # fmt: skip
+    return points, table
+
+
+def fit_loop(*measured: tuple[list[Point], dict[str, list[float]]]) -> LoopCosts:
+    """The loop's costs over every measurement of the grid (taken before and after a delay's
+    runs, so the load they ran under is the runs'), its fill from CLIENTS sessions without
+    drafts."""
+    fill = statistics.mean(table[f"{CLIENTS}x0"][0] for _, table in measured)
+    points = [p for found, _ in measured for p in found]
+    return LoopCosts.fit(points, sessions=CLIENTS, rows_per_forward=fill)
+
+
+def describe_loop(loop: LoopCosts) -> str:
+    return (
+        f"a forward {loop.base_s * 1e3:.3f} ms + {loop.per_session_s * 1e3:.3f} ms a session + "
+        f"{loop.per_drafted_s * 1e3:.3f} ms a drafted token; {loop.rows_per_forward:.2f} of "
+        f"{loop.sessions} sessions a forward without drafts"
     )
-
-
-def _ms(table: dict[int, float]) -> dict[int, float]:
-    return {n: round(s * 1e3, 3) for n, s in table.items()}
 
 
 # -- the bench -------------------------------------------------------------------------------
@@ -376,30 +418,10 @@ def capacity_bench(
     prompts = held_out_prompts(pair.tokenizer, count=CLIENTS * per_client, tokens=32)
     work = [prompts[i::CLIENTS] for i in range(CLIENTS)]
     torch.set_num_threads(1)
-    print("== capacity: the batched forward's cost (thread CPU time, here)", file=sys.stderr)
-    costs, single, curve = batch_costs(pair.target, prompts)
-    print(f"batched forward over n tokens of {CLIENTS} sessions (ms): {curve['batched_ms']}; "
-          f"one session alone: {curve['alone_ms']}")  # fmt: skip
-    loop = shared_loop(pair.target, prompts)
-    print(
-        f"{CLIENTS} sessions decoding in threads through one batcher (no link): "
-        f"{loop.rows_per_forward:.2f} sessions a forward, forwards "
-        f"{loop.forward_s_per_token * 1e3:.3f} ms a token, beyond them "
-        f"{loop.extra_s_per_token * 1e3:.3f} ms a token (one session alone: "
-        f"{loop.single_extra_s_per_token * 1e3:.3f}); contention "
-        f"{loop.contention_s_per_token * 1e3:.3f} ms a token"
-    )
     load_before = os.getloadavg()
     sources = {"draft": pair.draft_source, "preset": pair.preset, "cache_dir": str(cache_dir)}
-    clients = Clients(sources)
+    clients, sink = Clients(sources), Sink()
     figures: dict[str, Any] = {
-        "batch_cost_ms": curve,
-        "shared_loop": {
-            "rows_per_forward": loop.rows_per_forward,
-            "forward_ms_per_token": loop.forward_s_per_token * 1e3,
-            "extra_ms_per_token": loop.extra_s_per_token * 1e3,
-            "single_extra_ms_per_token": loop.single_extra_s_per_token * 1e3,
-        },
         "max_new_tokens": max_new,
     }
     try:
@@ -419,15 +441,16 @@ def capacity_bench(
                         work,
                         max_new,
                         verifier,
-                        costs,
-                        single,
                         repeats,
                         delay,
-                        loop,
+                        target=pair.target,
+                        sink=sink,
+                        prompts=prompts,
                         probe=address,
                     )
     finally:
         clients.close()
+        sink.close()
     figures["load"] = {"before": load_before, "after": os.getloadavg()}
     write_results(results_dir / RESULTS_NAME, {"figures": figures}, machine=machine)
     for delay, label in [(d, policy) for d in DELAYS_MS for policy in ("default", "waits")]:
@@ -447,17 +470,22 @@ def capacity_bench(
             f"client; alone {p['target_tokens_per_cpu_s']:.1f}, "
             f"{p['target_per_client_tokens_per_s']:.1f} a client); one client alone: "
             f"speculative {f['single']['spec_tokens_per_cpu_s']:.1f}, target "
-            f"{f['single']['target_tokens_per_cpu_s']:.1f} tokens per CPU-second; same text "
-            f"{f['same']}; load {f['load'][0]:.2f}"
+            f"{f['single']['target_tokens_per_cpu_s']:.1f} tokens per CPU-second; measured / "
+            f"predicted: speculative {f['spec_measured_over_predicted']:.2f}, target alone "
+            f"{f['target_measured_over_predicted']:.2f}; same text {f['same']}; load "
+            f"{f['load'][0]:.2f}"
         )
     for delay in DELAYS_MS:
         f = figures[str(delay)]
-        for label, batches in (
-            ("speculative", f["batches"]),
-            ("verifier waits", f["waits"]["batches"]),
-            ("target alone", f["target_batches"]),
+        for label, batches, share in (
+            ("speculative", f["batches"], f["accounted"]),
+            ("verifier waits", f["waits"]["batches"], f["waits"]["accounted"]),
+            ("target alone", f["target_batches"], f["target_accounted"]),
         ):
-            print(f"[batches] {delay} ms one-way, {label}: {describe_batches(batches)}")
+            said = ""
+            if share:
+                said = f"; the loop's and frames' costs of these forwards: {share['share']:.2f}"
+            print(f"[batches] {delay} ms one-way, {label}: {describe_batches(batches)}{said}")
     f = figures["50"]
     print(
         f"verifier capacity at 50 ms, {CLIENTS} drafters / target alone batching {CLIENTS}: "
@@ -467,12 +495,15 @@ def capacity_bench(
 
 def at_delay(
     clients: Clients, address: tuple[str, int], work: list[list[list[int]]], max_new: int,
-    verifier: psutil.Process, costs: BatchCosts, single: BatchCosts, repeats: int, delay: int,
-    loop: SharedLoop, *, probe: tuple[str, int] | None = None,
+    verifier: psutil.Process, repeats: int, delay: int, *, target: Any,
+    prompts: list[list[int]], sink: Sink, probe: tuple[str, int] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Both arms at one delay, alternated, and the model's prediction of each; the default
-    speculative arm's figures at the top, the waiting verifier's under `waits`."""
+    """Both arms at one delay, alternated, and the model's prediction of each from the shared
+    loop's costs (measured here before and after the runs) and one client alone of each kind
+    (its frames); the default speculative arm's figures at the top, the waiting verifier's
+    under `waits`."""
     print(f"== capacity at {delay} ms one-way", file=sys.stderr)
+    loop_before = loop_points(target, prompts, sink)
     one = [[p for w in work for p in w]]  # single-session costs: one client, all the prompts
     alone = {kind: clients.run(kind, address, one, max_new, verifier) for kind in POLICIES}
     alone["target"] = clients.run("target", address, one, max_new, verifier)
@@ -486,29 +517,29 @@ def at_delay(
               file=sys.stderr)  # fmt: skip
         for kind in ("target", *POLICIES):
             print(f"    {kind}: {describe_batches(runs[kind][-1]['batches'])}", file=sys.stderr)
+    loop_after = loop_points(target, prompts, sink)
+    loop = fit_loop(loop_before, loop_after)
+    print(f"  the shared loop: {describe_loop(loop)}", file=sys.stderr)
     t1 = alone["target"]["clients"][0]
-    target_over = single_session_overhead(
-        cpu_s=alone["target"]["verifier_cpu_s"], tokens=alone["target"]["tokens"],
-        forwards=t1["forwards"], batch=single,
-    )  # fmt: skip
+    target_frames = FrameCosts.measured(
+        cpu_s=alone["target"]["verifier_cpu_s"], forwards=t1["forwards"], loop=loop
+    )
     figures: dict[str, Any] = {}
     for kind, decode_alone in POLICIES.items():
         s1 = alone[kind]["clients"][0]
-        spec_over = single_session_overhead(
-            cpu_s=alone[kind]["verifier_cpu_s"], tokens=alone[kind]["tokens"],
-            forwards=s1["forwards"], batch=single,
-        )  # fmt: skip
+        spec_frames = FrameCosts.measured(
+            cpu_s=alone[kind]["verifier_cpu_s"], forwards=s1["forwards"], loop=loop
+        )
         one_way_s = max(s1["rtt_s"] / 2, delay / 1e3)
         spec_predicted = predict_speculative(
             sessions=CLIENTS, alpha=s1["acceptance"], draft_s=s1["draft_s"], one_way_s=one_way_s,
-            batch=costs, overhead_s_per_token=spec_over, max_window=SpecConfig().max_gamma,
+            loop=loop, frames=spec_frames, max_window=SpecConfig().max_gamma,
             max_new_tokens=max_new, alone=decode_alone,
             alpha_after_wrong=s1["acceptance_after_wrong"], open_s=s1["prefill_ms"] / 1e3,
-            loop=loop,
         )  # fmt: skip
         target_predicted = predict_target_alone(
-            sessions=CLIENTS, batch=costs, overhead_s_per_token=target_over, one_way_s=one_way_s,
-            max_new_tokens=max_new, open_s=t1["prefill_ms"] / 1e3, loop=loop,
+            sessions=CLIENTS, loop=loop, frames=target_frames, one_way_s=one_way_s,
+            max_new_tokens=max_new, open_s=t1["prefill_ms"] / 1e3,
         )  # fmt: skip
         spec_runs, target_runs = runs[kind], runs["target"]
         ratios = [
@@ -544,7 +575,13 @@ def at_delay(
                 "target_per_client_tokens_per_s": target_predicted.per_client_tokens_per_s,
                 "window": spec_predicted.window,
                 "tokens_per_forward": spec_predicted.tokens_per_forward,
-                "overhead_ms_per_token": {"spec": spec_over * 1e3, "target": target_over * 1e3},
+                "rows_per_forward": spec_predicted.rows_per_forward,
+                "drafted_per_forward": spec_predicted.drafted_per_forward,
+                "target_rows_per_forward": target_predicted.rows_per_forward,
+                "frame_ms_per_forward": {
+                    "spec": spec_frames.per_forward_s * 1e3,
+                    "target": target_frames.per_forward_s * 1e3,
+                },
             },
             "single": {
                 "spec_tokens_per_cpu_s": alone[kind]["tokens_per_cpu_s"],
@@ -555,13 +592,26 @@ def at_delay(
                 "draft_ms": s1["draft_s"] * 1e3,
                 "rtt_ms": s1["rtt_s"] * 1e3,
             },
+            "spec_measured_over_predicted": spec["tokens_per_cpu_s"]
+            / spec_predicted.tokens_per_cpu_s,
+            "target_measured_over_predicted": target["tokens_per_cpu_s"]
+            / target_predicted.tokens_per_cpu_s,
             "load": os.getloadavg(),
             "batches": spec["batches"],
             "target_batches": target["batches"],
+            "accounted": accounted(spec, loop, spec_frames),
+            "target_accounted": accounted(target, loop, target_frames),
             "runs": [{k: v for k, v in run.items() if k != "clients"} for run in spec_runs],
         }
     result = figures["spec"]
     result["waits"] = figures["spec, verifier waits"]
+    result["loop"] = {
+        "base_ms": loop.base_s * 1e3,
+        "per_session_ms": loop.per_session_s * 1e3,
+        "per_drafted_ms": loop.per_drafted_s * 1e3,
+        "rows_per_forward": loop.rows_per_forward,
+        "grid_ms": {"before": loop_before[1], "after": loop_after[1]},
+    }
     result["target_runs"] = [
         {k: v for k, v in run.items() if k != "clients"} for run in runs["target"]
     ]

@@ -136,6 +136,9 @@ class BatchStats:
     deferred: int = 0
     """Times a waiting request was left for a later forward because it would have taken the
     batch over the cache budget."""
+    padding_refused: int = 0
+    """Times a waiting request was left for a later forward because it would have made more
+    than MAX_PADDING_SHARE of the batch's token slots padding."""
     failed_rows: int = 0
     """Rows whose forward failed alone (their session ends; the others' went on)."""
     drafted: int = 0
@@ -293,6 +296,7 @@ class BatchedTarget:
             longest = max(len(r.feed) for r in rows)
             real = sum(len(r.feed) for r in rows)
             if (longest * len(rows) - real) > MAX_PADDING_SHARE * longest * len(rows):
+                self.stats.padding_refused += 1
                 continue
             budget = self.max_cache_tokens
             if budget is not None and padded_cache_tokens(rows) > budget:

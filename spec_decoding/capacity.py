@@ -4,73 +4,73 @@ Capacity is tokens delivered per second of the target host's CPU. Across a WAN l
 user's speculative decoding barely beats the target alone ("Speculation at a Distance"): the
 gain is the host's, which checks several tokens of each drafter in one forward where the target
 alone decodes one token per client per forward. The verifier batches its sessions' forwards
-(spec_decoding/batching.py), so a forward over S sessions costs what a forward over their
-tokens together costs (`BatchCosts`, measured locally).
+(spec_decoding/batching.py).
 
-The model, from single-session costs: each session is `gamma.simulate_pipeline`'s session (its
-acceptance, draft step and link), on a verifier whose forward over its `fed` tokens costs the
-batch's forward over `fed` plus the tokens the other sessions bring to it (each there as often
-as it is busy at the verifier), found as a fixed point. The target
-alone, batched alike, runs one forward of S tokens per token of each client. Both add the
-verifier's own work per delivered token beyond its forwards (messages, bookkeeping), measured
-on a single session of each kind.
+The verifier's CPU, term by term, each measured locally (none from the capacity run itself):
+  - the shared loop (`LoopCosts`): S sessions decoding in threads through one batcher, as the
+    verifier's sessions do, without the link, measured as the process's CPU (every thread:
+    the forwards, the batcher's hand-over and wake-ups, each session's argmax, commit and cache
+    crop, and its PROGRESS frame encoded and sent over TCP to another process). One forward
+    of that loop costs base + per_session x sessions + per_drafted x drafted tokens, fitted
+    over a grid of (sessions, drafted tokens a session): the base is paid once a forward
+    whatever its rows (the weights read, the batch assembled), so it is shared by the sessions
+    in it; each session pays its own row (its committed token, its cache padded in and cut
+    back out, its thread's wake-up and bookkeeping, its frame sent) and each drafted token it
+    brings. The same loop at S sessions without drafts says how full its forwards run
+    (`LoopCosts.fill`: a session a moment behind misses a forward).
+  - the rest of each session's frame handling (`FrameCosts`): what a session costs the
+    verifier per forward beyond the loop (its drafts' frames received, decoded and validated,
+    the verdict's bookkeeping), from one client of the arm's kind alone on the link: the
+    verifier's CPU over that run less its forwards' loop cost, per forward.
+Before these, the forwards' costs came from forwards timed alone (one thread, in isolation)
+and a per-token overhead from one session: the loop's cost at four sessions was under-counted
+and both arms were overpredicted about 1.5x.
 
-What one session alone cannot show, measured locally too (`SharedLoop`): S sessions decoding in
-threads through one batcher (no link). A forward does not find every waiting session in it
-(each comes back from its own bookkeeping a moment after the last forward ended), and S threads
-handing the batcher round cost more per token than one: the loop's rows per forward, its
-forwards' CPU per token and its threads' CPU beyond the forwards, against one session's.
+The sessions: each is `gamma.simulate_pipeline`'s session (its acceptance, draft step and
+link) on a verifier whose forward costs the loop's over the sessions and drafted tokens in it
+(the other sessions there as often as each is busy at the verifier, times the loop's fill),
+found as a fixed point. The target alone, batched alike, runs one forward of the sessions'
+committed tokens per token of each client.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from spec_decoding.gamma import PipelineModel, fit_verify_costs, simulate_pipeline
+import numpy as np
+
+from spec_decoding.gamma import PipelineModel, simulate_pipeline
 
 
 @dataclass(frozen=True)
-class BatchCosts:
-    """Seconds of one batched forward over n tokens in all: base + n * per_token + log2(n) *
-    per_doubling (gamma.fit_verify_costs over (tokens, seconds) measurements)."""
+class LoopCosts:
+    """CPU seconds of one forward of the shared loop (every thread of the process): `base_s` +
+    `per_session_s` x sessions + `per_drafted_s` x drafted tokens in it, fitted
+    (`fit`) to that loop measured locally at several (sessions, drafted tokens a session)."""
 
     base_s: float
-    per_token_s: float
-    per_doubling_s: float
+    """Once a forward, whatever its rows: the weights read (a CPU forward over a few tokens is
+    memory-bound), the batch's mask, positions and padded cache assembled."""
+    per_session_s: float
+    """Each session in the forward: its committed token's row, its cache padded in and cut back
+    out, its thread woken, its argmax, commit and cache crop, its PROGRESS frame sent."""
+    per_drafted_s: float
+    """Each drafted token checked beyond a session's committed one."""
+    sessions: int = 1
+    """Sessions the loop ran with when its fill was measured."""
+    rows_per_forward: float = 1.0
+    """At `sessions` sessions without drafts: the sessions a forward served, on average."""
 
-    @classmethod
-    def fit(cls, forwards: Iterable[tuple[int, float]]) -> BatchCosts:
-        return cls(*fit_verify_costs(forwards))
+    def seconds(self, sessions: float, drafted: float = 0.0) -> float:
+        """One forward's CPU over `sessions` sessions and `drafted` drafted tokens in all."""
+        return self.base_s + self.per_session_s * max(sessions, 1.0) + self.per_drafted_s * drafted
 
-    def seconds(self, tokens: float) -> float:
-        tokens = max(tokens, 1.0)
-        return self.base_s + self.per_token_s * tokens + self.per_doubling_s * math.log2(tokens)
-
-
-@dataclass(frozen=True)
-class SharedLoop:
-    """S sessions decoding alone (one token a forward) in threads through one batcher, no
-    link, measured locally (thread CPU time): what batching costs beyond the forward curve."""
-
-    sessions: int
-    rows_per_forward: float
-    """Sessions one forward served, on average (at most `sessions`)."""
-    forward_s_per_token: float
-    """The forwards' CPU per token (every session's tokens): printed beside the curve, not
-    used (measured at another moment than the curve, it would mix two loads in one ratio)."""
-    extra_s_per_token: float
-    """The sessions' threads' CPU beyond their forwards, per token (the batcher's hand-over,
-    each session's bookkeeping, thread switching)."""
-    single_extra_s_per_token: float
-    """The same with one session alone: what the single-session overhead already holds."""
-
-    @property
-    def contention_s_per_token(self) -> float:
-        """CPU per token that S sessions add to one's work beyond the forwards."""
-        return max(0.0, self.extra_s_per_token - self.single_extra_s_per_token)
+    def session_share_s(self, rows: float, drafted: float = 0.0) -> float:
+        """What one session's part of a forward of `rows` sessions costs: its share of the
+        base, its own row and its `drafted` tokens."""
+        return self.base_s / max(rows, 1.0) + self.per_session_s + self.per_drafted_s * drafted
 
     @property
     def fill(self) -> float:
@@ -79,18 +79,73 @@ class SharedLoop:
             return 1.0
         return min(1.0, max(0.0, (self.rows_per_forward - 1) / (self.sessions - 1)))
 
+    @classmethod
+    def fit(
+        cls,
+        forwards: Iterable[tuple[float, float, float]],
+        *,
+        sessions: int = 1,
+        rows_per_forward: float = 1.0,
+    ) -> LoopCosts:
+        """Least squares over (mean sessions a forward, mean drafted tokens a forward, CPU
+        seconds a forward) points, no term negative (one that fits negative is dropped and
+        the rest refitted; a CPU cost never falls with more work)."""
+        points = np.array([p for p in forwards if all(np.isfinite(p))], dtype=float)
+        if len(points) == 0:
+            raise ValueError("no measurements to fit the loop's costs to")
+        columns = {"base": np.ones(len(points)), "session": points[:, 0], "drafted": points[:, 1]}
+        for name, column in list(columns.items())[1:]:
+            if np.ptp(column) == 0:  # not varied: not measurable apart from the base
+                del columns[name]
+        while True:
+            design = np.column_stack(list(columns.values()))
+            coefs = np.linalg.lstsq(design, points[:, 2], rcond=None)[0]
+            fitted = dict(zip(columns, coefs.tolist(), strict=True))
+            negative = [n for n, c in fitted.items() if c < 0]
+            if not negative or len(columns) == 1:
+                break
+            del columns[min(negative, key=fitted.__getitem__)]
+        return cls(
+            base_s=max(0.0, fitted.get("base", 0.0)),
+            per_session_s=fitted.get("session", 0.0),
+            per_drafted_s=fitted.get("drafted", 0.0),
+            sessions=sessions,
+            rows_per_forward=rows_per_forward,
+        )
+
+
+@dataclass(frozen=True)
+class FrameCosts:
+    """The verifier's CPU per forward of one session beyond the loop: the frames it receives
+    and the protocol's bookkeeping (`measured` from one client alone on the link)."""
+
+    per_forward_s: float
+
+    @classmethod
+    def measured(cls, *, cpu_s: float, forwards: Iterable[int], loop: LoopCosts) -> FrameCosts:
+        """From one session's run: the verifier's CPU `cpu_s` less its forwards' loop cost
+        (`forwards`: each one's tokens fed, the first its committed token, the rest drafted),
+        per forward."""
+        fed = list(forwards)
+        looped = sum(loop.seconds(1, max(f - 1, 0)) for f in fed)
+        return cls(per_forward_s=max(0.0, (cpu_s - looped) / max(len(fed), 1)))
+
 
 @dataclass
 class _SharedVerifier(PipelineModel):
-    """A session's view of a batching verifier: its forward over `fed` tokens costs the
-    batch's over `fed + others`."""
+    """A session's view of a batching verifier: its forward over `fed` tokens (the first its
+    committed one) takes the loop's forward over it and the others' rows and drafts, and its
+    own frames."""
 
-    batch: BatchCosts | None = None
-    others: float = 0.0
+    loop: LoopCosts | None = None
+    frames: FrameCosts | None = None
+    other_rows: float = 0.0
+    other_drafted: float = 0.0
 
     def _verify_s(self, fed: int) -> float:
-        assert self.batch is not None
-        return self.batch.seconds(fed + self.others)
+        assert self.loop is not None and self.frames is not None
+        drafted = max(fed - 1, 0) + self.other_drafted
+        return self.loop.seconds(1 + self.other_rows, drafted) + self.frames.per_forward_s
 
 
 @dataclass(frozen=True)
@@ -103,6 +158,10 @@ class Prediction:
     """Speculative: the window `gamma=auto` would choose (0: the target alone)."""
     tokens_per_forward: float = 1.0
     """Of one session, per forward (the target alone: 1)."""
+    rows_per_forward: float = 1.0
+    """Sessions a forward serves."""
+    drafted_per_forward: float = 0.0
+    """Drafted tokens a forward checks, all its sessions'."""
 
 
 def predict_speculative(
@@ -111,41 +170,38 @@ def predict_speculative(
     alpha: float,
     draft_s: float,
     one_way_s: float,
-    batch: BatchCosts,
-    overhead_s_per_token: float,
+    loop: LoopCosts,
+    frames: FrameCosts,
     max_window: int,
     max_new_tokens: int,
     alone: bool = False,
     alpha_after_wrong: float | None = None,
     open_s: float = 0.0,
     tokens: int = 400,
-    loop: SharedLoop | None = None,
 ) -> Prediction:
     """S closed-loop drafters on one batching verifier. `alone`: it decodes by itself when it
-    holds no draft (`spec.decode_alone`); else it waits for drafts, idle. `overhead_s_per_token`:
-    the verifier's CPU per delivered token beyond its forwards; `open_s`: the target's time on
-    each generation's OPEN.
+    holds no draft (`spec.decode_alone`); else it waits for drafts, idle. `open_s`: the
+    target's time on each generation's OPEN.
 
     Each session is busy at the verifier a share u of its time (its forwards' seconds over its
-    wall time, simulated); a forward finds each other session in it with that chance, so it
-    serves 1 + (S - 1) u sessions and holds their tokens (u = 1: every forward serves all).
-    `loop` (measured locally): a forward finds only its `fill` of those, and S sessions add its
-    `contention_s_per_token` to the overhead."""
-    fill = loop.fill if loop is not None else 1.0
-    overhead_s_per_token += loop.contention_s_per_token if loop is not None else 0.0
-    others, busy = 0.0, 1.0
+    wall time, simulated); a forward finds each other session in it with that chance times the
+    loop's fill, so it serves rows = 1 + (S - 1) u fill sessions and their drafted tokens. The
+    verifier's CPU per token: over the session's forwards, each its share of the forward's base
+    (base / rows), its own row, its drafted tokens and its frames."""
+    others, others_drafted, busy = 0.0, 0.0, 1.0
     for _ in range(12):
         model = _SharedVerifier(
             alpha=min(max(alpha, 0.0), 0.999),
             draft_s=draft_s,
-            verify_base_s=batch.base_s,
-            verify_per_token_s=batch.per_token_s,
-            verify_per_doubling_s=batch.per_doubling_s,
+            verify_base_s=loop.base_s + loop.per_session_s + frames.per_forward_s,
+            verify_per_token_s=loop.per_drafted_s,
             one_way_s=one_way_s,
             alone=alone,
             alpha_after_wrong=alpha_after_wrong,
-            batch=batch,
-            others=others,
+            loop=loop,
+            frames=frames,
+            other_rows=others,
+            other_drafted=others_drafted,
         )
         window = model.best_window(max_window)
         fed: list[int] = []
@@ -156,53 +212,47 @@ def predict_speculative(
         forward_s = sum(model._verify_s(f) for f in fed)
         wall_s = sum(tokens / rate for rate in rates)
         busy = min(1.0, forward_s / wall_s)
-        mean_fed = statistics.mean(fed) if fed else 1.0
-        target = (sessions - 1) * busy * fill * mean_fed
-        settled = abs(target - others) < 0.05
+        mean_drafted = statistics.mean(max(f - 1, 0) for f in fed) if fed else 0.0
+        target = (sessions - 1) * busy * loop.fill
+        settled = abs(target - others) < 0.01
         others = 0.5 * others + 0.5 * target
+        others_drafted = others * mean_drafted
         if settled:
             break
-    rows = 1 + (sessions - 1) * busy * fill  # sessions a forward serves
-    cpu_per_token = forward_s / (2 * tokens) / rows + overhead_s_per_token
+    rows = 1 + others  # sessions a forward serves
+    cpu_s = sum(
+        loop.session_share_s(rows, max(f - 1, 0)) + frames.per_forward_s for f in fed
+    )  # the verifier's CPU for this session's forwards; every session alike
     rate = statistics.mean(rates)  # one session's tokens per second of its own wall time
-    # the verifier's other work, for every session it serves, delays each forward
-    wall_per_token = 1 / rate + rows * overhead_s_per_token
-    per_generation = max_new_tokens * wall_per_token + 2 * one_way_s + open_s
+    per_generation = max_new_tokens / rate + 2 * one_way_s + open_s
     return Prediction(
-        tokens_per_cpu_s=1 / cpu_per_token,
+        tokens_per_cpu_s=2 * tokens / cpu_s,
         per_client_tokens_per_s=max_new_tokens / per_generation,
         window=window,
         tokens_per_forward=2 * tokens / max(len(fed), 1),
+        rows_per_forward=rows,
+        drafted_per_forward=rows * mean_drafted,
     )
 
 
 def predict_target_alone(
     *,
     sessions: int,
-    batch: BatchCosts,
-    overhead_s_per_token: float,
+    loop: LoopCosts,
+    frames: FrameCosts,
     one_way_s: float,
     max_new_tokens: int,
     open_s: float = 0.0,
-    loop: SharedLoop | None = None,
 ) -> Prediction:
-    """S clients of the target alone on the same batching loop: one forward of S tokens (one
-    a client) per token; with `loop` (measured locally), a forward serves only its `fill` of
-    the others (on the same curve as the speculative arm's) and S threads add its contention."""
-    rows = 1 + (sessions - 1) * (loop.fill if loop is not None else 1.0)
-    contention = loop.contention_s_per_token if loop is not None else 0.0
-    cpu_per_token = batch.seconds(rows) / rows + overhead_s_per_token + contention
+    """S clients of the target alone on the same batching loop: one forward of one committed
+    token a client per token, serving the loop's `fill` of the others; a token costs its share
+    of that forward's base, its row and its frames."""
+    rows = 1 + (sessions - 1) * loop.fill
+    cpu_per_token = loop.session_share_s(rows) + frames.per_forward_s
     step_s = sessions * cpu_per_token  # a token of every client, one after another
     per_generation = max_new_tokens * step_s + 2 * one_way_s + open_s
     return Prediction(
         tokens_per_cpu_s=1 / cpu_per_token,
         per_client_tokens_per_s=max_new_tokens / per_generation,
+        rows_per_forward=rows,
     )
-
-
-def single_session_overhead(
-    *, cpu_s: float, tokens: int, forwards: Iterable[int], batch: BatchCosts
-) -> float:
-    """The verifier's CPU per delivered token beyond its forwards, from a single session's run:
-    its measured CPU less what its forwards (`forwards`: each one's tokens) cost."""
-    return max(0.0, (cpu_s - sum(batch.seconds(f) for f in forwards)) / max(tokens, 1))

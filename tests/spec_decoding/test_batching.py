@@ -474,3 +474,26 @@ def test_the_cache_budget_defaults_from_the_context_and_max_batch(target, tokeni
     assert Verifier(target, tokenizer, max_batch=3).batched.max_cache_tokens == 3 * 256
     with pytest.raises(ValueError, match=r"spec\.batch_cache_tokens=-1 must be >= 0"):
         SpecConfig(batch_cache_tokens=-1)
+
+
+def test_a_request_left_out_for_padding_is_counted_and_goes_in_the_next_forward() -> None:
+    """A long check beside short ones would make most of the batch's slots padding: the short
+    ones wait for the next forward (together), and each refusal is counted, so the bench's
+    [batches] lines can say how often a batch ran short for that reason."""
+    import spec_decoding.batching as batching
+
+    batched = BatchedTarget(torch.nn.Linear(1, 1), max_batch=4)
+
+    def request(fed: int) -> batching._Request:
+        decoder = CachedDecoder(torch.nn.Linear(1, 1), [1])
+        decoder.cached = [1] * 10
+        return batching._Request(decoder, list(range(fed)))
+
+    long_one, shorts = request(33), [request(2) for _ in range(3)]
+    batched._queue = [long_one, *shorts]
+    # a pair is at most half padding; a third row would make 3 x 33 slots for 37 tokens
+    assert batched._take() == [long_one, shorts[0]]
+    assert batched.stats.padding_refused == 2  # shorts[1] and shorts[2], once each
+    assert batched._take() == shorts[1:]  # alike: no padding, no refusal
+    assert batched.stats.padding_refused == 2
+    assert batched.stats.as_dict()["padding_refused"] == 2  # what STATS reports

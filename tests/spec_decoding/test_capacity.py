@@ -1,4 +1,6 @@
-"""The capacity model (spec_decoding/capacity.py): what it predicts follows from its inputs."""
+"""The capacity model (spec_decoding/capacity.py): what it predicts follows from its inputs,
+term by term (the shared loop's forward, shared by its sessions; each session's row, drafted
+tokens and frames)."""
 
 from __future__ import annotations
 
@@ -7,40 +9,114 @@ from typing import Any
 import pytest
 
 from spec_decoding.capacity import (
-    BatchCosts,
-    SharedLoop,
+    FrameCosts,
+    LoopCosts,
     predict_speculative,
     predict_target_alone,
-    single_session_overhead,
 )
 from spec_decoding.gamma import PipelineModel, simulate_pipeline
 
-COSTS = BatchCosts(base_s=0.008, per_token_s=0.0002, per_doubling_s=0.0005)
+LOOP = LoopCosts(
+    base_s=0.004, per_session_s=0.0006, per_drafted_s=0.0002, sessions=4, rows_per_forward=4.0
+)
+FRAMES = FrameCosts(per_forward_s=0.0003)
 
 
-def test_batch_costs_fit_recovers_a_curve() -> None:
-    forwards = [(n, COSTS.seconds(n)) for n in (1, 2, 4, 8, 16, 32)]
-    fitted = BatchCosts.fit(forwards)
-    for n in (3, 12, 40):
-        assert fitted.seconds(n) == pytest.approx(COSTS.seconds(n), rel=1e-6)
+def test_the_loop_fit_recovers_each_term_from_a_grid_of_sessions_and_drafts() -> None:
+    grid = [(s, s * k, LOOP.seconds(s, s * k)) for s in (1, 2, 4) for k in (0, 2, 6)]
+    fitted = LoopCosts.fit(grid, sessions=4, rows_per_forward=3.5)
+    assert fitted.base_s == pytest.approx(LOOP.base_s)
+    assert fitted.per_session_s == pytest.approx(LOOP.per_session_s)
+    assert fitted.per_drafted_s == pytest.approx(LOOP.per_drafted_s)
+    assert fitted.rows_per_forward == 3.5 and fitted.sessions == 4
 
 
-def test_the_target_alone_batching_serves_one_token_a_client_a_forward() -> None:
-    alone = predict_target_alone(
-        sessions=4, batch=COSTS, overhead_s_per_token=0.001, one_way_s=0.05, max_new_tokens=64
+def test_the_loop_fit_never_makes_more_work_cheaper() -> None:
+    """Drafts that cost nothing measurable (here, a little less) get no negative price: the
+    term is dropped and the rest refitted; a quantity never varied gets none either."""
+    grid = [(s, s * k, 0.004 + 0.001 * s - 1e-6 * s * k) for s in (1, 2, 4) for k in (0, 2, 6)]
+    fitted = LoopCosts.fit(grid)
+    assert fitted.per_drafted_s == 0.0 and fitted.per_session_s > 0
+    flat = LoopCosts.fit([(4.0, d, 0.005 + 0.0001 * d) for d in (0.0, 8.0, 24.0)])
+    assert flat.per_session_s == 0.0
+    assert flat.per_drafted_s == pytest.approx(0.0001)
+    with pytest.raises(ValueError, match="no measurements"):
+        LoopCosts.fit([])
+
+
+def test_a_forwards_base_is_shared_by_its_sessions_and_the_rest_is_each_ones() -> None:
+    assert LOOP.session_share_s(4) == pytest.approx(0.001 + 0.0006)
+    assert LOOP.session_share_s(1, 3) == pytest.approx(LOOP.seconds(1, 3))
+    assert 4 * LOOP.session_share_s(4, 2) == pytest.approx(LOOP.seconds(4, 8))
+
+
+def test_the_fill_is_the_share_of_the_other_sessions_a_forward_found() -> None:
+    def fill(rows: float) -> float:
+        return LoopCosts(0.0, 0.0, 0.0, sessions=4, rows_per_forward=rows).fill
+
+    assert fill(4.0) == 1.0 and fill(1.0) == 0.0
+    assert fill(2.5) == pytest.approx(0.5)
+    assert LoopCosts(0.0, 0.0, 0.0, sessions=1, rows_per_forward=1.0).fill == 1.0
+
+
+def test_frames_are_what_one_sessions_cpu_leaves_beyond_its_loop_forwards() -> None:
+    forwards = [1, 1, 4, 7]  # tokens fed each: its committed one, the rest drafted
+    looped = sum(LOOP.seconds(1, f - 1) for f in forwards)
+    frames = FrameCosts.measured(cpu_s=looped + 4 * 0.0005, forwards=forwards, loop=LOOP)
+    assert frames.per_forward_s == pytest.approx(0.0005)
+    assert FrameCosts.measured(cpu_s=0.0, forwards=forwards, loop=LOOP).per_forward_s == 0.0
+
+
+def test_the_target_alone_pays_its_share_of_each_forward_its_row_and_its_frames() -> None:
+    kwargs: dict[str, Any] = dict(sessions=4, frames=FRAMES, one_way_s=0.05, max_new_tokens=64)
+    full = predict_target_alone(loop=LOOP, **kwargs)
+    per_token = LOOP.base_s / 4 + LOOP.per_session_s + FRAMES.per_forward_s
+    assert full.tokens_per_cpu_s == pytest.approx(1 / per_token)
+    assert full.per_client_tokens_per_s == pytest.approx(64 / (64 * 4 * per_token + 0.1))
+    assert full.rows_per_forward == 4.0
+    half = LoopCosts(LOOP.base_s, LOOP.per_session_s, LOOP.per_drafted_s, 4, 2.5)
+    partial = predict_target_alone(loop=half, **kwargs)  # forwards that find half the others
+    assert partial.tokens_per_cpu_s == pytest.approx(
+        1 / (LOOP.base_s / 2.5 + LOOP.per_session_s + FRAMES.per_forward_s)
     )
-    step = COSTS.seconds(4) + 4 * 0.001
-    assert alone.tokens_per_cpu_s == pytest.approx(4 / step)
-    assert alone.per_client_tokens_per_s == pytest.approx(64 / (64 * step + 0.1))
+    dearer = predict_target_alone(loop=LOOP, **{**kwargs, "frames": FrameCosts(0.0013)})
+    assert 1 / dearer.tokens_per_cpu_s - 1 / full.tokens_per_cpu_s == pytest.approx(0.001)
 
 
 def speculative(**changes: Any) -> float:
-    settings = dict(
-        sessions=4, alpha=0.75, draft_s=0.001, one_way_s=0.05, batch=COSTS,
-        overhead_s_per_token=0.0, max_window=16, max_new_tokens=64, tokens=300,
+    settings: dict[str, Any] = dict(
+        sessions=4, alpha=0.75, draft_s=0.001, one_way_s=0.05, loop=LOOP, frames=FRAMES,
+        max_window=16, max_new_tokens=64, tokens=300,
     )  # fmt: skip
     settings.update(changes)
-    return predict_speculative(**settings).tokens_per_cpu_s  # type: ignore[arg-type]
+    return predict_speculative(**settings).tokens_per_cpu_s
+
+
+def test_one_session_is_the_pipeline_simulation_at_the_loops_cost() -> None:
+    """One session: each simulated forward costs the loop's forward of one session and its
+    drafted tokens, plus its frames; the model adds nothing of its own."""
+    one = dict(sessions=1, alpha=0.75, draft_s=0.001, one_way_s=0.05, max_new_tokens=64)
+    prediction = predict_speculative(
+        **one,
+        loop=LOOP,
+        frames=FRAMES,
+        max_window=16,
+        tokens=300,  # type: ignore[arg-type]
+    )
+    per_forward = LOOP.base_s + LOOP.per_session_s + FRAMES.per_forward_s  # fed 1: no drafts
+    model = PipelineModel(
+        alpha=0.75, draft_s=0.001, verify_base_s=per_forward - LOOP.per_drafted_s,
+        verify_per_token_s=LOOP.per_drafted_s, one_way_s=0.05, alone=False,
+    )  # fmt: skip
+    fed: list[int] = []
+    for seed in range(2):
+        simulate_pipeline(
+            model, prediction.window, alone=False, tokens=300, seed=seed, forwards=fed
+        )
+    expected = sum(LOOP.seconds(1, f - 1) + FRAMES.per_forward_s for f in fed)
+    assert prediction.tokens_per_cpu_s == pytest.approx(600 / expected)
+    assert prediction.tokens_per_forward == pytest.approx(600 / len(fed))
+    assert prediction.rows_per_forward == 1.0
 
 
 def test_speculation_multiplies_capacity_as_acceptance_grows() -> None:
@@ -49,7 +125,7 @@ def test_speculation_multiplies_capacity_as_acceptance_grows() -> None:
     Across 50 ms, four sessions leave it idle most of the time: each forward serves fewer of
     them, and more sessions fill it again."""
     alone = predict_target_alone(
-        sessions=4, batch=COSTS, overhead_s_per_token=0.0, one_way_s=0.05, max_new_tokens=64
+        sessions=4, loop=LOOP, frames=FRAMES, one_way_s=0.05, max_new_tokens=64
     ).tokens_per_cpu_s
     near = 0.0005
     assert speculative(alpha=0.9, one_way_s=near) > speculative(alpha=0.75, one_way_s=near)
@@ -58,80 +134,13 @@ def test_speculation_multiplies_capacity_as_acceptance_grows() -> None:
     assert speculative(alpha=0.75, sessions=16) > speculative(alpha=0.75)
 
 
-def test_one_session_is_the_pipeline_simulation_itself() -> None:
-    """With one session and no other work, the verifier's CPU per token is the simulated
-    forwards' time per token: the model adds nothing of its own."""
-    model = PipelineModel(
-        alpha=0.75, draft_s=0.001, verify_base_s=COSTS.base_s,
-        verify_per_token_s=COSTS.per_token_s, verify_per_doubling_s=COSTS.per_doubling_s,
-        one_way_s=0.05, alone=False,
+def test_speculation_on_a_loop_that_batches_less_or_frames_that_cost_more_serves_fewer() -> None:
+    near = 0.0005
+    half = LoopCosts(LOOP.base_s, LOOP.per_session_s, LOOP.per_drafted_s, 4, 2.0)
+    full = predict_speculative(
+        sessions=4, alpha=0.75, draft_s=0.001, one_way_s=near, loop=LOOP, frames=FRAMES,
+        max_window=16, max_new_tokens=64, tokens=300,
     )  # fmt: skip
-    prediction = predict_speculative(
-        sessions=1, alpha=0.75, draft_s=0.001, one_way_s=0.05, batch=COSTS,
-        overhead_s_per_token=0.0, max_window=16, max_new_tokens=64, tokens=300,
-    )  # fmt: skip
-    fed: list[int] = []
-    for seed in range(2):
-        simulate_pipeline(
-            model, prediction.window, alone=False, tokens=300, seed=seed, forwards=fed
-        )
-    assert prediction.tokens_per_cpu_s == pytest.approx(600 / sum(COSTS.seconds(f) for f in fed))
-    assert prediction.tokens_per_forward == pytest.approx(600 / len(fed))
-
-
-def test_overhead_is_what_the_forwards_leave_of_the_measured_cpu() -> None:
-    overhead = single_session_overhead(cpu_s=1.0, tokens=100, forwards=[1] * 50, batch=COSTS)
-    assert overhead == pytest.approx((1.0 - 50 * COSTS.seconds(1)) / 100)
-    assert single_session_overhead(cpu_s=0.0, tokens=10, forwards=[1], batch=COSTS) == 0.0
-
-
-def loop(rows: float, *, contention_s: float = 0.0) -> SharedLoop:
-    """Four sessions' loop whose forwards serve `rows` sessions each, at the curve's cost."""
-    return SharedLoop(
-        sessions=4,
-        rows_per_forward=rows,
-        forward_s_per_token=COSTS.seconds(rows) / rows,
-        extra_s_per_token=0.0005 + contention_s,
-        single_extra_s_per_token=0.0005,
-    )
-
-
-def test_a_shared_loop_says_how_full_its_forwards_were_and_what_threads_added() -> None:
-    assert loop(4.0).fill == 1.0
-    assert loop(2.5).fill == pytest.approx(0.5)
-    assert loop(1.0).fill == 0.0
-    assert loop(3.0, contention_s=0.0002).contention_s_per_token == pytest.approx(0.0002)
-    fewer = SharedLoop(
-        sessions=4,
-        rows_per_forward=4,
-        forward_s_per_token=0.001,
-        extra_s_per_token=0.0001,
-        single_extra_s_per_token=0.0003,
-    )
-    assert fewer.contention_s_per_token == 0.0  # threads never make a token cheaper
-
-
-def test_the_target_alone_pays_for_the_forwards_and_threads_its_loop_measured() -> None:
-    """A full loop without contention predicts what the curve alone does; forwards that serve
-    fewer sessions, or threads that add CPU, predict fewer tokens per CPU-second, by exactly
-    their measured cost."""
-    kwargs = dict(
-        sessions=4, batch=COSTS, overhead_s_per_token=0.001, one_way_s=0.05, max_new_tokens=64
-    )
-    plain = predict_target_alone(**kwargs)  # type: ignore[arg-type]
-    full = predict_target_alone(**kwargs, loop=loop(4.0))  # type: ignore[arg-type]
-    assert full.tokens_per_cpu_s == pytest.approx(plain.tokens_per_cpu_s)
-    assert full.per_client_tokens_per_s == pytest.approx(plain.per_client_tokens_per_s)
-    partial = predict_target_alone(**kwargs, loop=loop(2.5, contention_s=0.0003))  # type: ignore[arg-type]
-    expected = COSTS.seconds(2.5) / 2.5 + 0.001 + 0.0003
-    assert partial.tokens_per_cpu_s == pytest.approx(1 / expected)
-    assert partial.tokens_per_cpu_s < plain.tokens_per_cpu_s
-
-
-def test_speculation_on_a_loop_that_batches_less_serves_fewer_sessions_a_forward() -> None:
-    near = 0.0005  # the verifier busy: every forward would serve all four
-    assert speculative(one_way_s=near, loop=loop(4.0)) == pytest.approx(speculative(one_way_s=near))
-    assert speculative(one_way_s=near, loop=loop(2.0)) < speculative(one_way_s=near)
-    assert speculative(one_way_s=near, loop=loop(4.0, contention_s=0.001)) < speculative(
-        one_way_s=near
-    )
+    assert full.rows_per_forward > 3.0
+    assert speculative(one_way_s=near, loop=half) < speculative(one_way_s=near)
+    assert speculative(one_way_s=near, frames=FrameCosts(0.002)) < speculative(one_way_s=near)
