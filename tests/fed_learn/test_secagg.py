@@ -437,12 +437,17 @@ def test_check_aggregate_measures_the_l2_norm_and_refuses_a_sum_over_its_bound()
     total = np.random.default_rng(3).standard_normal(5000)
     weights = {1: 2, 2: 3}
     norm = float(np.linalg.norm(total))
-    kwargs = {"weights": weights, "noise_std": 0.0, "frac_bits": 24}
     bound = norm / 5 * 1.001  # just over: the weights sum to 5
-    assert check_aggregate(total, 5, bound=bound, **kwargs) == pytest.approx(norm, rel=1e-12)
+
+    def check(values: np.ndarray, weight_sum: int, bound: float) -> float:
+        return check_aggregate(
+            values, weight_sum, bound=bound, weights=weights, noise_std=0.0, frac_bits=24
+        )
+
+    assert check(total, 5, bound) == pytest.approx(norm, rel=1e-12)
     with pytest.raises(RoundFailed, match=r"L2 norm .* over its bound"):
-        check_aggregate(total, 5, bound=norm / 5 * 0.999, **kwargs)
+        check(total, 5, norm / 5 * 0.999)
     with pytest.raises(RoundFailed, match="not finite"):
-        check_aggregate(np.append(total, np.inf), 5, bound=bound, **kwargs)
+        check(np.append(total, np.inf), 5, bound)
     with pytest.raises(RoundFailed, match="masked weights sum to 4"):
-        check_aggregate(total, 4, bound=bound, **kwargs)
+        check(total, 4, bound)

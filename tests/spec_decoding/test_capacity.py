@@ -95,13 +95,16 @@ def speculative(**changes: Any) -> float:
 def test_one_session_is_the_pipeline_simulation_at_the_loops_cost() -> None:
     """One session: each simulated forward costs the loop's forward of one session and its
     drafted tokens, plus its frames; the model adds nothing of its own."""
-    one = dict(sessions=1, alpha=0.75, draft_s=0.001, one_way_s=0.05, max_new_tokens=64)
     prediction = predict_speculative(
-        **one,
+        sessions=1,
+        alpha=0.75,
+        draft_s=0.001,
+        one_way_s=0.05,
+        max_new_tokens=64,
         loop=LOOP,
         frames=FRAMES,
         max_window=16,
-        tokens=300,  # type: ignore[arg-type]
+        tokens=300,
     )
     per_forward = LOOP.base_s + LOOP.per_session_s + FRAMES.per_forward_s  # fed 1: no drafts
     model = PipelineModel(

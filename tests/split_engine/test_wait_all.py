@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ class _NoPeerLost:
 
 
 @pytest.mark.parametrize("watch", [None, _NoPeerLost()], ids=["unwatched", "watched"])
-def test_a_refusal_is_raised_only_after_every_stage_has_ended_its_call(watch) -> None:
+def test_a_refusal_is_raised_only_after_every_stage_has_ended_its_call(watch: Any) -> None:
     refused = ValueError("stage 2 gave up: activation of shape (1, 3, 64)")
     still_running = _completed_later({"losses": [0.0]})
     with pytest.raises(ValueError, match="stage 2 gave up") as caught:
@@ -71,7 +72,8 @@ def test_watched_a_transport_failure_returns_at_once() -> None:
     """A peer gone: the calls left running end with the run, so the driver does not wait."""
     lost = RuntimeError("connection reset by peer")
     never: torch.futures.Future = torch.futures.Future()  # a stage that will not answer
-    results, failed = wait_all([never, _failed(lost)], watch=_NoPeerLost())
+    watch: Any = _NoPeerLost()  # duck-typed as the driver's PeerWatch
+    results, failed = wait_all([never, _failed(lost)], watch=watch)
     assert (results, failed) == ([], (1, lost))
     assert not never.done()
 
