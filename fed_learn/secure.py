@@ -257,7 +257,7 @@ def check_aggregate(
     limit = bound * declared + noise + rounding
     # Not np.linalg.norm: its BLAS dot wakes OpenBLAS's worker threads, which then spin (about
     # 30 ms of the coordinator's CPU a round, measured); einsum sums in one thread, no BLAS.
-    flat = total.ravel()
+    flat = np.asarray(total, dtype=np.float64).ravel()  # an int array would wrap in einsum
     norm = math.sqrt(float(np.einsum("i,i->", flat, flat)))
     if not norm <= limit:
         raise secagg.RoundFailed(

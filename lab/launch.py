@@ -140,17 +140,24 @@ class _Running:
     def _copy_output(self, out: TextIO, lock: threading.Lock) -> None:
         stream: IO[bytes] | None = self.process.stdout
         assert stream is not None
-        fd, partial = stream.fileno(), b""
+        fd = stream.fileno()
+        partial: list[bytes] = []  # the line under way, in pieces (a progress bar's \r-only
+        # output can run long without a newline: joined once, when its newline comes)
         readable = select.poll()
         readable.register(fd, select.POLLIN)
         while True:
             readable.poll()  # bytes or the end (waited for outside `_copying`, read under it)
             with self._copying:
                 chunk = os.read(fd, 1 << 16)
-                if chunk:
-                    *lines, partial = (partial + chunk).split(b"\n")
-                else:  # the end: a last line without its newline too
-                    lines = [partial] if partial else []
+                lines: list[bytes] = []
+                if not chunk:  # the end: a last line without its newline too
+                    lines = [b"".join(partial)] if partial else []
+                elif b"\n" not in chunk:
+                    partial.append(chunk)
+                else:
+                    first, *lines, rest = chunk.split(b"\n")
+                    lines.insert(0, b"".join([*partial, first]))
+                    partial = [rest] if rest else []
                 for raw in lines:
                     self._copy_line(raw.decode(errors="replace"), out, lock)
             if not chunk:
@@ -174,9 +181,15 @@ class _Running:
         it where something else keeps writing)."""
         deadline = time.monotonic() + DRAIN_S
         while self._reader.is_alive() and time.monotonic() < deadline:
-            with self._copying:
+            # bounded too: the copier holds the lock while it writes, and a launcher whose own
+            # output nobody reads (`| less` paused, a stalled collector) blocks it there
+            if not self._copying.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return
+            try:
                 if not self._reader.is_alive() or _unread(self.process.stdout) == 0:
                     return
+            finally:
+                self._copying.release()
             self._reader.join(timeout=0.01)
 
 

@@ -292,3 +292,54 @@ def test_a_dead_services_error_quotes_its_last_line_however_late_its_output_is_c
         group.process("stage1").wait(timeout=HANG_GUARD_S)  # stopped by the watcher
         raise ConnectionResetError("the peer closed the connection")
     assert str(info.value).splitlines()[-1] == "  [stage2] ValueError: the reason it stopped"
+
+
+class _UnreadPipe(io.StringIO):
+    """The launcher's own output when nobody reads it (`| less` paused, a stalled collector):
+    a write blocks until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.release = threading.Event()
+        self.outwaited = False
+        """A write waited the whole hang guard: the launcher waited on the unread output."""
+
+    def write(self, text: str) -> int:
+        if not self.release.wait(HANG_GUARD_S):
+            self.outwaited = True
+        return super().write(text)
+
+
+def test_a_failed_roles_error_comes_even_when_nobody_reads_the_launchers_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The drain before naming a failed role is bounded by DRAIN_S even where copying is stuck
+    writing to an unread output: the error comes and the other roles are stopped (the copier
+    held its lock while blocked, and the drain waited on that lock with no bound)."""
+    import lab.launch
+
+    monkeypatch.setattr(lab.launch, "DRAIN_S", 0.5)
+    out = _UnreadPipe()
+    try:
+        with pytest.raises(RoleFailedError, match="'dying' exited with code 3"):
+            launch([py_role("dying", "print('bye', flush=True); raise SystemExit(3)")], out=out)
+        assert not out.outwaited  # the error came while the output was still unread
+    finally:
+        out.release.set()
+
+
+def test_a_long_line_arrives_whole_and_a_last_line_without_its_newline_too() -> None:
+    """A line written in many pieces (a progress bar without newlines) is copied as one line;
+    the output's last line is copied though no newline ends it."""
+    out = io.StringIO()
+    code = """
+        import sys
+        for _ in range(50):
+            sys.stdout.write('x' * 4000)
+            sys.stdout.flush()
+        sys.stdout.write('\\nthe end')
+        """
+    assert launch([py_role("bar", code)], out=out) == {"bar": 0}
+    assert out.getvalue().splitlines() == ["[bar] " + "x" * 200_000, "[bar] the end"]
