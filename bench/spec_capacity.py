@@ -357,9 +357,14 @@ def loop_points(
                 token = int(logits[0].argmax())
                 decoder.commit([token])
                 progress = {
-                    "epoch": 0, "at": step, "accepted": 0, "tokens": [token], "alone": not feed,
-                    "fed": len(feed) + 1, "verify_ms": 1.0,
-                }  # fmt: skip
+                    "epoch": 0,
+                    "at": step,
+                    "accepted": 0,
+                    "tokens": [token],
+                    "alone": not feed,
+                    "fed": len(feed) + 1,
+                    "verify_ms": 1.0,
+                }
                 conn.send_msg(SpecMsg.PROGRESS, progress)
 
         workers = [
@@ -384,8 +389,11 @@ def loop_points(
             forwards = max(stats.forwards, 1)
             point = (stats.rows / forwards, stats.drafted / forwards, cpu / forwards)
             points.append(point)
-            table[f"{count}x{drafted}"] = [round(point[0], 2), round(point[1], 2),
-                                           round(point[2] * 1e3, 3)]  # fmt: skip
+            table[f"{count}x{drafted}"] = [
+                round(point[0], 2),
+                round(point[1], 2),
+                round(point[2] * 1e3, 3),
+            ]
     return points, table
 
 

@@ -109,8 +109,13 @@ def test_field_docstrings_are_read_from_the_schema_source() -> None:
 def test_help_lists_every_key_it_reads_with_its_default_and_docstring() -> None:
     from spec_decoding.run import EXPERIMENT
 
-    result = subprocess.run([sys.executable, "-m", "spec_decoding", "--help"], capture_output=True,
-                            text=True, timeout=HANG_GUARD_S, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "spec_decoding", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     text = result.stdout
     unread = tuple(EXPERIMENT.unread_keys())
@@ -144,8 +149,13 @@ def test_an_option_style_flag_is_one_line_naming_the_key_form(args: list[str], s
 
 
 def test_a_flag_mistake_from_the_command_line_is_one_line_and_exit_2() -> None:
-    result = subprocess.run([sys.executable, "-m", "fed_learn", "--rounds=3"], capture_output=True,
-                            text=True, timeout=HANG_GUARD_S, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "fed_learn", "--rounds=3"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "error: --rounds=3 is not an option: settings are key=value, as fed.rounds=3"

@@ -25,8 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def pasted(command: str, *, prelude: str = "", extra: str = "") -> subprocess.CompletedProcess:
     """`command` through `bash -c` as a user pastes it, `python` being this interpreter."""
     script = f'python() {{ "{sys.executable}" "$@"; }}\n{prelude}\n{command} {extra}'
-    return subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=HANG_GUARD_S, check=False)  # fmt: skip
+    return subprocess.run(
+        ["bash", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=False,
+    )
 
 
 def test_a_runs_recorded_command_gives_back_every_word(

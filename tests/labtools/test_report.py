@@ -204,8 +204,12 @@ window.addEventListener('load', () => {
     assert report.LEGIBLE_SCALE == 0.65 and small == "", small  # every plot legible
     assert int(height) < 1400 * (len(runs) + 1), height  # it was 8,460 px for the tour's six
     shot = tmp_path / "report.png"
-    subprocess.run([browser, *window, "--hide-scrollbars", f"--screenshot={shot}", page.as_uri()],
-                   capture_output=True, timeout=HANG_GUARD_S, check=True)  # fmt: skip
+    subprocess.run(
+        [browser, *window, "--hide-scrollbars", f"--screenshot={shot}", page.as_uri()],
+        capture_output=True,
+        timeout=HANG_GUARD_S,
+        check=True,
+    )
     assert shot.stat().st_size > 20_000
 
 

@@ -177,8 +177,12 @@ def test_a_sweeps_cells_run_as_ray_tasks_on_two_nodes_resume_and_stop_on_ctrl_c(
             assert second.strip().splitlines()[-1] == "cells ok: 4 of 4"
         finally:
             for host in (stranger, node, head):
-                subprocess.run(["ip", "netns", "exec", host.netns, str(RAY), "stop", "--force"],
-                               capture_output=True, timeout=HANG_GUARD_S, check=False)  # fmt: skip
+                subprocess.run(
+                    ["ip", "netns", "exec", host.netns, str(RAY), "stop", "--force"],
+                    capture_output=True,
+                    timeout=HANG_GUARD_S,
+                    check=False,
+                )
             for temp in TEMP_DIRS:
                 shutil.rmtree(temp, ignore_errors=True)
     records = _records(out_dir)

@@ -108,9 +108,13 @@ def test_one_session_is_the_pipeline_simulation_at_the_loops_cost() -> None:
     )
     per_forward = LOOP.base_s + LOOP.per_session_s + FRAMES.per_forward_s  # fed 1: no drafts
     model = PipelineModel(
-        alpha=0.75, draft_s=0.001, verify_base_s=per_forward - LOOP.per_drafted_s,
-        verify_per_token_s=LOOP.per_drafted_s, one_way_s=0.05, alone=False,
-    )  # fmt: skip
+        alpha=0.75,
+        draft_s=0.001,
+        verify_base_s=per_forward - LOOP.per_drafted_s,
+        verify_per_token_s=LOOP.per_drafted_s,
+        one_way_s=0.05,
+        alone=False,
+    )
     fed: list[int] = []
     for seed in range(2):
         simulate_pipeline(
