@@ -5,8 +5,10 @@ verifier process and its threads, children included). Four closed-loop clients, 
 process (one thread), go through the lab's link emulator (netproto.LinkEmulatorProcess, the
 link every other delay row of the bench uses) at 0 and 50 ms one-way, to one verifier process
 started as `python -m spec_decoding` starts it (one thread), in two arms alternated:
-  - speculative: each client a pipelined drafter, `gamma=auto`, the verifier waiting for its
-    drafts (`spec.decode_alone=false`: `DECODE_ALONE`);
+  - speculative, three ways (`POLICIES`): each client a pipelined drafter, `gamma=auto`, the
+    verifier decoding alone when it holds no draft (the default) or waiting for drafts
+    (`spec.decode_alone=false`); or each client in DRAFT rounds (`spec.pipeline=false`): a
+    window drafted, sent in one frame and checked in one forward;
   - the target alone: each client a session that sends no drafts (`drafting: false`), the
     verifier decoding every token itself: the lab's own batched loop, the same batcher
     (spec_decoding/batching.py) batching the four clients' one-token forwards.
@@ -43,7 +45,13 @@ from lab.models import load_model, load_tokenizer
 from netproto import Connection, LinkEmulatorProcess
 from spec_decoding.batching import BatchedTarget, BatchStats
 from spec_decoding.cache import CachedDecoder
-from spec_decoding.capacity import FrameCosts, LoopCosts, predict_speculative, predict_target_alone
+from spec_decoding.capacity import (
+    FrameCosts,
+    LoopCosts,
+    predict_rounds,
+    predict_speculative,
+    predict_target_alone,
+)
 from spec_decoding.config import SpecConfig
 from spec_decoding.drafter import Drafter
 from spec_decoding.gamma import GammaController
@@ -56,11 +64,24 @@ DELAYS_MS = (0, 50)
 REPEATS = 2
 PROMPTS_PER_CLIENT = 4
 RESULTS_NAME = "spec_decoding_capacity.json"
-POLICIES = {"spec": True, "spec, verifier waits": False}
-"""The speculative arms: `spec.decode_alone` as configured by default (the verifier decodes
-by itself whenever it holds no draft: a token that costs what the target alone's does), and
-`false` (it waits for drafts, idle, its CPU spent on checking them only). The headline is the
-default's."""
+HOLD_MS = 20.0
+"""The held rounds arm's `spec.batch_hold_ms`: each session consents to wait up to 20 ms (a
+sixth of a round across 50 ms one way) for the others to share its forward."""
+POLICIES = {
+    "spec": (True, True, 0.0),
+    "spec, verifier waits": (True, False, 0.0),
+    "spec, rounds": (False, False, 0.0),
+    "spec, rounds held": (False, False, HOLD_MS),
+}
+"""The speculative arms, (`spec.pipeline`, `spec.decode_alone`, `spec.batch_hold_ms`):
+pipelined with the verifier
+decoding by itself whenever it holds no draft (the default: a token that costs what the target
+alone's does); pipelined with the verifier waiting for drafts, idle (its CPU spent on checking
+them only, but each drafted token its own frame and, as they trickle in, forwards of one or
+two drafts); DRAFT rounds (a window drafted, sent in one frame, checked in one forward, the
+drafter idle a round trip a round), and the same with each session consenting to be held for
+the others (`HOLD_MS`). The bench's last line reports the held rounds': the arm a shared target
+host across a link would run for capacity."""
 
 
 # -- the clients: one process each ---------------------------------------------------------
@@ -83,8 +104,16 @@ def _client(index: int, sources: dict[str, str], commands: Any, results: Any, go
         try:
             with Connection.connect(*address, read_timeout_s=300) as conn:
                 if kind in POLICIES:
+                    pipeline, decode_alone, hold_ms = POLICIES[kind]
                     outcome = _speculative(
-                        model, tokenizer, conn, prompts, max_new, decode_alone=POLICIES[kind]
+                        model,
+                        tokenizer,
+                        conn,
+                        prompts,
+                        max_new,
+                        pipeline=pipeline,
+                        decode_alone=decode_alone,
+                        hold_ms=hold_ms,
                     )
                 else:
                     outcome = _target_alone(tokenizer, conn, prompts, max_new)
@@ -95,17 +124,18 @@ def _client(index: int, sources: dict[str, str], commands: Any, results: Any, go
 
 def _speculative(
     model: Any, tokenizer: Any, conn: Connection, prompts: list[list[int]], max_new: int,
-    *, decode_alone: bool,
+    *, pipeline: bool, decode_alone: bool, hold_ms: float,
 ) -> dict[str, Any]:  # fmt: skip
     spec = SpecConfig()
     drafter = Drafter(
         model, tokenizer, conn, gamma=GammaController(fixed=None, max_gamma=spec.max_gamma),
-        pipeline=True, decode_alone=decode_alone,
+        pipeline=pipeline, decode_alone=decode_alone, batch_hold_ms=hold_ms,
     )  # fmt: skip
     generations = [drafter.generate(p, max_new_tokens=max_new, seed=0) for p in prompts]
     metrics = summarize(generations, [], greedy=True)
     forwards = [c.fed for g in generations for c in g.checks if c.fed]
     forwards += [c.forward_before[0] for g in generations for c in g.checks if c.forward_before]
+    forwards += [r.drafted + 1 for g in generations for r in g.rounds]  # rounds: one a round
     return {
         "outputs": [g.tokens for g in generations],
         "seconds": sum(g.seconds for g in generations),
@@ -113,10 +143,11 @@ def _speculative(
         "prefill_ms": statistics.mean(g.prefill_ms for g in generations),
         "acceptance": metrics["acceptance_rate"],
         "acceptance_after_wrong": metrics.get("acceptance_after_wrong"),
+        "pipeline": pipeline,
         "draft_s": metrics["draft_ms_per_token"] / 1e3,
         "rtt_s": metrics["rtt_ms"] / 1e3,
         "window": metrics["mean_gamma"],
-        "alone_share": metrics["alone_share"],
+        "alone_share": metrics.get("alone_share", 0.0),  # rounds: the verifier never is
     }
 
 
@@ -233,6 +264,7 @@ def batch_figures(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]
     and its leaders' waits for sessions in flight."""
     diff = {k: then[k] - first[k] for k in ("forwards", "rows", "tokens", "drafted")}
     extra = ("gather_waits", "gather_missed", "turnarounds", "turnaround_s", "padding_refused")
+    extra += ("hold_waits", "held_s")
     diff.update({k: then.get(k, 0) - first.get(k, 0) for k in extra})
     forwards = max(diff["forwards"], 1)
     by_rows = {r: n - first["by_rows"].get(r, 0) for r, n in then["by_rows"].items()}
@@ -255,6 +287,7 @@ def describe_batches(b: dict[str, Any] | None) -> str:
         f"{b['tokens_per_forward']:.2f} tokens ({b['drafted_per_forward']:.2f} drafted) a forward;"
         f" forwards by sessions {{{hist}}}; waits {b['gather_waits']}, missed {b['gather_missed']}"
         f", turnaround {b['turnaround_ms']:.2f} ms; refused for padding {b['padding_refused']}"
+        f"; held {b.get('hold_waits', 0)} forwards, {1e3 * b.get('held_s', 0.0):.0f} ms in all"
     )
 
 
@@ -267,8 +300,9 @@ def accounted(run: dict[str, Any], loop: LoopCosts, frames: FrameCosts) -> dict[
     b = run.get("batches")
     if not b or not b["forwards"]:
         return None
+    idle_s = max(0.0, run["wall_s"] - run["verifier_cpu_s"]) / b["forwards"]  # between forwards
     cost = (
-        b["forwards"] * loop.base_s
+        b["forwards"] * (loop.base_s + loop.cold_s(idle_s))
         + b["rows"] * (loop.per_session_s + frames.per_forward_s)
         + b["drafted"] * loop.per_drafted_s
     )
@@ -397,20 +431,56 @@ def loop_points(
     return points, table
 
 
-def fit_loop(*measured: tuple[list[Point], dict[str, list[float]]]) -> LoopCosts:
+COLD_PAUSES_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+"""The idle before a forward that `cold_points` measures it after."""
+
+
+def cold_points(target: Any, prompts: list[list[int]], *, steps: int = 12) -> dict[str, float]:
+    """What a forward costs after the verifier idled (LoopCosts.cold): one session through the
+    batcher feeding its committed token and 2 drafted ones, `steps` forwards back to back and
+    then `steps` after each pause of COLD_PAUSES_S, each forward's CPU (time.process_time,
+    the pause not counted); the extra CPU seconds a forward over the back-to-back one's, by
+    pause (seconds, as str)."""
+    batched = BatchedTarget(target)
+    batched.sessions = 1
+    decoder = CachedDecoder(target, prompts[0], batched=batched)
+    decoder.prefill()
+
+    def forwards(pause_s: float) -> float:
+        cpu = 0.0
+        for _ in range(steps):
+            if pause_s:
+                time.sleep(pause_s)
+            started = time.process_time()
+            logits = decoder.extend(decoder.tokens[-2:])
+            decoder.commit([int(logits[0].argmax())])
+            cpu += time.process_time() - started
+        return cpu / steps
+
+    forwards(0.0)  # warm-up
+    hot = forwards(0.0)
+    return {str(pause): forwards(pause) - hot for pause in COLD_PAUSES_S}
+
+
+def fit_loop(
+    *measured: tuple[list[Point], dict[str, list[float]]], cold: list[dict[str, float]]
+) -> LoopCosts:
     """The loop's costs over every measurement of the grid (taken before and after a delay's
     runs, so the load they ran under is the runs'), its fill from CLIENTS sessions without
-    drafts."""
+    drafts, its cold starts the mean of `cold`'s measurements by pause."""
     fill = statistics.mean(table[f"{CLIENTS}x0"][0] for _, table in measured)
     points = [p for found, _ in measured for p in found]
-    return LoopCosts.fit(points, sessions=CLIENTS, rows_per_forward=fill)
+    pauses = [(float(k), statistics.mean(c[k] for c in cold)) for k in cold[0]] if cold else []
+    return LoopCosts.fit(points, sessions=CLIENTS, rows_per_forward=fill, cold=pauses)
 
 
 def describe_loop(loop: LoopCosts) -> str:
+    cold = ", ".join(f"{g * 1e3:g} ms {e * 1e3:+.2f}" for g, e in loop.cold)
     return (
         f"a forward {loop.base_s * 1e3:.3f} ms + {loop.per_session_s * 1e3:.3f} ms a session + "
         f"{loop.per_drafted_s * 1e3:.3f} ms a drafted token; {loop.rows_per_forward:.2f} of "
-        f"{loop.sessions} sessions a forward without drafts"
+        f"{loop.sessions} sessions a forward without drafts; a forward after the verifier "
+        f"idled (idle: extra ms) {cold or 'not measured'}"
     )
 
 
@@ -461,10 +531,16 @@ def capacity_bench(
         sink.close()
     figures["load"] = {"before": load_before, "after": os.getloadavg()}
     write_results(results_dir / RESULTS_NAME, {"figures": figures}, machine=machine)
-    for delay, label in [(d, policy) for d in DELAYS_MS for policy in ("default", "waits")]:
-        f = figures[str(delay)] if label == "default" else figures[str(delay)]["waits"]
+    arms = {
+        "default": "pipelined, decodes alone when it has no draft",
+        "waits": "pipelined, waits for drafts",
+        "rounds": "DRAFT rounds",
+        "held": f"DRAFT rounds, sessions held up to {HOLD_MS:g} ms for a batch",
+    }
+    for delay, label in [(d, policy) for d in DELAYS_MS for policy in arms]:
+        f = figures[str(delay)] if label == "default" else figures[str(delay)][label]
         p = f["predicted"]
-        policy = "decodes alone when it has no draft" if label == "default" else "waits for drafts"
+        policy = arms[label]
         print(
             f"[verifier {policy}] {delay} ms one-way, {CLIENTS} clients: speculative "
             f"{f['spec_tokens_per_cpu_s']:.1f} tokens per verifier CPU-second "
@@ -488,13 +564,19 @@ def capacity_bench(
         for label, batches, share in (
             ("speculative", f["batches"], f["accounted"]),
             ("verifier waits", f["waits"]["batches"], f["waits"]["accounted"]),
+            ("rounds", f["rounds"]["batches"], f["rounds"]["accounted"]),
+            ("rounds held", f["held"]["batches"], f["held"]["accounted"]),
             ("target alone", f["target_batches"], f["target_accounted"]),
         ):
             said = ""
             if share:
                 said = f"; the loop's and frames' costs of these forwards: {share['share']:.2f}"
             print(f"[batches] {delay} ms one-way, {label}: {describe_batches(batches)}{said}")
-    f = figures["50"]
+    f = figures["50"]["held"]
+    print(
+        "the last line: the drafters in DRAFT rounds (spec.pipeline=false), each session held "
+        f"up to {HOLD_MS:g} ms for the others (spec.batch_hold_ms)"
+    )
     print(
         f"verifier capacity at 50 ms, {CLIENTS} drafters / target alone batching {CLIENTS}: "
         f"{f['capacity_ratio']:.2f} (measured / predicted: {f['measured_over_predicted']:.2f})"
@@ -509,11 +591,18 @@ def at_delay(
     """Both arms at one delay, alternated, and the model's prediction of each from the shared
     loop's costs (measured here before and after the runs) and one client alone of each kind
     (its frames); the default speculative arm's figures at the top, the waiting verifier's
-    under `waits`."""
+    under `waits`, DRAFT rounds' under `rounds`."""
     print(f"== capacity at {delay} ms one-way", file=sys.stderr)
     loop_before = loop_points(target, prompts, sink)
+    cold = [cold_points(target, prompts)]
     one = [[p for w in work for p in w]]  # single-session costs: one client, all the prompts
-    alone = {kind: clients.run(kind, address, one, max_new, verifier) for kind in POLICIES}
+    # (one session alone is never held: the held arm's is the rounds')
+    alone = {
+        kind: clients.run(kind, address, one, max_new, verifier)
+        for kind, (_, _, hold_ms) in POLICIES.items()
+        if not hold_ms
+    }
+    alone["spec, rounds held"] = alone["spec, rounds"]
     alone["target"] = clients.run("target", address, one, max_new, verifier)
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in alone}
     for _ in range(repeats):
@@ -526,25 +615,43 @@ def at_delay(
         for kind in ("target", *POLICIES):
             print(f"    {kind}: {describe_batches(runs[kind][-1]['batches'])}", file=sys.stderr)
     loop_after = loop_points(target, prompts, sink)
-    loop = fit_loop(loop_before, loop_after)
+    cold.append(cold_points(target, prompts))
+    loop = fit_loop(loop_before, loop_after, cold=cold)
     print(f"  the shared loop: {describe_loop(loop)}", file=sys.stderr)
     t1 = alone["target"]["clients"][0]
     target_frames = FrameCosts.measured(
-        cpu_s=alone["target"]["verifier_cpu_s"], forwards=t1["forwards"], loop=loop
+        cpu_s=alone["target"]["verifier_cpu_s"],
+        forwards=t1["forwards"],
+        loop=loop,
+        wall_s=alone["target"]["wall_s"],
     )
     figures: dict[str, Any] = {}
-    for kind, decode_alone in POLICIES.items():
+    for kind, (pipeline, decode_alone, hold_ms) in POLICIES.items():
         s1 = alone[kind]["clients"][0]
         spec_frames = FrameCosts.measured(
-            cpu_s=alone[kind]["verifier_cpu_s"], forwards=s1["forwards"], loop=loop
+            cpu_s=alone[kind]["verifier_cpu_s"],
+            forwards=s1["forwards"],
+            loop=loop,
+            wall_s=alone[kind]["wall_s"],
         )
         one_way_s = max(s1["rtt_s"] / 2, delay / 1e3)
-        spec_predicted = predict_speculative(
-            sessions=CLIENTS, alpha=s1["acceptance"], draft_s=s1["draft_s"], one_way_s=one_way_s,
-            loop=loop, frames=spec_frames, max_window=SpecConfig().max_gamma,
-            max_new_tokens=max_new, alone=decode_alone,
-            alpha_after_wrong=s1["acceptance_after_wrong"], open_s=s1["prefill_ms"] / 1e3,
-        )  # fmt: skip
+        common = {
+            "sessions": CLIENTS,
+            "alpha": s1["acceptance"],
+            "draft_s": s1["draft_s"],
+            "one_way_s": one_way_s,
+            "loop": loop,
+            "frames": spec_frames,
+            "max_window": SpecConfig().max_gamma,
+            "max_new_tokens": max_new,
+            "open_s": s1["prefill_ms"] / 1e3,
+        }
+        if pipeline:
+            spec_predicted = predict_speculative(
+                **common, alone=decode_alone, alpha_after_wrong=s1["acceptance_after_wrong"]
+            )
+        else:
+            spec_predicted = predict_rounds(**common, held=bool(hold_ms))
         target_predicted = predict_target_alone(
             sessions=CLIENTS, loop=loop, frames=target_frames, one_way_s=one_way_s,
             max_new_tokens=max_new, open_s=t1["prefill_ms"] / 1e3,
@@ -613,12 +720,15 @@ def at_delay(
         }
     result = figures["spec"]
     result["waits"] = figures["spec, verifier waits"]
+    result["rounds"] = figures["spec, rounds"]
+    result["held"] = figures["spec, rounds held"]
     result["loop"] = {
         "base_ms": loop.base_s * 1e3,
         "per_session_ms": loop.per_session_s * 1e3,
         "per_drafted_ms": loop.per_drafted_s * 1e3,
         "rows_per_forward": loop.rows_per_forward,
         "grid_ms": {"before": loop_before[1], "after": loop_after[1]},
+        "cold_ms": {str(g): e * 1e3 for g, e in loop.cold},
     }
     result["target_runs"] = [
         {k: v for k, v in run.items() if k != "clients"} for run in runs["target"]

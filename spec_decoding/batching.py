@@ -21,6 +21,16 @@ would make each forward it joins hold (rows x its length) cache positions. A bat
 waiting request only while rows x (longest past + longest new) stays within the budget
 (`spec.batch_cache_tokens`): a long session runs in a smaller batch, or alone, and costs its
 own forwards, not everyone's. The oldest waiting request always goes first, so none starves.
+
+Holding for a batch (`spec.batch_hold_ms`, a session's own choice at OPEN): sessions that each
+come back from a round trip (DRAFT rounds across a link) reach the verifier one at a time, and
+each forward then pays its base and, after the verifier idled, its cold start alone. A session
+that consents to be held up to h seconds lets the leader wait, from its request's arrival, for
+the other open sessions to come with theirs (until all are queued, or the batch is full); the
+wait ends at once when a request that consents to no hold, or a shorter one, is queued: it
+holds only the sessions that asked for it. Sessions served together get their verdicts
+together and so come back close together: after the first hold they stay batched, and a wait
+is the spread of their drafting and link, not h.
 """
 
 from __future__ import annotations
@@ -96,6 +106,10 @@ def cache_bytes_per_token(model: Any) -> int:
 class _Request:
     decoder: CachedDecoder
     feed: list[int]
+    arrived: float = 0.0
+    """When it was queued (the batcher's clock)."""
+    hold_s: float = 0.0
+    """How long its session consents to wait, from `arrived`, for other sessions to batch with."""
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
@@ -154,6 +168,9 @@ class BatchStats:
     turnaround_s: float = 0.0
     """Sessions back with a request after their forward (not via the wire), and their time
     from result to request in all."""
+    hold_waits: int = 0
+    held_s: float = 0.0
+    """Forwards whose leader held for sessions that consented (`hold`), and their waits in all."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (the verifier's STATS_DONE)."""
@@ -189,22 +206,35 @@ class BatchedTarget:
         self.stats = BatchStats()
         self._queue: list[_Request] = []
         self._leading = False
-        self.sessions = 0
-        """Sessions open on the verifier (it counts them): a leader waits for no more."""
+        self._sessions = 0
         self._last_forward_s = 0.0
         self._one_row_s = 0.0
         """Running mean of a one-session forward's time (wall clock, the leader's)."""
         self._away: dict[int, _Away] = {}
         """Per session (its decoder's id) served so far: whether it is in flight."""
+        self._holds: dict[int, float] = {}
+        """Per session (its decoder's id) that consented: how long it may be held (`hold`)."""
         self._clock = clock
         self._cond = threading.Condition()
+
+    @property
+    def sessions(self) -> int:
+        """Sessions open on the verifier (it counts them): a leader waits for no more."""
+        return self._sessions
+
+    @sessions.setter
+    def sessions(self, count: int) -> None:
+        with self._cond:
+            self._sessions = count
+            self._cond.notify_all()  # a leader holding for one that has just left stops
 
     def run(self, decoder: CachedDecoder, feed: list[int]) -> torch.Tensor:
         """Feed `feed` after `decoder`'s cache; (len(feed), V) float logits. The decoder's
         cache has grown by `feed` when this returns. Blocks while other sessions' forwards
         run; raises what its own forward raised, never another's."""
-        request = _Request(decoder, list(feed))
         with self._cond:
+            hold_s = self._holds.get(id(decoder), 0.0)
+            request = _Request(decoder, list(feed), arrived=self._clock(), hold_s=hold_s)
             self._back(decoder)
             self._queue.append(request)
             self._cond.notify_all()  # a leader gathering a batch counts it
@@ -214,6 +244,7 @@ class BatchedTarget:
                     continue
                 self._leading = True
                 self._gather()
+                self._hold()
                 batch = self._take()
                 self._cond.release()
                 try:
@@ -227,12 +258,24 @@ class BatchedTarget:
         assert request.logits is not None
         return request.logits
 
+    def hold(self, decoder: CachedDecoder, hold_s: float) -> None:
+        """`decoder`'s session consents to wait up to `hold_s` seconds for other sessions to
+        share its forwards (0: never held; it leaves with `idle(leaving=True)`)."""
+        if not 0.0 <= hold_s < float("inf"):
+            raise ValueError(f"a hold must be a finite number of seconds >= 0, not {hold_s}")
+        with self._cond:
+            if hold_s:
+                self._holds[id(decoder)] = hold_s
+            else:
+                self._holds.pop(id(decoder), None)
+
     def idle(self, decoder: CachedDecoder, *, leaving: bool = False) -> None:
         """`decoder`'s session waits on the wire (or, `leaving`, has ended): no leader waits
         for its next request."""
         with self._cond:
             if leaving:
                 self._away.pop(id(decoder), None)
+                self._holds.pop(id(decoder), None)
             elif id(decoder) in self._away:
                 away = self._away[id(decoder)]
                 away.returned_at, away.awaited = None, False
@@ -281,6 +324,23 @@ class BatchedTarget:
         for away in awaited:  # (its turnaround is still measured when it comes)
             away.awaited = False
             self.stats.gather_missed += 1
+
+    def _hold(self) -> None:
+        """(The lock held, leading.) While every queued request consents to a hold, wait for
+        the other open sessions' requests: until all are queued or the batch is full, or the
+        shortest consent (from each request's arrival) runs out; a request queued meanwhile
+        with a shorter one, or none, shortens or ends the wait."""
+        started, held = self._clock(), False
+        while self._queue and len(self._queue) < min(self._sessions, self.max_batch):
+            deadline = min(r.arrived + r.hold_s for r in self._queue)
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            held = True
+            self._cond.wait(left)
+        if held:
+            self.stats.hold_waits += 1
+            self.stats.held_s += self._clock() - started
 
     def _take(self) -> list[_Request]:
         """The next batch (the lock held): the oldest waiting request, then the others with

@@ -29,8 +29,11 @@ and both arms were overpredicted about 1.5x.
 The sessions: each is `gamma.simulate_pipeline`'s session (its acceptance, draft step and
 link) on a verifier whose forward costs the loop's over the sessions and drafted tokens in it
 (the other sessions there as often as each is busy at the verifier, times the loop's fill),
-found as a fixed point. The target alone, batched alike, runs one forward of the sessions'
-committed tokens per token of each client.
+found as a fixed point. DRAFT rounds (`spec.pipeline=false`, `predict_rounds`): each session
+drafts a window, sends it in one frame and waits a round trip for the verdict, so each forward
+of its checks the whole window (Leviathan et al.'s expected tokens a round), and the window is
+the one the rounds model of `gamma=auto` picks for that session. The target alone, batched
+alike, runs one forward of the sessions' committed tokens per token of each client.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spec_decoding.gamma import PipelineModel, simulate_pipeline
+from spec_decoding.gamma import CostModel, PipelineModel, expected_tokens, simulate_pipeline
 
 
 @dataclass(frozen=True)
@@ -62,15 +65,37 @@ class LoopCosts:
     """Sessions the loop ran with when its fill was measured."""
     rows_per_forward: float = 1.0
     """At `sessions` sessions without drafts: the sessions a forward served, on average."""
+    cold: tuple[tuple[float, float], ...] = ()
+    """(seconds the verifier was idle before a forward, the CPU seconds that forward costs
+    beyond one run back to back), measured over a few pauses: a forward after a pause finds
+    the weights and the thread's state out of the core's caches (on the lab's 2-core box, one
+    after 100 ms of idle cost about twice one run back to back). Empty: not measured (0)."""
 
-    def seconds(self, sessions: float, drafted: float = 0.0) -> float:
-        """One forward's CPU over `sessions` sessions and `drafted` drafted tokens in all."""
-        return self.base_s + self.per_session_s * max(sessions, 1.0) + self.per_drafted_s * drafted
+    def cold_s(self, idle_s: float) -> float:
+        """What a forward that follows `idle_s` seconds of idle costs beyond a hot one:
+        interpolated over `cold`, never falling with a longer pause, flat past its last."""
+        if not self.cold or idle_s <= 0:
+            return 0.0
+        gaps = [0.0, *(g for g, _ in self.cold)]
+        extra = np.maximum.accumulate([0.0, *(max(e, 0.0) for _, e in self.cold)])
+        return float(np.interp(idle_s, gaps, extra))
 
-    def session_share_s(self, rows: float, drafted: float = 0.0) -> float:
+    def seconds(self, sessions: float, drafted: float = 0.0, idle_s: float = 0.0) -> float:
+        """One forward's CPU over `sessions` sessions and `drafted` drafted tokens in all,
+        after `idle_s` seconds of the verifier idle."""
+        return (
+            self.base_s
+            + self.cold_s(idle_s)
+            + self.per_session_s * max(sessions, 1.0)
+            + self.per_drafted_s * drafted
+        )
+
+    def session_share_s(self, rows: float, drafted: float = 0.0, idle_s: float = 0.0) -> float:
         """What one session's part of a forward of `rows` sessions costs: its share of the
-        base, its own row and its `drafted` tokens."""
-        return self.base_s / max(rows, 1.0) + self.per_session_s + self.per_drafted_s * drafted
+        base (and of the forward's cold start after `idle_s` idle), its own row and its
+        `drafted` tokens."""
+        shared = self.base_s + self.cold_s(idle_s)
+        return shared / max(rows, 1.0) + self.per_session_s + self.per_drafted_s * drafted
 
     @property
     def fill(self) -> float:
@@ -86,6 +111,7 @@ class LoopCosts:
         *,
         sessions: int = 1,
         rows_per_forward: float = 1.0,
+        cold: Iterable[tuple[float, float]] = (),
     ) -> LoopCosts:
         """Least squares over (mean sessions a forward, mean drafted tokens a forward, CPU
         seconds a forward) points, no term negative (one that fits negative is dropped and
@@ -111,6 +137,7 @@ class LoopCosts:
             per_drafted_s=fitted.get("drafted", 0.0),
             sessions=sessions,
             rows_per_forward=rows_per_forward,
+            cold=tuple(sorted((float(g), float(e)) for g, e in cold)),
         )
 
 
@@ -122,12 +149,16 @@ class FrameCosts:
     per_forward_s: float
 
     @classmethod
-    def measured(cls, *, cpu_s: float, forwards: Iterable[int], loop: LoopCosts) -> FrameCosts:
+    def measured(
+        cls, *, cpu_s: float, forwards: Iterable[int], loop: LoopCosts, wall_s: float = 0.0
+    ) -> FrameCosts:
         """From one session's run: the verifier's CPU `cpu_s` less its forwards' loop cost
-        (`forwards`: each one's tokens fed, the first its committed token, the rest drafted),
-        per forward."""
+        (`forwards`: each one's tokens fed, the first its committed token, the rest drafted;
+        each after the idle the run's `wall_s` left between them, on average), per forward."""
         fed = list(forwards)
-        looped = sum(loop.seconds(1, max(f - 1, 0)) for f in fed)
+        hot = [loop.seconds(1, max(f - 1, 0)) for f in fed]
+        idle_s = max(0.0, wall_s / max(len(fed), 1) - cpu_s / max(len(fed), 1))
+        looped = sum(hot) + len(fed) * loop.cold_s(idle_s)
         return cls(per_forward_s=max(0.0, (cpu_s - looped) / max(len(fed), 1)))
 
 
@@ -141,11 +172,14 @@ class _SharedVerifier(PipelineModel):
     frames: FrameCosts | None = None
     other_rows: float = 0.0
     other_drafted: float = 0.0
+    idle_s: float = 0.0
+    """The verifier's idle before a forward, on average (the forward's cold start)."""
 
     def _verify_s(self, fed: int) -> float:
         assert self.loop is not None and self.frames is not None
         drafted = max(fed - 1, 0) + self.other_drafted
-        return self.loop.seconds(1 + self.other_rows, drafted) + self.frames.per_forward_s
+        forward_s = self.loop.seconds(1 + self.other_rows, drafted, self.idle_s)
+        return forward_s + self.frames.per_forward_s
 
 
 @dataclass(frozen=True)
@@ -187,8 +221,10 @@ def predict_speculative(
     wall time, simulated); a forward finds each other session in it with that chance times the
     loop's fill, so it serves rows = 1 + (S - 1) u fill sessions and their drafted tokens. The
     verifier's CPU per token: over the session's forwards, each its share of the forward's base
-    (base / rows), its own row, its drafted tokens and its frames."""
-    others, others_drafted, busy = 0.0, 0.0, 1.0
+    (base / rows), its own row, its drafted tokens and its frames; and, where the verifier
+    idles between forwards (the sessions' forwards, S of them over `rows` a forward, leave it
+    time), each forward's cold start (`LoopCosts.cold_s`), shared like the base."""
+    others, others_drafted, busy, idle_s = 0.0, 0.0, 1.0, 0.0
     for _ in range(12):
         model = _SharedVerifier(
             alpha=min(max(alpha, 0.0), 0.999),
@@ -202,6 +238,7 @@ def predict_speculative(
             frames=frames,
             other_rows=others,
             other_drafted=others_drafted,
+            idle_s=idle_s,
         )
         window = model.best_window(max_window)
         fed: list[int] = []
@@ -214,14 +251,19 @@ def predict_speculative(
         busy = min(1.0, forward_s / wall_s)
         mean_drafted = statistics.mean(max(f - 1, 0) for f in fed) if fed else 0.0
         target = (sessions - 1) * busy * loop.fill
-        settled = abs(target - others) < 0.01
+        rows = 1 + others
+        per_s = sessions * len(fed) / wall_s / rows  # the verifier's forwards a second
+        busy_s = loop.seconds(rows, rows * mean_drafted) + rows * frames.per_forward_s
+        idle_target = max(0.0, 1 / per_s - busy_s) if per_s > 0 else 0.0
+        settled = abs(target - others) < 0.01 and abs(idle_target - idle_s) < 1e-4
         others = 0.5 * others + 0.5 * target
         others_drafted = others * mean_drafted
+        idle_s = 0.5 * idle_s + 0.5 * idle_target
         if settled:
             break
     rows = 1 + others  # sessions a forward serves
     cpu_s = sum(
-        loop.session_share_s(rows, max(f - 1, 0)) + frames.per_forward_s for f in fed
+        loop.session_share_s(rows, max(f - 1, 0), idle_s) + frames.per_forward_s for f in fed
     )  # the verifier's CPU for this session's forwards; every session alike
     rate = statistics.mean(rates)  # one session's tokens per second of its own wall time
     per_generation = max_new_tokens / rate + 2 * one_way_s + open_s
@@ -232,6 +274,70 @@ def predict_speculative(
         tokens_per_forward=2 * tokens / max(len(fed), 1),
         rows_per_forward=rows,
         drafted_per_forward=rows * mean_drafted,
+    )
+
+
+def predict_rounds(
+    *,
+    sessions: int,
+    alpha: float,
+    draft_s: float,
+    one_way_s: float,
+    loop: LoopCosts,
+    frames: FrameCosts,
+    max_window: int,
+    max_new_tokens: int,
+    open_s: float = 0.0,
+    held: bool = False,
+) -> Prediction:
+    """S closed-loop drafters in DRAFT rounds on one batching verifier. Each round a session
+    drafts g tokens (g: what the rounds model of `gamma=auto` picks from the same costs), sends
+    them in one DRAFT frame, and the verifier checks them in one forward: expected_tokens(alpha,
+    g) tokens for the session's share of that forward's base, its row, its g drafted tokens and
+    its frames (`frames`: a round's DRAFT and VERDICT beyond the loop, from one client alone in
+    rounds). A session is at the verifier a share u of its round (the forward's time over the
+    round's: draft, link both ways, forward); a forward finds each other session in it with
+    that chance times the loop's fill, and the verifier idles between forwards what the
+    sessions' rounds leave it, each forward paying its cold start (a fixed point, as
+    `predict_speculative`). `held` (`spec.batch_hold_ms`): every session consents to wait for
+    the others, so, served together, they come back together and every forward serves all S
+    (the wait itself, the spread of their drafting, is not priced)."""
+    alpha = min(max(alpha, 0.0), 0.999)
+    others, idle_s = 0.0, 0.0
+    window, tokens, forward_s, round_s = 1, 1.0, 0.0, 1.0
+    for _ in range(50):
+        rows = 1 + others
+        shared = loop.base_s + loop.cold_s(idle_s)
+        base = shared / rows + loop.per_session_s + frames.per_forward_s
+        costs = CostModel(
+            alpha=alpha,
+            draft_s=draft_s,
+            verify_base_s=base + loop.per_drafted_s * others * max(window, 1),
+            verify_per_token_s=loop.per_drafted_s,
+            rtt_s=2 * one_way_s,
+        )
+        window = costs.best_gamma(max_window)
+        tokens = expected_tokens(alpha, window)
+        # the forward's wall time: the whole batch's CPU (one verifier thread)
+        forward_s = loop.seconds(rows, rows * window, idle_s) + rows * frames.per_forward_s
+        round_s = window * draft_s + 2 * one_way_s + forward_s
+        target = (sessions - 1) * (1.0 if held else min(1.0, forward_s / round_s) * loop.fill)
+        # S sessions' rounds, `rows` of them a forward: the verifier idles in between
+        idle_target = max(0.0, round_s * rows / sessions - forward_s)
+        if abs(target - others) < 1e-4 and abs(idle_target - idle_s) < 1e-5:
+            break
+        others = 0.5 * others + 0.5 * target
+        idle_s = 0.5 * idle_s + 0.5 * idle_target
+    rows = 1 + others
+    cpu_s = loop.session_share_s(rows, window, idle_s) + frames.per_forward_s  # its share
+    per_generation = max_new_tokens / tokens * round_s + open_s + 2 * one_way_s
+    return Prediction(
+        tokens_per_cpu_s=tokens / cpu_s,
+        per_client_tokens_per_s=max_new_tokens / per_generation,
+        window=window,
+        tokens_per_forward=tokens,
+        rows_per_forward=rows,
+        drafted_per_forward=rows * window,
     )
 
 

@@ -13,6 +13,8 @@ MAX_BRANCH_DEPTH = 16
 """Most tokens one branch may hold, its root included (the verifier refuses more)."""
 MAX_BRANCH_WIDTH = 4
 """Most branches at one drafted position (the verifier refuses more)."""
+MAX_BATCH_HOLD_MS = 1000
+"""The longest `spec.batch_hold_ms` a session may ask for (the verifier refuses more)."""
 
 
 @dataclass
@@ -77,6 +79,12 @@ class SpecConfig:
     a long session runs in a smaller batch or alone instead of padding every row to its length
     (the oldest waiting forward always runs: none starves). 0: auto, `max_batch` rows of
     min(session cap, 2048) (the verifier logs what that is in MiB for its target)."""
+    batch_hold_ms: float = 0.0
+    """The drafter's sessions consent to be held this long (ms) at the verifier for other
+    sessions to share their forwards (spec_decoding/batching.py): each client's latency traded
+    for the target host's capacity, worth it where drafters in DRAFT rounds across a link reach
+    the verifier one at a time (docs/spec_decoding.md). 0: never held; a session that asks for
+    none is never held for another's."""
     serve_sessions: int = 4
     """`role=serve`: generations the endpoint runs at once, each its own session on the
     verifier (which batches their forwards, up to `max_batch`); more requests queue."""
@@ -113,6 +121,11 @@ class SpecConfig:
         if self.batch_cache_tokens < 0:
             raise ValueError(
                 f"spec.batch_cache_tokens={self.batch_cache_tokens} must be >= 0 (0: auto)"
+            )
+        if not 0 <= self.batch_hold_ms <= MAX_BATCH_HOLD_MS:  # (False for NaN)
+            raise ValueError(
+                f"spec.batch_hold_ms={self.batch_hold_ms} must be in 0..{MAX_BATCH_HOLD_MS} "
+                "(0: never held)"
             )
         if self.draft_top_k < 0:
             raise ValueError(f"spec.draft_top_k={self.draft_top_k} must be >= 0 (0: off)")

@@ -153,6 +153,7 @@ class Drafter:
         branch_depth: int = 0,
         branch_width: int = 1,
         branch_flatness: float = 0.0,
+        batch_hold_ms: float = 0.0,
     ) -> None:
         """`model`: a Hugging Face causal LM. `pipeline`: keep drafting while the verifier
         checks (STREAM); else DRAFT rounds. `draft_top_k` (sampling): draft only from the k
@@ -161,7 +162,9 @@ class Drafter:
         for its next token, instead of waiting for one. `branch_depth` (pipelined): while it
         waits, draft branches of that many tokens rooted at the `branch_width` next-best tokens
         of positions in flight (0: none); `branch_flatness`: only at positions where the
-        next-best token is at least that likely next to the drafted one (p2 / p1; 0: all)."""
+        next-best token is at least that likely next to the drafted one (p2 / p1; 0: all).
+        `batch_hold_ms`: the verifier may hold our forwards this long for other sessions to
+        share them (`spec.batch_hold_ms`; 0: never)."""
         if draft_top_k < 0:
             raise ValueError(f"draft_top_k={draft_top_k} must be >= 0 (0: off)")
         if (
@@ -174,6 +177,7 @@ class Drafter:
                 f"branch_width={branch_width} at least 1, branch_flatness={branch_flatness} "
                 "in 0..1"
             )
+        self.batch_hold_ms = batch_hold_ms
         self.model = model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.pipeline = pipeline
@@ -288,6 +292,8 @@ class Drafter:
             "decode_alone": self.decode_alone,
             "max_new_tokens": max_new_tokens,
         }
+        if self.batch_hold_ms:  # (a verifier before the hold knows no such field)
+            body["batch_hold_ms"] = self.batch_hold_ms
         result = Generation(tokens=[], seconds=0.0)
         self._open_sent = started
         if self.pipeline:
@@ -685,6 +691,7 @@ def drafter_for(
         branch_depth=spec.branch_depth,
         branch_width=spec.branch_width,
         branch_flatness=spec.branch_flatness,
+        batch_hold_ms=spec.batch_hold_ms,
         gamma=GammaController(
             fixed=spec.fixed_gamma,
             max_gamma=spec.max_gamma,

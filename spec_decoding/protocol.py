@@ -2,10 +2,13 @@
 
     drafter -> verifier  OPEN      JSON  {"prompt": [ids], "temperature", "top_p", "seed",
                                           "vocab_hash", ["pipeline"], ["decode_alone"],
-                                          ["drafting"], ["max_new_tokens"]}
+                                          ["drafting"], ["max_new_tokens"],
+                                          ["batch_hold_ms"]}
                                                              -> OPENED {"vocab_size", "prefill_ms"}
                          (prefill_ms: the target's whole time on OPEN; pipelined, the first
                          prediction's forward too: the rest of the round trip is the link's)
+                         (batch_hold_ms: how long the session consents to be held for
+                         other sessions to share its forwards; spec_decoding/batching.py)
     drafter -> verifier  DRAFT     TENSORS {"tokens": int32 (k,), [q]}
                                                              -> VERDICT {"accepted", "token",
                                                                          "verify_ms"}

@@ -23,7 +23,7 @@ from lab.sampling import probs_from_logits
 from netproto import Connection, PeerProtocolError
 from spec_decoding.batching import BatchedTarget, cache_budget, cache_bytes_per_token
 from spec_decoding.cache import CachedDecoder
-from spec_decoding.config import MAX_BRANCH_DEPTH, MAX_BRANCH_WIDTH, MAX_GAMMA
+from spec_decoding.config import MAX_BATCH_HOLD_MS, MAX_BRANCH_DEPTH, MAX_BRANCH_WIDTH, MAX_GAMMA
 from spec_decoding.draft_q import BadDraftQ, decode_q
 from spec_decoding.protocol import SpecMsg
 from spec_decoding.sampling import (
@@ -377,8 +377,12 @@ class _Session:
             raise BadRequest("pipeline, decode_alone and drafting must be true or false")
         if not drafting and not (pipeline and alone):
             raise BadRequest("drafting=false needs pipeline and decode_alone: who else decodes?")
+        hold_ms = body.get("batch_hold_ms", 0)  # optional: the session's consent to be held
+        if not _number(hold_ms) or not 0 <= hold_ms <= MAX_BATCH_HOLD_MS:
+            raise BadRequest(f"batch_hold_ms must be a number in 0..{MAX_BATCH_HOLD_MS}")
         started = time.perf_counter()
         session = cls(verifier, prompt, *_sampling_params(body), planned=planned, alone=alone)
+        verifier.batched.hold(session.decoder, hold_ms / 1e3)
         session._more = int(drafting)  # no draft coming: decode alone without waiting for one
         if pipeline:  # the prediction after the prompt is held before OPENED goes out, so
             session._set_mode(pipelined=True)  # the first token is always checked for free

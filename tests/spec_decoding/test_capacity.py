@@ -11,10 +11,11 @@ import pytest
 from spec_decoding.capacity import (
     FrameCosts,
     LoopCosts,
+    predict_rounds,
     predict_speculative,
     predict_target_alone,
 )
-from spec_decoding.gamma import PipelineModel, simulate_pipeline
+from spec_decoding.gamma import CostModel, PipelineModel, expected_tokens, simulate_pipeline
 
 LOOP = LoopCosts(
     base_s=0.004, per_session_s=0.0006, per_drafted_s=0.0002, sessions=4, rows_per_forward=4.0
@@ -151,3 +152,98 @@ def test_speculation_on_a_loop_that_batches_less_or_frames_that_cost_more_serves
     assert full.rows_per_forward > 3.0
     assert speculative(one_way_s=near, loop=half) < speculative(one_way_s=near)
     assert speculative(one_way_s=near, frames=FrameCosts(0.002)) < speculative(one_way_s=near)
+
+
+COLD = LoopCosts(
+    base_s=0.001,
+    per_session_s=0.0007,
+    per_drafted_s=0.00004,
+    sessions=4,
+    rows_per_forward=3.5,
+    cold=((0.002, 0.0001), (0.02, 0.0008), (0.1, 0.002), (0.2, 0.0019)),
+)
+
+
+def test_a_forward_after_the_verifier_idled_costs_its_measured_cold_start() -> None:
+    """Interpolated between the pauses measured, never falling with a longer pause (0.2 s
+    measured a little under 0.1 s: noise), flat past the last; nothing when hot or when no
+    pause was measured."""
+    assert COLD.cold_s(0.0) == 0.0 and LOOP.cold_s(0.1) == 0.0
+    assert COLD.cold_s(0.02) == pytest.approx(0.0008)
+    assert COLD.cold_s(0.06) == pytest.approx(0.0008 + (0.002 - 0.0008) * 0.5)
+    assert COLD.cold_s(0.2) == COLD.cold_s(1.0) == pytest.approx(0.002)
+    assert COLD.seconds(2, 4, 0.1) == pytest.approx(COLD.seconds(2, 4) + 0.002)
+    assert COLD.session_share_s(2, 3, 0.1) == pytest.approx(
+        (0.001 + 0.002) / 2 + 0.0007 + 3 * 0.00004
+    )  # the cold start is the forward's: shared like its base
+    fitted = LoopCosts.fit([(1, 0, 0.002), (2, 0, 0.003), (1, 2, 0.0021)], cold=[(0.1, 0.002)])
+    assert fitted.cold == ((0.1, 0.002),)
+
+
+def test_frames_of_a_session_that_left_the_verifier_idle_leave_out_its_cold_starts() -> None:
+    forwards = [9] * 10  # rounds: a window of 8 each
+    cpu = 10 * (COLD.seconds(1, 8) + COLD.cold_s(0.1) + 0.0003)
+    wall = cpu + 10 * 0.1  # 100 ms idle before each forward
+    frames = FrameCosts.measured(cpu_s=cpu, forwards=forwards, loop=COLD, wall_s=wall)
+    assert frames.per_forward_s == pytest.approx(0.0003)
+    unaware = FrameCosts.measured(cpu_s=cpu, forwards=forwards, loop=COLD)
+    assert unaware.per_forward_s == pytest.approx(0.0003 + COLD.cold_s(0.1))
+
+
+def rounds(**changes: Any) -> Any:
+    settings: dict[str, Any] = {
+        "sessions": 4,
+        "alpha": 0.7,
+        "draft_s": 0.001,
+        "one_way_s": 0.05,
+        "loop": COLD,
+        "frames": FRAMES,
+        "max_window": 32,
+        "max_new_tokens": 64,
+    }
+    settings.update(changes)
+    return predict_rounds(**settings)
+
+
+def test_one_session_in_rounds_is_the_rounds_model_with_the_verifier_idle_between() -> None:
+    """One session: the window the rounds model of `gamma=auto` picks from the same costs; a
+    round's tokens are Leviathan's expected tokens; its forward costs the loop's forward of one
+    row and the window, its frames, and the cold start after the rest of the round idle."""
+    one = rounds(sessions=1)
+    assert one.rows_per_forward == 1.0
+    forward_s = COLD.seconds(1, one.window, 0.1) + FRAMES.per_forward_s  # ~0.1 s idle a round
+    round_s = one.window * 0.001 + 0.1 + forward_s
+    idle = round_s - forward_s
+    cpu = COLD.seconds(1, one.window, idle) + FRAMES.per_forward_s
+    assert one.tokens_per_cpu_s == pytest.approx(expected_tokens(0.7, one.window) / cpu, rel=1e-3)
+    costs = CostModel(
+        alpha=0.7,
+        draft_s=0.001,
+        verify_base_s=COLD.base_s + COLD.cold_s(idle) + COLD.per_session_s + FRAMES.per_forward_s,
+        verify_per_token_s=COLD.per_drafted_s,
+        rtt_s=0.1,
+    )
+    assert one.window == costs.best_gamma(32)
+    rounds_a_generation = 64 / expected_tokens(0.7, one.window)
+    assert one.per_client_tokens_per_s == pytest.approx(
+        64 / (rounds_a_generation * (one.window * 0.001 + 0.1 + cpu) + 0.1), rel=1e-3
+    )
+
+
+def test_rounds_pay_where_a_forwards_base_outweighs_its_drafted_tokens() -> None:
+    """A window checked in one forward: against the target alone's one token a session a
+    forward, rounds serve more per CPU-second when a drafted token is cheap beside a forward,
+    less when it is dear; a verifier that goes cold between rounds serves fewer; sessions
+    that share forwards (more of them, or a near link) serve more."""
+    alone = predict_target_alone(
+        sessions=4, loop=COLD, frames=FRAMES, one_way_s=0.05, max_new_tokens=64
+    ).tokens_per_cpu_s
+    assert rounds().tokens_per_cpu_s > alone
+    dear = LoopCosts(0.001, 0.0007, 0.002, 4, 3.5, cold=COLD.cold)
+    assert rounds(loop=dear).tokens_per_cpu_s < alone
+    hot = LoopCosts(COLD.base_s, COLD.per_session_s, COLD.per_drafted_s, 4, 3.5)
+    assert rounds(loop=hot).tokens_per_cpu_s > rounds().tokens_per_cpu_s
+    assert rounds(sessions=16).rows_per_forward > rounds().rows_per_forward
+    assert rounds(sessions=16).tokens_per_cpu_s > rounds().tokens_per_cpu_s
+    assert rounds(one_way_s=0.0005).tokens_per_cpu_s > rounds().tokens_per_cpu_s
+    assert rounds(alpha=0.9).tokens_per_cpu_s > rounds().tokens_per_cpu_s

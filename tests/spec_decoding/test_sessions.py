@@ -117,6 +117,11 @@ def test_draft_before_open_closes_that_session_only(verifier_server, tokenizer) 
         ({"max_new_tokens": "10"}, "max_new_tokens must be an int"),
         ({"max_new_tokens": 0}, "max_new_tokens must be an int"),
         ({"max_new_tokens": 10**6}, "max_new_tokens must be an int"),
+        ({"batch_hold_ms": -1}, "batch_hold_ms must be a number"),
+        ({"batch_hold_ms": 10**6}, "batch_hold_ms must be a number"),
+        ({"batch_hold_ms": True}, "batch_hold_ms must be a number"),
+        ({"batch_hold_ms": "5"}, "batch_hold_ms must be a number"),
+        ({"batch_hold_ms": 2**60}, "batch_hold_ms must be a number"),
     ],
 )
 def test_bad_open_is_refused_with_a_reason(verifier_server, tokenizer, body, error) -> None:
