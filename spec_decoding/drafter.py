@@ -102,10 +102,11 @@ class Generation:
     prefill_ms: float = 0.0
     open_rtt_s: float | None = None
     """OPEN's round trip less the verifier's time on it; None where it could not be dated (a
-    pipelined drafter found OPENED already there at its first look, after its own prefill)."""
+    pipelined drafter found OPENED already there at its first look, after its own prefill; in
+    rounds, OPENED comes back with the first DRAFT's verdict)."""
     open_s: float = 0.0
-    """Setting up: the drafter's own prefill and, in rounds, OPEN's round trip (pipelined, the
-    first drafts follow OPEN without waiting for OPENED)."""
+    """Setting up: the drafter's own prefill (the first drafts follow OPEN without waiting for
+    OPENED: in rounds, the first round's trip carries OPEN's too)."""
 
 
 @dataclass
@@ -278,9 +279,12 @@ class Drafter:
     def _open(
         self, prompt: list[int], seed: int, max_new_tokens: int
     ) -> tuple[CachedDecoder, Generation]:
-        """OPEN the session and prefill the draft. Rounds wait for OPENED; a pipelined drafter
-        does not: its first drafts follow OPEN on the wire, and `_opened` takes OPENED in
-        among the verdicts (a round trip less per generation: 100 ms at 50 ms one way)."""
+        """OPEN the session and prefill the draft. Neither mode waits for OPENED: the first
+        drafts follow OPEN on the wire (a round trip less per generation: 100 ms at 50 ms one
+        way), and `_opened` takes OPENED in before the first verdict (rounds) or among the
+        verdicts (pipelined). In rounds this also keeps a client's next generation in step
+        with the sessions it was batched with (`spec.batch_hold_ms`): its first DRAFT comes
+        when its next round's would have."""
         started = time.perf_counter()
         body = {
             "prompt": prompt,
@@ -296,13 +300,10 @@ class Drafter:
             body["batch_hold_ms"] = self.batch_hold_ms
         result = Generation(tokens=[], seconds=0.0)
         self._open_sent = started
-        if self.pipeline:
-            # until OPENED says the target's: ids past the shared tokenizer are no tokens
-            self.target_vocab = min(self.vocab_size, self.tokenizer_size)
-            with self._verifier_lost():
-                self.conn.send_msg(SpecMsg.OPEN, body)
-        else:
-            self._opened(self._request(SpecMsg.OPEN, body, expect=SpecMsg.OPENED), result)
+        # until OPENED says the target's: ids past the shared tokenizer are no tokens
+        self.target_vocab = min(self.vocab_size, self.tokenizer_size)
+        with self._verifier_lost():
+            self.conn.send_msg(SpecMsg.OPEN, body)
         decoder = CachedDecoder(self.model, prompt)
         decoder.prefill()
         result.open_s = time.perf_counter() - started
@@ -328,7 +329,16 @@ class Drafter:
             if q is not None:
                 result.q_bytes += _add_q(payload, q)
             sent_before = self.conn.bytes_sent
-            verdict = self._request(SpecMsg.DRAFT, payload, expect=SpecMsg.VERDICT)
+            first = not result.rounds
+            with self._verifier_lost():
+                request_id = self.conn.next_request_id()
+                self.conn.send(SpecMsg.DRAFT, payload, request_id=request_id)
+                if first:  # OPEN's answer comes first (an OPEN refused raises its reason)
+                    self._opened(self.conn.recv(expect=SpecMsg.OPENED).payload, result, dated=False)
+                reply = self.conn.recv(expect=SpecMsg.VERDICT)
+            if reply.request_id != request_id:
+                raise ValueError(f"verifier answered DRAFT {request_id} as {reply.request_id}")
+            verdict = reply.payload
             result.sent_bytes += self.conn.bytes_sent - sent_before
             accepted, token = int(verdict["accepted"]), self._token(verdict["token"])
             if not 0 <= accepted <= len(draft):
@@ -340,7 +350,10 @@ class Drafter:
                 accepted=accepted,
                 draft_s=drafted_at - round_started,
                 verify_s=float(verdict["verify_ms"]) / 1e3,
-                round_s=time.perf_counter() - round_started,
+                # the first round's trip carried OPEN too: the verifier's time on it is not link
+                round_s=time.perf_counter()
+                - round_started
+                - (result.prefill_ms / 1e3 if first else 0.0),
             )
             result.rounds.append(stats)
             self.gamma.update(
