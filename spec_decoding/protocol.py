@@ -9,6 +9,8 @@
                          prediction's forward too: the rest of the round trip is the link's)
                          (batch_hold_ms: how long the session consents to be held for
                          other sessions to share its forwards; spec_decoding/batching.py)
+                         The drafter does not wait for OPENED: its first DRAFT or STREAM
+                         follows OPEN on the wire, and OPENED comes back before its answer.
     drafter -> verifier  DRAFT     TENSORS {"tokens": int32 (k,), [q]}
                                                              -> VERDICT {"accepted", "token",
                                                                          "verify_ms"}
