@@ -233,8 +233,16 @@ class LoRAClient:
 
     @staticmethod
     def _heartbeat(conn: Connection, every_s: float, stop: threading.Event) -> None:
-        while not stop.wait(every_s):
+        """A PING once this client has sent nothing for `every_s`: any frame proves it alive,
+        so the coordinator still hears from it at least every `every_s` (training included),
+        without a frame (and a PONG back) a beat while it answers a round."""
+        wait = every_s
+        while not stop.wait(wait):
+            wait = conn.last_sent + every_s - time.monotonic()
+            if wait > 0:  # it sent something meanwhile: due that long after it
+                continue
             try:
                 conn.send(MsgType.PING)
             except NetprotoError:
                 return
+            wait = every_s

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,18 +66,25 @@ class SecureInbox:
     tasks: dict[int, int] = field(default_factory=dict)
     """client id -> the task number of the secure round it takes part in."""
     seen: set[tuple[int, int]] = field(default_factory=set)
-    messages: queue.Queue[tuple[int, int, Any]] = field(default_factory=queue.Queue)
+    messages: deque[tuple[int, int, Any]] = field(default_factory=deque)
     lock: threading.Lock = field(default_factory=threading.Lock)
     gone: set[int] = field(default_factory=set)
     clock: Callable[[], float] = time.monotonic
     """What `gather`'s deadlines are read on (tests inject one)."""
+    awaited: tuple[int, set[int]] | None = None
+    """While `gather` sleeps: the step's kind and the clients whose message (or leaving) it
+    still waits for. The last of them wakes it: one wake-up a step, not one a message."""
+
+    def __post_init__(self) -> None:
+        self.complete = threading.Condition(self.lock)
 
     def open(self, tasks: Mapping[int, int]) -> None:
         with self.lock:
             self.tasks = dict(tasks)
             self.seen.clear()
             self.gone = set()
-            self.messages = queue.Queue()
+            self.messages = deque()
+            self.awaited = None
 
     def close(self) -> None:
         with self.lock:
@@ -90,7 +96,7 @@ class SecureInbox:
             if self.tasks.get(client) != task or (client, kind) in self.seen:
                 return False
             self.seen.add((client, kind))
-            self.messages.put((client, kind, payload))
+            self._arrived(client, kind, payload)
             return True
 
     def leave(self, client: int) -> None:
@@ -98,7 +104,16 @@ class SecureInbox:
         with self.lock:
             if client in self.tasks:
                 self.gone.add(client)
-                self.messages.put((client, GONE, None))
+                self._arrived(client, GONE, None)
+
+    def _arrived(self, client: int, kind: int, payload: Any) -> None:
+        """Under the lock: queue it, and wake `gather` if it was the last one awaited."""
+        self.messages.append((client, kind, payload))
+        awaited = self.awaited
+        if awaited is not None and kind in (awaited[0], GONE) and client in awaited[1]:
+            awaited[1].discard(client)
+            if not awaited[1]:
+                self.complete.notify()
 
     def gather(
         self, kind: int, clients: Iterable[int], deadline: float, *, what: str
@@ -126,17 +141,21 @@ class SecureInbox:
                     deadline - now,
                 )
                 next_report += REPORT_EVERY_S
-            try:  # woken by any message; at the latest to report or to check the deadline
-                wait = max(0.0, min(deadline, next_report) - now)
-                client, k, payload = self.messages.get(timeout=min(wait, WAKE_S))
-            except queue.Empty:
-                continue
-            if k == GONE:
-                wanted.discard(client)
-            elif k == kind and client in wanted:
-                got[client] = payload
-            else:
-                postponed.append((client, k, payload))  # a fast client's next step
-        for item in postponed:
-            self.messages.put(item)
+            with self.lock:  # woken by the last one awaited; at the latest to report or time out
+                if not self.messages:
+                    self.awaited = (kind, wanted - set(got))
+                    wait = max(0.0, min(deadline, next_report) - now)
+                    self.complete.wait(min(wait, WAKE_S))
+                    self.awaited = None
+                arrived = list(self.messages)
+                self.messages.clear()
+            for client, k, payload in arrived:
+                if k == GONE:
+                    wanted.discard(client)
+                elif k == kind and client in wanted:
+                    got[client] = payload
+                else:
+                    postponed.append((client, k, payload))  # a fast client's next step
+        with self.lock:
+            self.messages.extend(postponed)
         return got

@@ -130,6 +130,8 @@ class Connection:
         self.peer_host = _peer_host(sock)
         """The remote address (no port), e.g. to count one host's connections."""
         self.bytes_sent = 0
+        self.last_sent = time.monotonic()
+        """When the last whole frame went out: a heartbeat is due only after silence."""
         self.last_received = time.monotonic()
         """When the last whole frame arrived (heartbeats included): for liveness checks."""
         self._spares: list[torch.Tensor] = []  # big receive buffers, reused when unshared
@@ -368,6 +370,7 @@ class Connection:
             except OSError as exc:  # a half-sent frame cannot be taken back: close
                 raise self._lost(exc, mid_frame=True) from None
             self.bytes_sent += size
+            self.last_sent = time.monotonic()
         return size
 
     def _sendall(self, buffers: Sequence[Buffer]) -> None:
