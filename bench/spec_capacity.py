@@ -263,8 +263,8 @@ def batch_figures(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]
     drafted tokens (fed beyond the committed sequence) a forward, the forwards by their rows,
     and its leaders' waits for sessions in flight."""
     diff = {k: then[k] - first[k] for k in ("forwards", "rows", "tokens", "drafted")}
-    extra = ("gather_waits", "gather_missed", "turnarounds", "turnaround_s", "padding_refused")
-    extra += ("hold_waits", "held_s")
+    extra = ["gather_waits", "gather_missed", "turnarounds", "turnaround_s", "padding_refused"]
+    extra += ["hold_waits", "held_s"]
     diff.update({k: then.get(k, 0) - first.get(k, 0) for k in extra})
     forwards = max(diff["forwards"], 1)
     by_rows = {r: n - first["by_rows"].get(r, 0) for r, n in then["by_rows"].items()}

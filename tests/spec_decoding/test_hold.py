@@ -7,6 +7,7 @@ sessions come or the test moves the clock, whatever the machine's speed."""
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
 import torch
@@ -149,9 +150,7 @@ def test_drafters_in_rounds_that_consent_share_the_verifiers_forwards(
         go.wait()
         return drafter.generate(prompt, max_new_tokens=12).tokens
 
-    runs = [
-        in_thread(lambda d=d, p=p: generate(d, p)) for d, p in zip(drafters, prompts, strict=True)
-    ]
+    runs = [in_thread(partial(generate, d, p)) for d, p in zip(drafters, prompts, strict=True)]
     for (thread, out), prompt in zip(runs, prompts, strict=True):
         assert finished(thread)
         assert out[0] == target_greedy(target, tokenizer, prompt, 12)
