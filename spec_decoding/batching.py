@@ -26,7 +26,8 @@ Holding for a batch (`spec.batch_hold_ms`, a session's own choice at OPEN): sess
 come back from a round trip (DRAFT rounds across a link) reach the verifier one at a time, and
 each forward then pays its base and, after the verifier idled, its cold start alone. A session
 that consents to be held up to h seconds lets the leader wait, from its request's arrival, for
-the other open sessions to come with theirs (until all are queued, or the batch is full); the
+the other sessions that consented to come with theirs (until all are queued, or the batch is
+full; a connection with nothing coming, or a session that asked for no hold, is not waited for); the
 wait ends at once when a request that consents to no hold, or a shorter one, is queued: it
 holds only the sessions that asked for it. Sessions served together get their verdicts
 together and so come back close together: after the first hold they stay batched, and a wait
@@ -268,6 +269,7 @@ class BatchedTarget:
                 self._holds[id(decoder)] = hold_s
             else:
                 self._holds.pop(id(decoder), None)
+            self._cond.notify_all()  # a leader holding for it (withdrawn) stops
 
     def idle(self, decoder: CachedDecoder, *, leaving: bool = False) -> None:
         """`decoder`'s session waits on the wire (or, `leaving`, has ended): no leader waits
@@ -327,11 +329,18 @@ class BatchedTarget:
 
     def _hold(self) -> None:
         """(The lock held, leading.) While every queued request consents to a hold, wait for
-        the other open sessions' requests: until all are queued or the batch is full, or the
-        shortest consent (from each request's arrival) runs out; a request queued meanwhile
-        with a shorter one, or none, shortens or ends the wait."""
+        the requests of the other sessions that consented too (a connection that has no
+        request coming, or a session that asked for no hold, is not waited for): until all
+        are queued or the batch is full, or the shortest consent (from each request's
+        arrival) runs out; a request queued meanwhile with a shorter one, or none, shortens
+        or ends the wait; a session that leaves is no longer waited for."""
         started, held = self._clock(), False
-        while self._queue and len(self._queue) < min(self._sessions, self.max_batch):
+
+        def pending() -> bool:
+            queued = {id(r.decoder) for r in self._queue}
+            return any(key not in queued for key in self._holds)
+
+        while self._queue and len(self._queue) < self.max_batch and pending():
             deadline = min(r.arrived + r.hold_s for r in self._queue)
             left = deadline - self._clock()
             if left <= 0:

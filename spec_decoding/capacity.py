@@ -330,7 +330,8 @@ def predict_rounds(
         idle_s = 0.5 * idle_s + 0.5 * idle_target
     rows = 1 + others
     cpu_s = loop.session_share_s(rows, window, idle_s) + frames.per_forward_s  # its share
-    per_generation = max_new_tokens / tokens * round_s + open_s + 2 * one_way_s
+    # (the first DRAFT follows OPEN on the wire: OPEN's trip is the first round's)
+    per_generation = max_new_tokens / tokens * round_s + open_s
     return Prediction(
         tokens_per_cpu_s=tokens / cpu_s,
         per_client_tokens_per_s=max_new_tokens / per_generation,

@@ -312,8 +312,13 @@ class Drafter:
     def _opened(self, opened: dict[str, Any], result: Generation, *, dated: bool = True) -> None:
         """OPENED's figures: the verifier's time on OPEN, its vocabulary, the round trip (where
         `dated`: OPENED is taken in as it arrives)."""
-        result.prefill_ms = float(opened["prefill_ms"])
-        self.target_vocab = int(opened["vocab_size"])
+        prefill_ms, vocab_size = opened.get("prefill_ms"), opened.get("vocab_size")
+        if not _milliseconds(prefill_ms):
+            raise ValueError(f"verifier sent prefill_ms={prefill_ms!r}")
+        if type(vocab_size) is not int or not 1 <= vocab_size <= 2**31:
+            raise ValueError(f"verifier sent vocab_size={vocab_size!r}")
+        result.prefill_ms = float(prefill_ms)
+        self.target_vocab = vocab_size
         elapsed = time.perf_counter() - self._open_sent
         result.open_rtt_s = max(0.0, elapsed - result.prefill_ms / 1e3) if dated else None
 
@@ -330,14 +335,19 @@ class Drafter:
                 result.q_bytes += _add_q(payload, q)
             sent_before = self.conn.bytes_sent
             first = not result.rounds
+            opening_s = 0.0
             with self._verifier_lost():
                 request_id = self.conn.next_request_id()
                 self.conn.send(SpecMsg.DRAFT, payload, request_id=request_id)
                 if first:  # OPEN's answer comes first (an OPEN refused raises its reason)
                     self._opened(self.conn.recv(expect=SpecMsg.OPENED).payload, result, dated=False)
+                    opening_s = max(0.0, result.prefill_ms / 1e3 - (drafted_at - self._open_sent))
                 reply = self.conn.recv(expect=SpecMsg.VERDICT)
-            if reply.request_id != request_id:
-                raise ValueError(f"verifier answered DRAFT {request_id} as {reply.request_id}")
+                if reply.request_id != request_id:  # as conn.request fails: the link is done
+                    self.conn.close()
+                    raise PeerProtocolError(
+                        f"verifier answered DRAFT {request_id} as {reply.request_id}"
+                    )
             verdict = reply.payload
             result.sent_bytes += self.conn.bytes_sent - sent_before
             accepted, token = int(verdict["accepted"]), self._token(verdict["token"])
@@ -350,10 +360,9 @@ class Drafter:
                 accepted=accepted,
                 draft_s=drafted_at - round_started,
                 verify_s=float(verdict["verify_ms"]) / 1e3,
-                # the first round's trip carried OPEN too: the verifier's time on it is not link
-                round_s=time.perf_counter()
-                - round_started
-                - (result.prefill_ms / 1e3 if first else 0.0),
+                # the first round's trip carried OPEN too: what of the verifier's time on it the
+                # DRAFT waited for (OPEN went out before our prefill and drafting) is not link
+                round_s=time.perf_counter() - round_started - (opening_s if first else 0.0),
             )
             result.rounds.append(stats)
             self.gamma.update(

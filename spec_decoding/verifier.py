@@ -211,16 +211,21 @@ class Verifier:
         message = conn.recv(expect=set(SpecMsg) - {SpecMsg.PROGRESS, SpecMsg.VERDICT})
         try:
             if message.type == SpecMsg.OPEN:
-                session = _Session.open(self, message.payload)
-                conn.send_msg(
-                    SpecMsg.OPENED,
-                    {
-                        "vocab_size": self.vocab_size,
-                        "prefill_ms": session.prefill_ms,
-                        "max_tokens": self.max_tokens,
-                    },
-                    request_id=message.request_id,
-                )
+                opened = _Session.open(self, message.payload)
+                try:
+                    conn.send_msg(
+                        SpecMsg.OPENED,
+                        {
+                            "vocab_size": self.vocab_size,
+                            "prefill_ms": opened.prefill_ms,
+                            "max_tokens": self.max_tokens,
+                        },
+                        request_id=message.request_id,
+                    )
+                except BaseException:  # never handed back: the batcher forgets it here
+                    self.batched.idle(opened.decoder, leaving=True)
+                    raise
+                session = opened
             elif message.type == SpecMsg.DRAFT:
                 if session is None:
                     raise BadRequest("DRAFT before OPEN: no session")
@@ -386,7 +391,11 @@ class _Session:
         session._more = int(drafting)  # no draft coming: decode alone without waiting for one
         if pipeline:  # the prediction after the prompt is held before OPENED goes out, so
             session._set_mode(pipelined=True)  # the first token is always checked for free
-            session.step()
+            try:
+                session.step()
+            except BaseException:  # the batcher forgets a session that never opened
+                verifier.batched.idle(session.decoder, leaving=True)
+                raise
             # OPENED's `prefill_ms` is all the target's time on OPEN, that forward too: the
             # drafter takes the rest of OPEN's round trip for the link's (a forward left out
             # read as ~9 ms of link at loopback, and made `gamma=auto` wait for drafts)

@@ -5,11 +5,33 @@ sent early waits for that step; a session that ends stops the wait for its clien
 from __future__ import annotations
 
 import threading
+from typing import Any
+
+import pytest
 
 from fed_learn.protocol import FedMsg
 from fed_learn.secure_inbox import SecureInbox
+from tests.clocks import HANG_GUARD_S
 
-FAR = 600.0  # a deadline no passing test reaches
+FAR = 10 * HANG_GUARD_S  # a deadline no passing test reaches
+
+
+@pytest.fixture(autouse=True)
+def no_polling(monkeypatch) -> None:
+    """The wait also wakes every WAKE_S and to report what it waits for: made longer than
+    the hang guard, so only the arrivals' own wake-ups can end a wait in these tests (a lost
+    one hangs the gather, and `gathered` fails instead of a poll rescuing it)."""
+    for name in ("WAKE_S", "REPORT_FIRST_S", "REPORT_EVERY_S"):
+        monkeypatch.setattr(f"fed_learn.secure_inbox.{name}", FAR)
+
+
+def gathered(inbox: SecureInbox, *args: Any, **kwargs: Any) -> Any:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(inbox.gather(*args, **kwargs)))
+    thread.start()
+    thread.join(HANG_GUARD_S)
+    assert not thread.is_alive(), "the wait was never woken by the arrivals"
+    return out[0]
 
 
 def test_a_step_gets_every_message_the_sessions_hand_in_while_it_waits() -> None:
@@ -27,7 +49,7 @@ def test_a_step_gets_every_message_the_sessions_hand_in_while_it_waits() -> None
     thread = threading.Thread(target=sessions)
     thread.start()
     started.set()
-    got = inbox.gather(FedMsg.SA_KEYS, clients, inbox.clock() + FAR, what="keys")
+    got = gathered(inbox, FedMsg.SA_KEYS, clients, inbox.clock() + FAR, what="keys")
     thread.join()
     assert got == {c: {"from": c} for c in clients}
     # the early next-step messages were kept for that step, not dropped
@@ -41,7 +63,7 @@ def test_a_session_that_ends_stops_the_wait_for_its_client() -> None:
     assert inbox.offer(1, FedMsg.SA_KEYS, {"c": 1}, task=7)
     leaving = threading.Thread(target=inbox.leave, args=(2,))
     leaving.start()  # client 2's session ends while the round waits for its keys
-    got = inbox.gather(FedMsg.SA_KEYS, [1, 2], inbox.clock() + FAR, what="keys")
+    got = gathered(inbox, FedMsg.SA_KEYS, [1, 2], inbox.clock() + FAR, what="keys")
     leaving.join()
     assert got == {1: {"c": 1}}
 

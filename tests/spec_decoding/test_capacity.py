@@ -226,7 +226,7 @@ def test_one_session_in_rounds_is_the_rounds_model_with_the_verifier_idle_betwee
     assert one.window == costs.best_gamma(32)
     rounds_a_generation = 64 / expected_tokens(0.7, one.window)
     assert one.per_client_tokens_per_s == pytest.approx(
-        64 / (rounds_a_generation * (one.window * 0.001 + 0.1 + cpu) + 0.1), rel=1e-3
+        64 / (rounds_a_generation * (one.window * 0.001 + 0.1 + cpu)), rel=1e-3
     )
 
 

@@ -51,7 +51,7 @@ def test_sessions_that_consent_are_held_until_the_others_come_and_share_one_forw
     until(lambda: batched.stats.hold_waits == 0 and len(batched._queue) == 1)
     second, out_second = in_thread(lambda: decoders[1].extend([]))
     until(lambda: len(batched._queue) == 2)
-    assert not first.is_alive() or batched.stats.forwards == 0  # held: nothing ran yet
+    assert first.is_alive() and batched.stats.forwards == 0  # held: nothing ran yet
     logits_third = decoders[2].extend([])
     assert finished(first) and finished(second)
     assert batched.stats.by_rows == {3: 1} and batched.stats.hold_waits == 1
@@ -63,6 +63,7 @@ def test_sessions_that_consent_are_held_until_the_others_come_and_share_one_forw
 def test_a_hold_ends_when_its_consent_runs_out(three) -> None:
     batched, clock, decoders = three
     batched.hold(decoders[0], 0.02)
+    batched.hold(decoders[1], 0.02)  # (a session it may wait for)
     thread, _ = in_thread(lambda: decoders[0].extend([]))
     until(lambda: len(batched._queue) == 1)
     assert thread.is_alive()  # held: the frozen clock has not reached its consent's end
@@ -76,6 +77,7 @@ def test_a_hold_ends_when_its_consent_runs_out(three) -> None:
 def test_a_session_that_asked_for_no_hold_is_never_held_and_ends_anothers_hold(three) -> None:
     batched, _, decoders = three
     batched.hold(decoders[0], 0.02)
+    batched.hold(decoders[2], 0.02)
     thread, _ = in_thread(lambda: decoders[1].extend([]))  # no consent: runs at once
     assert finished(thread)
     assert batched.stats.hold_waits == 0 and batched.stats.by_rows == {1: 1}
@@ -104,6 +106,26 @@ def test_a_session_leaving_ends_a_hold_for_it_and_forgets_its_consent(three) -> 
     decoders[0].commit([41])
     decoders[0].extend([])  # alone now: never held
     assert batched.stats.hold_waits == 1 and id(decoders[2]) not in batched._holds
+
+
+def test_only_sessions_that_consented_are_waited_for(three) -> None:
+    """Connections with nothing coming (an idle pooled drafter, a session between
+    generations, a STATS probe) and sessions that asked for no hold are counted open, but a
+    held session waits only for the others that consented: alone in consenting, it is never
+    held, on a clock that never moves."""
+    batched, _, decoders = three
+    batched.hold(decoders[0], 0.02)
+    decoders[0].extend([])  # decoders 1 and 2 are open and silent: no wait
+    assert batched.stats.hold_waits == 0 and batched.stats.by_rows == {1: 1}
+    batched.hold(decoders[1], 0.02)
+    decoders[0].commit([50])
+    batched.idle(decoders[0])
+    thread, _ = in_thread(lambda: decoders[0].extend([]))
+    until(lambda: len(batched._queue) == 1)
+    assert thread.is_alive()  # held for 1, which consented
+    batched.hold(decoders[1], 0.0)  # 1 withdraws: nobody left to wait for
+    assert finished(thread)
+    assert batched.stats.hold_waits == 1 and batched.stats.by_rows == {1: 2}
 
 
 @pytest.mark.parametrize("bad", [-0.001, float("inf"), float("nan")])
