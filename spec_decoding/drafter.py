@@ -312,7 +312,10 @@ class Drafter:
     def _opened(self, opened: dict[str, Any], result: Generation, *, dated: bool = True) -> None:
         """OPENED's figures: the verifier's time on OPEN, its vocabulary, the round trip (where
         `dated`: OPENED is taken in as it arrives)."""
-        prefill_ms, vocab_size = opened.get("prefill_ms"), opened.get("vocab_size")
+        if not isinstance(opened, dict):
+            raise ValueError(f"verifier sent OPENED {type(opened).__name__}, not an object")
+        prefill_ms: Any = opened.get("prefill_ms")
+        vocab_size: Any = opened.get("vocab_size")
         if not _milliseconds(prefill_ms):
             raise ValueError(f"verifier sent prefill_ms={prefill_ms!r}")
         if type(vocab_size) is not int or not 1 <= vocab_size <= 2**31:
