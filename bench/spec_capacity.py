@@ -5,10 +5,11 @@ verifier process and its threads, children included). Four closed-loop clients, 
 process (one thread), go through the lab's link emulator (netproto.LinkEmulatorProcess, the
 link every other delay row of the bench uses) at 0 and 50 ms one-way, to one verifier process
 started as `python -m spec_decoding` starts it (one thread), in two arms alternated:
-  - speculative, three ways (`POLICIES`): each client a pipelined drafter, `gamma=auto`, the
+  - speculative, four ways (`POLICIES`): each client a pipelined drafter, `gamma=auto`, the
     verifier decoding alone when it holds no draft (the default) or waiting for drafts
     (`spec.decode_alone=false`); or each client in DRAFT rounds (`spec.pipeline=false`): a
-    window drafted, sent in one frame and checked in one forward;
+    window drafted, sent in one frame and checked in one forward, without or with each
+    session consenting to be held for the others (`spec.batch_hold_ms`: `HOLD_MS`);
   - the target alone: each client a session that sends no drafts (`drafting: false`), the
     verifier decoding every token itself: the lab's own batched loop, the same batcher
     (spec_decoding/batching.py) batching the four clients' one-token forwards.
@@ -48,6 +49,7 @@ from spec_decoding.cache import CachedDecoder
 from spec_decoding.capacity import (
     FrameCosts,
     LoopCosts,
+    idle_per_forward,
     predict_rounds,
     predict_speculative,
     predict_target_alone,
@@ -300,7 +302,9 @@ def accounted(run: dict[str, Any], loop: LoopCosts, frames: FrameCosts) -> dict[
     b = run.get("batches")
     if not b or not b["forwards"]:
         return None
-    idle_s = max(0.0, run["wall_s"] - run["verifier_cpu_s"]) / b["forwards"]  # between forwards
+    idle_s = idle_per_forward(
+        wall_s=run["wall_s"], cpu_s=run["verifier_cpu_s"], forwards=b["forwards"]
+    )
     cost = (
         b["forwards"] * (loop.base_s + loop.cold_s(idle_s))
         + b["rows"] * (loop.per_session_s + frames.per_forward_s)
@@ -591,7 +595,7 @@ def at_delay(
     """Both arms at one delay, alternated, and the model's prediction of each from the shared
     loop's costs (measured here before and after the runs) and one client alone of each kind
     (its frames); the default speculative arm's figures at the top, the waiting verifier's
-    under `waits`, DRAFT rounds' under `rounds`."""
+    under `waits`, DRAFT rounds' under `rounds`, the held rounds' under `held`."""
     print(f"== capacity at {delay} ms one-way", file=sys.stderr)
     loop_before = loop_points(target, prompts, sink)
     cold = [cold_points(target, prompts)]

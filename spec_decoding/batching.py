@@ -227,7 +227,7 @@ class BatchedTarget:
     def sessions(self, count: int) -> None:
         with self._cond:
             self._sessions = count
-            self._cond.notify_all()  # a leader holding for one that has just left stops
+            self._cond.notify_all()  # a leader gathering for sessions that have left stops
 
     def run(self, decoder: CachedDecoder, feed: list[int]) -> torch.Tensor:
         """Feed `feed` after `decoder`'s cache; (len(feed), V) float logits. The decoder's

@@ -156,10 +156,15 @@ class FrameCosts:
         (`forwards`: each one's tokens fed, the first its committed token, the rest drafted;
         each after the idle the run's `wall_s` left between them, on average), per forward."""
         fed = list(forwards)
-        hot = [loop.seconds(1, max(f - 1, 0)) for f in fed]
-        idle_s = max(0.0, wall_s / max(len(fed), 1) - cpu_s / max(len(fed), 1))
-        looped = sum(hot) + len(fed) * loop.cold_s(idle_s)
+        idle_s = idle_per_forward(wall_s=wall_s, cpu_s=cpu_s, forwards=len(fed))
+        looped = sum(loop.seconds(1, max(f - 1, 0)) for f in fed) + len(fed) * loop.cold_s(idle_s)
         return cls(per_forward_s=max(0.0, (cpu_s - looped) / max(len(fed), 1)))
+
+
+def idle_per_forward(*, wall_s: float, cpu_s: float, forwards: int) -> float:
+    """The verifier's idle before each forward, on average, over a run of `wall_s` seconds in
+    which it spent `cpu_s` of CPU (one thread: busy is CPU) on `forwards` forwards."""
+    return max(0.0, wall_s - cpu_s) / max(forwards, 1)
 
 
 @dataclass

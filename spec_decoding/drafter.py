@@ -365,7 +365,7 @@ class Drafter:
                 verify_s=float(verdict["verify_ms"]) / 1e3,
                 # the first round's trip carried OPEN too: what of the verifier's time on it the
                 # DRAFT waited for (OPEN went out before our prefill and drafting) is not link
-                round_s=time.perf_counter() - round_started - (opening_s if first else 0.0),
+                round_s=time.perf_counter() - round_started - opening_s,
             )
             result.rounds.append(stats)
             self.gamma.update(
