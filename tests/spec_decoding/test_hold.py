@@ -128,6 +128,58 @@ def test_only_sessions_that_consented_are_waited_for(three) -> None:
     assert batched.stats.hold_waits == 1 and batched.stats.by_rows == {1: 2}
 
 
+def test_a_hold_waits_only_for_sessions_due_within_it_and_drifts_towards_those_due_soon_after(
+    three,
+) -> None:
+    """Sessions in DRAFT rounds: the batcher learns each one's cycle (from its forward's result
+    to its next request, the wire's round trip included). A leader holds for a consenting
+    session only if it is due back within the consent: one that fell a round's fraction out
+    of step is not waited for every round in vain (each side holding for the other shifted
+    both alike, and the split stayed). Where the other is due within half its cycle after
+    the consent, the leader is held its whole consent anyway, so the two come back closer."""
+    batched, clock, decoders = three
+    a, b = decoders[0], decoders[1]
+    batched.hold(a, 0.02)
+    batched.hold(b, 0.02)
+
+    def served_alike(*sessions: CachedDecoder) -> None:
+        for decoder in sessions:
+            decoder.commit([60])
+            batched.idle(decoder)  # waits on the wire for its next DRAFT
+
+    for at in (0.0, 0.1):  # two rounds together: each cycle measured, 100 ms
+        clock.now = at
+        first, _ = in_thread(lambda: a.extend([]))
+        until(lambda: len(batched._queue) == 1)
+        b.extend([])
+        assert finished(first)
+        served_alike(a, b)
+    assert batched.stats.by_rows == {2: 2}
+    clock.now = 0.2  # a comes; b is due now too: a is held for it
+    first, _ = in_thread(lambda: a.extend([]))
+    until(lambda: len(batched._queue) == 1)
+    clock.now = 0.221  # b is late: a's consent runs out, it goes alone
+    with batched._cond:
+        batched._cond.notify_all()
+    assert finished(first)
+    served_alike(a)
+    holds = batched.stats.hold_waits
+    clock.now = 0.25  # b, 29 ms after a: a is due at 0.321, past b's consent and half a
+    late, _ = in_thread(lambda: b.extend([]))  # cycle after it: b is not held, the clock
+    assert finished(late)  # never moves (it was, for a, until the clock ran past its consent)
+    served_alike(b)
+    assert batched.stats.hold_waits == holds and batched.stats.by_rows == {2: 2, 1: 2}
+    clock.now = 0.32  # a comes; b is due at 0.36 (0.25 + its cycle, 110 ms): not by a's
+    first, _ = in_thread(lambda: a.extend([]))  # consent's end, 0.34, but soon after it
+    until(lambda: len(batched._queue) == 1)
+    clock.now = 0.341
+    with batched._cond:
+        batched._cond.notify_all()
+    assert finished(first)
+    assert batched.stats.hold_waits == holds + 1  # held its whole consent, alone
+    assert batched.stats.held_s == pytest.approx(0.021 + 0.021, abs=1e-9)
+
+
 @pytest.mark.parametrize("bad", [-0.001, float("inf"), float("nan")])
 def test_a_hold_must_be_a_finite_time(target, bad: float) -> None:
     batched = BatchedTarget(target)
