@@ -266,7 +266,7 @@ def batch_figures(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]
     and its leaders' waits for sessions in flight."""
     diff = {k: then[k] - first[k] for k in ("forwards", "rows", "tokens", "drafted")}
     extra = ["gather_waits", "gather_missed", "turnarounds", "turnaround_s", "padding_refused"]
-    extra += ["hold_waits", "held_s"]
+    extra += ["hold_waits", "held_s", "drift_holds"]
     diff.update({k: then.get(k, 0) - first.get(k, 0) for k in extra})
     forwards = max(diff["forwards"], 1)
     by_rows = {r: n - first["by_rows"].get(r, 0) for r, n in then["by_rows"].items()}
@@ -289,7 +289,8 @@ def describe_batches(b: dict[str, Any] | None) -> str:
         f"{b['tokens_per_forward']:.2f} tokens ({b['drafted_per_forward']:.2f} drafted) a forward;"
         f" forwards by sessions {{{hist}}}; waits {b['gather_waits']}, missed {b['gather_missed']}"
         f", turnaround {b['turnaround_ms']:.2f} ms; refused for padding {b['padding_refused']}"
-        f"; held {b.get('hold_waits', 0)} forwards, {1e3 * b.get('held_s', 0.0):.0f} ms in all"
+        f"; held {b.get('hold_waits', 0)} forwards ({b.get('drift_holds', 0)} to drift), "
+        f"{1e3 * b.get('held_s', 0.0):.0f} ms in all"
     )
 
 

@@ -32,13 +32,14 @@ wait ends at once when a request that consents to no hold, or a shorter one, is 
 holds only the sessions that asked for it. Sessions served together get their verdicts
 together and so come back close together: after the first hold they stay batched, and a wait
 is the spread of their drafting and link, not h. The leader waits only for the sessions due
-back within the hold (each session's cycle, result to next request, learnt as it goes): a
-session a moment too late for one forward runs right after it and is waited for the next
-round, where a hold for everyone that consented kept it apart (each side held h for the
-other, in vain, both shifted alike: on the lab's box, 4 drafters at 50 ms one-way ran as a
-stable 3 + 1 or 2 + 2, 1.7-1.9 sessions a forward, 2.9 after this). Where a consenting session
-is due within half its cycle after the hold, the leader holds its whole consent anyway, so
-two groups apart drift together by h a round.
+back within the hold (each session's cycle, result to next request, learnt as it goes; one
+overdue or not yet measured is waited for too, but once a hold has waited for it in vain, not
+again until it is back): a session a moment too late for one forward runs right after it
+and is waited for the next round, where a hold for everyone that consented kept it apart
+(each side held h for the other, in vain, both shifted alike: on the lab's box, 4 drafters
+at 50 ms one-way ran as a stable 3 + 1 or 2 + 2, 1.7-1.9 sessions a forward, 2.9 after
+this). Where a consenting session is due within half a cycle after the hold, the leader
+holds its whole consent anyway, so two groups further apart than h close in by h a round.
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ class _Away:
     cycle_s: float | None = None
     """Running mean of its result-to-next-request time however it spent it (its drafting
     and the wire's round trip included): when a held leader expects it back (`_hold`)."""
+    hold_missed: bool = False
+    """A hold waited for it in vain (stalled, or opened and silent): no hold waits for it
+    again until it is back with a request."""
 
     def expected(self) -> float | None:
         """When its next request should come (None: not known yet)."""
@@ -190,6 +194,9 @@ class BatchStats:
     hold_waits: int = 0
     held_s: float = 0.0
     """Forwards whose leader held for sessions that consented (`hold`), and their waits in all."""
+    drift_holds: int = 0
+    """Of those, the holds for nobody due within them, to drift towards a session due soon
+    after (`BatchedTarget._hold`)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (the verifier's STATS_DONE)."""
@@ -304,9 +311,13 @@ class BatchedTarget:
     def _back(self, decoder: CachedDecoder) -> None:
         """(The lock held.) `decoder`'s session is back with a request: its turnaround."""
         away = self._away.get(id(decoder))
+        if away is not None:
+            away.hold_missed = False
         if away is not None and away.served_at is not None:  # its cycle, wire or not
             cycle = max(0.0, self._clock() - away.served_at)
             mean = away.cycle_s
+            if mean is not None:  # one long pause moves it at most to 1.2x, not for rounds
+                cycle = min(cycle, 2 * mean)
             away.cycle_s = cycle if mean is None else mean + TURNAROUND_WEIGHT * (cycle - mean)
         if away is None or away.returned_at is None:
             return
@@ -351,46 +362,58 @@ class BatchedTarget:
 
     def _hold(self) -> None:
         """(The lock held, leading.) While every queued request consents to a hold, wait for
-        the requests of the other sessions that consented too and are expected back within
-        it (`_awaited`; a connection that has no request coming, or a session that asked for
-        no hold, is not waited for): until all are queued or the batch is full, or the
-        shortest consent (from each request's arrival) runs out; a request queued meanwhile
-        with a shorter one, or none, shortens or ends the wait; a session that leaves is no
-        longer waited for. Where none is expected within it but some are within half their
-        cycle after it, the queued ones are held their whole consent anyway: so they come
-        back that much closer to those, and two groups that came apart (one a moment too
-        late for a forward) meet again within a few rounds instead of each holding for the
-        other, in vain, every round."""
-        started, held = self._clock(), False
+        the requests of the other sessions that consented too and are due (`_awaited`: a
+        connection that has no request coming, a session that asked for no hold, one due
+        only after the hold, or one a hold waited for in vain since its last request, is not
+        waited for): until those are queued or the batch is full, or the shortest consent
+        (from each request's arrival) runs out; a request queued meanwhile with a shorter
+        one, or none, shortens or ends the wait; a session that leaves is no longer waited
+        for. Where none is due within it but one is due within half a cycle after it (its
+        own or the queued sessions', the shorter), the queued ones are held their whole
+        consent anyway (`drift_holds`): they come back that much closer to it, and two groups
+        that came apart (one a moment too late for a forward) meet again within a few rounds
+        instead of each holding for the other, in vain, every round."""
+        due: list[int] = []
+        started, held, drift, ran_out = self._clock(), False, False, False
         while self._queue and len(self._queue) < self.max_batch:
             deadline = min(r.arrived + r.hold_s for r in self._queue)
-            left = deadline - self._clock()
-            if left <= 0 or self._awaited(deadline) is None:
+            due, drift = self._awaited(deadline)
+            if deadline <= self._clock():
+                ran_out = all(r.hold_s > 0 for r in self._queue)  # (not ended by a refusal)
+                break
+            if not (due or drift):
                 break
             held = True
-            self._cond.wait(left)
+            self._cond.wait(deadline - self._clock())
+        for key in due if held and ran_out else ():  # the consent ran out before they came:
+            self._away.setdefault(key, _Away()).hold_missed = True  # not waited for till back
         if held:
             self.stats.hold_waits += 1
             self.stats.held_s += self._clock() - started
+            self.stats.drift_holds += int(drift and not due)
 
-    def _awaited(self, deadline: float) -> bool | None:
-        """(The lock held.) Whether a leader holding until `deadline` waits for a consenting
-        session not queued: True, one may come by then (its expected request is due by the
-        deadline, or overdue, or it has no cycle measured yet); False, none will, but one is
-        due within half its cycle after the deadline (held anyway, to drift towards it);
-        None: nobody to hold for."""
+    def _awaited(self, deadline: float) -> tuple[list[int], bool]:
+        """(The lock held.) For a leader holding until `deadline`: the consenting sessions
+        not queued that it waits for (due by the deadline, or overdue, or with no cycle
+        measured yet; not one a hold waited for in vain since its last request), and whether,
+        none of them, one is due within half a cycle after the deadline (held anyway, to
+        drift towards it; the cycle its own or the queued sessions' shortest, whichever is
+        shorter: a slow session does not hold a fast group half of its long cycle)."""
         queued = {id(r.decoder) for r in self._queue}
-        drift = False
+        cycles = [a.cycle_s for r in self._queue if (a := self._away.get(id(r.decoder)))]
+        mine = min((c for c in cycles if c is not None), default=float("inf"))
+        due, drift = [], False
         for key in self._holds:
-            if key in queued:
-                continue
             away = self._away.get(key)
+            if key in queued or (away is not None and away.hold_missed):
+                continue
             expected = away.expected() if away is not None else None
             if expected is None or expected <= deadline:
-                return True
+                due.append(key)
+                continue
             assert away is not None and away.cycle_s is not None
-            drift = drift or expected - deadline < away.cycle_s / 2
-        return False if drift else None
+            drift = drift or expected - deadline < min(away.cycle_s, mine) / 2
+        return due, drift
 
     def _take(self) -> list[_Request]:
         """The next batch (the lock held): the oldest waiting request, then the others with

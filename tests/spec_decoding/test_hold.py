@@ -67,8 +67,8 @@ def test_a_hold_ends_when_its_consent_runs_out(three) -> None:
     thread, _ = in_thread(lambda: decoders[0].extend([]))
     until(lambda: len(batched._queue) == 1)
     assert thread.is_alive()  # held: the frozen clock has not reached its consent's end
-    clock.now += 0.021
-    with batched._cond:  # (a wait on the real clock would end by itself: wake it now)
+    with batched._cond:  # (the leader lets go of the lock only in its wait: it is waiting;
+        clock.now += 0.021  # a wait on the real clock would end by itself: wake it now)
         batched._cond.notify_all()
     assert finished(thread)
     assert batched.stats.by_rows == {1: 1} and batched.stats.hold_waits == 1
@@ -158,8 +158,8 @@ def test_a_hold_waits_only_for_sessions_due_within_it_and_drifts_towards_those_d
     clock.now = 0.2  # a comes; b is due now too: a is held for it
     first, _ = in_thread(lambda: a.extend([]))
     until(lambda: len(batched._queue) == 1)
-    clock.now = 0.221  # b is late: a's consent runs out, it goes alone
-    with batched._cond:
+    with batched._cond:  # (the leader lets go of the lock only in its wait: it is waiting)
+        clock.now = 0.221  # b is late: a's consent runs out, it goes alone
         batched._cond.notify_all()
     assert finished(first)
     served_alike(a)
@@ -172,12 +172,57 @@ def test_a_hold_waits_only_for_sessions_due_within_it_and_drifts_towards_those_d
     clock.now = 0.32  # a comes; b is due at 0.36 (0.25 + its cycle, 110 ms): not by a's
     first, _ = in_thread(lambda: a.extend([]))  # consent's end, 0.34, but soon after it
     until(lambda: len(batched._queue) == 1)
-    clock.now = 0.341
     with batched._cond:
+        clock.now = 0.341
         batched._cond.notify_all()
     assert finished(first)
     assert batched.stats.hold_waits == holds + 1  # held its whole consent, alone
     assert batched.stats.held_s == pytest.approx(0.021 + 0.021, abs=1e-9)
+
+
+def test_a_session_a_hold_waited_for_in_vain_is_not_waited_for_again_until_it_is_back(
+    three,
+) -> None:
+    """A consenting session that stalls (its client paused, or opened and silent) costs the
+    others one hold, not one on every forward for as long as it stalls."""
+    batched, clock, decoders = three
+    a, b = decoders[0], decoders[1]
+    batched.hold(a, 0.02)
+    batched.hold(b, 0.02)
+    for at in (0.0, 0.1):  # two rounds together: each cycle measured, 100 ms
+        clock.now = at
+        first, _ = in_thread(lambda: a.extend([]))
+        until(lambda: len(batched._queue) == 1)
+        b.extend([])
+        assert finished(first)
+        for decoder in (a, b):
+            decoder.commit([61])
+            batched.idle(decoder)
+    clock.now = 0.2  # a comes; b is due: a is held for it
+    first, _ = in_thread(lambda: a.extend([]))
+    until(lambda: len(batched._queue) == 1)
+    with batched._cond:  # (the leader lets go of the lock only in its wait: it is waiting)
+        clock.now = 0.221  # b stalls: a's consent runs out
+        batched._cond.notify_all()
+    assert finished(first)
+    a.commit([62])
+    batched.idle(a)
+    clock.now = 0.321  # a's next round; b, overdue, was waited for in vain: a goes at once
+    again, _ = in_thread(lambda: a.extend([]))
+    assert finished(again)
+    assert batched.stats.hold_waits == 3 and batched.stats.by_rows == {2: 2, 1: 2}
+    a.commit([63])
+    batched.idle(a)
+    clock.now = 0.33  # b is back: waited for again from its next round
+    b.extend([])
+    b.commit([64])
+    batched.idle(b)
+    clock.now = 0.421  # a comes; b, back at 0.33, is due at 0.43: a is held for it
+    held, _ = in_thread(lambda: a.extend([]))
+    until(lambda: len(batched._queue) == 1)
+    b.extend([])
+    assert finished(held)
+    assert batched.stats.by_rows == {2: 3, 1: 3} and batched.stats.hold_waits == 4
 
 
 @pytest.mark.parametrize("bad", [-0.001, float("inf"), float("nan")])
