@@ -266,7 +266,7 @@ def batch_figures(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]
     and its leaders' waits for sessions in flight."""
     diff = {k: then[k] - first[k] for k in ("forwards", "rows", "tokens", "drafted")}
     extra = ["gather_waits", "gather_missed", "turnarounds", "turnaround_s", "padding_refused"]
-    extra += ["hold_waits", "held_s", "drift_holds"]
+    extra += ["hold_waits", "held_s", "drift_holds", "slots"]
     diff.update({k: then.get(k, 0) - first.get(k, 0) for k in extra})
     forwards = max(diff["forwards"], 1)
     by_rows = {r: n - first["by_rows"].get(r, 0) for r, n in then["by_rows"].items()}
@@ -275,6 +275,7 @@ def batch_figures(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]
         "rows_per_forward": diff["rows"] / forwards,
         "tokens_per_forward": diff["tokens"] / forwards,
         "drafted_per_forward": diff["drafted"] / forwards,
+        "padded_drafted": max(diff["slots"] - diff["rows"], diff["drafted"]),
         "turnaround_ms": 1e3 * diff["turnaround_s"] / max(diff["turnarounds"], 1),
         "by_rows": {r: n for r, n in by_rows.items() if n},
     }
@@ -297,7 +298,8 @@ def describe_batches(b: dict[str, Any] | None) -> str:
 def accounted(run: dict[str, Any], loop: LoopCosts, frames: FrameCosts) -> dict[str, float] | None:
     """A check of the costs, not of the model: the share of a run's measured verifier CPU
     that the loop's costs of the forwards its batcher did run (their sessions and drafted
-    tokens, as STATS counted them) and each session-forward's frames account for. Near 1:
+    tokens, the padding to each forward's longest row priced as drafted tokens, as STATS
+    counted them) and each session-forward's frames account for. Near 1:
     the per-forward costs are right and a miss of the prediction is in the batches it
     foresaw; far from 1: the costs themselves miss something the run pays."""
     b = run.get("batches")
@@ -309,7 +311,7 @@ def accounted(run: dict[str, Any], loop: LoopCosts, frames: FrameCosts) -> dict[
     cost = (
         b["forwards"] * (loop.base_s + loop.cold_s(idle_s))
         + b["rows"] * (loop.per_session_s + frames.per_forward_s)
-        + b["drafted"] * loop.per_drafted_s
+        + b.get("padded_drafted", b["drafted"]) * loop.per_drafted_s
     )
     return {"accounted_cpu_s": cost, "share": cost / run["verifier_cpu_s"]}
 
@@ -656,7 +658,8 @@ def at_delay(
                 **common, alone=decode_alone, alpha_after_wrong=s1["acceptance_after_wrong"]
             )
         else:
-            spec_predicted = predict_rounds(**common, held=bool(hold_ms))
+            windows = [f - 1 for f in s1["forwards"]]  # its rounds' drafted tokens
+            spec_predicted = predict_rounds(**common, held=bool(hold_ms), windows=windows)
         target_predicted = predict_target_alone(
             sessions=CLIENTS, loop=loop, frames=target_frames, one_way_s=one_way_s,
             max_new_tokens=max_new, open_s=t1["prefill_ms"] / 1e3,

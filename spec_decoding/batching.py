@@ -180,6 +180,8 @@ class BatchStats:
     """Rows whose forward failed alone (their session ends; the others' went on)."""
     drafted: int = 0
     """Tokens fed beyond each session's committed sequence (drafts checked), padding excluded."""
+    slots: int = 0
+    """Token slots the forwards computed, padding included (rows x the longest feed each)."""
     by_rows: dict[int, int] = field(default_factory=dict)
     """Forwards by their rows: {sessions in the forward: forwards}."""
     gather_waits: int = 0
@@ -516,6 +518,7 @@ class BatchedTarget:
         stats.forwards += 1
         stats.rows += len(fed)
         stats.tokens += sum(fed)
+        stats.slots += len(fed) * max(fed, default=0)
         stats.most_rows = max(stats.most_rows, len(fed))
         stats.by_rows[len(fed)] = stats.by_rows.get(len(fed), 0) + 1
         stats.most_cache_tokens = max(stats.most_cache_tokens, cache_tokens)

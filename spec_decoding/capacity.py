@@ -39,7 +39,7 @@ alike, runs one forward of the sessions' committed tokens per token of each clie
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -294,6 +294,7 @@ def predict_rounds(
     max_new_tokens: int,
     open_s: float = 0.0,
     held: bool = False,
+    windows: Sequence[int] = (),
 ) -> Prediction:
     """S closed-loop drafters in DRAFT rounds on one batching verifier. Each round a session
     drafts g tokens (g: what the rounds model of `gamma=auto` picks from the same costs), sends
@@ -306,7 +307,9 @@ def predict_rounds(
     sessions' rounds leave it, each forward paying its cold start (a fixed point, as
     `predict_speculative`). `held` (`spec.batch_hold_ms`): every session consents to wait for
     the others, so, served together, they come back together and every forward serves all S
-    (the wait itself, the spread of their drafting, is not priced)."""
+    (the wait itself, the spread of their drafting, is not priced). `windows` (a session's
+    drafted tokens round by round, from one session alone): a forward of several sessions pads
+    each row to the longest window in it, and computes those slots too (`padding_factor`)."""
     alpha = min(max(alpha, 0.0), 0.999)
     others, idle_s = 0.0, 0.0
     window, tokens, forward_s, round_s = 1, 1.0, 0.0, 1.0
@@ -324,7 +327,8 @@ def predict_rounds(
         window = costs.best_gamma(max_window)
         tokens = expected_tokens(alpha, window)
         # the forward's wall time: the whole batch's CPU (one verifier thread)
-        forward_s = loop.seconds(rows, rows * window, idle_s) + rows * frames.per_forward_s
+        pad = padding_factor(windows, rows)
+        forward_s = loop.seconds(rows, rows * window * pad, idle_s) + rows * frames.per_forward_s
         round_s = window * draft_s + 2 * one_way_s + forward_s
         target = (sessions - 1) * (1.0 if held else min(1.0, forward_s / round_s) * loop.fill)
         # S sessions' rounds, `rows` of them a forward: the verifier idles in between
@@ -334,7 +338,8 @@ def predict_rounds(
         others = 0.5 * others + 0.5 * target
         idle_s = 0.5 * idle_s + 0.5 * idle_target
     rows = 1 + others
-    cpu_s = loop.session_share_s(rows, window, idle_s) + frames.per_forward_s  # its share
+    pad = padding_factor(windows, rows)  # its share, its row's padding included
+    cpu_s = loop.session_share_s(rows, window * pad, idle_s) + frames.per_forward_s
     # (the first DRAFT follows OPEN on the wire: OPEN's trip is the first round's)
     per_generation = max_new_tokens / tokens * round_s + open_s
     return Prediction(
@@ -345,6 +350,28 @@ def predict_rounds(
         rows_per_forward=rows,
         drafted_per_forward=rows * window,
     )
+
+
+def padding_factor(windows: Sequence[int], rows: float) -> float:
+    """How many drafted-token slots a forward of `rows` sessions computes per drafted token a
+    session brings: every row is padded to the longest window in it, so the forward computes
+    rows x (the longest of `rows` draws) where its sessions brought rows x (the mean draw).
+    `windows`: a session's drafted tokens round by round (from one session alone; each
+    session's window varies as `gamma=auto` follows its acceptance); the longest of n draws
+    taken from their empirical distribution, exactly, n interpolated between whole rows. 1:
+    no spread, or no windows."""
+    values = np.sort(np.asarray([w for w in windows if w >= 0], dtype=float))
+    if len(values) == 0 or values.mean() <= 0:
+        return 1.0
+    cdf = np.arange(1, len(values) + 1) / len(values)  # P(draw <= values[i])
+
+    def longest(n: int) -> float:  # E[max of n draws] = sum v_i (F_i^n - F_{i-1}^n)
+        return float(np.sum(values * (cdf**n - np.concatenate(([0.0], cdf[:-1])) ** n)))
+
+    low = max(int(np.floor(rows)), 1)
+    share = min(max(rows - low, 0.0), 1.0)
+    expected = (1 - share) * longest(low) + share * longest(low + 1)
+    return expected / float(values.mean())
 
 
 def predict_target_alone(

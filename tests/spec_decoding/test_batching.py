@@ -497,3 +497,15 @@ def test_a_request_left_out_for_padding_is_counted_and_goes_in_the_next_forward(
     assert batched._take() == shorts[1:]  # alike: no padding, no refusal
     assert batched.stats.padding_refused == 2
     assert batched.stats.as_dict()["padding_refused"] == 2  # what STATS reports
+
+
+def test_a_forward_counts_the_slots_it_computed_padding_included(target) -> None:
+    """Rows of unequal feeds are padded to the longest: STATS says the slots computed beside
+    the tokens fed, so the bench can price the padding."""
+    batched = BatchedTarget(target)
+    short, long = (CachedDecoder(target, p, batched=batched) for p in ([5, 6, 7], [8, 9]))
+    for decoder in (short, long):
+        decoder.prefill()
+    batched.forward([(short, [7]), (long, [9, 10, 11, 12])])
+    assert batched.stats.tokens == 5 and batched.stats.slots == 2 * 4
+    assert batched.stats.as_dict()["slots"] == 8

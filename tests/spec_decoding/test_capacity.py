@@ -11,6 +11,7 @@ import pytest
 from spec_decoding.capacity import (
     FrameCosts,
     LoopCosts,
+    padding_factor,
     predict_rounds,
     predict_speculative,
     predict_target_alone,
@@ -247,3 +248,28 @@ def test_rounds_pay_where_a_forwards_base_outweighs_its_drafted_tokens() -> None
     assert rounds(sessions=16).tokens_per_cpu_s > rounds().tokens_per_cpu_s
     assert rounds(one_way_s=0.0005).tokens_per_cpu_s > rounds().tokens_per_cpu_s
     assert rounds(alpha=0.9).tokens_per_cpu_s > rounds().tokens_per_cpu_s
+
+
+def test_a_forward_computes_each_row_padded_to_its_longest_window() -> None:
+    """Windows that vary round by round (gamma=auto follows each session's acceptance): a
+    forward of n sessions computes n x the longest of n draws; alike windows, or one session,
+    pad nothing."""
+    assert padding_factor([6] * 10, 4) == pytest.approx(1.0)
+    assert padding_factor([2, 8], 1) == pytest.approx(1.0)
+    # two rows from {2, 8}: the longest is 8 unless both drew 2 (1/4): 6.5 of a mean 5
+    assert padding_factor([2, 8], 2) == pytest.approx(6.5 / 5)
+    assert padding_factor([2, 8], 1.5) == pytest.approx((1.0 + 6.5 / 5) / 2)
+    spread = [3, 5, 7, 9, 12]
+    factors = [padding_factor(spread, rows) for rows in (1, 2, 3, 4, 8)]
+    assert factors == sorted(factors) and factors[-1] <= max(spread) / (sum(spread) / 5)
+    assert padding_factor([], 4) == 1.0
+
+
+def test_held_rounds_whose_windows_vary_pay_for_their_padding() -> None:
+    even = rounds(held=True)
+    padded = rounds(held=True, windows=[2, 4, 8, 16] * 5)
+    assert padded.tokens_per_cpu_s < even.tokens_per_cpu_s
+    assert padded.drafted_per_forward == pytest.approx(even.drafted_per_forward)  # real ones
+    assert rounds(held=True, windows=[7] * 20).tokens_per_cpu_s == pytest.approx(
+        even.tokens_per_cpu_s
+    )
