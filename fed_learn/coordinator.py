@@ -41,7 +41,7 @@ from fed_learn.aggregate import combiner
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.drivers import CpuClock, RoundDriver
 from fed_learn.evaluation import ClientEvaluator
-from fed_learn.lora import load_adapter_state
+from fed_learn.lora import load_adapter_state, saves_embeddings
 from fed_learn.privacy import Accountant, DPMean, run_noise_multiplier
 from fed_learn.protocol import (
     ClientResult,
@@ -494,7 +494,9 @@ class Coordinator:
         with atomic.staged_dir(final) as staging:
             if self._model_card is not None:  # PEFT updates a card it finds: no template
                 (staging / MODEL_CARD).write_text(self._model_card)
-            self.model.save_pretrained(staging)  # adapter_model.safetensors + adapter_config
+            self.model.save_pretrained(  # adapter_model.safetensors + adapter_config
+                staging, save_embedding_layers=saves_embeddings(self.model)
+            )
             self._model_card = (staging / MODEL_CARD).read_text()
             if moments := self.server_opt.state_tensors():  # restored on resume
                 save_file(moments, str(staging / SERVER_OPT_FILE))
