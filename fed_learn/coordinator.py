@@ -158,8 +158,8 @@ class Coordinator:
                 update = conn.recv(expect={FedMsg.UPDATE, FedMsg.SA_MASKED}, timeout_s=timeout_s)
                 if update.type == FedMsg.UPDATE:
                     self._hand_in(client, body, update.payload)
-                else:
-                    masked = {k: v.clone() for k, v in update.payload.items()}
+                else:  # (received tensors are the frame's own: netproto never reuses them)
+                    masked = dict(update.payload)
                     if self._hand_in_secure(client, FedMsg.SA_MASKED, (body, masked), body):
                         with self._lock:
                             self.admission.took_update(client)
@@ -180,8 +180,9 @@ class Coordinator:
         evaluate: bool = False,
     ) -> None:
         """Queue a RESULT + UPDATE (`evaluate`: an EVAL_RESULT) as the answer to `client`'s
-        outstanding task, checked; drop it if it answers none (the connection reuses its
-        buffers: kept tensors are copied)."""
+        outstanding task, checked; drop it if it answers none. The update's tensors are kept
+        as received, not copied: netproto's received tensors are never overwritten while held
+        (a big frame's buffer is reused only once nothing views it; a small one's copied out)."""
         with self._lock:
             task = client.task
         if task is not None and answers(payload, task.number) and task.evaluate == evaluate:
@@ -195,7 +196,7 @@ class Coordinator:
                     reply = Reply(task, None, {}, evaluation=checked)
                 else:
                     result = parse_result(payload, task=number, round_index=version)
-                    reply = Reply(task, result, {k: v.clone() for k, v in update.items()})
+                    reply = Reply(task, result, dict(update))
             except ValueError as exc:
                 reply = Reply(task, None, {}, error=str(exc))
             with self._lock:
