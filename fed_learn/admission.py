@@ -2,9 +2,11 @@
 
 A client's session opens with a JOIN. Each address may JOIN only so often
 (`fed.join_rate_per_address`, a token bucket per address, `JoinLimiter`); a refused JOIN costs
-one ERROR frame, as does a malformed one. An admitted client gets an id never given before and
-a place in the client table, with what it declared at JOIN capped by
-`fed.max_examples_per_client`.
+one ERROR frame, as does a malformed one. A JOIN refused for the rate is told when to come
+back (`retry_after_s`: a later token, promised to it alone), so refused clients return one per
+token instead of retrying blind, each refusal a session's set-up and teardown here. An
+admitted client gets an id never given before and a place in the client table, with what it
+declared at JOIN capped by `fed.max_examples_per_client`.
 
 A JOIN is charged to its address range (IPv4 /24, IPv6 /64, all of 127/8 as one:
 `address_range`) and to the client index it claims (one shared charge for no claim or one past
@@ -107,25 +109,40 @@ class JoinBudget:
 
 
 class JoinLimiter:
-    """A token bucket per address: `burst` JOINs at once, then `rate` a second. Not
-    thread-safe: the caller holds a lock."""
+    """A token bucket per address: `burst` JOINs at once, then `rate` a second. A refused
+    JOIN is promised a later token (`retry_after`): the refused come back one per token, not
+    all at once, and none retries blind. Not thread-safe: the caller holds a lock."""
 
-    def __init__(self, *, rate: float, burst: int) -> None:
+    def __init__(
+        self, *, rate: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.rate = rate
         self.burst = burst
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        """address -> (tokens, when counted), least recently used first."""
+        self.clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+        """address -> (tokens, when counted, when the next unpromised token comes), least
+        recently used first."""
 
     def allow(self, address: str, *, now: float | None = None) -> bool:
         """Take a token from `address`'s bucket; whether there was one."""
-        now = time.monotonic() if now is None else now
-        tokens, then = self._buckets.pop(address, (float(self.burst), now))
+        now = self.clock() if now is None else now
+        tokens, then, free_at = self._buckets.pop(address, (float(self.burst), now, now))
         tokens = min(float(self.burst), tokens + (now - then) * self.rate)
         allowed = tokens >= 1.0
-        self._buckets[address] = (tokens - allowed, now)
+        self._buckets[address] = (tokens - allowed, now, free_at)
         while len(self._buckets) > MAX_TRACKED_ADDRESSES:
             self._buckets.popitem(last=False)
         return allowed
+
+    def retry_after(self, address: str, *, now: float | None = None) -> float:
+        """Seconds until a token a JOIN refused just now may come back for: the first not
+        promised to one refused before it (a token a second apart, in their order)."""
+        now = self.clock() if now is None else now
+        tokens, then, free_at = self._buckets.pop(address, (float(self.burst), now, now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        due = max(now + max(0.0, 1.0 - tokens) / self.rate, free_at)
+        self._buckets[address] = (tokens, now, due + 1.0 / self.rate)
+        return due - now
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,12 +237,15 @@ class Admission:
             allowed = self._joins.allow(address)
             self.joins_refused += not allowed
             refused = self.joins_refused
+            wait_s = 0.0 if allowed else self._joins.retry_after(address)
         if not allowed:
             conn.send_error(
                 "rate_limited",
                 f"too many JOINs from {address}: at most {self._joins.burst} at once, then "
-                f"{self.fed.join_rate_per_address:g} a second (fed.join_rate_per_address)",
+                f"{self.fed.join_rate_per_address:g} a second (fed.join_rate_per_address); "
+                f"yours in {wait_s:.1f}s",
                 request_id=join.request_id,
+                retry_after_s=wait_s,
             )
             if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th...: a flood stays a trickle
                 log.warning(

@@ -41,7 +41,7 @@ from fed_learn.aggregate import combiner
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.drivers import CpuClock, RoundDriver
 from fed_learn.evaluation import ClientEvaluator
-from fed_learn.lora import load_adapter_state
+from fed_learn.lora import load_adapter_state, saves_embeddings
 from fed_learn.privacy import Accountant, DPMean, run_noise_multiplier
 from fed_learn.protocol import (
     ClientResult,
@@ -158,8 +158,8 @@ class Coordinator:
                 update = conn.recv(expect={FedMsg.UPDATE, FedMsg.SA_MASKED}, timeout_s=timeout_s)
                 if update.type == FedMsg.UPDATE:
                     self._hand_in(client, body, update.payload)
-                else:
-                    masked = {k: v.clone() for k, v in update.payload.items()}
+                else:  # (received tensors are the frame's own: netproto never reuses them)
+                    masked = dict(update.payload)
                     if self._hand_in_secure(client, FedMsg.SA_MASKED, (body, masked), body):
                         with self._lock:
                             self.admission.took_update(client)
@@ -180,8 +180,9 @@ class Coordinator:
         evaluate: bool = False,
     ) -> None:
         """Queue a RESULT + UPDATE (`evaluate`: an EVAL_RESULT) as the answer to `client`'s
-        outstanding task, checked; drop it if it answers none (the connection reuses its
-        buffers: kept tensors are copied)."""
+        outstanding task, checked; drop it if it answers none. The update's tensors are kept
+        as received, not copied: netproto's received tensors are never overwritten while held
+        (a big frame's buffer is reused only once nothing views it; a small one's copied out)."""
         with self._lock:
             task = client.task
         if task is not None and answers(payload, task.number) and task.evaluate == evaluate:
@@ -195,7 +196,7 @@ class Coordinator:
                     reply = Reply(task, None, {}, evaluation=checked)
                 else:
                     result = parse_result(payload, task=number, round_index=version)
-                    reply = Reply(task, result, {k: v.clone() for k, v in update.items()})
+                    reply = Reply(task, result, dict(update))
             except ValueError as exc:
                 reply = Reply(task, None, {}, error=str(exc))
             with self._lock:
@@ -494,7 +495,9 @@ class Coordinator:
         with atomic.staged_dir(final) as staging:
             if self._model_card is not None:  # PEFT updates a card it finds: no template
                 (staging / MODEL_CARD).write_text(self._model_card)
-            self.model.save_pretrained(staging)  # adapter_model.safetensors + adapter_config
+            self.model.save_pretrained(  # adapter_model.safetensors + adapter_config
+                staging, save_embedding_layers=saves_embeddings(self.model)
+            )
             self._model_card = (staging / MODEL_CARD).read_text()
             if moments := self.server_opt.state_tensors():  # restored on resume
                 save_file(moments, str(staging / SERVER_OPT_FILE))

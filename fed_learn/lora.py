@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,36 @@ def peft_model(
         return get_peft_model(model, config)
 
 
-def adapter_state(model: Any) -> dict[str, torch.Tensor]:
-    """The adapter's tensors (PEFT state dict keys), detached copies on CPU."""
+_EMBEDDINGS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+"""Per model: whether PEFT's `save_embedding_layers="auto"` puts the embedding layers in its
+state dict (`saves_embeddings`)."""
+
+
+def saves_embeddings(model: Any) -> bool:
+    """What PEFT's `save_embedding_layers="auto"` decides for `model`, decided once: "auto"
+    reads the base model's config from disk at every call, to see whether the vocabulary was
+    resized since, and nothing here resizes it (a few ms a call, several calls a round)."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().to("cpu").clone() for k, v in get_peft_model_state_dict(model).items()}
+    saved = _EMBEDDINGS.get(model)
+    if saved is None:
+        auto = get_peft_model_state_dict(model)
+        saved = set(auto) != set(get_peft_model_state_dict(model, save_embedding_layers=False))
+        _EMBEDDINGS[model] = saved
+    return saved
+
+
+def peft_state(model: Any) -> dict[str, torch.Tensor]:
+    """PEFT's state dict of `model`'s adapter (the model's own tensors: no copy made), as
+    `get_peft_model_state_dict` gives it by default."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model, save_embedding_layers=saves_embeddings(model))
+
+
+def adapter_state(model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's tensors (PEFT state dict keys), detached copies on CPU."""
+    return {k: v.detach().to("cpu").clone() for k, v in peft_state(model).items()}
 
 
 ADAPTER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -70,9 +96,7 @@ def check_adapter_state(model: Any, state: Any) -> None:
     load casts it to the model's: a party on another device may hold another precision).
     What a peer sends is checked so before PEFT loads it (PEFT's RuntimeError would end the
     process)."""
-    from peft import get_peft_model_state_dict
-
-    own = get_peft_model_state_dict(model)  # the model's own tensors: no copy made
+    own = peft_state(model)  # the model's own tensors: no copy made
     if not isinstance(state, dict) or not state or not set(state) <= set(own):
         names = set(state) if isinstance(state, dict) else set()
         raise ValueError(

@@ -264,13 +264,23 @@ def take_part(
             except RemoteError as exc:
                 if exc.code != "rate_limited":
                     raise
-                # too many JOINs from this address just now: wait a refill, then again
-                pause = (1.0 + random.random()) / fed.join_rate_per_address
+                pause = rejoin_pause(exc.retry_after_s, fed.join_rate_per_address)
                 log.warning("the coordinator asks us to slow down (%s); again in %.1fs", exc, pause)
                 if stop is not None and stop.wait(pause):
                     return client.rounds
                 if stop is None:
                     time.sleep(pause)
+
+
+def rejoin_pause(retry_after_s: float | None, rate: float, *, draw: float | None = None) -> float:
+    """How long a client refused for too many JOINs waits before it asks again: when the
+    coordinator said (`RemoteError.retry_after_s`, already checked to be finite, >= 0 and
+    bounded), a little later rather than early (a token comes then, promised to it); else, a
+    coordinator that did not say, a refill of the JOIN rate or two at random."""
+    draw = random.random() if draw is None else draw
+    if retry_after_s is None:
+        return (1.0 + draw) / rate
+    return retry_after_s * (1.0 + 0.05 * draw) + 0.02
 
 
 class _Stopped(Exception):

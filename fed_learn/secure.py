@@ -495,7 +495,7 @@ class SecureRound:
                     raise secagg.Refused(client, "SA_MASKED must hold one tensor, 'masked'")
                 if masked.dtype != torch.uint64:
                     raise secagg.Refused(client, f"a masked input of {masked.dtype}, not uint64")
-                array = masked.numpy()  # the session's own copy (`Coordinator.handle`)
+                array = masked.numpy()  # the frame's own buffer (`Coordinator.handle`)
                 self.digests.admit(client, self.params.round, array)
                 server.add_input(client, array)
                 self.weights[client] = weight

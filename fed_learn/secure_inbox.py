@@ -46,7 +46,8 @@ class InputDigests:
 
     def admit(self, client: int, round_index: int, masked: np.ndarray) -> None:
         """Record `client`'s masked input of `round_index`; Refused if it was seen before."""
-        digest = hashlib.sha256(masked.tobytes()).digest()
+        # its bytes in C order, as tobytes() gives them, hashed where they lie (no copy)
+        digest = hashlib.sha256(np.ascontiguousarray(masked).data.cast("B")).digest()
         if digest in self._seen:
             first_round, first_client = self._seen[digest]
             raise secagg.Refused(

@@ -423,12 +423,16 @@ class Connection:
     ) -> int:
         return self._send_kind(msg_type, PayloadKind.TENSORS, "send_tensors", tensors, request_id)
 
-    def send_error(self, code: str, message: str, *, request_id: int = 0) -> None:
-        """Tell the peer why we refuse or fail; best effort (the peer may be gone)."""
+    def send_error(
+        self, code: str, message: str, *, request_id: int = 0, retry_after_s: float | None = None
+    ) -> None:
+        """Tell the peer why we refuse or fail (`retry_after_s`: when to ask again); best
+        effort (the peer may be gone)."""
+        body: dict[str, Any] = {"code": code, "message": message[:2000]}
+        if retry_after_s is not None:
+            body["retry_after_s"] = retry_after_s
         with contextlib.suppress(Exception):
-            self.send(
-                MsgType.ERROR, {"code": code, "message": message[:2000]}, request_id=request_id
-            )
+            self.send(MsgType.ERROR, body, request_id=request_id)
 
     def next_request_id(self) -> int:
         return next(self._request_ids) % (2**32 - 1) + 1  # 0 means 'not a request'
@@ -463,7 +467,11 @@ class Connection:
                     return message  # an application message, the commonest case
                 if message.type == MsgType.ERROR:
                     body = message.payload
-                    raise RemoteError(str(body.get("code", "error")), str(body.get("message", "")))
+                    raise RemoteError(
+                        str(body.get("code", "error")),
+                        str(body.get("message", "")),
+                        retry_after_s=body.get("retry_after_s"),
+                    )
                 if self._in_handshake:
                     if expected is None:  # the server's first frame: its handshake refuses it
                         return message

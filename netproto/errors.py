@@ -4,6 +4,9 @@ from __future__ import annotations
 
 MAX_PEER_TEXT_CHARS = 2000
 """Longest text from a peer that reaches an exception message or a log line."""
+MAX_RETRY_AFTER_S = 3600.0
+"""The longest wait an ERROR's `retry_after_s` may ask for; past it (or not a finite number
+>= 0) the field is ignored: a peer cannot park a client for good."""
 
 
 def peer_text(text: object, *, limit: int = MAX_PEER_TEXT_CHARS) -> str:
@@ -64,9 +67,22 @@ class AuthenticationError(NetprotoError):
 class RemoteError(NetprotoError):
     """The peer answered with an ERROR message: it refused or failed our request.
 
-    `code` and `message` are the peer's text, escaped (see `peer_text`): safe to log."""
+    `code` and `message` are the peer's text, escaped (see `peer_text`): safe to log.
+    `retry_after_s`: when the peer says to ask again (a refusal for now, e.g. rate limited),
+    checked by `retry_after`: None when it did not say or said something invalid."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, retry_after_s: object = None) -> None:
         self.code = peer_text(code, limit=100)
         self.message = peer_text(message)
+        self.retry_after_s = retry_after(retry_after_s)
         super().__init__(f"peer error [{self.code}]: {self.message}")
+
+
+def retry_after(value: object) -> float | None:
+    """An ERROR's `retry_after_s` as the peer sent it, if it is a number in
+    [0, MAX_RETRY_AFTER_S] (not a bool, not NaN); else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not 0 <= value <= MAX_RETRY_AFTER_S:  # NaN too; an int past float's range before float()
+        return None
+    return float(value)

@@ -23,6 +23,7 @@ from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import CHECKPOINTS, Coordinator
 from fed_learn.lora import block_size, client_data, peft_model
 from fed_learn.protocol import FedMsg
+from fed_learn.run import rejoin_pause
 from lab.cluster import connect, serve
 from lab.config import ClusterConfig, Endpoint
 from lab.models import load_tokenizer
@@ -251,6 +252,55 @@ def test_a_join_bucket_refills_at_its_rate_and_forgets_the_least_recent_address(
     assert limiter.allow("a", now=0.5) is True  # one whole token at 2 a second
     assert limiter.allow("b", now=0.5) is True  # another address: its own bucket
     assert [limiter.allow("a", now=100.0) for _ in range(4)] == [True, True, True, False]
+
+
+def test_refused_joins_are_promised_one_later_token_each_in_their_order() -> None:
+    limiter = JoinLimiter(rate=2.0, burst=2)
+    assert [limiter.allow("a", now=0.0) for _ in range(3)] == [True, True, False]
+    waits = [limiter.retry_after("a", now=0.0)]  # the third JOIN's refusal
+    for _ in range(2):  # two more refused at once: each told a later token, not the same one
+        assert limiter.allow("a", now=0.0) is False
+        waits.append(limiter.retry_after("a", now=0.0))
+    assert waits == pytest.approx([0.5, 1.0, 1.5])
+    for wait in waits:  # each coming back when told finds its token
+        assert limiter.allow("a", now=wait) is True
+    assert limiter.allow("b", now=0.0) is True  # another address: its own bucket and promises
+    assert limiter.retry_after("c", now=0.0) == 0.0  # nothing spent: no wait
+
+
+def test_a_client_refused_for_the_join_rate_waits_what_it_was_told_else_a_refill() -> None:
+    for draw in (0.0, 0.5, 1.0):
+        told = rejoin_pause(3.0, 1.0, draw=draw)
+        assert 3.0 <= told <= 3.0 * 1.05 + 0.02  # never early: its token comes then
+        assert 1.0 <= rejoin_pause(None, 1.0, draw=draw) <= 2.0  # not said: one or two refills
+    assert rejoin_pause(0.0, 4.0, draw=1.0) == pytest.approx(0.02)
+
+
+def test_a_join_refused_for_the_rate_says_when_its_token_comes(
+    tmp_path: Path, lab_cache: Path
+) -> None:
+    from fed_learn.admission import Admission
+
+    fed = replace(settings_for(tmp_path, lab_cache).fed, join_rate_per_address=0.5)
+    admission = Admission(fed)
+    admission._joins = JoinLimiter(rate=0.5, burst=1, clock=lambda: 0.0)  # a still clock
+    answers: list[float | None] = []
+
+    def handler(conn: Connection) -> None:
+        admission.admit(conn, at_round=lambda: 0)
+
+    with Server(handler) as server:
+        for _ in range(3):
+            with Connection.connect(*server.address) as conn:
+                try:
+                    conn.request(
+                        FedMsg.JOIN, {"name": "c", "num_examples": 8}, expect=FedMsg.WELCOME
+                    )
+                    answers.append(None)
+                except RemoteError as exc:
+                    assert exc.code == "rate_limited"
+                    answers.append(exc.retry_after_s)
+    assert answers == [None, 2.0, 4.0]  # the burst's one token, then one every 2 s, in order
 
 
 @pytest.mark.parametrize("budget", [4, 10**6], ids=["budget", "control"])

@@ -387,6 +387,50 @@ def test_remote_error_keeps_the_peers_text_escaped_and_capped() -> None:
     assert plain.message == "temperature must be finite: ünïcode is fine"
 
 
+@pytest.mark.parametrize(
+    ("sent", "taken"),
+    [
+        (2.5, 2.5),
+        (0, 0.0),
+        (3600, 3600.0),
+        (None, None),
+        (True, None),  # a bool is not a number of seconds
+        (-1.0, None),
+        (3600.5, None),  # past MAX_RETRY_AFTER_S: the peer cannot park a client for good
+        (10**400, None),  # past a float's range: refused before any conversion
+        ("5", None),
+        ([1], None),
+    ],
+)
+def test_an_errors_retry_after_is_taken_only_as_a_bounded_number_of_seconds(
+    start_server, sent: object, taken: float | None
+) -> None:
+    def refuse(conn: Connection) -> None:
+        conn.recv()
+        body: dict[str, object] = {"code": "rate_limited", "message": "later"}
+        if sent is not None:
+            body["retry_after_s"] = sent
+        conn.send(MsgType.ERROR, body)
+
+    server = start_server(refuse)
+    with Connection.connect(*server.address) as conn, pytest.raises(RemoteError) as caught:
+        conn.request(MsgType.DATA_JSON, {}, expect=MsgType.DATA_JSON)
+    assert caught.value.code == "rate_limited"
+    assert caught.value.retry_after_s == taken
+
+
+def test_send_error_carries_retry_after_to_the_peer(start_server) -> None:
+    def refuse(conn: Connection) -> None:
+        request = conn.recv()
+        conn.send_error("rate_limited", "later", request_id=request.request_id, retry_after_s=1.5)
+
+    server = start_server(refuse)
+    with Connection.connect(*server.address) as conn, pytest.raises(RemoteError) as caught:
+        conn.request(MsgType.DATA_JSON, {}, expect=MsgType.DATA_JSON)
+    assert caught.value.retry_after_s == 1.5
+    assert RemoteError("internal", "no field").retry_after_s is None
+
+
 def _json_frame(body: bytes) -> bytes:
     return (
         HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, MsgType.DATA_JSON, PayloadKind.JSON, 5, len(body))
