@@ -49,6 +49,10 @@ JOINED = -1
 """On `Admission.news`: a client joined (the other entries are client ids, see there)."""
 REPLY_SLOTS = 2
 """A client's queue: the answer to its one outstanding task, and the 'gone' marker."""
+MAX_PROMISED_REFILLS = 10
+"""The furthest ahead a refused JOIN is told to come back, in refills of the JOIN rate: a
+burst of refused JOINs from an address (a stranger sharing its range, a local process on
+127/8) cannot tell the next honest client to stay away longer than this."""
 MAX_TRACKED_ADDRESSES = 4096
 """JOIN buckets kept (the least recently used goes first): memory stays bounded whatever the
 number of addresses; a forgotten one starts again with a full bucket."""
@@ -141,6 +145,7 @@ class JoinLimiter:
         tokens, then, free_at = self._buckets.pop(address, (float(self.burst), now, now))
         tokens = min(float(self.burst), tokens + (now - then) * self.rate)
         due = max(now + max(0.0, 1.0 - tokens) / self.rate, free_at)
+        due = min(due, now + MAX_PROMISED_REFILLS / self.rate)  # a flood parks nobody long
         self._buckets[address] = (tokens, now, due + 1.0 / self.rate)
         return due - now
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from fed_learn.admission import JoinLimiter
+from fed_learn.admission import MAX_PROMISED_REFILLS, JoinLimiter
 from fed_learn.client import LoRAClient
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import CHECKPOINTS, Coordinator
@@ -266,6 +266,18 @@ def test_refused_joins_are_promised_one_later_token_each_in_their_order() -> Non
         assert limiter.allow("a", now=wait) is True
     assert limiter.allow("b", now=0.0) is True  # another address: its own bucket and promises
     assert limiter.retry_after("c", now=0.0) == 0.0  # nothing spent: no wait
+
+
+def test_a_flood_of_refused_joins_cannot_tell_an_honest_client_to_stay_away_for_long() -> None:
+    """A stranger sharing the address range (or any local process: 127/8 is one range) that
+    sends a thousand JOINs at once is refused each; the next honest client is told to come
+    back within MAX_PROMISED_REFILLS refills, not after a thousand promises."""
+    limiter = JoinLimiter(rate=1.0, burst=2)
+    for _ in range(1000):
+        limiter.allow("a", now=0.0)
+        limiter.retry_after("a", now=0.0)
+    assert limiter.allow("a", now=0.0) is False
+    assert limiter.retry_after("a", now=0.0) <= MAX_PROMISED_REFILLS / 1.0
 
 
 def test_a_client_refused_for_the_join_rate_waits_what_it_was_told_else_a_refill() -> None:
