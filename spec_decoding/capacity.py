@@ -34,8 +34,9 @@ drafts a window, sends it in one frame and waits a round trip for the verdict, s
 of its checks the whole window (Leviathan et al.'s expected tokens a round), and the window is
 the one the rounds model of `gamma=auto` picks for that session. A forward of several sessions
 pads each row to the longest window in it and computes those slots too: the windows a
-session drafted round by round, alone, say how long the longest of n is (`padding_factor`). The target alone, batched
-alike, runs one forward of the sessions' committed tokens per token of each client.
+session drafted round by round, alone, say how long the longest of n is (`padding_factor`).
+The target alone, batched alike, runs one forward of the sessions' committed tokens per token
+of each client.
 """
 
 from __future__ import annotations
