@@ -115,7 +115,10 @@ class JoinBudget:
 class JoinLimiter:
     """A token bucket per address: `burst` JOINs at once, then `rate` a second. A refused
     JOIN is promised a later token (`retry_after`): the refused come back one per token, not
-    all at once, and none retries blind. Not thread-safe: the caller holds a lock."""
+    all at once, and none retries blind. The promise is advice, not a reservation: a JOIN from
+    the same address that comes first still takes the token (as a blind retry's would), so a
+    flooder sharing the address can outrun it, never one from another range. Not thread-safe:
+    the caller holds a lock."""
 
     def __init__(
         self, *, rate: float, burst: int, clock: Callable[[], float] = time.monotonic

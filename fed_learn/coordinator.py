@@ -78,6 +78,20 @@ CLIENT_SENDS = frozenset(
 """What a client's session may read between rounds' answers (a RESULT opens one)."""
 
 
+def kept(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A received frame's tensors as the round keeps them: as netproto handed them (it never
+    reuses a buffer something still holds), unless they sit in a receive buffer much bigger
+    than they are (a client that sent one huge frame first, then a small update that landed in
+    that buffer's spare): then copied, so a small held update does not pin the big buffer."""
+    size = sum(t.nbytes for t in tensors.values())
+    buffers = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()
+    }
+    if sum(buffers.values()) > 2 * size + (1 << 16):
+        return {k: v.clone() for k, v in tensors.items()}
+    return dict(tensors)
+
+
 class Coordinator:
     def __init__(self, settings: FedLearnRunConfig, model: Any, val_blocks: torch.Tensor) -> None:
         self.settings = settings
@@ -157,9 +171,9 @@ class Coordinator:
                     continue
                 update = conn.recv(expect={FedMsg.UPDATE, FedMsg.SA_MASKED}, timeout_s=timeout_s)
                 if update.type == FedMsg.UPDATE:
-                    self._hand_in(client, body, update.payload)
+                    self._hand_in(client, body, kept(update.payload))
                 else:  # (received tensors are the frame's own: netproto never reuses them)
-                    masked = dict(update.payload)
+                    masked = kept(update.payload)
                     if self._hand_in_secure(client, FedMsg.SA_MASKED, (body, masked), body):
                         with self._lock:
                             self.admission.took_update(client)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from fed_learn.admission import MAX_PROMISED_REFILLS
 from fed_learn.client import LoRAClient, round_floor
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.coordinator import Coordinator
@@ -275,12 +276,16 @@ def take_part(
 def rejoin_pause(retry_after_s: float | None, rate: float, *, draw: float | None = None) -> float:
     """How long a client refused for too many JOINs waits before it asks again: when the
     coordinator said (`RemoteError.retry_after_s`, already checked to be finite, >= 0 and
-    bounded), a little later rather than early (a token comes then, promised to it); else, a
-    coordinator that did not say, a refill of the JOIN rate or two at random."""
+    bounded), a little later rather than early (a token comes then, promised to it), yet
+    never sooner than half a refill nor later than an honest coordinator ever says
+    (MAX_PROMISED_REFILLS refills): whoever answers the JOIN cannot make the client spin on
+    redials or park it for an hour; else, a coordinator that did not say, a refill of the JOIN
+    rate or two at random."""
     draw = random.random() if draw is None else draw
     if retry_after_s is None:
         return (1.0 + draw) / rate
-    return retry_after_s * (1.0 + 0.05 * draw) + 0.02
+    told = retry_after_s * (1.0 + 0.05 * draw) + 0.02
+    return min(max(told, 0.5 / rate), MAX_PROMISED_REFILLS * (1.0 + 0.05 * draw) / rate)
 
 
 class _Stopped(Exception):

@@ -285,7 +285,11 @@ def test_a_client_refused_for_the_join_rate_waits_what_it_was_told_else_a_refill
         told = rejoin_pause(3.0, 1.0, draw=draw)
         assert 3.0 <= told <= 3.0 * 1.05 + 0.02  # never early: its token comes then
         assert 1.0 <= rejoin_pause(None, 1.0, draw=draw) <= 2.0  # not said: one or two refills
-    assert rejoin_pause(0.0, 4.0, draw=1.0) == pytest.approx(0.02)
+        # whoever answers the JOIN: no spinning on redials, no parking for an hour
+        assert 0.5 <= rejoin_pause(0.0, 1.0, draw=draw) < 1.0
+        assert rejoin_pause(3600.0, 1.0, draw=draw) <= MAX_PROMISED_REFILLS * 1.05
+        assert rejoin_pause(3600.0, 4.0, draw=draw) <= MAX_PROMISED_REFILLS * 1.05 / 4
+    assert rejoin_pause(0.0, 4.0, draw=1.0) == pytest.approx(0.5 / 4)  # half a refill at least
 
 
 def test_a_join_refused_for_the_rate_says_when_its_token_comes(
