@@ -78,20 +78,6 @@ CLIENT_SENDS = frozenset(
 """What a client's session may read between rounds' answers (a RESULT opens one)."""
 
 
-def kept(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A received frame's tensors as the round keeps them: as netproto handed them (it never
-    reuses a buffer something still holds), unless they sit in a receive buffer much bigger
-    than they are (a client that sent one huge frame first, then a small update that landed in
-    that buffer's spare): then copied, so a small held update does not pin the big buffer."""
-    size = sum(t.nbytes for t in tensors.values())
-    buffers = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors.values()
-    }
-    if sum(buffers.values()) > 2 * size + (1 << 16):
-        return {k: v.clone() for k, v in tensors.items()}
-    return dict(tensors)
-
-
 class Coordinator:
     def __init__(self, settings: FedLearnRunConfig, model: Any, val_blocks: torch.Tensor) -> None:
         self.settings = settings
@@ -171,9 +157,9 @@ class Coordinator:
                     continue
                 update = conn.recv(expect={FedMsg.UPDATE, FedMsg.SA_MASKED}, timeout_s=timeout_s)
                 if update.type == FedMsg.UPDATE:
-                    self._hand_in(client, body, kept(update.payload))
+                    self._hand_in(client, body, update.payload)
                 else:  # (received tensors are the frame's own: netproto never reuses them)
-                    masked = kept(update.payload)
+                    masked = dict(update.payload)
                     if self._hand_in_secure(client, FedMsg.SA_MASKED, (body, masked), body):
                         with self._lock:
                             self.admission.took_update(client)
@@ -196,7 +182,8 @@ class Coordinator:
         """Queue a RESULT + UPDATE (`evaluate`: an EVAL_RESULT) as the answer to `client`'s
         outstanding task, checked; drop it if it answers none. The update's tensors are kept
         as received, not copied: netproto's received tensors are never overwritten while held
-        (a big frame's buffer is reused only once nothing views it; a small one's copied out)."""
+        (a big frame's buffer is reused only once nothing views it, and only for a frame at
+        least half its size; a small one's copied out)."""
         with self._lock:
             task = client.task
         if task is not None and answers(payload, task.number) and task.evaluate == evaluate:

@@ -601,7 +601,10 @@ class Connection:
         return self._reader.frame_bytes
 
     def _payload_buffer(self, length: int) -> torch.Tensor:
-        """A buffer for a big payload: a spare nobody views any more, else a new one.
+        """A buffer for a big payload: a spare nobody views any more and at most twice its
+        size (a small tensor held from a big spare would keep the whole spare alive: a peer's
+        one huge frame, then its small one, pinning the huge buffer for as long as the small
+        one is kept), else a new one.
 
         Two spares, because the natural loop `message = conn.recv()` still holds the previous
         message while the next one arrives. Fresh big buffers cost page faults on every frame
@@ -609,7 +612,7 @@ class Connection:
         """
         for spare in self._spares:
             if (
-                spare.numel() >= length
+                length <= spare.numel() <= 2 * length
                 and _UNSHARED_REFS is not None
                 and _storage_refs(spare) == _UNSHARED_REFS
             ):

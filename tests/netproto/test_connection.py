@@ -352,6 +352,23 @@ def test_big_receive_buffer_is_reused_only_once_nothing_holds_it(start_server) -
         assert third.data_ptr() == second_ptr  # dropped: its buffer came back
 
 
+def test_a_small_frame_held_never_pins_a_big_receive_buffer(start_server) -> None:
+    """A peer's one huge frame, dropped, then a small one that is kept (a client's update): the
+    small one must not land in the huge spare and keep it alive for as long as it is held; a
+    frame at least half a spare's size still reuses it."""
+    server = start_server()
+    with Connection.connect(*server.address) as conn:
+        conn.send_tensor(MsgType.DATA_TENSOR, torch.zeros(2**21))  # 8 MiB, dropped
+        huge_ptr = conn.recv_tensor(MsgType.DATA_TENSOR).data_ptr()
+        small = torch.full((2**19,), 4.0)  # 2 MiB
+        conn.send_tensor(MsgType.DATA_TENSOR, small)
+        held = conn.recv_tensor(MsgType.DATA_TENSOR)
+        assert torch.equal(held, small)
+        assert held.untyped_storage().nbytes() <= 2 * held.nbytes
+        conn.send_tensor(MsgType.DATA_TENSOR, torch.full((3 * 2**19,), 5.0))  # 6 MiB
+        assert conn.recv_tensor(MsgType.DATA_TENSOR).data_ptr() == huge_ptr
+
+
 # ------------------------------------------------------------------ what reaches the log
 
 
