@@ -311,7 +311,7 @@ def accounted(run: dict[str, Any], loop: LoopCosts, frames: FrameCosts) -> dict[
     cost = (
         b["forwards"] * (loop.base_s + loop.cold_s(idle_s))
         + b["rows"] * (loop.per_session_s + frames.per_forward_s)
-        + b.get("padded_drafted", b["drafted"]) * loop.per_drafted_s
+        + b["padded_drafted"] * loop.per_drafted_s
     )
     return {"accounted_cpu_s": cost, "share": cost / run["verifier_cpu_s"]}
 

@@ -315,12 +315,12 @@ class BatchedTarget:
         away = self._away.get(id(decoder))
         if away is not None:
             away.hold_missed = False
-        if away is not None and away.served_at is not None:  # its cycle, wire or not
-            cycle = max(0.0, self._clock() - away.served_at)
-            mean = away.cycle_s
-            if mean is not None:  # one long pause moves it at most to 1.2x, not for rounds
-                cycle = min(cycle, 2 * mean)
-            away.cycle_s = cycle if mean is None else mean + TURNAROUND_WEIGHT * (cycle - mean)
+            if away.served_at is not None:  # its cycle, wire or not
+                cycle = max(0.0, self._clock() - away.served_at)
+                mean = away.cycle_s
+                if mean is not None:  # one long pause moves it at most to 1.2x, not for rounds
+                    cycle = min(cycle, 2 * mean)
+                away.cycle_s = cycle if mean is None else mean + TURNAROUND_WEIGHT * (cycle - mean)
         if away is None or away.returned_at is None:
             return
         took = max(0.0, self._clock() - away.returned_at)

@@ -128,6 +128,27 @@ def test_only_sessions_that_consented_are_waited_for(three) -> None:
     assert batched.stats.hold_waits == 1 and batched.stats.by_rows == {1: 2}
 
 
+def served(batched: BatchedTarget, *sessions: CachedDecoder) -> None:
+    """Each of `sessions` commits a token and waits on the wire for its next DRAFT."""
+    for decoder in sessions:
+        decoder.commit([60])
+        batched.idle(decoder)
+
+
+def in_step(batched: BatchedTarget, clock: Clock, a: CachedDecoder, b: CachedDecoder) -> None:
+    """`a` and `b` consent to 20 ms holds and come together at 0 and 0.1 s, `a` held for `b`
+    each time: both cycles measured, 100 ms."""
+    batched.hold(a, 0.02)
+    batched.hold(b, 0.02)
+    for at in (0.0, 0.1):
+        clock.now = at
+        first, _ = in_thread(lambda: a.extend([]))
+        until(lambda: len(batched._queue) == 1)
+        b.extend([])
+        assert finished(first)
+        served(batched, a, b)
+
+
 def test_a_hold_waits_only_for_sessions_due_within_it_and_drifts_towards_those_due_soon_after(
     three,
 ) -> None:
@@ -139,21 +160,7 @@ def test_a_hold_waits_only_for_sessions_due_within_it_and_drifts_towards_those_d
     the consent, the leader is held its whole consent anyway, so the two come back closer."""
     batched, clock, decoders = three
     a, b = decoders[0], decoders[1]
-    batched.hold(a, 0.02)
-    batched.hold(b, 0.02)
-
-    def served_alike(*sessions: CachedDecoder) -> None:
-        for decoder in sessions:
-            decoder.commit([60])
-            batched.idle(decoder)  # waits on the wire for its next DRAFT
-
-    for at in (0.0, 0.1):  # two rounds together: each cycle measured, 100 ms
-        clock.now = at
-        first, _ = in_thread(lambda: a.extend([]))
-        until(lambda: len(batched._queue) == 1)
-        b.extend([])
-        assert finished(first)
-        served_alike(a, b)
+    in_step(batched, clock, a, b)
     assert batched.stats.by_rows == {2: 2}
     clock.now = 0.2  # a comes; b is due now too: a is held for it
     first, _ = in_thread(lambda: a.extend([]))
@@ -162,12 +169,12 @@ def test_a_hold_waits_only_for_sessions_due_within_it_and_drifts_towards_those_d
         clock.now = 0.221  # b is late: a's consent runs out, it goes alone
         batched._cond.notify_all()
     assert finished(first)
-    served_alike(a)
+    served(batched, a)
     holds = batched.stats.hold_waits
     clock.now = 0.25  # b, 29 ms after a: a is due at 0.321, past b's consent and half a
     late, _ = in_thread(lambda: b.extend([]))  # cycle after it: b is not held, the clock
     assert finished(late)  # never moves (it was, for a, until the clock ran past its consent)
-    served_alike(b)
+    served(batched, b)
     assert batched.stats.hold_waits == holds and batched.stats.by_rows == {2: 2, 1: 2}
     clock.now = 0.32  # a comes; b is due at 0.36 (0.25 + its cycle, 110 ms): not by a's
     first, _ = in_thread(lambda: a.extend([]))  # consent's end, 0.34, but soon after it
@@ -187,17 +194,7 @@ def test_a_session_a_hold_waited_for_in_vain_is_not_waited_for_again_until_it_is
     others one hold, not one on every forward for as long as it stalls."""
     batched, clock, decoders = three
     a, b = decoders[0], decoders[1]
-    batched.hold(a, 0.02)
-    batched.hold(b, 0.02)
-    for at in (0.0, 0.1):  # two rounds together: each cycle measured, 100 ms
-        clock.now = at
-        first, _ = in_thread(lambda: a.extend([]))
-        until(lambda: len(batched._queue) == 1)
-        b.extend([])
-        assert finished(first)
-        for decoder in (a, b):
-            decoder.commit([61])
-            batched.idle(decoder)
+    in_step(batched, clock, a, b)
     clock.now = 0.2  # a comes; b is due: a is held for it
     first, _ = in_thread(lambda: a.extend([]))
     until(lambda: len(batched._queue) == 1)
@@ -205,18 +202,15 @@ def test_a_session_a_hold_waited_for_in_vain_is_not_waited_for_again_until_it_is
         clock.now = 0.221  # b stalls: a's consent runs out
         batched._cond.notify_all()
     assert finished(first)
-    a.commit([62])
-    batched.idle(a)
+    served(batched, a)
     clock.now = 0.321  # a's next round; b, overdue, was waited for in vain: a goes at once
     again, _ = in_thread(lambda: a.extend([]))
     assert finished(again)
     assert batched.stats.hold_waits == 3 and batched.stats.by_rows == {2: 2, 1: 2}
-    a.commit([63])
-    batched.idle(a)
+    served(batched, a)
     clock.now = 0.33  # b is back: waited for again from its next round
     b.extend([])
-    b.commit([64])
-    batched.idle(b)
+    served(batched, b)
     clock.now = 0.421  # a comes; b, back at 0.33, is due at 0.43: a is held for it
     held, _ = in_thread(lambda: a.extend([]))
     until(lambda: len(batched._queue) == 1)
