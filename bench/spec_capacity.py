@@ -139,6 +139,7 @@ def _speculative(
     forwards += [c.forward_before[0] for g in generations for c in g.checks if c.forward_before]
     forwards += [r.drafted + 1 for g in generations for r in g.rounds]  # rounds: one a round
     return {
+        "plan": [_delivered(g) for g in generations],
         "outputs": [g.tokens for g in generations],
         "seconds": sum(g.seconds for g in generations),
         "forwards": forwards,
@@ -151,6 +152,17 @@ def _speculative(
         "window": metrics["mean_gamma"],
         "alone_share": metrics.get("alone_share", 0.0),  # rounds: the verifier never is
     }
+
+
+def _delivered(generation: Any) -> list[tuple[int, int]]:
+    """A generation's DRAFT rounds, in order: (drafted, tokens delivered), the last cut to the
+    tokens the generation kept (capacity.simulate_rounds's plan)."""
+    rounds, left = [], len(generation.tokens)
+    for r in generation.rounds:
+        got = min(r.accepted + 1, left)
+        rounds.append((r.drafted, got))
+        left -= got
+    return rounds
 
 
 def _target_alone(
@@ -333,6 +345,8 @@ def cpu_seconds(process: psutil.Process) -> float:
 LOOP_SESSIONS = (1, 2, CLIENTS)
 LOOP_DRAFTED = (0, 2, 6)
 """The grid the loop is measured over: sessions, and drafted tokens each feeds a forward."""
+LOOP_ROUNDS = 4
+"""Times the grid (and the cold starts) are measured, interleaved; the median is kept."""
 Point = tuple[float, float, float]
 
 
@@ -371,7 +385,7 @@ class Sink:
 
 
 def loop_points(
-    target: Any, prompts: list[list[int]], sink: Sink, *, steps: int = 32
+    target: Any, prompts: list[list[int]], sink: Sink, *, steps: int = 32, rounds: int = LOOP_ROUNDS
 ) -> tuple[list[Point], dict[str, list[float]]]:
     """The shared loop's CPU a forward (spec_decoding.capacity.LoopCosts): for each (sessions,
     drafted tokens k) of the grid, that many sessions each in its own thread through one batcher
@@ -380,8 +394,10 @@ def loop_points(
     cropped from its cache, as a rejection does) and sending its PROGRESS frame, as the
     verifier's does, over TCP to `sink` (another process); this process's CPU
     (time.process_time: every thread, the kernel's sends included) over the forwards the
-    batcher ran: the grid's (sessions a forward, drafted tokens a forward, CPU seconds a
-    forward), and the same (ms) by "sessions x drafted"."""
+    batcher ran. The grid is walked `rounds` times, its points interleaved, each point the
+    median of its rounds: one point measured once (32 forwards, 0.1-0.3 s of CPU) swung
+    1.5x between runs on the lab's 2-core VM. Returns the grid's (sessions a forward, drafted
+    tokens a forward, CPU seconds a forward), and the same (ms) by "sessions x drafted"."""
 
     def run(count: int, drafted: int) -> tuple[BatchStats, float]:
         batched = BatchedTarget(target)
@@ -423,18 +439,28 @@ def loop_points(
         return batched.stats, cpu
 
     run(CLIENTS, 2)  # warm-up
-    points, table = [], {}
-    for count in LOOP_SESSIONS:
-        for drafted in LOOP_DRAFTED:
+    grid = [(count, drafted) for count in LOOP_SESSIONS for drafted in LOOP_DRAFTED]
+    taken: dict[tuple[int, int], list[Point]] = {key: [] for key in grid}
+    for _ in range(rounds):  # the grid's points interleaved: a slow spell spreads over all
+        for count, drafted in grid:
             stats, cpu = run(count, drafted)
             forwards = max(stats.forwards, 1)
-            point = (stats.rows / forwards, stats.drafted / forwards, cpu / forwards)
-            points.append(point)
-            table[f"{count}x{drafted}"] = [
-                round(point[0], 2),
-                round(point[1], 2),
-                round(point[2] * 1e3, 3),
-            ]
+            taken[count, drafted].append(
+                (stats.rows / forwards, stats.drafted / forwards, cpu / forwards)
+            )
+    points, table = [], {}
+    for (count, drafted), found in taken.items():
+        point = (
+            statistics.median(p[0] for p in found),
+            statistics.median(p[1] for p in found),
+            statistics.median(p[2] for p in found),
+        )
+        points.append(point)
+        table[f"{count}x{drafted}"] = [
+            round(point[0], 2),
+            round(point[1], 2),
+            round(point[2] * 1e3, 3),
+        ]
     return points, table
 
 
@@ -442,12 +468,14 @@ COLD_PAUSES_S = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 """The idle before a forward that `cold_points` measures it after."""
 
 
-def cold_points(target: Any, prompts: list[list[int]], *, steps: int = 12) -> dict[str, float]:
+def cold_points(
+    target: Any, prompts: list[list[int]], *, steps: int = 12, rounds: int = LOOP_ROUNDS
+) -> dict[str, float]:
     """What a forward costs after the verifier idled (LoopCosts.cold): one session through the
     batcher feeding its committed token and 2 drafted ones, `steps` forwards back to back and
     then `steps` after each pause of COLD_PAUSES_S, each forward's CPU (time.process_time,
     the pause not counted); the extra CPU seconds a forward over the back-to-back one's, by
-    pause (seconds, as str)."""
+    pause (seconds, as str), the median of `rounds` rounds."""
     batched = BatchedTarget(target)
     batched.sessions = 1
     decoder = CachedDecoder(target, prompts[0], batched=batched)
@@ -465,8 +493,12 @@ def cold_points(target: Any, prompts: list[list[int]], *, steps: int = 12) -> di
         return cpu / steps
 
     forwards(0.0)  # warm-up
-    hot = forwards(0.0)
-    return {str(pause): forwards(pause) - hot for pause in COLD_PAUSES_S}
+    extra: dict[str, list[float]] = {str(pause): [] for pause in COLD_PAUSES_S}
+    for _ in range(rounds):  # each round's pauses against that round's back-to-back forwards
+        hot = forwards(0.0)
+        for pause in COLD_PAUSES_S:
+            extra[str(pause)].append(forwards(pause) - hot)
+    return {pause: statistics.median(found) for pause, found in extra.items()}
 
 
 def fit_loop(
@@ -640,6 +672,8 @@ def at_delay(
             forwards=s1["forwards"],
             loop=loop,
             wall_s=alone[kind]["wall_s"],
+            # the held rounds' simulation prices each generation's prefill apart
+            opened_s=len(s1["plan"]) * s1["prefill_ms"] / 1e3 if hold_ms else 0.0,
         )
         one_way_s = max(s1["rtt_s"] / 2, delay / 1e3)
         common = {
@@ -659,7 +693,11 @@ def at_delay(
             )
         else:
             windows = [f - 1 for f in s1["forwards"]]  # its rounds' drafted tokens
-            spec_predicted = predict_rounds(**common, held=bool(hold_ms), windows=windows)
+            dealt = iter(s1["plan"])  # its generations, dealt back out as `work` was
+            plans = [[next(dealt) for _ in prompts] for prompts in work]
+            spec_predicted = predict_rounds(
+                **common, hold_s=hold_ms / 1e3, windows=windows, plans=plans
+            )
         target_predicted = predict_target_alone(
             sessions=CLIENTS, loop=loop, frames=target_frames, one_way_s=one_way_s,
             max_new_tokens=max_new, open_s=t1["prefill_ms"] / 1e3,

@@ -35,6 +35,10 @@ of its checks the whole window (Leviathan et al.'s expected tokens a round), and
 the one the rounds model of `gamma=auto` picks for that session. A forward of several sessions
 pads each row to the longest window in it and computes those slots too: the windows a
 session drafted round by round, alone, say how long the longest of n is (`padding_factor`).
+With each session consenting to be held for the others (`spec.batch_hold_ms`), who shares a
+forward is the batcher's policy, not chance: the run is played out event by event
+(`simulate_rounds`) on each prompt's rounds as one session alone ran them, the batcher's
+hold rules played as it plays them.
 The target alone, batched alike, runs one forward of the sessions' committed tokens per token
 of each client.
 """
@@ -153,15 +157,22 @@ class FrameCosts:
 
     @classmethod
     def measured(
-        cls, *, cpu_s: float, forwards: Iterable[int], loop: LoopCosts, wall_s: float = 0.0
+        cls,
+        *,
+        cpu_s: float,
+        forwards: Iterable[int],
+        loop: LoopCosts,
+        wall_s: float = 0.0,
+        opened_s: float = 0.0,
     ) -> FrameCosts:
         """From one session's run: the verifier's CPU `cpu_s` less its forwards' loop cost
         (`forwards`: each one's tokens fed, the first its committed token, the rest drafted;
-        each after the idle the run's `wall_s` left between them, on average), per forward."""
+        each after the idle the run's `wall_s` left between them, on average) and, where the
+        model prices them apart, its OPENs' prefills (`opened_s`), per forward."""
         fed = list(forwards)
         idle_s = idle_per_forward(wall_s=wall_s, cpu_s=cpu_s, forwards=len(fed))
         looped = sum(loop.seconds(1, max(f - 1, 0)) for f in fed) + len(fed) * loop.cold_s(idle_s)
-        return cls(per_forward_s=max(0.0, (cpu_s - looped) / max(len(fed), 1)))
+        return cls(per_forward_s=max(0.0, (cpu_s - looped - opened_s) / max(len(fed), 1)))
 
 
 def idle_per_forward(*, wall_s: float, cpu_s: float, forwards: int) -> float:
@@ -296,8 +307,10 @@ def predict_rounds(
     max_window: int,
     max_new_tokens: int,
     open_s: float = 0.0,
-    held: bool = False,
+    hold_s: float = 0.0,
     windows: Sequence[int] = (),
+    plans: Sequence[Plan] = (),
+    generations: int = 4,
 ) -> Prediction:
     """S closed-loop drafters in DRAFT rounds on one batching verifier. Each round a session
     drafts g tokens (g: what the rounds model of `gamma=auto` picks from the same costs), sends
@@ -308,12 +321,21 @@ def predict_rounds(
     round's: draft, link both ways, forward); a forward finds each other session in it with
     that chance times the loop's fill, and the verifier idles between forwards what the
     sessions' rounds leave it, each forward paying its cold start (a fixed point, as
-    `predict_speculative`). `held` (`spec.batch_hold_ms`): every session consents to wait for
-    the others, so, served together, they come back together and every forward serves all S
-    (the wait itself, the spread of their drafting, is not priced). `windows` (a session's
-    drafted tokens round by round, from one session alone): a forward of several sessions pads
-    each row to the longest window in it, and computes those slots too (`padding_factor`)."""
+    `predict_speculative`). `windows` (a session's drafted tokens round by round, from one
+    session alone): a forward of several sessions pads each row to the longest window in it,
+    and computes those slots too (`padding_factor`).
+
+    `hold_s` (`spec.batch_hold_ms`, each session's consent to wait for the others): who meets
+    in a forward is then the batcher's policy, not chance, and the run is played out event by
+    event (`simulate_rounds`) on `plans` (each client's generations' rounds; from one session
+    alone, each prompt's rounds as it ran them there; none: `generations` of each client drawn
+    from `windows`, or the window above, and `alpha`), the prefill of each generation
+    `open_s`. (Before, held rounds were taken to serve all S sessions a forward: measured, a
+    session whose windows ran long was refused for padding and drifted apart, a new
+    generation's session was unknown to the batcher, the run's tail had clients done, and a
+    forward served 2.8-3.0 of 4.)"""
     alpha = min(max(alpha, 0.0), 0.999)
+    held = hold_s > 0
     others, idle_s = 0.0, 0.0
     window, tokens, forward_s, round_s = 1, 1.0, 0.0, 1.0
     for _ in range(50):
@@ -333,13 +355,38 @@ def predict_rounds(
         pad = padding_factor(windows, rows)
         forward_s = loop.seconds(rows, rows * window * pad, idle_s) + rows * frames.per_forward_s
         round_s = window * draft_s + 2 * one_way_s + forward_s
-        target = (sessions - 1) * (1.0 if held else min(1.0, forward_s / round_s) * loop.fill)
+        target = (sessions - 1) * min(1.0, forward_s / round_s) * loop.fill
         # S sessions' rounds, `rows` of them a forward: the verifier idles in between
         idle_target = max(0.0, round_s * rows / sessions - forward_s)
         if abs(target - others) < 1e-4 and abs(idle_target - idle_s) < 1e-5:
             break
         others = 0.5 * others + 0.5 * target
         idle_s = 0.5 * idle_s + 0.5 * idle_target
+    if held:
+        plans = plans or drawn_plans(
+            sessions=sessions,
+            generations=generations,
+            max_new_tokens=max_new_tokens,
+            alpha=alpha,
+            windows=windows or [window],
+        )
+        run = simulate_rounds(
+            plans=plans,
+            draft_s=draft_s,
+            one_way_s=one_way_s,
+            loop=loop,
+            frames=frames,
+            prefill_s=open_s,
+            hold_s=hold_s,
+        )
+        return Prediction(
+            tokens_per_cpu_s=run.tokens / run.cpu_s,
+            per_client_tokens_per_s=run.per_client_tokens_per_s,
+            window=round(run.drafted / run.rows),
+            tokens_per_forward=run.tokens / run.rows,
+            rows_per_forward=run.rows / run.forwards,
+            drafted_per_forward=run.drafted / run.forwards,
+        )
     rows = 1 + others
     pad = padding_factor(windows, rows)  # its share, its row's padding included
     cpu_s = loop.session_share_s(rows, window * pad, idle_s) + frames.per_forward_s
@@ -353,6 +400,246 @@ def predict_rounds(
         rows_per_forward=rows,
         drafted_per_forward=rows * window,
     )
+
+
+Plan = Sequence[Sequence[tuple[int, int]]]
+"""A client's generations, each its rounds in order: (drafted tokens, tokens delivered)."""
+
+
+@dataclass
+class _Client:
+    """One simulated client in DRAFT rounds, and its session as the batcher sees it."""
+
+    plan: list[list[tuple[int, int]]]
+    """Its rounds to go: the current generation first."""
+    arrives: float | None = None
+    """When its next request reaches the batcher (None: all its generations done)."""
+    queued: bool = False
+    served_at: float | None = None
+    """When its last forward ended (None: a session not served yet)."""
+    cycle_s: float | None = None
+    """The batcher's running mean of its served-to-next-request time."""
+    missed: bool = False
+    """A hold waited for it in vain: not waited for again until it is back."""
+    done_at: float = 0.0
+
+    @property
+    def window(self) -> int:
+        return self.plan[0][0][0]
+
+    def expected(self) -> float | None:
+        if self.served_at is None or self.cycle_s is None:
+            return None
+        return self.served_at + self.cycle_s
+
+
+@dataclass(frozen=True)
+class RoundsRun:
+    """What `simulate_rounds` saw the verifier do."""
+
+    forwards: int
+    rows: int
+    drafted: int
+    """Drafted tokens checked, padding excluded."""
+    slots: int
+    """Token slots computed: each forward's rows x its longest feed."""
+    tokens: int
+    """Tokens delivered."""
+    cpu_s: float
+    """The verifier's CPU: the forwards (the loop's costs, cold starts after idle included),
+    each row's frames, each generation's prefill."""
+    wall_s: float
+    per_client_tokens_per_s: float
+    held_s: float
+    by_rows: dict[int, int]
+
+
+def simulate_rounds(
+    *,
+    plans: Sequence[Plan],
+    draft_s: float,
+    one_way_s: float,
+    loop: LoopCosts,
+    frames: FrameCosts,
+    prefill_s: float,
+    hold_s: float,
+    max_batch: int = 8,
+    max_padding_share: float = 0.5,
+    cycle_weight: float = 0.2,
+) -> RoundsRun:
+    """Closed-loop clients in DRAFT rounds on one verifier, event by event: each client's
+    `plans` (its generations' rounds, in order), its batcher's hold policy played as
+    spec_decoding/batching.py plays it (`BatchedTarget._hold`, `_awaited`, `_take`): a leader
+    whose sessions consent to `hold_s` waits, until the shortest consent runs out, for the
+    consenting sessions not queued that are due by then (their mean cycle from their last
+    forward; a session not served yet, or whose cycle is not known yet, is due; one a hold
+    waited for in vain is not waited for again until it is back); none due, but one due
+    within half a cycle after the deadline, it holds its whole consent anyway (drift). Then
+    the oldest request and the others, shortest feed first, within `max_batch` and
+    `max_padding_share` of the slots padding.
+
+    Every client starts at 0. A generation: OPEN (`prefill_s` of the verifier's CPU, off the
+    batcher's thread), its first DRAFT drafted meanwhile behind it; then its rounds: drafted
+    at `draft_s` a token, a one-way trip, the forward, the verdict's trip back, OPEN of the
+    next generation going out with that verdict in. A forward's CPU is the loop's over its
+    rows and its padded drafted slots, after the verifier's idle before it (held time
+    included), and each row's frames. Where the policy's rows are what a fixed point cannot
+    say (who is due, a session whose windows run long refused for padding and drifting
+    apart, a new generation's session unknown to the batcher, the run's tail when some
+    clients are done), this counts them."""
+    clients = [_Client(plan=[list(g) for g in plan if g]) for plan in plans]
+    clients = [c for c in clients if c.plan]
+    if not clients:
+        raise ValueError("no rounds to simulate")
+    cpu = 0.0
+    for client in clients:  # OPEN, and its first DRAFT drafted meanwhile, behind it
+        client.arrives = one_way_s + max(prefill_s, client.window * draft_s)
+        cpu += prefill_s
+    queue: list[_Client] = []  # in arrival order
+    now = last_end = held_s = 0.0
+    forwards = rows = drafted = slots = tokens = 0
+    by_rows: dict[int, int] = {}
+
+    def admit() -> None:
+        came = [c for c in clients if c.arrives is not None and not c.queued and c.arrives <= now]
+        for client in sorted(came, key=lambda c: c.arrives or 0.0):
+            assert client.arrives is not None
+            client.queued, client.missed = True, False
+            queue.append(client)
+            if client.served_at is not None:
+                cycle = client.arrives - client.served_at
+                mean = client.cycle_s
+                if mean is not None:
+                    cycle = min(cycle, 2 * mean)
+                client.cycle_s = cycle if mean is None else mean + cycle_weight * (cycle - mean)
+
+    def awaited(deadline: float) -> tuple[list[_Client], bool]:
+        mine = min((c.cycle_s for c in queue if c.cycle_s is not None), default=float("inf"))
+        due, drift = [], False
+        for client in clients:
+            if client.arrives is None or client.queued or client.missed:
+                continue
+            expected = client.expected()
+            if expected is None or expected <= deadline:
+                due.append(client)
+            elif client.cycle_s is not None:
+                drift = drift or expected - deadline < min(client.cycle_s, mine) / 2
+        return due, drift
+
+    def hold() -> None:
+        nonlocal now, held_s
+        started, held, ran_out = now, False, False
+        due: list[_Client] = []
+        while queue and len(queue) < max_batch:
+            deadline = min((c.arrives or 0.0) + hold_s for c in queue)
+            due, drift = awaited(deadline)
+            if deadline <= now:
+                ran_out = True
+                break
+            if not (due or drift):
+                break
+            held = True
+            coming = [c.arrives for c in clients if c.arrives is not None and not c.queued]
+            now = min(min(coming, default=deadline), deadline)
+            admit()
+        for client in due if held and ran_out else ():
+            client.missed = True
+        held_s += now - started
+
+    def take() -> list[_Client]:
+        head, *others = queue
+        batch = [head]
+        for request in sorted(others, key=lambda c: c.window):
+            if len(batch) == max_batch:
+                break
+            feeds = [c.window + 1 for c in (*batch, request)]
+            if max(feeds) * len(feeds) - sum(feeds) > max_padding_share * max(feeds) * len(feeds):
+                continue
+            batch.append(request)
+        for request in batch:
+            queue.remove(request)
+        return batch
+
+    while True:
+        admit()
+        if not queue:
+            coming = [c.arrives for c in clients if c.arrives is not None]
+            if not coming:
+                break
+            now = max(now, min(coming))
+            continue
+        if hold_s > 0:
+            hold()
+        batch = take()
+        longest = max(c.window for c in batch)
+        cost = loop.seconds(len(batch), len(batch) * longest, now - last_end)
+        cost += len(batch) * frames.per_forward_s
+        now += cost
+        cpu, last_end = cpu + cost, now
+        forwards, rows = forwards + 1, rows + len(batch)
+        slots += len(batch) * (longest + 1)
+        by_rows[len(batch)] = by_rows.get(len(batch), 0) + 1
+        for client in batch:
+            window, got = client.plan[0].pop(0)
+            drafted, tokens = drafted + window, tokens + got
+            client.queued, client.served_at = False, now
+            if client.plan[0]:
+                client.arrives = now + 2 * one_way_s + client.window * draft_s
+                continue
+            client.plan.pop(0)
+            if client.plan:  # the verdict back, OPEN out, the next DRAFT behind it
+                client.arrives = now + 2 * one_way_s + max(prefill_s, client.window * draft_s)
+                client.served_at = client.cycle_s = None  # a new session to the batcher
+                cpu += prefill_s
+            else:
+                client.arrives, client.done_at = None, now + one_way_s
+    delivered = [sum(got for g in plan for _, got in g) for plan in plans]
+    return RoundsRun(
+        forwards=forwards,
+        rows=rows,
+        drafted=drafted,
+        slots=slots,
+        tokens=tokens,
+        cpu_s=cpu,
+        wall_s=max(c.done_at for c in clients),
+        held_s=held_s,
+        by_rows=by_rows,
+        per_client_tokens_per_s=statistics.mean(
+            n / c.done_at for n, c in zip([d for d in delivered if d], clients, strict=True)
+        ),
+    )
+
+
+def drawn_plans(
+    *,
+    sessions: int,
+    generations: int,
+    max_new_tokens: int,
+    alpha: float,
+    windows: Sequence[int],
+    seed: int = 0,
+) -> list[list[list[tuple[int, int]]]]:
+    """Plans for `simulate_rounds` where no session's rounds were recorded: each round's
+    window drawn from `windows` (at most the tokens left less one), its drafts accepted each
+    with chance `alpha` while all before it were, the target's own token after them."""
+    rng = np.random.default_rng(seed)
+    pool = [w for w in windows if w >= 0] or [1]
+    plans = []
+    for _ in range(sessions):
+        plan = []
+        for _ in range(generations):
+            rounds, left = [], max_new_tokens
+            while left > 0:
+                window = max(0, min(int(rng.choice(pool)), left - 1))
+                accepted = 0
+                while accepted < window and rng.random() < alpha:
+                    accepted += 1
+                got = min(accepted + 1, left)
+                rounds.append((window, got))
+                left -= got
+            plan.append(rounds)
+        plans.append(plan)
+    return plans
 
 
 def padding_factor(windows: Sequence[int], rows: float) -> float:

@@ -13,6 +13,7 @@ from spec_decoding.capacity import (
     LoopCosts,
     padding_factor,
     predict_rounds,
+    simulate_rounds,
     predict_speculative,
     predict_target_alone,
 )
@@ -265,11 +266,92 @@ def test_a_forward_computes_each_row_padded_to_its_longest_window() -> None:
     assert padding_factor([], 4) == 1.0
 
 
-def test_held_rounds_whose_windows_vary_pay_for_their_padding() -> None:
-    even = rounds(held=True)
-    padded = rounds(held=True, windows=[2, 4, 8, 16] * 5)
-    assert padded.tokens_per_cpu_s < even.tokens_per_cpu_s
-    assert padded.drafted_per_forward == pytest.approx(even.drafted_per_forward)  # real ones
-    assert rounds(held=True, windows=[7] * 20).tokens_per_cpu_s == pytest.approx(
-        even.tokens_per_cpu_s
-    )
+HOLD = 0.02
+
+
+def simulate(plans: Any, **changes: Any) -> Any:
+    settings: dict[str, Any] = {
+        "plans": plans,
+        "draft_s": 0.001,
+        "one_way_s": 0.05,
+        "loop": COLD,
+        "frames": FRAMES,
+        "prefill_s": 0.004,
+        "hold_s": HOLD,
+    }
+    settings.update(changes)
+    return simulate_rounds(**settings)
+
+
+def steady(generations: int = 2, rounds: int = 10, window: int = 6) -> list[list[tuple[int, int]]]:
+    """A client whose every round drafts `window` and delivers 4 tokens."""
+    return [[(window, 4)] * rounds for _ in range(generations)]
+
+
+def test_one_client_in_rounds_pays_each_forward_after_its_round_trip_idle_and_each_prefill() -> (
+    None
+):
+    """Each forward: the loop's forward of one row and its window after the verifier idled a
+    round trip and the drafting; its frames; each generation's prefill; the client's tokens
+    over the time until its last verdict is back."""
+    run = simulate([steady()])
+    assert (run.forwards, run.rows, run.tokens, run.drafted) == (20, 20, 80, 120)
+    assert run.by_rows == {1: 20}
+    first = COLD.seconds(1, 6, 0.05 + 0.006)  # OPEN's trip, its DRAFT drafted meanwhile
+    later = COLD.seconds(1, 6, 0.1 + 0.006)
+    assert run.cpu_s == pytest.approx(2 * 0.004 + first + 19 * later + 20 * FRAMES.per_forward_s)
+    assert run.held_s == 0.0  # alone: nobody to wait for
+
+
+def test_held_clients_in_step_share_every_forward() -> None:
+    held = simulate([steady()] * 4)
+    assert held.by_rows == {4: 20}
+    assert held.tokens == 4 * 80
+
+
+def test_a_hold_gathers_clients_that_drift_apart_without_one() -> None:
+    """Clients whose windows differ come back at different times: without a hold each runs
+    alone (a forward of one each time); held, they wait for each other, share forwards and
+    serve more tokens a CPU-second."""
+    plans = [steady(window=w) for w in (3, 5, 7, 9)]
+    apart = simulate(plans, hold_s=0.0)
+    held = simulate(plans)
+    assert apart.rows / apart.forwards < 1.5
+    assert held.rows / held.forwards > 3.5
+    assert held.tokens == apart.tokens == 4 * 80
+    assert held.tokens / held.cpu_s > apart.tokens / apart.cpu_s
+    assert held.held_s > 0.0
+
+
+def test_a_client_whose_windows_run_long_is_refused_for_padding_and_runs_alone() -> None:
+    """A window far longer than the others' would make most of a shared forward's slots
+    padding: it runs on its own, and the others share theirs."""
+    plans = [steady(window=2)] * 3 + [steady(window=16)]
+    run = simulate(plans)
+    assert run.by_rows == {3: 20, 1: 20}
+    assert run.slots == 3 * 20 * 3 + 20 * 17
+
+
+def test_the_runs_tail_when_some_clients_are_done_is_forwards_of_fewer() -> None:
+    plans = [steady(rounds=10)] * 3 + [steady(rounds=15)]
+    run = simulate(plans)
+    assert run.by_rows == {4: 20, 1: 10}  # the last one alone at the end
+    assert run.tokens == 3 * 80 + 120
+
+
+def test_held_rounds_are_predicted_from_each_clients_recorded_rounds() -> None:
+    """`predict_rounds` with a hold plays the plans out; without plans it draws them from the
+    windows and the acceptance."""
+    plans = [steady(window=w) for w in (3, 5, 7, 9)]
+    held = rounds(hold_s=HOLD, plans=plans, open_s=0.004)
+    run = simulate(plans)
+    assert held.tokens_per_cpu_s == pytest.approx(run.tokens / run.cpu_s)
+    assert held.rows_per_forward == pytest.approx(run.rows / run.forwards)
+    drawn = rounds(hold_s=HOLD, windows=[6] * 20)
+    assert drawn.rows_per_forward > 3.0
+    assert drawn.tokens_per_cpu_s > rounds(windows=[6] * 20).tokens_per_cpu_s
+
+
+def test_recorded_rounds_that_are_empty_are_refused() -> None:
+    with pytest.raises(ValueError, match="no rounds"):
+        simulate([[], [[]]])
