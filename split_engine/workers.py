@@ -521,7 +521,12 @@ def serve_until_released(*, ping_s: float, timeout_s: float) -> None:
                 ) from None
             raise StageLostError(f"the driver stopped answering ({exc}); leaving the run") from None
     if _release_reason[0]:
-        raise StageLostError(f"the driver stopped the run: {_release_reason[0]}")
+        said = f"the driver stopped the run: {_release_reason[0]}"
+        # said now, not only as this stage's error at its end: the driver passes the world's
+        # shutdown once this stage is there too, and its launcher then stops the stage's
+        # process, which on a loaded host can come before the error is printed
+        print(f"{said}; leaving the world", flush=True)
+        raise StageLostError(said)
 
 
 def release_all(num_stages: int, *, reason: str = "", gone: str | None = None) -> bool:
