@@ -144,6 +144,7 @@ def _speculative(
         "seconds": sum(g.seconds for g in generations),
         "forwards": forwards,
         "prefill_ms": statistics.mean(g.prefill_ms for g in generations),
+        "draft_open_s": statistics.mean(g.open_s for g in generations),
         "acceptance": metrics["acceptance_rate"],
         "acceptance_after_wrong": metrics.get("acceptance_after_wrong"),
         "pipeline": pipeline,
@@ -663,6 +664,7 @@ def at_delay(
         forwards=t1["forwards"],
         loop=loop,
         wall_s=alone["target"]["wall_s"],
+        opened_s=len(t1["outputs"]) * t1["prefill_ms"] / 1e3,  # priced apart (its OPENs)
     )
     figures: dict[str, Any] = {}
     for kind, (pipeline, decode_alone, hold_ms) in POLICIES.items():
@@ -696,7 +698,11 @@ def at_delay(
             dealt = iter(s1["plan"])  # its generations, dealt back out as `work` was
             plans = [[next(dealt) for _ in prompts] for prompts in work]
             spec_predicted = predict_rounds(
-                **common, hold_s=hold_ms / 1e3, windows=windows, plans=plans
+                **common,
+                hold_s=hold_ms / 1e3,
+                windows=windows,
+                plans=plans,
+                draft_open_s=s1["draft_open_s"],
             )
         target_predicted = predict_target_alone(
             sessions=CLIENTS, loop=loop, frames=target_frames, one_way_s=one_way_s,

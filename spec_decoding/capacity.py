@@ -307,6 +307,7 @@ def predict_rounds(
     max_window: int,
     max_new_tokens: int,
     open_s: float = 0.0,
+    draft_open_s: float = 0.0,
     hold_s: float = 0.0,
     windows: Sequence[int] = (),
     plans: Sequence[Plan] = (),
@@ -378,6 +379,7 @@ def predict_rounds(
             frames=frames,
             prefill_s=open_s,
             hold_s=hold_s,
+            draft_open_s=draft_open_s,
         )
         return Prediction(
             tokens_per_cpu_s=run.tokens / run.cpu_s,
@@ -421,7 +423,26 @@ class _Client:
     """The batcher's running mean of its served-to-next-request time."""
     missed: bool = False
     """A hold waited for it in vain: not waited for again until it is back."""
+    leaves_at: float = float("inf")
+    """When its session's CLOSE reaches the verifier: its consent withdrawn."""
+    joins_at: float = 0.0
+    """When its next session's OPEN is through its prefill: its consent registered, a
+    session the batcher has not served yet. Between the two the batcher knows no session of
+    this client."""
     done_at: float = 0.0
+
+    def consenting(self, now: float) -> bool:
+        """Whether a session of this client has its consent registered at `now` (its next
+        session's taking over from its last at `joins_at`: one the batcher has not served)."""
+        if now < self.leaves_at:
+            return True
+        if self.arrives is None or now < self.joins_at:  # done, or between two sessions
+            return False
+        if self.leaves_at != float("inf"):
+            self.leaves_at = float("inf")
+            self.served_at = self.cycle_s = None
+            self.missed = False
+        return True
 
     @property
     def window(self) -> int:
@@ -463,6 +484,7 @@ def simulate_rounds(
     frames: FrameCosts,
     prefill_s: float,
     hold_s: float,
+    draft_open_s: float = 0.0,
     max_batch: int = 8,
     max_padding_share: float = 0.5,
     cycle_weight: float = 0.2,
@@ -478,10 +500,13 @@ def simulate_rounds(
     the oldest request and the others, shortest feed first, within `max_batch` and
     `max_padding_share` of the slots padding.
 
-    Every client starts at 0. A generation: OPEN (`prefill_s` of the verifier's CPU, off the
-    batcher's thread), its first DRAFT drafted meanwhile behind it; then its rounds: drafted
-    at `draft_s` a token, a one-way trip, the forward, the verdict's trip back, OPEN of the
-    next generation going out with that verdict in. A forward's CPU is the loop's over its
+    Every client starts at 0. A generation: OPEN, then the draft's prefill (`draft_open_s`)
+    and its first window drafted, its DRAFT behind OPEN on the wire; the verifier's prefill
+    (`prefill_s` of its CPU, off the batcher's thread) before the session's consent is
+    registered and its DRAFT read. Then its rounds: drafted at `draft_s` a token, a one-way
+    trip, the forward, the verdict's trip back; after the last, CLOSE and the next OPEN go
+    out together, and the session's consent stays registered until CLOSE arrives. A
+    forward's CPU is the loop's over its
     rows and its padded drafted slots, after the verifier's idle before it (held time
     included), and each row's frames. Where the policy's rows are what a fixed point cannot
     say (who is due, a session whose windows run long refused for padding and drifting
@@ -491,9 +516,15 @@ def simulate_rounds(
     clients = [c for c in clients if c.plan]
     if not clients:
         raise ValueError("no rounds to simulate")
+
+    def opened(client: _Client, sent: float) -> None:  # OPEN out at `sent`, its DRAFT behind
+        client.joins_at = sent + one_way_s + prefill_s
+        client.arrives = sent + one_way_s + max(prefill_s, draft_open_s + client.window * draft_s)
+
     cpu = 0.0
-    for client in clients:  # OPEN, and its first DRAFT drafted meanwhile, behind it
-        client.arrives = one_way_s + max(prefill_s, client.window * draft_s)
+    for client in clients:
+        client.leaves_at = 0.0  # no session yet
+        opened(client, 0.0)
         cpu += prefill_s
     queue: list[_Client] = []  # in arrival order
     now = last_end = held_s = 0.0
@@ -504,6 +535,7 @@ def simulate_rounds(
         came = [c for c in clients if c.arrives is not None and not c.queued and c.arrives <= now]
         for client in sorted(came, key=lambda c: c.arrives or 0.0):
             assert client.arrives is not None
+            client.consenting(client.arrives)  # (a new session: no cycle from the last one)
             client.queued, client.missed = True, False
             queue.append(client)
             if client.served_at is not None:
@@ -517,7 +549,7 @@ def simulate_rounds(
         mine = min((c.cycle_s for c in queue if c.cycle_s is not None), default=float("inf"))
         due, drift = [], False
         for client in clients:
-            if client.arrives is None or client.queued or client.missed:
+            if client.queued or client.missed or not client.consenting(now):
                 continue
             expected = client.expected()
             if expected is None or expected <= deadline:
@@ -539,9 +571,10 @@ def simulate_rounds(
             if not (due or drift):
                 break
             held = True
-            coming = [c.arrives for c in clients if c.arrives is not None and not c.queued]
-            now = min(min(coming, default=deadline), deadline)
-            admit()
+            events = [c.arrives for c in clients if c.arrives is not None and not c.queued]
+            events += [t for c in clients for t in (c.leaves_at, c.joins_at) if t > now]
+            now = min(min(events, default=deadline), deadline)  # a session that comes,
+            admit()  # leaves or joins wakes the leader
         for client in due if held and ran_out else ():
             client.missed = True
         held_s += now - started
@@ -587,9 +620,9 @@ def simulate_rounds(
                 client.arrives = now + 2 * one_way_s + client.window * draft_s
                 continue
             client.plan.pop(0)
-            if client.plan:  # the verdict back, OPEN out, the next DRAFT behind it
-                client.arrives = now + 2 * one_way_s + max(prefill_s, client.window * draft_s)
-                client.served_at = client.cycle_s = None  # a new session to the batcher
+            client.leaves_at = now + 2 * one_way_s  # the verdict back, CLOSE out
+            if client.plan:  # and the next OPEN with it
+                opened(client, now + one_way_s)
                 cpu += prefill_s
             else:
                 client.arrives, client.done_at = None, now + one_way_s
@@ -675,13 +708,16 @@ def predict_target_alone(
 ) -> Prediction:
     """S clients of the target alone on the same batching loop: one forward of one committed
     token a client per token, serving the loop's `fill` of the others; a token costs its share
-    of that forward's base, its row and its frames."""
+    of that forward's base, its row and its frames; and each generation's OPEN, `open_s` (the
+    target's time on it: where `frames` was measured without it, `FrameCosts.measured`'s
+    `opened_s`; its first token's forward is in both, one in 64 here)."""
     rows = 1 + (sessions - 1) * loop.fill
     cpu_per_token = loop.session_share_s(rows) + frames.per_forward_s
     step_s = sessions * cpu_per_token  # a token of every client, one after another
     per_generation = max_new_tokens * step_s + 2 * one_way_s + open_s
+    generation_cpu_s = open_s + max_new_tokens * cpu_per_token
     return Prediction(
-        tokens_per_cpu_s=1 / cpu_per_token,
+        tokens_per_cpu_s=max_new_tokens / generation_cpu_s,
         per_client_tokens_per_s=max_new_tokens / per_generation,
         rows_per_forward=rows,
     )

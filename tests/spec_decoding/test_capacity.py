@@ -13,9 +13,9 @@ from spec_decoding.capacity import (
     LoopCosts,
     padding_factor,
     predict_rounds,
-    simulate_rounds,
     predict_speculative,
     predict_target_alone,
+    simulate_rounds,
 )
 from spec_decoding.gamma import CostModel, PipelineModel, expected_tokens, simulate_pipeline
 
@@ -84,6 +84,8 @@ def test_the_target_alone_pays_its_share_of_each_forward_its_row_and_its_frames(
     )
     dearer = predict_target_alone(loop=LOOP, **{**kwargs, "frames": FrameCosts(0.0013)})
     assert 1 / dearer.tokens_per_cpu_s - 1 / full.tokens_per_cpu_s == pytest.approx(0.001)
+    opened = predict_target_alone(loop=LOOP, **kwargs, open_s=0.064)  # each generation's OPEN
+    assert 1 / opened.tokens_per_cpu_s - 1 / full.tokens_per_cpu_s == pytest.approx(0.001)
 
 
 def speculative(**changes: Any) -> float:
@@ -337,6 +339,15 @@ def test_the_runs_tail_when_some_clients_are_done_is_forwards_of_fewer() -> None
     run = simulate(plans)
     assert run.by_rows == {4: 20, 1: 10}  # the last one alone at the end
     assert run.tokens == 3 * 80 + 120
+
+
+def test_a_client_gone_quiet_costs_the_others_one_hold_not_one_a_forward() -> None:
+    """A client that drafts for 400 ms (four of the others' rounds) is waited for once, in vain,
+    then not again until it is back; the others go on in forwards of three."""
+    group = [steady(generations=1, rounds=10, window=2)] * 3
+    run = simulate([*group, [[(2, 4)] * 3 + [(400, 4)]]])
+    assert run.by_rows == {4: 3, 3: 7, 1: 1}
+    assert 0 < run.held_s <= 2.5 * HOLD  # (a hold every forward while it was away: 4.5)
 
 
 def test_held_rounds_are_predicted_from_each_clients_recorded_rounds() -> None:
