@@ -63,7 +63,10 @@ from spec_decoding.verifier import vocab_hash
 
 CLIENTS = 4
 DELAYS_MS = (0, 50)
-REPEATS = 2
+REPEATS = 3
+"""Runs of every arm at each delay, alternated; the capacity is the median run's ratio. (Two
+runs, their median their mean: one slow spell of the 2-core box moved a target alone's run
+by 30% and the ratio with it, 1.65x and 2.32x in one bench.)"""
 PROMPTS_PER_CLIENT = 4
 RESULTS_NAME = "spec_decoding_capacity.json"
 HOLD_MS = 20.0
