@@ -41,7 +41,7 @@ from fed_learn.aggregate import combiner
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.drivers import CpuClock, RoundDriver
 from fed_learn.evaluation import ClientEvaluator
-from fed_learn.lora import adapter_state, load_adapter_state, saves_embeddings
+from fed_learn.lora import adapter_state, load_adapter_state, peft_state, saves_embeddings
 from fed_learn.privacy import Accountant, DPMean, run_noise_multiplier
 from fed_learn.protocol import (
     ClientResult,
@@ -127,6 +127,7 @@ class Coordinator:
         """Clients a secure round refused by name: left out of the run's later rounds."""
         """A secure round's step messages, from the sessions to the round (fed_learn.secure)."""
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
+        peft_state(model)  # which parameters the adapter is, found now: start-up, not round 1
         self._frames: dict[tuple[int, bool], tuple[dict[str, torch.Tensor], EncodedFrame]] = {}
         """The GLOBAL frames sent lately, by their state (`_global_frame`)."""
         self._frames_lock = threading.Lock()
