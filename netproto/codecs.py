@@ -483,9 +483,7 @@ def _decode_payload(
 
 def _decode_json(data: bytes, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(
-            data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float
-        )
+        value = _JSON.decode(data.decode("utf-8"))
     except RecursionError:
         raise PeerProtocolError(f"{what}: bad JSON (nested too deeply)") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 4300+ digits
@@ -508,6 +506,11 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"number {text[:32]}{'...' if len(text) > 32 else ''} is not finite")
     return value
+
+
+_JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+"""Every JSON payload's decoder (`json.loads` with these hooks would build one a call), shared
+by every thread as `json`'s own default decoder is."""
 
 
 def new_payload_buffer(length: int) -> torch.Tensor:
