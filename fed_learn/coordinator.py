@@ -41,7 +41,7 @@ from fed_learn.aggregate import combiner
 from fed_learn.config import FedLearnRunConfig
 from fed_learn.drivers import CpuClock, RoundDriver
 from fed_learn.evaluation import ClientEvaluator
-from fed_learn.lora import load_adapter_state, saves_embeddings
+from fed_learn.lora import adapter_state, load_adapter_state, peft_state, saves_embeddings
 from fed_learn.privacy import Accountant, DPMean, run_noise_multiplier
 from fed_learn.protocol import (
     ClientResult,
@@ -68,6 +68,8 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest.json"
 SERVER_OPT_FILE = "server_optimizer.safetensors"
 MODEL_CARD = "README.md"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 FRAMES_KEPT = 2
 """GLOBAL frames kept for reuse: the adapter clients are sent now, whole and trained-only (a
 copy of the adapter each: an older one is dropped, and encoded again if it is sent again)."""
@@ -125,12 +127,13 @@ class Coordinator:
         """Clients a secure round refused by name: left out of the run's later rounds."""
         """A secure round's step messages, from the sessions to the round (fed_learn.secure)."""
         self.checkpoint_dir = settings.paths.run_path / CHECKPOINTS
+        peft_state(model)  # which parameters the adapter is, found now: start-up, not round 1
         self._frames: dict[tuple[int, bool], tuple[dict[str, torch.Tensor], EncodedFrame]] = {}
         """The GLOBAL frames sent lately, by their state (`_global_frame`)."""
         self._frames_lock = threading.Lock()
-        self._model_card: str | None = None
-        """The README PEFT wrote into the first checkpoint: later ones start from it (PEFT
-        renders its card template, tens of ms, only when the folder has none)."""
+        self._peft_files: dict[str, bytes] = {}
+        """The model card and adapter config PEFT wrote into the first checkpoint: later ones
+        write them as they are (`_save_adapter`)."""
 
     # ------------------------------------------------------------ sessions (one per client)
 
@@ -494,18 +497,29 @@ class Coordinator:
             "server_optimizer": self.server_opt.describe(),
         }
         with atomic.staged_dir(final) as staging:
-            if self._model_card is not None:  # PEFT updates a card it finds: no template
-                (staging / MODEL_CARD).write_text(self._model_card)
-            self.model.save_pretrained(  # adapter_model.safetensors + adapter_config
-                staging, save_embedding_layers=saves_embeddings(self.model)
-            )
-            self._model_card = (staging / MODEL_CARD).read_text()
+            self._save_adapter(staging)
             if moments := self.server_opt.state_tensors():  # restored on resume
                 save_file(moments, str(staging / SERVER_OPT_FILE))
             (staging / "fed_state.json").write_text(json.dumps(state, indent=2, default=str))
         pointer = {"round": self.round + 1, "path": final.name}
         atomic.write_text(self.checkpoint_dir / LATEST, json.dumps(pointer))
         return final
+
+    def _save_adapter(self, folder: Path) -> None:
+        """The global adapter as PEFT's `save_pretrained` writes it (weights, config, model
+        card), into `folder`. The first checkpoint is PEFT's own call; later ones write the
+        same files themselves: the config and card as PEFT wrote them first (neither changes
+        over a run), the weights as PEFT saves them (safetensors, format "pt"). PEFT's call
+        walks every module for the state dict and parses and re-dumps the card's YAML, ~5 ms
+        a round; the files are tested byte-equal to its own."""
+        if not self._peft_files:
+            self.model.save_pretrained(folder, save_embedding_layers=saves_embeddings(self.model))
+            self._peft_files = {n: (folder / n).read_bytes() for n in (MODEL_CARD, ADAPTER_CONFIG)}
+            return
+        for name, data in self._peft_files.items():
+            (folder / name).write_bytes(data)
+        weights = adapter_state(self.model)  # copies: none shares storage (safetensors refuses)
+        save_file(weights, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
     def resume(self) -> int:
         """Load the last completed round's adapter; returns the round to run next."""
@@ -517,7 +531,7 @@ class Coordinator:
             return 0
         pointer = json.loads(latest.read_text())
         folder = self.checkpoint_dir / pointer["path"]
-        load_adapter_state(self.model, load_file(str(folder / "adapter_model.safetensors")))
+        load_adapter_state(self.model, load_file(str(folder / ADAPTER_WEIGHTS)))
         state = json.loads((folder / "fed_state.json").read_text())
         self.history = [dict(h) for h in state.get("history", [])]
         if self.accountant is not None:  # the privacy already spent stays spent

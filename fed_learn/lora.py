@@ -56,6 +56,10 @@ def peft_model(
 _EMBEDDINGS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 """Per model: whether PEFT's `save_embedding_layers="auto"` puts the embedding layers in its
 state dict (`saves_embeddings`)."""
+_ADAPTER_PARAMETERS: weakref.WeakKeyDictionary[Any, dict[str, torch.nn.Parameter]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per model: the parameters its adapter's state dict holds, by key (`peft_state`)."""
 
 
 def saves_embeddings(model: Any) -> bool:
@@ -74,10 +78,38 @@ def saves_embeddings(model: Any) -> bool:
 
 def peft_state(model: Any) -> dict[str, torch.Tensor]:
     """PEFT's state dict of `model`'s adapter (the model's own tensors: no copy made), as
-    `get_peft_model_state_dict` gives it by default."""
+    `get_peft_model_state_dict` gives it by default. Which parameters those are is worked out
+    once per model (PEFT walks every module for its key prefixes at each call, ~2.5 ms on the
+    debug model, several calls a round): each call gives them afresh, detached."""
+    held = _ADAPTER_PARAMETERS.get(model)
+    if held is None:
+        held = _ADAPTER_PARAMETERS[model] = _adapter_parameters(model)
+    if not held:  # some entry is not a parameter as it stands: PEFT's own answer, each time
+        return _pefts_state(model)
+    return {name: parameter.detach() for name, parameter in held.items()}
+
+
+def _pefts_state(model: Any) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model, save_embedding_layers=saves_embeddings(model))
+
+
+def _adapter_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
+    """PEFT's state dict keys -> the model's parameters they are, whole (same storage, offset,
+    shape and strides); empty unless every entry is one."""
+    parameters = {
+        (p.untyped_storage().data_ptr(), p.storage_offset(), p.shape, p.stride()): p
+        for p in model.parameters()
+    }
+    held = {}
+    for name, tensor in _pefts_state(model).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        parameter = parameters.get((*key, tensor.shape, tensor.stride()))
+        if parameter is None:
+            return {}
+        held[name] = parameter
+    return held
 
 
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:
@@ -116,10 +148,24 @@ def check_adapter_state(model: Any, state: Any) -> None:
 
 
 def load_adapter_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Load `state` (checked: `check_adapter_state`) into `model`'s adapter, in place, as
+    PEFT's `set_peft_model_state_dict` does (a copy into each parameter, cast to its dtype and
+    device); a subset (FFA-LoRA's B) leaves the rest as held."""
     from peft import set_peft_model_state_dict
 
     check_adapter_state(model, state)
-    set_peft_model_state_dict(model, state)  # a subset (FFA-LoRA's B): the rest stay as held
+    held = _ADAPTER_PARAMETERS.get(model)
+    if not held:
+        set_peft_model_state_dict(model, state)
+        return
+    with torch.no_grad():
+        for name, tensor in state.items():
+            parameter = held[name]
+            if tensor.shape != parameter.shape:  # refused as PEFT's load refuses it: no broadcast
+                raise RuntimeError(
+                    f"size mismatch for {name}: {tuple(tensor.shape)} into {tuple(parameter.shape)}"
+                )
+            parameter.copy_(tensor)
 
 
 def block_size(model: Any) -> int:

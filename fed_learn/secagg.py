@@ -35,22 +35,21 @@ removes the masks, and is left with the sum. Fewer than `threshold` survivors at
 the round (`RoundFailed`), as the protocol must. The round's parameters and its graph are
 `fed_learn.secagg_params`'s.
 
-Share indices. A client gives Shamir index i + 1 to the i-th of its holders: itself, then
-its neighbours that advertised keys, in id order. The coordinator relays each box with its
-sender's holder list (`Server.holders`, the list it built that sender's roster from and checks
-revealed indices against), so the receiver checks the index in the box exactly and refuses a
-box whose index disagrees, naming its sender: it then holds no share of that sender and
-reveals none, so a sender that writes a wrong but in-range index costs its receiver nothing
-(unchecked, its reveal would be refused as a lie and the receiver excluded). What the
-coordinator could lie about: the list. The receiver checks what it can: the sender first,
-then some of the sender's neighbours in the round's public graph, in id order, the receiver
-among them, at least `threshold` in all, and of those that are its own neighbours too,
-exactly the ones its own roster said have keys. So a lie can only change which of the
-sender's other neighbours are said to have keys (none are, in SecAgg's complete graph): the
-receiver then refuses an honest sender's box, or takes an index that the coordinator's check
-of its reveal then refuses. Either costs what a coordinator can always
-cost (dropping a box, refusing a reveal) and shows it nothing: an index is no secret, and no
-more shares are revealed than before. Not covered: a sender that gives a neighbour a false
+Share indices. A client gives Shamir index i + 1 to the i-th of its holders: itself, then its
+neighbours that advertised keys, in id order. The coordinator relays each box with its sender's
+holder list (`Server.holders`, the list it built that sender's roster from and checks revealed
+indices against), so the receiver checks the index in the box exactly and refuses a box whose
+index disagrees, naming its sender: it then holds no share of that sender and reveals none, so a
+sender that writes a wrong but in-range index costs its receiver nothing (unchecked, its reveal
+would be refused as a lie and the receiver excluded). What the coordinator could lie about: the
+list. The receiver checks what it can: the sender first, then some of the sender's neighbours in
+the round's public graph, in id order, the receiver among them, at least `threshold` in all, and
+of those that are its own neighbours too, exactly the ones its own roster said have keys. So a
+lie can only change which of the sender's other neighbours are said to have keys (none are, in
+SecAgg's complete graph): the receiver then refuses an honest sender's box, or takes an index
+that the coordinator's check of its reveal then refuses. Either costs what a coordinator can
+always cost (dropping a box, refusing a reveal) and shows it nothing: an index is no secret, and
+no more shares are revealed than before. Not covered: a sender that gives a neighbour a false
 share value at the right index (shares carry no per-holder commitment here, so the rebuild's
 leave-one-out names the revealer).
 
@@ -385,6 +384,7 @@ class Server:
         self.retries = 0  # rebuilds past the batch (at most RETRIES_PER_SECRET a secret)
         self._holders: dict[int, tuple[int, ...]] = {}
         """owner -> `holders(owner)`, once asked (a new key clears them)."""
+        self._revealed: dict[int, list[tuple[int, tuple[str, int, bytes]]]] = {}
 
     def add_keys(self, client: int, c_public: bytes, s_public: bytes) -> None:
         self._member(client)
@@ -490,11 +490,8 @@ class Server:
 
     def _shares_of(self, owner: int, kind: str) -> list[tuple[int, tuple[int, bytes]]]:
         """(revealer, (index, share)) for `owner`, from every reveal that holds one."""
-        return [
-            (revealer, (got[owner][1], got[owner][2]))
-            for revealer, got in sorted(self.reveals.items())
-            if owner in got and got[owner][0] == kind
-        ]
+        held = self._revealed.get(owner, [])
+        return [(revealer, (got[1], got[2])) for revealer, got in held if got[0] == kind]
 
     def _rebuild(self, owner: int, kind: str, check: object) -> tuple[bytes, list[Refused]]:
         """`owner`'s secret, checked (`check(secret) -> bool`): the batch's, from its first
@@ -546,6 +543,10 @@ class Server:
         # then share an index set and its basis), all of a kind in one batch; `_rebuild`
         # checks each and looks further for those that fail
         k = self.params.threshold
+        self._revealed.clear()  # owner -> (revealer, its share), by revealer: indexed once
+        for revealer, got in sorted(self.reveals.items()):
+            for owner, item in got.items():
+                self._revealed.setdefault(owner, []).append((revealer, item))
         wanted = [(c, SEED) for c in survivors] + [(c, KEY) for c in dropped]
         firsts = {key: sorted(s for _, s in self._shares_of(*key))[:k] for key in wanted}
         for kind in (SEED, KEY):
@@ -596,5 +597,4 @@ def _combine(shares: list[tuple[int, bytes]], kind: str) -> bytes:
 
 
 def _combine_many(groups: list[list[tuple[int, bytes]]], kind: str) -> list[bytes]:
-    """Each group's secret: a seed (one 16-byte Shamir secret) or a key (two)."""
-    return shamir.combine_pieces(groups, pieces=1 if kind == SEED else 2)
+    return shamir.combine_pieces(groups, pieces=1 if kind == SEED else 2)  # a key is two

@@ -428,27 +428,22 @@ class SecureRound:
 
     def _run(self, tasks: Mapping[int, int]) -> SecureOutcome:
         server = self.server
+        relayed_keys: dict[int, list[str]] = {}  # each client's keys, encoded once, as relayed
         for client, payload in self._step(FedMsg.SA_KEYS, tasks).items():
             try:
                 body = _json_object(payload, client, "SA_KEYS", ("c", "s"))
-                server.add_keys(
-                    client,
-                    unb64(body["c"], client, "its c key", size=secagg.KEY_BYTES),
-                    unb64(body["s"], client, "its s key", size=secagg.KEY_BYTES),
-                )
+                keys = [
+                    unb64(body[k], client, f"its {k} key", size=secagg.KEY_BYTES)
+                    for k in ("c", "s")
+                ]
+                server.add_keys(client, *keys)
+                relayed_keys[client] = [b64(key) for key in keys]
             except secagg.Refused as exc:
                 self._refuse(exc, client)
         self._enough(server.keys, "advertised keys")
         for client in server.keys:
-            keys = server.keys_for(client)
-            self._send(
-                client,
-                FedMsg.SA_ROSTER,
-                {
-                    "task": tasks[client],
-                    "keys": {str(c): [b64(ck), b64(sk)] for c, (ck, sk) in keys.items()},
-                },
-            )
+            roster = {str(c): relayed_keys[c] for c in server.keys_for(client)}
+            self._send(client, FedMsg.SA_ROSTER, {"task": tasks[client], "keys": roster})
         for client, payload in self._step(FedMsg.SA_SHARES, list(server.keys)).items():
             try:
                 body = _json_object(payload, client, "SA_SHARES", ("boxes", "commit"))
@@ -473,7 +468,7 @@ class SecureRound:
                 {
                     "task": tasks[client],
                     "boxes": {str(c): b64(b) for c, b in relayed.items()},
-                    "holders": {str(c): list(server.holders(c)) for c in relayed},
+                    "holders": {str(c): server.holders(c) for c in relayed},  # JSON arrays
                 },
             )
         results: dict[int, Any] = {}

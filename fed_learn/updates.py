@@ -42,8 +42,13 @@ def check_answer(
     for name, tensor in reply.update.items():
         if tensor.dtype not in UPDATE_DTYPES:  # float8/float4: no arithmetic to check with
             raise ValueError(f"update tensor {name!r:.80} has dtype {tensor.dtype}")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"update tensor {name!r:.80} is not finite")
+    floats = {name: t for name, t in reply.update.items() if t.is_floating_point()}
+    if floats and not bool(
+        torch.isfinite(torch.cat([t.reshape(-1) for t in floats.values()])).all()
+    ):
+        for name, tensor in floats.items():  # all at once above; which one, only if one is not
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"update tensor {name!r:.80} is not finite")
     try:
         full = expand(reply.update, base, strategy=strategy, compression=fed.compression)
     except KeyError as exc:

@@ -197,6 +197,26 @@ def test_update_norm_is_the_distance_over_every_tensor_in_float64() -> None:
     assert huge == pytest.approx(3e38 * 2**0.5)  # finite: float32 squares would overflow
     nan = {"a": torch.tensor([float("nan"), 0.0]), "b": torch.ones(1)}
     assert update_norm(nan, reference) != update_norm(nan, reference)  # nan
+    mixed = {"a": torch.tensor([3.0, 0.0], dtype=torch.float16), "b": torch.tensor([5.0])}
+    assert update_norm(mixed, reference) == 5.0  # tensors of several dtypes, flattened together
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_update_is_checked_finite_as_a_whole_and_the_bad_tensor_named(bad: float) -> None:
+    from fed_learn.admission import Reply, Task
+    from fed_learn.config import FedConfig
+    from fed_learn.strategy import Strategy
+    from fed_learn.updates import check_answer
+
+    base = {"a": torch.zeros(2), "b": torch.zeros(3, dtype=torch.float16)}
+    strategy = Strategy.create("fedavg", prox_mu=0.0, rank=1, combine=fedavg)
+    task, result = Task(number=1, round=0), object()
+    good = {"a": torch.tensor([0.5, 0.5]), "b": torch.ones(3, dtype=torch.float16)}
+    _, _, norm = check_answer(Reply(task, result, good), base, strategy=strategy, fed=FedConfig())
+    assert norm == pytest.approx(3.5**0.5)
+    bad_b = {**good, "b": torch.tensor([1.0, bad, 1.0], dtype=torch.float16)}
+    with pytest.raises(ValueError, match="update tensor 'b' is not finite"):
+        check_answer(Reply(task, result, bad_b), base, strategy=strategy, fed=FedConfig())
 
 
 def test_a_resumed_run_logs_only_the_checkpointed_rounds_its_metrics_file_lacks(

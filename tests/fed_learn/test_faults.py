@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -16,7 +17,7 @@ from fed_learn.admission import NotEnoughClientsError
 from fed_learn.client import LoRAClient
 from fed_learn.config import FedConfig, FedLearnRunConfig
 from fed_learn.coordinator import Coordinator
-from fed_learn.lora import adapter_state, block_size, client_data, peft_model
+from fed_learn.lora import adapter_state, block_size, client_data, load_adapter_state, peft_model
 from fed_learn.run import CoordinatorLostError, take_part
 from lab.cluster import connect, serve
 from lab.config import Endpoint, ModelConfig, PathsConfig, TrackingConfig
@@ -200,28 +201,41 @@ def test_ffa_sends_only_b_both_ways_once_a_client_holds_the_frozen_a(
         assert moved == (".lora_B." in name), name
 
 
-def test_every_checkpoint_is_a_whole_peft_folder_with_the_same_model_card(
+def test_every_checkpoint_is_a_whole_peft_folder_byte_equal_to_pefts_own_save(
     tmp_path, lab_cache
 ) -> None:
-    """Checkpoints after the first start from its README (PEFT then updates the card rather
-    than rendering its template): each folder still loads with PEFT and holds the same card."""
+    """The first checkpoint is PEFT's `save_pretrained`; later ones write its files
+    themselves: each folder holds what PEFT would write for the adapter of its round (the
+    weights of that round, the same card), byte for byte, and loads with PEFT."""
     from peft import PeftConfig
 
-    settings = settings_for(tmp_path, lab_cache, rounds=2)
+    settings = settings_for(tmp_path, lab_cache, rounds=3)
     coordinator = Coordinator(
         settings,
         peft_model(MODEL, settings.lora, cache_dir=lab_cache),
         torch.randint(0, 300, (4, 32)),
     )
     folders = []
-    for round_index in range(2):
+    for round_index in range(3):
         coordinator.round = round_index
+        if round_index:  # a new global adapter each round
+            moved = {k: v + 0.5 * round_index for k, v in adapter_state(coordinator.model).items()}
+            load_adapter_state(coordinator.model, moved)
         folders.append(coordinator.checkpoint({"val_loss": 1.0}, outcome="aggregated"))
+        pefts = tmp_path / f"pefts_{round_index}"  # PEFT's own save, from the first's card
+        pefts.mkdir()
+        if round_index:
+            shutil.copy(folders[0] / "README.md", pefts / "README.md")
+        coordinator.model.save_pretrained(pefts)
+        written = sorted(p.name for p in pefts.iterdir())
+        assert written == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+        for name in written:
+            assert (folders[-1] / name).read_bytes() == (pefts / name).read_bytes(), name
     cards = [(folder / "README.md").read_text() for folder in folders]
-    assert "library_name: peft" in cards[0] and cards[1] == cards[0]
+    assert "library_name: peft" in cards[0] and cards[1] == cards[0] == cards[2]
     for folder in folders:
         assert PeftConfig.from_pretrained(str(folder)).r == settings.lora.r
-        assert (
-            load_file(str(folder / "adapter_model.safetensors")).keys()
-            == adapter_state(coordinator.model).keys()
-        )
+    assert all(
+        torch.equal(t, adapter_state(coordinator.model)[k])
+        for k, t in load_file(str(folders[-1] / "adapter_model.safetensors")).items()
+    )
