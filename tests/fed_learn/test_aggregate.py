@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -210,7 +211,8 @@ def test_an_update_is_checked_finite_as_a_whole_and_the_bad_tensor_named(bad: fl
 
     base = {"a": torch.zeros(2), "b": torch.zeros(3, dtype=torch.float16)}
     strategy = Strategy.create("fedavg", prox_mu=0.0, rank=1, combine=fedavg)
-    task, result = Task(number=1, round=0), object()
+    task = Task(number=1, round=0)
+    result: Any = object()  # not read by the check
     good = {"a": torch.tensor([0.5, 0.5]), "b": torch.ones(3, dtype=torch.float16)}
     _, _, norm = check_answer(Reply(task, result, good), base, strategy=strategy, fed=FedConfig())
     assert norm == pytest.approx(3.5**0.5)
