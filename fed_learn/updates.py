@@ -14,7 +14,7 @@ import math
 import torch
 
 from fed_learn.admission import Reply
-from fed_learn.aggregate import update_norm
+from fed_learn.aggregate import in_groups, update_norm
 from fed_learn.compression import decompress
 from fed_learn.config import FedConfig
 from fed_learn.protocol import ClientResult
@@ -43,12 +43,11 @@ def check_answer(
         if tensor.dtype not in UPDATE_DTYPES:  # float8/float4: no arithmetic to check with
             raise ValueError(f"update tensor {name!r:.80} has dtype {tensor.dtype}")
     floats = {name: t for name, t in reply.update.items() if t.is_floating_point()}
-    if floats and not bool(
-        torch.isfinite(torch.cat([t.reshape(-1) for t in floats.values()])).all()
-    ):
-        for name, tensor in floats.items():  # all at once above; which one, only if one is not
-            if not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"update tensor {name!r:.80} is not finite")
+    for names in in_groups(list(floats), floats):  # a group at once; which one, only if one is not
+        if not bool(torch.isfinite(torch.cat([floats[n].reshape(-1) for n in names])).all()):
+            for name in names:
+                if not bool(torch.isfinite(floats[name]).all()):
+                    raise ValueError(f"update tensor {name!r:.80} is not finite")
     try:
         full = expand(reply.update, base, strategy=strategy, compression=fed.compression)
     except KeyError as exc:

@@ -15,6 +15,7 @@ from fed_learn.aggregate import (
     coordinate_median,
     fedavg,
     ffa_average,
+    in_groups,
     lora_products,
     product_error,
     svd_average,
@@ -202,8 +203,23 @@ def test_update_norm_is_the_distance_over_every_tensor_in_float64() -> None:
     assert update_norm(mixed, reference) == 5.0  # tensors of several dtypes, flattened together
 
 
+def test_tensors_are_flattened_together_in_bounded_groups() -> None:
+    state = {"a": torch.zeros(3), "b": torch.zeros(2), "c": torch.zeros(9), "d": torch.zeros(1)}
+    assert in_groups(list(state), state, limit=5) == [["a", "b"], ["c"], ["d"]]
+    assert in_groups(list(state), state, limit=100) == [["a", "b", "c", "d"]]
+    assert in_groups([], state) == []
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 2])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_an_update_is_checked_finite_as_a_whole_and_the_bad_tensor_named(bad: float) -> None:
+def test_an_update_is_checked_finite_as_a_whole_and_the_bad_tensor_named(
+    bad: float, limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole, or in groups of two entries (a big adapter's): the same norm, the same tensor
+    named."""
+    import fed_learn.aggregate
+
+    monkeypatch.setattr(fed_learn.aggregate, "GROUP_ELEMENTS", limit)
     from fed_learn.admission import Reply, Task
     from fed_learn.config import FedConfig
     from fed_learn.strategy import Strategy
