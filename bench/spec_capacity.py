@@ -454,17 +454,9 @@ def loop_points(
             )
     points, table = [], {}
     for (count, drafted), found in taken.items():
-        point = (
-            statistics.median(p[0] for p in found),
-            statistics.median(p[1] for p in found),
-            statistics.median(p[2] for p in found),
-        )
-        points.append(point)
-        table[f"{count}x{drafted}"] = [
-            round(point[0], 2),
-            round(point[1], 2),
-            round(point[2] * 1e3, 3),
-        ]
+        rows, fed, cpu_s = (statistics.median(column) for column in zip(*found, strict=True))
+        points.append((rows, fed, cpu_s))
+        table[f"{count}x{drafted}"] = [round(rows, 2), round(fed, 2), round(cpu_s * 1e3, 3)]
     return points, table
 
 

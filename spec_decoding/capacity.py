@@ -485,9 +485,9 @@ def simulate_rounds(
     prefill_s: float,
     hold_s: float,
     draft_open_s: float = 0.0,
-    max_batch: int = 8,
-    max_padding_share: float = 0.5,
-    cycle_weight: float = 0.2,
+    max_batch: int | None = None,
+    max_padding_share: float | None = None,
+    cycle_weight: float | None = None,
 ) -> RoundsRun:
     """Closed-loop clients in DRAFT rounds on one verifier, event by event: each client's
     `plans` (its generations' rounds, in order), its batcher's hold policy played as
@@ -498,7 +498,8 @@ def simulate_rounds(
     waited for in vain is not waited for again until it is back); none due, but one due
     within half a cycle after the deadline, it holds its whole consent anyway (drift). Then
     the oldest request and the others, shortest feed first, within `max_batch` and
-    `max_padding_share` of the slots padding.
+    `max_padding_share` of the slots padding (by default the batcher's: `spec.max_batch`,
+    `batching.MAX_PADDING_SHARE`, its cycle's running mean `batching.TURNAROUND_WEIGHT`).
 
     Every client starts at 0. A generation: OPEN, then the draft's prefill (`draft_open_s`)
     and its first window drafted, its DRAFT behind OPEN on the wire; the verifier's prefill
@@ -512,6 +513,13 @@ def simulate_rounds(
     say (who is due, a session whose windows run long refused for padding and drifting
     apart, a new generation's session unknown to the batcher, the run's tail when some
     clients are done), this counts them."""
+    # the batcher's own settings where not given (imported here: torch stays out of this module)
+    from spec_decoding.batching import MAX_PADDING_SHARE, TURNAROUND_WEIGHT
+    from spec_decoding.config import SpecConfig
+
+    max_batch = SpecConfig().max_batch if max_batch is None else max_batch
+    max_padding_share = MAX_PADDING_SHARE if max_padding_share is None else max_padding_share
+    cycle_weight = TURNAROUND_WEIGHT if cycle_weight is None else cycle_weight
     clients = [_Client(plan=[list(g) for g in plan if g]) for plan in plans]
     clients = [c for c in clients if c.plan]
     if not clients:
