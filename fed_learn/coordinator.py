@@ -26,6 +26,7 @@ import logging
 import math
 import queue
 import secrets
+import tempfile
 import threading
 import time
 from dataclasses import asdict
@@ -378,7 +379,21 @@ class Coordinator:
             self.noise_multiplier = run_noise_multiplier(self.fed)
             if isinstance(self.strategy, DPMean):
                 self.strategy.noise_multiplier = self.noise_multiplier
+        self._render_peft_files()
         return RoundDriver.create(self).run(tracker)
+
+    def _render_peft_files(self) -> None:
+        """PEFT's model card and adapter config, rendered once before the first round (its
+        call renders the card's template, ~15 ms) rather than inside it: `_save_adapter`
+        writes them into every checkpoint as they are."""
+        if not self._peft_files:
+            with tempfile.TemporaryDirectory(prefix="peft-files-") as scratch:
+                self.model.save_pretrained(
+                    scratch, save_embedding_layers=saves_embeddings(self.model)
+                )
+                self._peft_files = {
+                    n: (Path(scratch) / n).read_bytes() for n in (MODEL_CARD, ADAPTER_CONFIG)
+                }
 
     def privacy_summary(self) -> dict[str, float]:
         if self.accountant is None:
@@ -507,9 +522,10 @@ class Coordinator:
 
     def _save_adapter(self, folder: Path) -> None:
         """The global adapter as PEFT's `save_pretrained` writes it (weights, config, model
-        card), into `folder`. The first checkpoint is PEFT's own call; later ones write the
-        same files themselves: the config and card as PEFT wrote them first (neither changes
-        over a run), the weights as PEFT saves them (safetensors, format "pt"). PEFT's call
+        card), into `folder`. PEFT's own call renders the config and card once, before the
+        first round (`_render_peft_files`; or here at the first checkpoint if none was); every
+        checkpoint writes them as rendered (neither changes over a run), and the weights as
+        PEFT saves them (safetensors, format "pt"). PEFT's call
         walks every module for the state dict and parses and re-dumps the card's YAML, ~5 ms
         a round; the files are tested byte-equal to its own."""
         if not self._peft_files:

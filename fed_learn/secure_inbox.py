@@ -36,9 +36,18 @@ class Skipped:
     reason: str
 
 
+DIGESTED_BYTES = 4096
+"""A masked input's leading bytes its digest covers. Each entry of an honest input is uniform
+(its self-mask is fresh ChaCha20 keystream every round), so two honest inputs share these
+4,096 bytes with probability 2^-32768: an input whose first bytes were seen before is a
+replay, whole or spliced. Hashing only these refuses every replay the whole input's digest
+did (and partial ones besides) for ~0.1 ms a round, not ~7 (100 inputs of 131 KB)."""
+
+
 class InputDigests:
-    """SHA-256 digests of the masked inputs taken, over the run: a masked input is fresh
-    noise every round (fresh keys and seeds), so one seen before is a replay."""
+    """SHA-256 digests of the masked inputs taken, over the run (of their first
+    `DIGESTED_BYTES`): a masked input is fresh noise every round (fresh keys and seeds), so
+    one seen before is a replay."""
 
     def __init__(self) -> None:
         self._seen: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
@@ -46,13 +55,15 @@ class InputDigests:
 
     def admit(self, client: int, round_index: int, masked: np.ndarray) -> None:
         """Record `client`'s masked input of `round_index`; Refused if it was seen before."""
-        # its bytes in C order, as tobytes() gives them, hashed where they lie (no copy)
-        digest = hashlib.sha256(np.ascontiguousarray(masked).data.cast("B")).digest()
+        # its first bytes in C order, as tobytes() gives them, hashed where they lie (no copy)
+        data = np.ascontiguousarray(masked).data.cast("B")[:DIGESTED_BYTES]
+        digest = hashlib.sha256(data).digest()
         if digest in self._seen:
             first_round, first_client = self._seen[digest]
             raise secagg.Refused(
                 client,
-                f"replays the masked input client {first_client} sent in round {first_round + 1}",
+                f"replays the masked input client {first_client} sent in round "
+                f"{first_round + 1} (its first {len(data):,} bytes)",
             )
         self._seen[digest] = (round_index, client)
         while len(self._seen) > MAX_DIGESTS:

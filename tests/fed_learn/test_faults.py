@@ -201,12 +201,14 @@ def test_ffa_sends_only_b_both_ways_once_a_client_holds_the_frozen_a(
         assert moved == (".lora_B." in name), name
 
 
+@pytest.mark.parametrize("rendered", [True, False], ids=["before-round-1", "at-checkpoint-1"])
 def test_every_checkpoint_is_a_whole_peft_folder_byte_equal_to_pefts_own_save(
-    tmp_path, lab_cache
+    tmp_path, lab_cache, rendered: bool
 ) -> None:
-    """The first checkpoint is PEFT's `save_pretrained`; later ones write its files
-    themselves: each folder holds what PEFT would write for the adapter of its round (the
-    weights of that round, the same card), byte for byte, and loads with PEFT."""
+    """PEFT's `save_pretrained` renders the card and config once (before the first round, as
+    `run_rounds` does, or at the first checkpoint); every checkpoint writes its files itself:
+    each folder holds what PEFT would write for the adapter of its round (the weights of that
+    round, the same card), byte for byte, and loads with PEFT."""
     from peft import PeftConfig
 
     settings = settings_for(tmp_path, lab_cache, rounds=3)
@@ -215,6 +217,8 @@ def test_every_checkpoint_is_a_whole_peft_folder_byte_equal_to_pefts_own_save(
         peft_model(MODEL, settings.lora, cache_dir=lab_cache),
         torch.randint(0, 300, (4, 32)),
     )
+    if rendered:
+        coordinator._render_peft_files()
     folders = []
     for round_index in range(3):
         coordinator.round = round_index

@@ -7,10 +7,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 
+from fed_learn import secagg
 from fed_learn.protocol import FedMsg
-from fed_learn.secure_inbox import SecureInbox
+from fed_learn.secure_inbox import DIGESTED_BYTES, InputDigests, SecureInbox
 from tests.clocks import HANG_GUARD_S
 
 FAR = 10 * HANG_GUARD_S  # a deadline no passing test reaches
@@ -75,3 +77,31 @@ def test_a_message_for_another_task_or_twice_is_not_taken() -> None:
     assert inbox.offer(1, FedMsg.SA_KEYS, {"c": 1}, task=7)
     assert not inbox.offer(1, FedMsg.SA_KEYS, {"c": 2}, task=7)  # once per step
     assert inbox.gather(FedMsg.SA_KEYS, [1], inbox.clock() + FAR, what="keys") == {1: {"c": 1}}
+
+
+def _masked(seed: int, entries: int = 16_385) -> np.ndarray:
+    """A masked input as an honest client's looks: uniform uint64s (its self-mask)."""
+    return np.random.default_rng(seed).integers(0, 2**64, entries, dtype=np.uint64)
+
+
+def test_a_masked_input_seen_before_is_refused_whole_or_spliced_and_fresh_ones_are_not() -> None:
+    """The replay check hashes an input's first DIGESTED_BYTES: a whole replay is refused
+    by name, and so is an old input's head with a new tail; a hundred rounds of a hundred
+    fresh inputs pass (as inputs of uniform entries do), short inputs too."""
+    digests = InputDigests()
+    for round_index in range(100):
+        for client in range(100):
+            digests.admit(client, round_index, _masked(round_index * 100 + client, 300))
+    old = _masked(10_007)
+    digests.admit(3, 0, old)
+    with pytest.raises(secagg.Refused, match="replays the masked input client 3 sent in round 1"):
+        digests.admit(5, 1, old.copy())
+    spliced = _masked(10_008)
+    spliced[: DIGESTED_BYTES // 8] = old[: DIGESTED_BYTES // 8]
+    with pytest.raises(secagg.Refused, match="client 3 sent in round 1"):
+        digests.admit(6, 1, spliced)
+    tail_only = old.copy()
+    tail_only[0] ^= np.uint64(1)  # one bit of the head differs: not the input seen before
+    digests.admit(6, 1, tail_only)
+    with pytest.raises(secagg.Refused, match="client 6 sent in round 2"):
+        digests.admit(9, 2, tail_only[::-1][::-1])  # a strided view of it, hashed in C order
