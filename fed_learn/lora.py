@@ -56,10 +56,13 @@ def peft_model(
 _EMBEDDINGS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 """Per model: whether PEFT's `save_embedding_layers="auto"` puts the embedding layers in its
 state dict (`saves_embeddings`)."""
-_ADAPTER_PARAMETERS: weakref.WeakKeyDictionary[Any, dict[str, torch.nn.Parameter]] = (
+Links = list[tuple[dict, str, Any]]
+"""A module's `_modules` or `_parameters`, a name in it, and what it held there."""
+_ADAPTER_PARAMETERS: weakref.WeakKeyDictionary[Any, tuple[dict[str, torch.nn.Parameter], Links]] = (
     weakref.WeakKeyDictionary()
 )
-"""Per model: the parameters its adapter's state dict holds, by key (`peft_state`)."""
+"""Per model: the parameters its adapter's state dict holds, by key, and the links from the
+model down to each (`peft_state`)."""
 
 
 def saves_embeddings(model: Any) -> bool:
@@ -81,12 +84,20 @@ def peft_state(model: Any) -> dict[str, torch.Tensor]:
     `get_peft_model_state_dict` gives it by default. Which parameters those are is worked out
     once per model (PEFT walks every module for its key prefixes at each call, ~2.5 ms on the
     debug model, several calls a round): each call gives them afresh, detached."""
-    held = _ADAPTER_PARAMETERS.get(model)
-    if held is None:
-        held = _ADAPTER_PARAMETERS[model] = _adapter_parameters(model)
+    held = _held_parameters(model)
     if not held:  # some entry is not a parameter as it stands: PEFT's own answer, each time
         return _pefts_state(model)
     return {name: parameter.detach() for name, parameter in held.items()}
+
+
+def _held_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
+    """The adapter's parameters by state dict key, found again if any link from the model
+    down to one has changed since (a layer or parameter replaced: an adapter added, a load
+    with `assign=True`); the links checked each call, one dict lookup each."""
+    found = _ADAPTER_PARAMETERS.get(model)
+    if found is None or not all(held.get(name) is obj for held, name, obj in found[1]):
+        found = _ADAPTER_PARAMETERS[model] = _adapter_parameters(model)
+    return found[0]
 
 
 def _pefts_state(model: Any) -> dict[str, torch.Tensor]:
@@ -95,21 +106,28 @@ def _pefts_state(model: Any) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(model, save_embedding_layers=saves_embeddings(model))
 
 
-def _adapter_parameters(model: Any) -> dict[str, torch.nn.Parameter]:
+def _adapter_parameters(model: Any) -> tuple[dict[str, torch.nn.Parameter], Links]:
     """PEFT's state dict keys -> the model's parameters they are, whole (same storage, offset,
-    shape and strides); empty unless every entry is one."""
+    shape and strides), and the links from the model down to them; empty unless every entry
+    is one with storage of its own (a tensor with no data, zero-size or on the meta device,
+    has no address to tell it from another of its shape)."""
     parameters = {
-        (p.untyped_storage().data_ptr(), p.storage_offset(), p.shape, p.stride()): p
-        for p in model.parameters()
+        (p.untyped_storage().data_ptr(), p.storage_offset(), p.shape, p.stride()): (path, p)
+        for path, p in model.named_parameters()
     }
-    held = {}
+    held, links = {}, {}
     for name, tensor in _pefts_state(model).items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        parameter = parameters.get((*key, tensor.shape, tensor.stride()))
-        if parameter is None:
-            return {}
-        held[name] = parameter
-    return held
+        found = parameters.get((*key, tensor.shape, tensor.stride()))
+        if found is None or not key[0]:
+            return {}, []
+        path, held[name] = found
+        module, (*parents, leaf) = model, path.split(".")
+        for step in parents:
+            links[id(module._modules), step] = (module._modules, step, module._modules[step])
+            module = module._modules[step]
+        links[id(module._parameters), leaf] = (module._parameters, leaf, held[name])
+    return held, list(links.values())
 
 
 def adapter_state(model: Any) -> dict[str, torch.Tensor]:
@@ -154,7 +172,7 @@ def load_adapter_state(model: Any, state: dict[str, torch.Tensor]) -> None:
     from peft import set_peft_model_state_dict
 
     check_adapter_state(model, state)
-    held = _ADAPTER_PARAMETERS.get(model)
+    held = _held_parameters(model)
     if not held:
         set_peft_model_state_dict(model, state)
         return

@@ -63,3 +63,28 @@ def test_a_load_sets_what_pefts_own_load_sets(
         assert sorted(got) == sorted(expected)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert all(torch.equal(got[k], subset.get(k, whole[k])) for k in whole)
+
+
+def test_a_parameter_replaced_after_the_first_call_is_the_one_read_and_loaded(
+    lab_cache: Path, tmp_path: Path
+) -> None:
+    """The adapter's parameters are found once per model: one replaced since (a load with
+    `assign=True`, a layer swapped) is found again, not read from or loaded into the stale
+    object, which no longer takes part in the model."""
+    model = peft_model(MODEL, settings(tmp_path, lab_cache).lora, cache_dir=lab_cache)
+    state = adapter_state(model)  # the parameters found and held
+    name = next(k for k in state if "lora_B" in k)
+    path = next(p for p, t in model.named_parameters() if name.replace(".weight", "") in p)
+    owner, leaf = model.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
+    stale = owner.get_parameter(leaf)
+    setattr(owner, leaf, torch.nn.Parameter(torch.full_like(stale, 3.0)))
+    assert torch.equal(adapter_state(model)[name], torch.full_like(stale, 3.0))
+    load_adapter_state(model, {name: torch.full_like(stale, 5.0)})
+    assert torch.equal(owner.get_parameter(leaf).detach(), torch.full_like(stale, 5.0))
+    assert not torch.equal(stale.detach(), torch.full_like(stale, 5.0))
+    assert torch.equal(get_peft_model_state_dict(model)[name], torch.full_like(stale, 5.0))
+    parent_path, child = path.rsplit(".", 1)[0].rsplit(".", 1)  # the layer itself swapped
+    swapped = torch.nn.Linear(stale.shape[1], stale.shape[0], bias=False)
+    torch.nn.init.constant_(swapped.weight, 7.0)
+    setattr(model.get_submodule(parent_path), child, swapped)
+    assert torch.equal(adapter_state(model)[name], torch.full_like(stale, 7.0))
