@@ -57,7 +57,8 @@ _EMBEDDINGS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 """Per model: whether PEFT's `save_embedding_layers="auto"` puts the embedding layers in its
 state dict (`saves_embeddings`)."""
 Links = list[tuple[dict, str, Any]]
-"""A module's `_modules` or `_parameters`, a name in it, and what it held there."""
+"""A table, a name in it, and what it held there: a module's `__dict__` and its `_modules` or
+`_parameters` table, or that table and a child or parameter."""
 _ADAPTER_PARAMETERS: weakref.WeakKeyDictionary[Any, tuple[dict[str, torch.nn.Parameter], Links]] = (
     weakref.WeakKeyDictionary()
 )
@@ -115,18 +116,22 @@ def _adapter_parameters(model: Any) -> tuple[dict[str, torch.nn.Parameter], Link
         (p.untyped_storage().data_ptr(), p.storage_offset(), p.shape, p.stride()): (path, p)
         for path, p in model.named_parameters()
     }
-    held, links = {}, {}
+    held: dict[str, torch.nn.Parameter] = {}
+    links: dict[tuple[int, str], tuple[dict, str, Any]] = {}
+    taken: set[int] = set()
     for name, tensor in _pefts_state(model).items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         found = parameters.get((*key, tensor.shape, tensor.stride()))
-        if found is None or not key[0]:
-            return {}, []
+        if found is None or not key[0] or id(found[1]) in taken:
+            return {}, []  # (two keys on one parameter, tied: PEFT's own order of loads)
         path, held[name] = found
+        taken.add(id(found[1]))
         module, (*parents, leaf) = model, path.split(".")
-        for step in parents:
-            links[id(module._modules), step] = (module._modules, step, module._modules[step])
-            module = module._modules[step]
-        links[id(module._parameters), leaf] = (module._parameters, leaf, held[name])
+        for step, table in [*((s, "_modules") for s in parents), (leaf, "_parameters")]:
+            held_in = module.__dict__[table]  # the module's table itself, then its entry
+            links[id(module), table] = (module.__dict__, table, held_in)
+            links[id(held_in), step] = (held_in, step, held_in[step])
+            module = held_in[step]
     return held, list(links.values())
 
 

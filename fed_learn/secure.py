@@ -491,11 +491,12 @@ class SecureRound:
                 if masked.dtype != torch.uint64:
                     raise secagg.Refused(client, f"a masked input of {masked.dtype}, not uint64")
                 array = masked.numpy()  # the frame's own buffer (`Coordinator.handle`)
+                server.add_input(client, array)  # checked before its digest is recorded
                 self.digests.admit(client, self.params.round, array)
-                server.add_input(client, array)
                 self.weights[client] = weight
             except (secagg.Refused, ValueError) as exc:
                 results.pop(client, None)
+                server.inputs.pop(client, None)
                 self._refuse(exc, client)
         survivors, dropped = server.unmask_request()
         for client in survivors:

@@ -39,33 +39,49 @@ class Skipped:
 DIGESTED_BYTES = 4096
 """A masked input's leading bytes its digest covers. Each entry of an honest input is uniform
 (its self-mask is fresh ChaCha20 keystream every round), so two honest inputs share these
-4,096 bytes with probability 2^-32768: an input whose first bytes were seen before is a
-replay, whole or spliced. Hashing only these refuses every replay the whole input's digest
-did (and partial ones besides) for ~0.1 ms a round, not ~7 (100 inputs of 131 KB)."""
+4,096 bytes with probability 2^-32768: an input whose first bytes came in an earlier round is
+a replay, whole or spliced. Hashing only these refuses every replay the whole input's digest
+did for ~0.1 ms a round, not ~7 (100 inputs of 131 KB). Within a round a shared head is not
+enough: a client that reads another's frame in flight could send its head first, ahead of the
+whole, and get the honest one refused; there only a whole copy is a replay."""
 
 
 class InputDigests:
     """SHA-256 digests of the masked inputs taken, over the run (of their first
     `DIGESTED_BYTES`): a masked input is fresh noise every round (fresh keys and seeds), so
-    one seen before is a replay."""
+    one seen in an earlier round is a replay, and one equal to another of its round."""
 
     def __init__(self) -> None:
         self._seen: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         """digest -> (round, client) it first came from, oldest first."""
+        self._round: dict[bytes, list[tuple[int, np.ndarray]]] = {}
+        """This round's inputs by digest: (client, input), to tell a whole copy."""
+        self._round_index: int | None = None
 
     def admit(self, client: int, round_index: int, masked: np.ndarray) -> None:
-        """Record `client`'s masked input of `round_index`; Refused if it was seen before."""
+        """Record `client`'s masked input of `round_index` (one the round takes: checked
+        first); Refused if one came before with its head in an earlier round, or whole in
+        this one."""
+        if round_index != self._round_index:
+            self._round, self._round_index = {}, round_index
         # its first bytes in C order, as tobytes() gives them, hashed where they lie (no copy)
         data = np.ascontiguousarray(masked).data.cast("B")[:DIGESTED_BYTES]
         digest = hashlib.sha256(data).digest()
-        if digest in self._seen:
-            first_round, first_client = self._seen[digest]
+        first = self._seen.get(digest)
+        if first is not None and first[0] != round_index:
             raise secagg.Refused(
                 client,
-                f"replays the masked input client {first_client} sent in round "
-                f"{first_round + 1} (its first {len(data):,} bytes)",
+                f"replays the masked input client {first[1]} sent in round {first[0] + 1} "
+                f"(its first {len(data):,} bytes)",
             )
-        self._seen[digest] = (round_index, client)
+        for other, taken in self._round.get(digest, ()):
+            if np.array_equal(taken, masked):
+                raise secagg.Refused(
+                    client,
+                    f"replays the masked input client {other} sent in round {round_index + 1}",
+                )
+        self._round.setdefault(digest, []).append((client, masked))
+        self._seen.setdefault(digest, (round_index, client))
         while len(self._seen) > MAX_DIGESTS:
             self._seen.popitem(last=False)
 

@@ -88,3 +88,7 @@ def test_a_parameter_replaced_after_the_first_call_is_the_one_read_and_loaded(
     torch.nn.init.constant_(swapped.weight, 7.0)
     setattr(model.get_submodule(parent_path), child, swapped)
     assert torch.equal(adapter_state(model)[name], torch.full_like(stale, 7.0))
+    table = dict(swapped._parameters)  # the layer's table of parameters replaced whole
+    table["weight"] = torch.nn.Parameter(torch.full_like(stale, 9.0))
+    swapped._parameters = table
+    assert torch.equal(adapter_state(model)[name], torch.full_like(stale, 9.0))

@@ -105,3 +105,19 @@ def test_a_masked_input_seen_before_is_refused_whole_or_spliced_and_fresh_ones_a
     digests.admit(6, 1, tail_only)
     with pytest.raises(secagg.Refused, match="client 6 sent in round 2"):
         digests.admit(9, 2, tail_only[::-1][::-1])  # a strided view of it, hashed in C order
+
+
+def test_within_a_round_only_a_whole_copy_is_a_replay() -> None:
+    """A client that reads another's masked input in flight can send its head first, ahead of
+    the whole: the honest input that follows is still taken (a shared head within a round
+    names no one), while a whole copy of one taken this round is refused by name."""
+    digests = InputDigests()
+    honest = _masked(20_001)
+    racer = _masked(20_002)
+    racer[: DIGESTED_BYTES // 8] = honest[: DIGESTED_BYTES // 8]  # the head seen in flight
+    digests.admit(4, 0, racer)
+    digests.admit(1, 0, honest)  # not refused: its head came first from client 4
+    with pytest.raises(secagg.Refused, match="client 1 sent in round 1"):
+        digests.admit(2, 0, honest.copy())
+    with pytest.raises(secagg.Refused, match="client 4 sent in round 1"):
+        digests.admit(3, 1, honest)  # a later round: the head alone is a replay
