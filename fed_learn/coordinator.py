@@ -133,8 +133,8 @@ class Coordinator:
         """The GLOBAL frames sent lately, by their state (`_global_frame`)."""
         self._frames_lock = threading.Lock()
         self._peft_files: dict[str, bytes] = {}
-        """The model card and adapter config PEFT wrote into the first checkpoint: later ones
-        write them as they are (`_save_adapter`)."""
+        """The model card and adapter config as PEFT renders them (`_render_peft_files`): every
+        checkpoint writes them as they are (`_save_adapter`)."""
 
     # ------------------------------------------------------------ sessions (one per client)
 
@@ -383,9 +383,9 @@ class Coordinator:
         return RoundDriver.create(self).run(tracker)
 
     def _render_peft_files(self) -> None:
-        """PEFT's model card and adapter config, rendered once before the first round (its
-        call renders the card's template, ~15 ms) rather than inside it: `_save_adapter`
-        writes them into every checkpoint as they are."""
+        """PEFT's model card and adapter config, rendered once by its own `save_pretrained`
+        (its call renders the card's template, ~15 ms): before the first round (`run_rounds`),
+        or at the first checkpoint if none was. `_save_adapter` writes them as they are."""
         if not self._peft_files:
             with tempfile.TemporaryDirectory(prefix="peft-files-") as scratch:
                 self.model.save_pretrained(
@@ -521,17 +521,12 @@ class Coordinator:
         return final
 
     def _save_adapter(self, folder: Path) -> None:
-        """The global adapter as PEFT's `save_pretrained` writes it (weights, config, model
-        card), into `folder`. PEFT's own call renders the config and card once, before the
-        first round (`_render_peft_files`; or here at the first checkpoint if none was); every
-        checkpoint writes them as rendered (neither changes over a run), and the weights as
-        PEFT saves them (safetensors, format "pt"). PEFT's call
-        walks every module for the state dict and parses and re-dumps the card's YAML, ~5 ms
-        a round; the files are tested byte-equal to its own."""
-        if not self._peft_files:
-            self.model.save_pretrained(folder, save_embedding_layers=saves_embeddings(self.model))
-            self._peft_files = {n: (folder / n).read_bytes() for n in (MODEL_CARD, ADAPTER_CONFIG)}
-            return
+        """The global adapter as PEFT's `save_pretrained` writes it, into `folder`: its config
+        and card as rendered once (`_render_peft_files`: neither changes over a run), the
+        weights as it saves them (safetensors, format "pt"). PEFT's call each round would walk
+        every module for the state dict and parse and re-dump the card's YAML, ~5 ms; the
+        files are tested byte-equal to its own."""
+        self._render_peft_files()
         for name, data in self._peft_files.items():
             (folder / name).write_bytes(data)
         weights = adapter_state(self.model)  # copies: none shares storage (safetensors refuses)
