@@ -10,11 +10,10 @@ import time
 
 from fed_learn.admission import ClientHandle, NotEnoughClientsError, Task
 from fed_learn.aggregate import mix, staleness_weight
-from fed_learn.drivers import CpuClock, RoundDriver
+from fed_learn.drivers import CpuClock, RoundDriver, timed_evaluate
 from fed_learn.lora import adapter_state, load_adapter_state
 from fed_learn.rounds import FIRST_ROUND_GRACE_S, WAKE_S, drain, progress_bar, round_averages
 from fed_learn.updates import ANSWER_ERRORS, check_answer
-from lab.losses import evaluate
 from lab.tracking import Tracker
 from netproto.errors import peer_text
 
@@ -112,10 +111,11 @@ class AsyncRounds(RoundDriver):
                     norms.append(norm)
                     if applied % per_round:
                         continue
-                    val_loss = evaluate(coordinator.model, coordinator.val_blocks)
+                    val_loss, eval_ms = timed_evaluate(coordinator.model, coordinator.val_blocks)
                     traffic = coordinator.admission.traffic()
                     metrics = {
                         "val_loss": val_loss,
+                        "eval_cpu_ms": eval_ms,
                         "clients": float(per_round),
                         "applied": float(applied),
                         "refused": float(refused),

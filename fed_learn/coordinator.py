@@ -456,8 +456,11 @@ class Coordinator:
         for checkpointed in (False, True):  # the checkpoint keeps the figures before its own
             if checkpointed:
                 self.checkpoint(metrics, outcome=outcome)
+            thread_s = clock.thread_s()  # read first: within the process's figure
             cpu_s, metrics["round_s"] = clock.read()
             metrics["coordinator_cpu_ms"] = 1000.0 * cpu_s
+            if thread_s is not None:  # the round's own thread's part of it
+                metrics["coordinator_thread_cpu_ms"] = 1000.0 * thread_s
             metrics["coordinator_share"] = cpu_s / metrics["round_s"]
         return metrics
 

@@ -9,7 +9,10 @@ differ in `play`, one round's work. The coordinator keeps the sessions, tasks an
 
 A round's clock starts once its clients are sampled (not while waiting for clients to join);
 the coordinator's share of it is the CPU seconds its process spent meanwhile (every thread:
-sessions reading answers, the round's own work) over the round's wall time (`CpuClock`).
+sessions reading answers, the round's own work) over the round's wall time (`CpuClock`). Each
+round's metrics split it: the round's own thread (`coordinator_thread_cpu_ms`: the protocol,
+aggregation, evaluation, checkpoint), of which evaluating the new adapter (`eval_cpu_ms`), and
+the rest (the session threads reading what clients send).
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import logging
 import math
 import random
 import secrets
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import psutil
 import torch
 
 from fed_learn.admission import ClientHandle, NotEnoughClientsError, Reply, Task
@@ -49,22 +52,39 @@ log = logging.getLogger(__name__)
 
 class CpuClock:
     """The coordinator process's CPU seconds (user + system, all threads) and wall time
-    since `start`: a round's own cost, whatever thread spent it."""
+    since `start`: a round's own cost, whatever thread spent it. Read from the kernel's
+    process clock (CLOCK_PROCESS_CPUTIME_ID), to the nanosecond: the same figure as
+    `psutil.Process().cpu_times()`'s user + system, which /proc gives in 10 ms ticks (a
+    round's reading then off by up to a tick, and not comparable to its thread's clock)."""
 
     def __init__(self) -> None:
-        self._process = psutil.Process()
         self.start()
 
-    def _cpu(self) -> float:
-        times = self._process.cpu_times()
-        return times.user + times.system
+    @staticmethod
+    def _cpu() -> float:
+        return time.process_time()
 
     def start(self) -> None:
         self.cpu_started, self.wall_started = self._cpu(), time.perf_counter()
+        self.thread_started, self._thread = time.thread_time(), threading.get_ident()
 
     def read(self) -> tuple[float, float]:
         """(CPU seconds, wall seconds) since `start`."""
         return self._cpu() - self.cpu_started, time.perf_counter() - self.wall_started
+
+    def thread_s(self) -> float | None:
+        """CPU seconds the thread that started the clock spent since (the round's own work);
+        None when read from another thread."""
+        if threading.get_ident() != self._thread:
+            return None
+        return time.thread_time() - self.thread_started
+
+
+def timed_evaluate(model: Any, blocks: torch.Tensor) -> tuple[float, float]:
+    """`evaluate(model, blocks)` and the CPU milliseconds this thread spent on it."""
+    started = time.thread_time()
+    loss = evaluate(model, blocks)
+    return loss, 1000.0 * (time.thread_time() - started)
 
 
 @dataclass
@@ -185,11 +205,12 @@ class SyncRounds(RoundDriver):
                 continue
             coordinator.admission.round_counted()
             round_index += 1
-            val_loss = evaluate(coordinator.model, coordinator.val_blocks)
+            val_loss, eval_ms = timed_evaluate(coordinator.model, coordinator.val_blocks)
             traffic = coordinator.admission.traffic(sampled)
             results = collected.results
             metrics = {
                 "val_loss": val_loss,
+                "eval_cpu_ms": eval_ms,
                 "clients": float(collected.clients),
                 "failures": float(len(collected.failures)),
                 "refused": float(collected.refused),

@@ -105,7 +105,8 @@ def progress_bar() -> Progress:
 def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
     """What a run's rounds averaged: clients, bytes up, the coordinator's CPU share of the
     time (weighted by each round's length, so short rounds do not dominate) and its CPU
-    milliseconds a round (over the rounds that measured them: older checkpoints did not)."""
+    milliseconds a round (over the rounds that measured them: older checkpoints did not), and
+    of those the round's own thread's and, of that, evaluation's."""
     if not history:
         return {
             "mean_clients_per_round": 0.0,
@@ -115,6 +116,11 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
             "mean_round_s": 0.0,
             "coordinator_cpu_ms_per_round": 0.0,
         }
+
+    def mean_of(key: str) -> dict[str, float]:
+        values = [h[key] for h in history if key in h]
+        return {f"{key}_per_round": sum(values) / len(values)} if values else {}
+
     clients = sum(h["clients"] for h in history)
     cpu_ms = [h["coordinator_cpu_ms"] for h in history if "coordinator_cpu_ms" in h]
     bytes_up = sum(h["bytes_up"] for h in history)
@@ -130,6 +136,8 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
         ),
         "mean_round_s": seconds / len(history),
         "coordinator_cpu_ms_per_round": sum(cpu_ms) / len(cpu_ms) if cpu_ms else 0.0,
+        **mean_of("coordinator_thread_cpu_ms"),
+        **mean_of("eval_cpu_ms"),
     }
 
 

@@ -40,7 +40,7 @@ def two_clients(
     tmp_path_factory: pytest.TempPathFactory, lab_cache: Path, tiny_models: Path
 ) -> tuple[dict[str, float], Path]:
     """A local run of QUICK, W&B on, every client evaluating each round's global adapter on
-    its own held-out text: (its metrics, its folder), read by the two tests below (a run is
+    its own held-out text: (its metrics, its folder), read by the tests below (a run is
     three processes)."""
     run_dir = tmp_path_factory.mktemp("two_clients")
     overrides = [*QUICK, "tracking.wandb=true", "fed.evaluate_on_clients=true"]
@@ -109,6 +109,22 @@ def test_federated_evaluation_in_a_real_run_logs_each_client_and_plots_them(two_
     assert legend_check(run_dir / "fed_client_eval.png") == "none"  # off the clients' lines
 
 
+def test_each_round_splits_the_coordinators_cpu_between_its_own_thread_and_the_rest(
+    two_clients,
+) -> None:
+    """What the coordinator's CPU a round went on: its round thread (the protocol, aggregation,
+    evaluation, checkpoint), of which evaluation, within its whole process's figure."""
+    metrics, run_dir = two_clients
+    rounds = [r for r in read_records(run_dir / METRICS_FILE) if "clients" in r]
+    for r in rounds:
+        assert 0 < r["eval_cpu_ms"] < r["coordinator_thread_cpu_ms"] <= r["coordinator_cpu_ms"]
+    assert metrics["eval_cpu_ms_per_round"] == pytest.approx(
+        sum(r["eval_cpu_ms"] for r in rounds) / len(rounds)
+    )
+    thread_ms = metrics["coordinator_thread_cpu_ms_per_round"]
+    assert 0 < thread_ms <= metrics["coordinator_cpu_ms_per_round"]
+
+
 def test_qlora_round_on_4bit_base_weights_completes_and_reports_its_4bit_layers(
     compose_config, tiny_models: Path
 ) -> None:
@@ -148,6 +164,7 @@ def test_async_mode_applies_updates_as_they_arrive_and_refuses_stale_ones(
     # the coordinator process's CPU seconds over the rounds' wall time: at most every core busy
     assert 0 < metrics["coordinator_share"] <= (os.cpu_count() or 1)
     assert metrics["coordinator_cpu_ms_per_round"] > 0
+    assert 0 < metrics["eval_cpu_ms_per_round"] < metrics["coordinator_thread_cpu_ms_per_round"]
     assert 0 < metrics["bytes_up_per_client_round"] < 1e6  # adapters only
 
 
