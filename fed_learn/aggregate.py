@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 State = Mapping[str, torch.Tensor]
 Update = tuple[State, int]
@@ -30,7 +31,8 @@ LORA_A, LORA_B = "lora_A", "lora_B"
 
 Combine = Callable[[Sequence[torch.Tensor], Sequence[float]], torch.Tensor]
 """How the clients' values of one tensor become one: (their tensors, their weights summing to
-1) -> a float64 tensor of the same shape."""
+1) -> a float64 tensor of the same shape. Coordinate by coordinate: `fedavg` combines tensors
+flattened together."""
 
 AGGREGATORS = ("mean", "median", "trimmed_mean")
 
@@ -110,13 +112,19 @@ def fedavg(
     updates: Sequence[Update], *, combine: Combine = weighted_mean
 ) -> dict[str, torch.Tensor]:
     """Every tensor combined across clients (by default: its mean weighted by num_examples),
-    computed in float64 and cast back to the first update's dtype."""
+    computed in float64 and cast back to the first update's dtype. A group of tensors at a
+    time, flattened together (a few ops a client, not a few a tensor: 100 clients' debug
+    adapters, 28 tensors each, in ~2 ms, not ~30), each group at most GROUP_ELEMENTS entries
+    over all the clients' copies; the same values as tensor by tensor, since every Combine is
+    coordinate-wise (tested)."""
     weights = _check(updates)
     first = updates[0][0]
-    return {
-        key: combine([state[key] for state, _ in updates], weights).to(first[key].dtype)
-        for key in first
-    }
+    combined: dict[str, torch.Tensor] = {}
+    for names in in_groups(list(first), first, limit=max(1, GROUP_ELEMENTS // len(updates))):
+        flat = combine([flatten([state[n] for n in names]) for state, _ in updates], weights)
+        for name, piece in zip(names, flat.split([first[n].numel() for n in names]), strict=True):
+            combined[name] = piece.view(first[name].shape).to(first[name].dtype, copy=True)
+    return combined
 
 
 def lora_modules(state: State) -> dict[str, tuple[str, str]]:
@@ -235,10 +243,16 @@ def update_norm(state: State, reference: State) -> float:
     checks every update)."""
     total = 0.0
     for names in in_groups(list(state), state):
-        ours = torch.cat([state[name].reshape(-1) for name in names]).double()
-        theirs = torch.cat([reference[name].reshape(-1) for name in names]).double()
+        ours = flatten([state[name] for name in names]).double()
+        theirs = flatten([reference[name] for name in names]).double()
         total += float((ours - theirs).square().sum())
     return total**0.5
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`tensors` flattened into one 1-D tensor, in order: torch's own (DDP's buckets), one
+    call, not a reshape a tensor (about 13 against 32 us for the debug adapter's 28)."""
+    return _flatten_dense_tensors(list(tensors))
 
 
 def staleness_weight(staleness: int, *, mixing: float, exponent: float) -> float:

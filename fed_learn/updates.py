@@ -14,7 +14,7 @@ import math
 import torch
 
 from fed_learn.admission import Reply
-from fed_learn.aggregate import in_groups, update_norm
+from fed_learn.aggregate import flatten, in_groups, update_norm
 from fed_learn.compression import decompress
 from fed_learn.config import FedConfig
 from fed_learn.protocol import ClientResult
@@ -44,7 +44,7 @@ def check_answer(
             raise ValueError(f"update tensor {name!r:.80} has dtype {tensor.dtype}")
     floats = {name: t for name, t in reply.update.items() if t.is_floating_point()}
     for names in in_groups(list(floats), floats):  # a group at once; which one, only if one is not
-        if not bool(torch.isfinite(torch.cat([floats[n].reshape(-1) for n in names])).all()):
+        if not bool(torch.isfinite(flatten([floats[n] for n in names])).all()):
             for name in names:
                 if not bool(torch.isfinite(floats[name]).all()):
                     raise ValueError(f"update tensor {name!r:.80} is not finite")
