@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 64 * 1024
 QUEUE_CHUNKS = 1024
 """Up to 64 MiB in flight per direction: enough for 1 Gbit/s x 500 ms of delay."""
+STOP_WAIT_S = 2.0
+"""How long `stop` waits for all its pump threads together (they see the sockets close)."""
 
 
 class LinkEmulator:
@@ -161,8 +163,17 @@ class LinkEmulator:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
+        deadline = time.monotonic() + STOP_WAIT_S  # one wait for them all, not one each
         for thread in threads:
-            thread.join(timeout=2.0)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            log.warning(
+                "link emulator: %d pump threads still running %.0f s after stop (%s)",
+                len(stuck),
+                STOP_WAIT_S,
+                ", ".join(stuck[:4]),
+            )
         self._stopping.close()
 
     def __enter__(self) -> LinkEmulator:
