@@ -168,7 +168,7 @@ def main() -> None:
     parts = {label: cpu_parts(run) for label, run in labelled}
     print(
         "coordinator CPU ms a round = its round thread (of which evaluation) + its other "
-        "threads (sessions reading clients): "
+        "threads (sessions reading clients; torch's workers, if more than one): "
         + "; ".join(
             f"{label} {p['all']:.0f} = {p['round thread']:.0f} ({p['evaluation']:.0f}) + "
             f"{p['other threads']:.0f}"
@@ -197,7 +197,8 @@ def main() -> None:
 def cpu_parts(run: dict[str, float]) -> dict[str, float]:
     """A run's coordinator CPU ms a round, split: the thread that runs the rounds (the
     protocol, aggregation, checkpoint and evaluation), evaluation alone, and the other threads
-    (the sessions reading what clients send, the listener)."""
+    (the sessions reading what clients send, the listener, and torch's intra-op workers where
+    the coordinator has more than one: the bench's local run gives it one)."""
     total, thread = run["coordinator_cpu_ms_per_round"], run["coordinator_thread_cpu_ms_per_round"]
     return {
         "all": total,

@@ -71,10 +71,18 @@ def trimmed_mean(
     tensors: Sequence[torch.Tensor], weights: Sequence[float] = (), *, trim_fraction: float
 ) -> torch.Tensor:
     """Coordinate-wise trimmed mean, unweighted (`weights` are ignored): per coordinate, drop
-    the floor(trim_fraction * n) smallest and as many largest values, average the rest."""
+    the floor(trim_fraction * n) smallest and as many largest values, average the rest. The
+    kept values are added one client's row at a time, in sorted order: not `mean(dim=0)`,
+    whose vectorised sum adds a coordinate's values in an order that depends on how many
+    coordinates there are (1 ulp apart in float64), so a tensor alone and flattened with
+    others (`fedavg`) get the same value."""
     ordered = _sorted_stack(tensors)  # (n, *shape)
     cut = trimmed_count(ordered.size(0), trim_fraction)
-    return ordered[cut : ordered.size(0) - cut].mean(dim=0)
+    kept = ordered[cut : ordered.size(0) - cut]
+    total = kept[0].clone()
+    for row in kept[1:]:
+        total += row
+    return total / kept.size(0)
 
 
 def combiner(aggregator: str, *, trim_fraction: float = 0.0) -> Combine:
@@ -226,9 +234,9 @@ def in_groups(names: list[str], state: State, limit: int | None = None) -> list[
     (a bigger tensor alone)."""
     limit = GROUP_ELEMENTS if limit is None else limit
     groups: list[list[str]] = []
-    size = limit
+    size = 0
     for name in names:
-        if size + state[name].numel() > limit:
+        if not groups or size + state[name].numel() > limit:  # a zero-size first one too
             groups.append([])
             size = 0
         groups[-1].append(name)

@@ -12,7 +12,9 @@ the coordinator's share of it is the CPU seconds its process spent meanwhile (ev
 sessions reading answers, the round's own work) over the round's wall time (`CpuClock`). Each
 round's metrics split it: the round's own thread (`coordinator_thread_cpu_ms`: the protocol,
 aggregation, evaluation, checkpoint), of which evaluating the new adapter (`eval_cpu_ms`), and
-the rest (the session threads reading what clients send).
+the rest: the session threads reading what clients send, and torch's intra-op worker threads
+where the coordinator runs more than one (their share of evaluation and aggregation lands
+there; a local run gives each process its share of the cores, one thread each on 2 cores).
 """
 
 from __future__ import annotations
@@ -73,15 +75,16 @@ class CpuClock:
         return self._cpu() - self.cpu_started, time.perf_counter() - self.wall_started
 
     def thread_s(self) -> float | None:
-        """CPU seconds the thread that started the clock spent since (the round's own work);
-        None when read from another thread."""
+        """CPU seconds the thread that started the clock spent since (the round's own work,
+        not torch's worker threads'); None when read from another thread."""
         if threading.get_ident() != self._thread:
             return None
         return time.thread_time() - self.thread_started
 
 
 def timed_evaluate(model: Any, blocks: torch.Tensor) -> tuple[float, float]:
-    """`evaluate(model, blocks)` and the CPU milliseconds this thread spent on it."""
+    """`evaluate(model, blocks)` and the CPU milliseconds this thread spent on it (torch's
+    other intra-op threads, if it has any, not counted)."""
     started = time.thread_time()
     loss = evaluate(model, blocks)
     return loss, 1000.0 * (time.thread_time() - started)

@@ -208,36 +208,43 @@ def test_tensors_are_flattened_together_in_bounded_groups() -> None:
     assert in_groups(list(state), state, limit=5) == [["a", "b"], ["c"], ["d"]]
     assert in_groups(list(state), state, limit=100) == [["a", "b", "c", "d"]]
     assert in_groups([], state) == []
+    empty = {"e": torch.zeros(0), "a": torch.zeros(3)}  # a zero-size one first (an attack
+    assert in_groups(["e", "a"], empty, limit=5) == [["e", "a"]]  # review: IndexError)
+    assert in_groups(["e"], empty, limit=5) == [["e"]]
 
 
 @pytest.mark.parametrize("aggregator", ["mean", "median", "trimmed_mean"])
 @pytest.mark.parametrize("limit", [1 << 20, 40])
+@pytest.mark.parametrize("clients", [5, 20])
 def test_fedavg_in_flattened_groups_equals_combining_tensor_by_tensor(
-    aggregator: str, limit: int, monkeypatch: pytest.MonkeyPatch
+    aggregator: str, limit: int, clients: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """fedavg combines a group of tensors flattened together: bit for bit what combining each
     tensor alone gives, for every aggregator, whole or in groups of a few entries (40 over 5
-    clients: 8 each, so groups of one tensor and of several), mixed dtypes and shapes."""
+    clients: 8 each, so groups of one tensor and of several), mixed dtypes and shapes. 20
+    clients keep 16 rows in a trimmed mean: enough for a vectorised sum's order to depend on
+    the number of coordinates (an attack review found 1 ulp in float64 there)."""
     import fed_learn.aggregate
 
     monkeypatch.setattr(fed_learn.aggregate, "GROUP_ELEMENTS", limit)
-    combine = combiner(aggregator, trim_fraction=0.2)
+    combine = combiner(aggregator, trim_fraction=0.1)
     g = torch.Generator().manual_seed(0)
-    shapes = {"a": (2, 3), "b": (3,), "c": (4, 4), "d": (1,), "e": (0, 2), "f": (2, 1)}
-    dtypes = {"a": torch.float64, "c": torch.bfloat16, "f": torch.float64}
+    shapes = {"e": (0, 2), "a": (2, 3), "b": (3,), "c": (4, 4), "d": (1,), "f": (20, 10)}
+    shapes |= {"g": (5,), "h": (3, 3), "k": (7,), "m": (2,)}  # odd widths after a wide one
+    dtypes = {"c": torch.bfloat16, "b": torch.float32}  # the rest float64: no rounding hides
     updates = [
         (
             {
-                n: (torch.randn(shape, generator=g) * 10 ** (i - 2)).to(
-                    dtypes.get(n, torch.float32)
+                n: (torch.randn(shape, generator=g, dtype=torch.float64) * 10 ** (i % 5 - 2)).to(
+                    dtypes.get(n, torch.float64)
                 )
                 for n, shape in shapes.items()
             },
             i + 1,
         )
-        for i in range(5)
+        for i in range(clients)
     ]
-    weights = [n / 15 for _, n in updates]
+    weights = [n / sum(range(1, clients + 1)) for _, n in updates]
     got = fedavg(updates, combine=combine)
     assert list(got) == list(shapes)
     for name, tensor in got.items():
@@ -273,6 +280,29 @@ def test_an_update_is_checked_finite_as_a_whole_and_the_bad_tensor_named(
     bad_b = {**good, "b": torch.tensor([1.0, bad, 1.0], dtype=torch.float16)}
     with pytest.raises(ValueError, match="update tensor 'b' is not finite"):
         check_answer(Reply(task, result, bad_b), base, strategy=strategy, fed=FedConfig())
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 2])
+def test_an_update_led_by_a_zero_size_tensor_is_refused_not_a_crash(
+    limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attack review: a client that sends a zero-size tensor first made the grouping raise
+    IndexError, which no refusal catches (the coordinator's round would die). Now it is
+    grouped like any other and the update refused for its layout, as one client's failure."""
+    import fed_learn.aggregate
+
+    monkeypatch.setattr(fed_learn.aggregate, "GROUP_ELEMENTS", limit)
+    from fed_learn.admission import Reply, Task
+    from fed_learn.config import FedConfig
+    from fed_learn.strategy import Strategy
+    from fed_learn.updates import ANSWER_ERRORS, check_answer
+
+    base = {"m.lora_A.weight": torch.zeros(2, 4), "m.lora_B.weight": torch.zeros(4, 2)}
+    strategy = Strategy.create("fedavg", prox_mu=0.0, rank=2, combine=fedavg)
+    evil = {"a": torch.empty(0), **{k: torch.zeros_like(v) for k, v in base.items()}}
+    reply = Reply(Task(number=1, round=0), object(), evil)  # type: ignore[arg-type]
+    with pytest.raises(ANSWER_ERRORS, match="layout"):
+        check_answer(reply, base, strategy=strategy, fed=FedConfig())
 
 
 def test_a_resumed_run_logs_only_the_checkpointed_rounds_its_metrics_file_lacks(
