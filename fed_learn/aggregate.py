@@ -121,10 +121,10 @@ def fedavg(
 ) -> dict[str, torch.Tensor]:
     """Every tensor combined across clients (by default: its mean weighted by num_examples),
     computed in float64 and cast back to the first update's dtype. A group of tensors at a
-    time, flattened together (a few ops a client, not a few a tensor: 100 clients' debug
-    adapters, 28 tensors each, in ~2 ms, not ~30), each group at most GROUP_ELEMENTS entries
-    over all the clients' copies; the same values as tensor by tensor, since every Combine is
-    coordinate-wise (tested)."""
+    time, flattened together (a few ops a client, not a few a tensor: the weighted mean of 100
+    clients' debug adapters, 28 tensors each, ~7 ms, not ~16), each group at most
+    GROUP_ELEMENTS entries over all the clients' copies; the same values as tensor by tensor,
+    since every Combine is coordinate-wise (tested)."""
     weights = _check(updates)
     first = updates[0][0]
     combined: dict[str, torch.Tensor] = {}

@@ -122,7 +122,6 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
         return {f"{key}_per_round": sum(values) / len(values)} if values else {}
 
     clients = sum(h["clients"] for h in history)
-    cpu_ms = [h["coordinator_cpu_ms"] for h in history if "coordinator_cpu_ms" in h]
     bytes_up = sum(h["bytes_up"] for h in history)
     seconds = sum(h["round_s"] for h in history)
     return {
@@ -135,7 +134,8 @@ def round_averages(history: list[dict[str, float]]) -> dict[str, float]:
             else 0.0
         ),
         "mean_round_s": seconds / len(history),
-        "coordinator_cpu_ms_per_round": sum(cpu_ms) / len(cpu_ms) if cpu_ms else 0.0,
+        "coordinator_cpu_ms_per_round": 0.0,  # if no round measured it
+        **mean_of("coordinator_cpu_ms"),
         **mean_of("coordinator_thread_cpu_ms"),
         **mean_of("eval_cpu_ms"),
     }
