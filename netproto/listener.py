@@ -121,8 +121,13 @@ def accept_until(
     """Hand every accepted (blocking) socket to `on_accept` until `stopping` is set."""
     acceptor = Acceptor(listener, stopping, name=name)
     with selectors.DefaultSelector() as selector:
-        selector.register(listener, selectors.EVENT_READ)
-        selector.register(stopping.reader, selectors.EVENT_READ)
+        try:
+            selector.register(listener, selectors.EVENT_READ)
+            selector.register(stopping.reader, selectors.EVENT_READ)
+        except (ValueError, OSError):
+            if stopping.is_set():  # stopped (its listener closed) before this thread began
+                return
+            raise
         while not stopping.is_set():
             selector.select()
             if not stopping.is_set():

@@ -490,6 +490,23 @@ def test_accept_loop_survives_running_out_of_file_descriptors(
     assert len(netproto_warnings(caplog)) == 1  # said once, not once per retry
 
 
+def test_an_accept_loop_stopped_before_it_began_returns_quietly() -> None:
+    """A server stopped at once after its start (its listener closed before its accept thread
+    registered it) ends that thread without an error; a closed listener while it is not
+    stopping is still an error. (A fresh clone's run once caught the link emulator's accept
+    thread raising there: ValueError, invalid file descriptor.)"""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.close()
+    stopping = StopSignal()
+    try:
+        with pytest.raises(ValueError, match="file descriptor"):
+            accept_until(listener, stopping, lambda sock: None)
+        stopping.set()
+        accept_until(listener, stopping, lambda sock: None)  # returns: nothing to report
+    finally:
+        stopping.close()
+
+
 # ------------------------------------------------------------------ one log line
 
 
